@@ -1,0 +1,1 @@
+"""The daemon: supervises workers, routes requests, serves status and the CLI."""

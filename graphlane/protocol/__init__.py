@@ -1,0 +1,1 @@
+"""Wire protocol of graphlane (filled in by the daemon work)."""

@@ -1,0 +1,1 @@
+"""Per-device worker processes: backends, graph programs, the step pipeline."""
