@@ -5,11 +5,14 @@ raises ``SimUsageError`` at once. What real hardware would silently get wrong
 is found by happens-before tracking and reported as ``HazardError`` (a race on
 a task group, a lost ExternalEvent release) or ``DeadlockError`` (a wait that
 nothing will satisfy). Those two are asynchronous, like a device fault: they
-make the device faulted, and every later synchronize, query or launch on it
-raises the same error until :func:`graphlane.workers.sim.reset_device`.
+make the device faulted: work issued after that is dropped, and every later
+synchronize or query (stream, event or device; host reads synchronize) raises
+the same error until :func:`graphlane.workers.sim.reset_device`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class SimError(RuntimeError):
@@ -21,11 +24,35 @@ class SimUsageError(SimError):
 
 
 class HazardError(SimError):
-    """Operations that real hardware would run in an unsafe order."""
+    """Operations that real hardware would run in an unsafe order.
+
+    ``kind`` is "race" (a task-group patch not ordered with a replay that reads
+    the group) or "lost-release" (an ExternalEvent record that can merge with
+    an unconsumed one).
+    """
+
+    def __init__(self, message: str, kind: str = "race") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.kind))
 
 
 class DeadlockError(SimError):
-    """A device wait that nothing will ever satisfy."""
+    """A device wait that nothing will ever satisfy.
+
+    ``kind`` is "cycle" (streams wait on each other; reported at once) or
+    "watchdog" (nothing queued can release the wait; reported after
+    GRAPHLANE_SIM_WATCHDOG_S).
+    """
+
+    def __init__(self, message: str, kind: str = "cycle") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.args[0], self.kind))
 
 
 class DeviceFaultError(SimError):

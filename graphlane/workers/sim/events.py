@@ -61,7 +61,6 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             if s.capturing is not None:
                 self._captured_in = s.capturing.graph
                 s.capturing.add_node(EventRecordWork(self, None))
@@ -78,7 +77,6 @@ class Event:
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             if s.capturing is not None:
                 if self._captured_in is not s.capturing.graph:
                     raise SimUsageError(
@@ -161,6 +159,9 @@ class _EventWait:
         p = self.event._providers.get(self.seq)
         return [p] if p is not None else []
 
+    def ready(self) -> bool:
+        return self.event._done >= self.seq
+
     def describe(self) -> str:
         p = self.providers()
         by = f" (queued on {p[0].name})" if p else ""
@@ -212,18 +213,17 @@ class ExternalEvent:
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             self._host_waits = 0
             if s.capturing is not None:
                 s.capturing.add_node(ExtRecordWork(self))
                 return
             self.add_pending_locked(s)
             s.issue_locked(ExtRecordWork(self))
+            RUNTIME.check_deadlock()
 
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             if self._host_waits:
                 raise SimUsageError(
                     f"{self.display}.wait() called twice without a record() between: an "
@@ -239,7 +239,6 @@ class ExternalEvent:
     def reset(self, stream: Stream | None = None) -> None:
         """Accepted and harmless: current CANN clears the flag in the consuming wait."""
         _stream_of(stream)
-        RUNTIME.raise_if_faulted()
 
     def forget_capture_locked(self) -> None:
         """The graph that held this event's wait was reset: a new capture may wait again."""
@@ -276,7 +275,8 @@ class ExtRecordWork:
                         f"lost release: record of {ev.display} on {where} ran while the previous "
                         f"record (by {ev._record_by}) was still unconsumed; the two merge into "
                         "one signal and the next wait on it hangs. Record once per captured "
-                        "wait, after the replay that consumed the previous record."
+                        "wait, after the replay that consumed the previous record.",
+                        kind="lost-release",
                     )
                 )
                 return
@@ -286,7 +286,8 @@ class ExtRecordWork:
                         f"lost release: record of {ev.display} on {where} is not ordered after "
                         f"the wait that consumed the previous record ({ev._consumed_by}); "
                         "whenever it runs first, the two records merge and the next wait hangs. "
-                        "Make the recording stream wait for an event recorded after that replay."
+                        "Make the recording stream wait for an event recorded after that replay.",
+                        kind="lost-release",
                     )
                 )
                 return
@@ -302,6 +303,9 @@ class _ExtWait:
 
     def providers(self) -> list[Stream]:
         return list(self.event.pending)
+
+    def ready(self) -> bool:
+        return self.event.flag
 
     def describe(self) -> str:
         p = self.providers()

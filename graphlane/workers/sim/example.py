@@ -19,62 +19,71 @@ def run(steps: int = 8, layers: int = 4, batch: int = 4, heads: int = 8, kv_head
         head_dim: int = 64, max_kv: int = 256, seed: int = 0) -> int:  # fmt: skip
     from graphlane.workers.sim import torch_npu
 
+    npu = torch_npu.npu
+
     gen = torch.Generator().manual_seed(seed)
     kw = dict(num_heads=heads, num_key_value_heads=kv_heads, input_layout="BNSD",
               scale=1 / math.sqrt(head_dim), softmax_lse_flag=False)  # fmt: skip
-    q = torch.randn(batch, heads, 1, head_dim, dtype=torch.float16, generator=gen).npu()
-    keys = [torch.randn(batch, kv_heads, max_kv, head_dim, dtype=torch.float16, generator=gen).npu()
-            for _ in range(layers)]  # fmt: skip
-    values = [torch.randn(batch, kv_heads, max_kv, head_dim, dtype=torch.float16,
-                          generator=gen).npu() for _ in range(layers)]  # fmt: skip
+    q = torch.randn(batch, heads, 1, head_dim, dtype=torch.float16, generator=gen).to("npu")
+    kv_shape = (batch, kv_heads, max_kv, head_dim)
+    keys = [
+        torch.randn(kv_shape, dtype=torch.float16, generator=gen).to("npu") for _ in range(layers)
+    ]
+    values = [
+        torch.randn(kv_shape, dtype=torch.float16, generator=gen).to("npu") for _ in range(layers)
+    ]
     lengths = [max_kv] * batch
-    capture, update = torch.npu.Stream(), torch.npu.Stream()
-    graph = torch.npu.NPUGraph()
-    events = [torch.npu.ExternalEvent() for _ in range(layers)]
+    capture, update = npu.Stream(), npu.Stream()
+    graph = npu.NPUGraph()
+    events = [npu.ExternalEvent() for _ in range(layers)]
     outs = [torch.empty_like(q) for _ in range(layers)]
     lse = [torch.empty(1, dtype=torch.float32, device="npu") for _ in range(layers)]
     ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(
-        q, keys[0], values[0], actual_seq_lengths_kv=lengths, **kw)
+        q, keys[0], values[0], actual_seq_lengths_kv=lengths, **kw
+    )
     handles = []
-    with torch.npu.graph(graph, stream=capture):
+    with npu.graph(graph, stream=capture):
         x = q
         for layer in range(layers):
             events[layer].wait(capture)
-            torch.npu.graph_task_group_begin(capture)
+            npu.graph_task_group_begin(capture)
             torch_npu.npu_fused_infer_attention_score.out(
                 x, keys[layer], values[layer], actual_seq_lengths_kv=lengths, workspace=ws,
                 out=[outs[layer], lse[layer]], **kw)  # fmt: skip
-            handles.append(torch.npu.graph_task_group_end(capture))
+            handles.append(npu.graph_task_group_end(capture))
             x = outs[layer]
     print(f"captured {graph.name}: {layers} layers, one task group and ExternalEvent each")
-    done = torch.npu.Event()
+    done = npu.Event()
     worst = 0.0
     t0 = time.perf_counter()
     for step in range(steps):
         lengths = torch.randint(1, max_kv + 1, (batch,), generator=gen).tolist()
         update.wait_event(done)  # the previous replay is finished with the tasks
-        with torch.npu.stream(capture):
+        with npu.stream(capture):
             graph.replay()
         done.record(capture)
-        with torch.npu.stream(update):
+        with npu.stream(update):
             for layer in range(layers):
-                torch.npu.graph_task_update_begin(update, handles[layer])
+                npu.graph_task_update_begin(update, handles[layer])
                 prev = q if layer == 0 else outs[layer - 1]
                 torch_npu.npu_fused_infer_attention_score.out(
                     prev, keys[layer], values[layer], actual_seq_lengths_kv=lengths,
                     workspace=ws, out=[outs[layer], lse[layer]], **kw)  # fmt: skip
-                torch.npu.graph_task_update_end(update)
+                npu.graph_task_update_end(update)
                 events[layer].record(update)
         done.synchronize()
         got = outs[-1].cpu()
         x = q
         for layer in range(layers):
             x, _ = torch_npu.npu_fused_infer_attention_score(
-                x, keys[layer], values[layer], actual_seq_lengths_kv=lengths, **kw)
+                x, keys[layer], values[layer], actual_seq_lengths_kv=lengths, **kw
+            )
         err = (got.float() - x.cpu().float()).abs().max().item()
         worst = max(worst, err)
         print(f"step {step}: actual_seq_lengths_kv={lengths}  max |replay - eager| = {err:.3g}")
     took = time.perf_counter() - t0
-    print(f"{steps} steps patched and replayed in {took:.2f} s without re-capture; "
-          f"worst difference from eager {worst:.3g}")
+    print(
+        f"{steps} steps patched and replayed in {took:.2f} s without re-capture; "
+        f"worst difference from eager {worst:.3g}"
+    )
     return 0 if worst == 0.0 else 1

@@ -221,7 +221,6 @@ class NPUGraph:
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         s = current_stream()
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             if s.is_default:
                 raise SimUsageError(
                     "capture_begin on the default stream is not allowed; capture on a "
@@ -255,7 +254,6 @@ class NPUGraph:
     def replay(self) -> None:
         s = current_stream()
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             if not self.captured:
                 raise SimUsageError(f"replay of {self.name}, which holds no captured graph")
             if s.capturing is not None:
@@ -265,6 +263,7 @@ class NPUGraph:
             for node in self.nodes:
                 node.launch_locked(launch, s)
             s.issue_locked(ReplayWork(self, launch))
+            RUNTIME.check_deadlock()
 
     def reset(self) -> None:
         from .events import ExtWaitWork
@@ -344,7 +343,6 @@ def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
 
 def graph_task_update_begin(stream: Stream, handle: Any) -> None:
     with RUNTIME.cond:
-        RUNTIME.raise_if_faulted()
         if not isinstance(handle, TaskGroupHandle):
             raise SimUsageError(
                 f"graph_task_update_begin needs a task group handle, got {handle!r}"

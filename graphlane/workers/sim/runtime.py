@@ -17,6 +17,7 @@ fence is reported on every run, whatever the interleaving was.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import threading
@@ -121,7 +122,7 @@ class Runtime:
     # ------------------------------------------------------------ faults
     def raise_if_faulted(self) -> None:
         if self.fault is not None:
-            raise type(self.fault)(*self.fault.args) from self.fault
+            raise copy.copy(self.fault) from self.fault
 
     def report(self, error: SimError) -> None:
         """Fault the device with ``error`` (first one wins). Caller holds ``cond``."""
@@ -150,12 +151,20 @@ class Runtime:
         pending record for the event it waits on can progress. Streams that are
         blocked, have such providers, and none of which can progress, wait on
         each other: that is a deadlock no host action can break (their pending
-        records are queued behind their own blocked waits).
+        records are queued behind their own blocked waits). Called when a
+        stream blocks and when a record is issued (which adds a provider).
         """
         blocked = {s: s.blocked for s in self.streams if s.blocked is not None}
         if not blocked:
             return
-        live: set[Stream] = {s for s in self.streams if s.blocked is None}
+        # Live: running or idle; blocked but already satisfied (about to wake up); or
+        # blocked with nothing queued to release it, which a host thread may still do
+        # (the watchdog covers those).
+        live: set[Stream] = {
+            s
+            for s in self.streams
+            if s.blocked is None or s.blocked.ready() or not s.blocked.providers()
+        }
         changed = True
         while changed:
             changed = False

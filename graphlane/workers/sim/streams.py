@@ -38,6 +38,8 @@ class WaitInfo(Protocol):
 
     def providers(self) -> list[Stream]: ...
 
+    def ready(self) -> bool: ...
+
     def describe(self) -> str: ...
 
 
@@ -125,7 +127,6 @@ class Stream:
     def issue(self, work: Work) -> None:
         """Queue ``work`` (host side). Caller must not hold the runtime lock."""
         with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
             self.issue_locked(work)
 
     def issue_locked(self, work: Work) -> None:
@@ -210,7 +211,8 @@ class Stream:
                     DeadlockError(
                         f"deadlock: {self.name} has waited {RUNTIME.config.watchdog_s:g} s for "
                         f"{wait.describe()}, and no queued work will release it "
-                        "(GRAPHLANE_SIM_WATCHDOG_S sets this limit)"
+                        "(GRAPHLANE_SIM_WATCHDOG_S sets this limit)",
+                        kind="watchdog",
                     )
                 )
                 continue

@@ -201,7 +201,6 @@ def _route(stream: Stream, call: OpCall, func: Any) -> None:
     from .graphs import TaskNode
 
     with RUNTIME.cond:
-        RUNTIME.raise_if_faulted()
         if stream.updating is not None:
             patch = stream.updating.patch_for(call, stream)
         elif stream.capturing is not None:
@@ -216,7 +215,6 @@ def _route(stream: Stream, call: OpCall, func: Any) -> None:
     if RUNTIME.config.mode == "timed":
         _host_cost.clock.charge(RUNTIME.config.patch_us)
     with RUNTIME.cond:
-        RUNTIME.raise_if_faulted()
         stream.issue_locked(patch)
 
 
