@@ -17,6 +17,7 @@ HazardError naming the graph, the group and both operations.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ class TaskNode:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         assert launch is not None
+        started = time.perf_counter()
         ex.tick()
         group = self.group
         if group is not None:
@@ -51,7 +53,7 @@ class TaskNode:
         else:
             call = self.call
         if RUNTIME.config.mode == "timed":
-            ex.cost.charge(RUNTIME.config.task_us)
+            ex.cost.charge(RUNTIME.config.task_us, started)
         else:
             call.execute()
 

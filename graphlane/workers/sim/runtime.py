@@ -233,24 +233,25 @@ def busy_until(deadline: float) -> None:
 
 
 class CostClock:
-    """A virtual clock that charges fixed costs without accumulating sleep overshoot.
+    """Charges modelled costs so that back-to-back work takes the modelled time.
 
-    Each charge ends at ``max(previous end, now) + cost``; when work is back to
-    back, the next charge starts where the previous one should have ended, so
-    oversleeping once is absorbed by the next charge instead of adding up.
+    A charge for work that began at ``started`` ends at ``start + cost``, where
+    ``start`` is the end of the previous charge when the work followed it
+    closely (within ``SLACK_S``), else ``started``. The simulator's own Python
+    overhead and a sleep's oversleep are thereby counted inside the modelled
+    cost instead of being added to it, as long as they are smaller than it.
     """
+
+    SLACK_S = 0.0005
 
     def __init__(self) -> None:
         self.end = 0.0
 
-    # Back-to-back work absorbs up to this much oversleep of the previous charge.
-    SLACK_S = 0.0002
-
-    def charge(self, cost_us: float) -> None:
+    def charge(self, cost_us: float, started: float | None = None) -> None:
         if cost_us <= 0:
             return
-        now = time.perf_counter()
-        start = self.end if now < self.end + self.SLACK_S else now
+        t0 = time.perf_counter() if started is None else started
+        start = self.end if t0 < self.end + self.SLACK_S else t0
         self.end = start + cost_us * 1e-6
         busy_until(self.end)
 

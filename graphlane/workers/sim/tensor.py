@@ -18,13 +18,13 @@ the PrivateUse1 fallback, so *any* torch op behaves as on a device:
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .errors import SimUsageError
-from .opcall import OpCall
+from .opcall import OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
 
@@ -103,8 +103,7 @@ def _cpu_device(x: Any) -> Any:
 
 
 def _first_npu(args: Any, kwargs: Any) -> NpuTensor | None:
-    flat, _ = tree_flatten((args, kwargs))
-    for x in flat:
+    for x in flat(args, kwargs):
         if isinstance(x, NpuTensor):
             return x
     return None
@@ -153,22 +152,30 @@ _host_cost = _HostCost()
 
 # ---------------------------------------------------------------- dispatch
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    started = time.perf_counter()
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
     first = _first_npu(args, kwargs)
     index = _index(first) if first is not None else 0
     if _is_view(func):
-        result = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-        return tree_map(lambda r: NpuTensor(r, index) if isinstance(r, torch.Tensor) else r, result)
+        result = func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
+        return map_value(
+            lambda r: NpuTensor(r, index) if isinstance(r, torch.Tensor) else r, result
+        )
     stream = current_stream(index)
     if not _returns_tensors(func) and func._schema.returns:
         return _host_read(stream, func, args, kwargs)
-    return issue(stream, func, args, kwargs, index)
+    return issue(stream, func, args, kwargs, index, started)
 
 
 def issue(
-    stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int
+    stream: Stream,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    index: int,
+    started: float | None = None,
 ) -> Any:
     """Queue, capture or patch one op on ``stream``; return its (future) result."""
     mutates = bool(_written_args(func, args, kwargs))
@@ -179,25 +186,24 @@ def issue(
         result = _aliased_result(func, args, kwargs)
     else:
         meta = _check_meta(func, args, kwargs)
-        flat, spec = tree_flatten(meta)
-        outs = []
-        wrapped = []
-        for m in flat:
-            if isinstance(m, torch.Tensor):
-                cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
-                outs.append(cpu)
-                wrapped.append(NpuTensor(cpu, index))
-            else:
-                wrapped.append(m)
-        result = torch.utils._pytree.tree_unflatten(wrapped, spec)
-    call = OpCall(
-        func, tree_map(_unwrap, args), tree_map(_cpu_device, tree_map(_unwrap, kwargs)), outs
-    )
-    _route(stream, call, func)
+        allocated: list[torch.Tensor] = []
+
+        def alloc(m: Any) -> Any:
+            if not isinstance(m, torch.Tensor):
+                return m
+            cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+            allocated.append(cpu)
+            return NpuTensor(cpu, index)
+
+        result = map_value(alloc, meta)
+        outs = allocated
+    cpu_kwargs = map_kwargs(lambda v: _cpu_device(_unwrap(v)), kwargs)
+    call = OpCall(func, map_args(_unwrap, args), cpu_kwargs, outs)
+    _route(stream, call, func, started)
     return result
 
 
-def _route(stream: Stream, call: OpCall, func: Any) -> None:
+def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
     from .graphs import TaskNode
 
     with RUNTIME.cond:
@@ -213,7 +219,7 @@ def _route(stream: Stream, call: OpCall, func: Any) -> None:
             return
     # The host-side dispatch of an update (tiling on the real NPU) costs host time.
     if RUNTIME.config.mode == "timed":
-        _host_cost.clock.charge(RUNTIME.config.patch_us)
+        _host_cost.clock.charge(RUNTIME.config.patch_us, started)
     with RUNTIME.cond:
         stream.issue_locked(patch)
 
@@ -231,9 +237,47 @@ def _check_not_a_missed_update(stream: Stream, call: OpCall) -> None:
         )
 
 
+_META_CACHE: dict[Any, Any] = {}
+_META_CACHE_MAX = 4096
+
+
+def _meta_key_part(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return tuple(_meta_key_part(e) for e in v)
+    if isinstance(v, torch.device):
+        return ("D", v.type)
+    return v
+
+
 def _check_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run the op's meta kernel: validates arguments at issue time and gives output shapes."""
-    return func(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+    """Run the op's meta kernel: validates arguments at issue time and gives output shapes.
+
+    Results depend only on shapes, strides, dtypes and the other argument values,
+    so they are cached by those (a meta run costs ~300 us of Python).
+    """
+    try:
+        key = (func, _meta_key_part(args), _meta_key_part(tuple(kwargs.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None:
+        hit = _META_CACHE.get(key)
+        if hit is not None:
+            return map_value(_meta_like, hit)
+    meta = func(*map_args(_to_meta, args), **map_kwargs(_to_meta, kwargs))
+    if key is not None:
+        if len(_META_CACHE) >= _META_CACHE_MAX:
+            _META_CACHE.clear()
+        _META_CACHE[key] = map_value(_meta_like, meta)
+    return meta
+
+
+def _meta_like(m: Any) -> Any:
+    if isinstance(m, torch.Tensor):
+        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta")
+    return m
 
 
 def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -241,7 +285,7 @@ def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[st
         raise SimUsageError(
             f"{func} reads device data on the host while {stream.name} captures a graph"
         )
-    cargs, ckwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
+    cargs, ckwargs = map_args(_unwrap, args), map_kwargs(_unwrap, kwargs)
     return stream.run_now(f"host read {func}", lambda: func(*cargs, **ckwargs))
 
 

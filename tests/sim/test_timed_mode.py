@@ -1,0 +1,61 @@
+"""Timed mode: replayed tasks cost modelled device time instead of computing.
+
+Timing itself is measured by the benchmarks, never asserted here; these tests
+check the mode's semantics and its configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from graphlane.workers.sim import SimConfig, configure, torch_npu
+
+
+@pytest.fixture
+def restore_config() -> Iterator[None]:
+    old = configure()
+    yield
+    configure(mode=old.mode, task_us=old.task_us, patch_us=old.patch_us)
+
+
+def _captured() -> tuple[torch.npu.NPUGraph, torch.Tensor]:  # type: ignore[name-defined]
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float16).npu()
+    kv = torch.randn(2, 4, 16, 8, dtype=torch.float16).npu()
+    out = torch.zeros_like(q)
+    lse = torch.zeros(1, device="npu")
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        torch_npu.npu_fused_infer_attention_score.out(
+            q, kv, kv, num_heads=4, input_layout="BNSD", out=[out, lse]
+        )
+    return g, out
+
+
+def test_timed_replay_charges_time_instead_of_computing(restore_config: None) -> None:
+    g, out = _captured()
+    configure(mode="timed", task_us=50, patch_us=50)
+    g.replay()
+    torch.npu.synchronize()
+    assert torch.count_nonzero(out.cpu()) == 0  # the task did not compute
+    configure(mode="compute")
+    g.replay()
+    torch.npu.synchronize()
+    assert torch.count_nonzero(out.cpu()) > 0
+
+
+def test_eager_ops_still_compute_in_timed_mode(restore_config: None) -> None:
+    configure(mode="timed", task_us=50)
+    x = torch.ones(4).npu() * 3
+    assert x.sum().item() == 12
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"mode": "fast"}, {"task_us": -1.0}, {"patch_us": -5.0}, {"watchdog_s": 0.0}],
+)
+def test_invalid_config_is_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        SimConfig(**kwargs)  # type: ignore[arg-type]
