@@ -46,6 +46,7 @@ def test_stream_blocked_at_external_event_does_not_block_host_or_other_streams()
     gate = torch.npu.ExternalEvent()
     x = torch.zeros(4, device="npu")
     y = torch.zeros(4, device="npu")
+    torch.npu.synchronize()  # the zero fills ran on the default stream
 
     gate.wait(a)  # returns at once although A cannot proceed
     with torch.npu.stream(a):
@@ -68,6 +69,7 @@ def test_stream_blocked_at_external_event_does_not_block_host_or_other_streams()
 def test_stream_runs_work_in_issue_order() -> None:
     s = torch.npu.Stream()
     x = torch.ones(1, dtype=torch.int64, device="npu")
+    torch.npu.synchronize()
     expected = 1
     with torch.npu.stream(s):
         for i in range(40):
@@ -88,6 +90,7 @@ def test_event_wait_on_never_recorded_event_does_not_block(
     s = torch.npu.Stream()
     ev = torch.npu.Event()
     x = torch.zeros(2, device="npu")
+    torch.npu.synchronize()
     ev.wait(s)
     with torch.npu.stream(s):
         x.fill_(1)
@@ -119,6 +122,7 @@ def test_event_wait_binds_to_record_issued_before_the_wait() -> None:
     ev = torch.npu.Event()
     x = torch.zeros(4, device="npu")
     y = torch.zeros(4, device="npu")
+    torch.npu.synchronize()
 
     gate1.wait(a)
     with torch.npu.stream(a):
@@ -149,6 +153,7 @@ def test_event_elapsed_time() -> None:
     start = torch.npu.Event(enable_timing=True)
     end = torch.npu.Event(enable_timing=True)
     x = torch.ones(64, 64, device="npu")
+    torch.npu.synchronize()
     start.record(s)
     with torch.npu.stream(s):
         for _ in range(5):
@@ -173,6 +178,7 @@ def test_external_event_wait_before_record_is_released_by_later_record() -> None
     a, b = torch.npu.Stream(), torch.npu.Stream()
     ev = torch.npu.ExternalEvent()
     x = torch.zeros(2, device="npu")
+    torch.npu.synchronize()
     ev.wait(a)
     with torch.npu.stream(a):
         x.fill_(4)
@@ -234,6 +240,7 @@ def test_external_event_reset_between_is_harmless(watchdog: Callable[[float], No
     a, b = torch.npu.Stream(), torch.npu.Stream()
     ev = torch.npu.ExternalEvent()
     x = torch.zeros(1, device="npu")
+    torch.npu.synchronize()
     # wait, reset, record
     ev.wait(a)
     ev.reset(a)
@@ -396,6 +403,7 @@ def test_dtype_conversion_half() -> None:
 def test_host_read_under_side_stream_sees_final_value_of_long_chain() -> None:
     side = torch.npu.Stream()
     x = torch.zeros(8, dtype=torch.int64, device="npu")
+    side.wait_stream(torch.npu.current_stream())  # the zero fill ran first
     with torch.npu.stream(side):
         for _ in range(300):
             x.add_(1)

@@ -27,7 +27,8 @@ FIA_KW: dict[str, object] = {
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=gen).npu()
+    t: torch.Tensor = torch.randn(*shape, generator=gen).npu()
+    return t
 
 
 @dataclass

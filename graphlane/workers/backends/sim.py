@@ -1,0 +1,35 @@
+"""The ``sim`` provider: the npu provider over the simulated NPU's torch_npu namespace.
+
+Only what the simulator adds lives here: choosing compute or timed mode, and a
+device reset after a fault.
+"""
+
+from __future__ import annotations
+
+from graphlane.workers.sim import SimConfig, configure, reset_device
+
+from .npu import NpuBackend
+
+
+class SimBackend(NpuBackend):
+    name = "sim"
+
+    def __init__(
+        self,
+        device_index: int = 0,
+        config: SimConfig | None = None,
+        use_fused_update: bool = True,
+    ) -> None:
+        from graphlane.workers.sim import torch_npu
+
+        if config is not None:
+            configure(
+                mode=config.mode,
+                task_us=config.task_us,
+                patch_us=config.patch_us,
+                watchdog_s=config.watchdog_s,
+            )
+        super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
+
+    def reset(self) -> None:
+        reset_device()

@@ -1,0 +1,328 @@
+"""The step engine: slot ring, update/replay fencing, completion.
+
+One engine owns one device: a capture stream S (replays), an update stream U
+(patches and input copies), the captured graph instances, an *issue thread*
+that is the only thread issuing device work after capture, and a *completion
+thread* that waits for finished steps and resolves their futures.
+
+A pipelined step on graph instance g (``depth`` instances per bucket, used in
+turn) is issued as:
+
+    U: wait done[g]                  the previous replay of g is finished with it
+    S: replay g                      layer l waits ev[l] before its task group
+    S: copy the outputs to the host, record done[g]
+    U: for each group l: copy l's inputs, patch l if its parameters changed,
+       record ev[l]                  exactly one record per captured wait
+
+The replay is launched first, so the replay of layer k overlaps the host's
+dispatch of the patch of layer k+1, and the next step's dispatch overlaps this
+step's replay. U never waits on S for a replay issued after its own records
+(that would deadlock); inputs of step N+1 are copied on U after done[g] of
+step N, so they never overwrite buffers that replay N still reads.
+
+``pipeline=False`` keeps a serial mode for comparison: patches, then replay,
+then the host waits for the result before it issues the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphlane.workers.backends.base import DeviceBackend
+from graphlane.workers.programs.base import (
+    CapturedGraph,
+    GraphKey,
+    GraphProgram,
+    StepError,
+    StepPlan,
+)
+
+log = logging.getLogger("graphlane.pipeline")
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve (closed, or failed after a device fault)."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine's queue is full; the request may be retried."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    program: str
+    batch: int
+    params: Mapping[str, Any]
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    outputs: tuple[str, ...] = ("out",)
+
+
+@dataclass
+class StepResult:
+    outputs: dict[str, torch.Tensor]
+    key: GraphKey
+    patched_groups: int
+    issued_at: float
+    done_at: float = 0.0
+
+
+@dataclass(eq=False)
+class _Pending:
+    plan: StepPlan
+    outputs: tuple[str, ...]
+    future: Future[StepResult]
+    submitted: float
+
+
+@dataclass(eq=False)
+class _InFlight:
+    done: Any
+    future: Future[StepResult]
+    result: StepResult
+
+
+_STOP = object()
+
+
+class StepEngine:
+    """Runs steps of graph programs on one device. Thread-safe ``submit``."""
+
+    def __init__(
+        self,
+        backend: DeviceBackend,
+        programs: Sequence[GraphProgram],
+        *,
+        depth: int = 1,
+        pipeline: bool = True,
+        max_queued: int = 256,
+    ) -> None:
+        if depth < 1:
+            raise ValueError("depth must be >= 1")
+        if max_queued < 1:
+            raise ValueError("max_queued must be >= 1")
+        names = [p.name for p in programs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"program names must be distinct: {names}")
+        self.backend = backend
+        self.programs = {p.name: p for p in programs}
+        self.depth = depth
+        self.pipeline = pipeline
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
+        self._completions: queue.Queue[Any] = queue.Queue()
+        self._graphs: dict[GraphKey, CapturedGraph] = {}
+        self._ring: dict[tuple[str, int], int] = {}
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._started = False
+        self._threads: list[threading.Thread] = []
+        self.steps_done = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Capture every program (largest bucket first), then start the threads."""
+        if self._started:
+            return
+        b = self.backend
+        self.capture_stream = b.new_stream()
+        self.update_stream = b.new_stream()
+        for program in self.programs.values():
+            for bucket in sorted(program.buckets, reverse=True):
+                for slot in range(self.depth):
+                    self._capture(program, bucket, slot)
+        b.synchronize()
+        self._started = True
+        self._threads = [
+            threading.Thread(target=self._issue_loop, name="graphlane-issue", daemon=True),
+            threading.Thread(
+                target=self._completion_loop, name="graphlane-completion", daemon=True
+            ),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _capture(self, program: GraphProgram, bucket: int, slot: int) -> None:
+        b = self.backend
+        key = GraphKey(program.name, bucket, slot)
+        buffers = program.allocate(b, bucket)
+        events = [b.new_external_event() for _ in range(program.num_groups)]
+        for i, ev in enumerate(events):
+            if hasattr(ev, "label"):
+                ev.label = f"group {i} of {program.name} bucket {bucket} slot {slot}"
+        graph = b.new_graph()
+        b.synchronize()  # buffers are initialised before capture starts
+        with b.capture(graph, self.capture_stream):
+            handles, signatures = program.capture(b, self.capture_stream, bucket, buffers, events)
+        self._graphs[key] = CapturedGraph(key, graph, handles, events, buffers, list(signatures))
+        log.debug("captured %s", key)
+
+    def close(self) -> None:
+        """Finish queued steps, stop the threads. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._started:
+            self._queue.put(_STOP)
+            for t in self._threads:
+                t.join()
+
+    def __enter__(self) -> StepEngine:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def graphs(self) -> dict[GraphKey, CapturedGraph]:
+        return self._graphs
+
+    @property
+    def failure(self) -> BaseException | None:
+        return self._failure
+
+    # ------------------------------------------------------------ submit
+    def plan(self, request: StepRequest) -> StepPlan:
+        program = self.programs.get(request.program)
+        if program is None:
+            raise StepError(
+                "program", f"unknown program {request.program!r} (serving {sorted(self.programs)})"
+            )
+        plan = program.plan(request.batch, request.params, request.inputs)
+        for name in request.outputs:
+            if name not in program.outputs:
+                raise StepError(
+                    "outputs", f"unknown output {name!r} (known: {list(program.outputs)})"
+                )
+        return plan
+
+    def submit(self, request: StepRequest) -> Future[StepResult]:
+        """Validate and queue a step. Raises StepError, EngineBusy or EngineError at once."""
+        if self._failure is not None:
+            raise EngineError(f"engine failed: {self._failure}") from self._failure
+        if self._closed or not self._started:
+            raise EngineError("engine is not running")
+        plan = self.plan(request)
+        fut: Future[StepResult] = Future()
+        try:
+            self._queue.put_nowait(_Pending(plan, tuple(request.outputs), fut, time.perf_counter()))
+        except queue.Full:
+            raise EngineBusy(f"{self._queue.maxsize} steps are queued already") from None
+        return fut
+
+    def run(self, request: StepRequest, timeout: float | None = None) -> StepResult:
+        return self.submit(request).result(timeout)
+
+    # ------------------------------------------------------------ issue thread
+    def _next_graph(self, plan: StepPlan) -> CapturedGraph:
+        ring_key = (plan.program, plan.bucket)
+        slot = self._ring.get(ring_key, 0)
+        self._ring[ring_key] = (slot + 1) % self.depth
+        return self._graphs[GraphKey(plan.program, plan.bucket, slot)]
+
+    def _issue_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                self._completions.put(_STOP)
+                return
+            pending: _Pending = item
+            if self._failure is not None:
+                pending.future.set_exception(EngineError(f"engine failed: {self._failure}"))
+                continue
+            if not pending.future.set_running_or_notify_cancel():
+                continue
+            try:
+                inflight = self._issue(pending)
+            except BaseException as exc:  # a device fault or a misuse: fail loudly
+                self._fail(exc)
+                pending.future.set_exception(exc)
+                continue
+            if self.pipeline:
+                self._completions.put(inflight)
+            else:
+                self._complete(inflight)
+
+    def _issue(self, pending: _Pending) -> _InFlight:
+        b = self.backend
+        plan = pending.plan
+        program = self.programs[plan.program]
+        g = self._next_graph(plan)
+        S, U = self.capture_stream, self.update_stream
+        if not self.pipeline:
+            patched = self._release_groups(program, g, plan)
+            outs, done = self._replay(program, g, plan, pending.outputs)
+        else:
+            if g.last_done is not None:
+                b.wait(U, g.last_done)  # the previous replay of g is finished with it
+            outs, done = self._replay(program, g, plan, pending.outputs)
+            patched = self._release_groups(program, g, plan)
+        del S
+        result = StepResult(outs, g.key, patched, pending.submitted)
+        return _InFlight(done, pending.future, result)
+
+    def _replay(
+        self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, names: tuple[str, ...]
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        b = self.backend
+        S = self.capture_stream
+        b.replay(g.graph, S)
+        g.replays += 1
+        with b.use_stream(S):
+            views = program.output_views(g.buffers, plan, list(names))
+            outs = {name: v.to("cpu", non_blocking=True) for name, v in views.items()}
+        done = b.new_event()
+        b.record(done, S)
+        g.last_done = done
+        return outs, done
+
+    def _release_groups(self, program: GraphProgram, g: CapturedGraph, plan: StepPlan) -> int:
+        """Copy inputs, patch changed groups and record every group's event once, on U."""
+        b = self.backend
+        U = self.update_stream
+        patched = 0
+        with b.use_stream(U):
+            for group in range(program.num_groups):
+                for dst, src in program.input_writes(g.buffers, plan, group):
+                    dst.copy_(src, non_blocking=True)
+                sig = program.group_signature(plan, group)
+                if sig != g.signatures[group]:
+                    args = program.group_arguments(g.buffers, plan, group)
+                    b.update_attention(U, g.handles[group], g.events[group], args)
+                    g.signatures[group] = sig
+                    patched += 1
+                else:
+                    b.record(g.events[group], U)
+        return patched
+
+    # ------------------------------------------------------------ completion
+    def _completion_loop(self) -> None:
+        while True:
+            item = self._completions.get()
+            if item is _STOP:
+                return
+            self._complete(item)
+
+    def _complete(self, inflight: _InFlight) -> None:
+        try:
+            inflight.done.synchronize()
+        except BaseException as exc:
+            self._fail(exc)
+            inflight.future.set_exception(exc)
+            return
+        inflight.result.done_at = time.perf_counter()
+        self.steps_done += 1
+        inflight.future.set_result(inflight.result)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+            log.error("step engine failed: %s", exc)

@@ -1,0 +1,65 @@
+"""Graph programs and their registry.
+
+Built-in: ``attention`` (:mod:`.attention`). Other packages add programs through
+the entry point group ``graphlane.programs``: the entry point names the program
+and loads a callable that takes the program's configuration mapping (the
+``[[programs]]`` table of the config, ``name`` included) and returns a
+:class:`~graphlane.workers.programs.base.GraphProgram`. See docs/programs.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+from .attention import AttentionConfig, AttentionProgram
+from .base import (
+    CapturedGraph,
+    GraphKey,
+    GraphProgram,
+    ProgramConfigError,
+    StepError,
+    StepPlan,
+)
+
+ProgramFactory = Callable[[Mapping[str, Any]], GraphProgram]
+
+ENTRY_POINT_GROUP = "graphlane.programs"
+_BUILTIN: dict[str, ProgramFactory] = {"attention": AttentionProgram.from_config}
+
+
+def available_programs() -> dict[str, ProgramFactory]:
+    """Built-in programs plus those installed under the ``graphlane.programs`` entry points."""
+    found: dict[str, ProgramFactory] = dict(_BUILTIN)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name, ep.load())
+    return found
+
+
+def load_program(kind: str, config: Mapping[str, Any]) -> GraphProgram:
+    """Build the program registered as ``kind`` from its configuration mapping."""
+    factories = available_programs()
+    factory = factories.get(kind)
+    if factory is None:
+        raise ProgramConfigError(
+            "programs.kind", f"unknown program {kind!r} (available: {sorted(factories)})"
+        )
+    program = factory(config)
+    if not isinstance(program, GraphProgram):
+        raise ProgramConfigError("programs.kind", f"{kind!r} did not build a GraphProgram")
+    return program
+
+
+__all__ = [
+    "AttentionConfig",
+    "AttentionProgram",
+    "CapturedGraph",
+    "GraphKey",
+    "GraphProgram",
+    "ProgramConfigError",
+    "StepError",
+    "StepPlan",
+    "available_programs",
+    "load_program",
+]

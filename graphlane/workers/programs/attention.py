@@ -1,0 +1,235 @@
+"""The built-in ``attention`` program: a decode-shaped stack of fused attention layers.
+
+Static buffers of a graph instance with bucket B:
+    query          [B, num_heads, 1, head_dim]
+    key_l, value_l [B, num_kv_heads, max_kv_len, head_dim]   for each layer l
+    out_l          [B, num_heads, 1, head_dim]               layer l's output
+Layer 0 attends from ``query``, layer l+1 from ``out_l``; each layer is one
+fused infer attention task group (BNSD, scale 1/sqrt(head_dim), GQA when
+num_kv_heads < num_heads) behind its own ExternalEvent.
+
+Step parameters: ``actual_seq_lengths_kv``, one length per batch entry in
+1..max_kv_len. Optional inputs: ``query`` [b, num_heads, 1, head_dim], ``key``
+and ``value`` [layers, b, num_kv_heads, max_kv_len, head_dim], written into the
+static buffers in stream order. Output ``out``: the last layer's output
+[b, num_heads, 1, head_dim]. Padding rows (b < B) run with length 1 and are
+never returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphlane.workers.backends.base import DeviceBackend
+
+from .base import GraphProgram, ProgramConfigError, StepError, StepPlan
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    max_kv_len: int = 256
+    buckets: tuple[int, ...] = (1, 2, 4, 8)
+    dtype: str = "float16"
+
+    @classmethod
+    def from_mapping(
+        cls, raw: Mapping[str, Any], where: str = "programs.attention"
+    ) -> AttentionConfig:
+        known = set(cls.__dataclass_fields__)
+        for key in raw:
+            if key not in known and key != "name":
+                raise ProgramConfigError(f"{where}.{key}", f"unknown key (known: {sorted(known)})")
+        values = {k: raw[k] for k in known if k in raw}
+        if "buckets" in values:
+            b = values["buckets"]
+            if not isinstance(b, (list, tuple)) or not b:
+                raise ProgramConfigError(
+                    f"{where}.buckets", "must be a non-empty list of batch sizes"
+                )
+            values["buckets"] = tuple(b)
+        cfg = cls(**values)
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str = "programs.attention") -> None:
+        for key in ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ProgramConfigError(f"{where}.{key}", f"must be a positive integer, not {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ProgramConfigError(
+                f"{where}.num_kv_heads",
+                f"{self.num_kv_heads} must divide num_heads {self.num_heads}",
+            )
+        if self.num_heads // self.num_kv_heads > 64:
+            raise ProgramConfigError(
+                f"{where}.num_kv_heads", "num_heads/num_kv_heads must be <= 64"
+            )
+        for b in self.buckets:
+            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+                raise ProgramConfigError(f"{where}.buckets", f"{b!r} is not a positive batch size")
+        if len(set(self.buckets)) != len(self.buckets):
+            raise ProgramConfigError(f"{where}.buckets", "batch sizes must be distinct")
+        if self.dtype not in _DTYPES:
+            raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(_DTYPES)}")
+
+
+class AttentionProgram(GraphProgram):
+    outputs = ("out",)
+
+    def __init__(self, config: AttentionConfig | None = None, name: str = "attention") -> None:
+        self.config = config or AttentionConfig()
+        self.config.validate()
+        self.name = name
+        self.buckets = tuple(sorted(self.config.buckets))
+        self.dtype = _DTYPES[self.config.dtype]
+        c = self.config
+        self._fia = dict(
+            num_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            input_layout="BNSD",
+            scale=1.0 / math.sqrt(c.head_dim),
+            softmax_lse_flag=False,
+        )
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> AttentionProgram:
+        name = str(raw.get("name", "attention"))
+        return cls(AttentionConfig.from_mapping(raw, f"programs.{name}"), name=name)
+
+    @property
+    def num_groups(self) -> int:
+        return self.config.layers
+
+    # ------------------------------------------------------------ capture
+    def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:
+        c = self.config
+        q_shape = (bucket, c.num_heads, 1, c.head_dim)
+        kv_shape = (bucket, c.num_kv_heads, c.max_kv_len, c.head_dim)
+        bufs = {"query": backend.empty(q_shape, self.dtype)}
+        for layer in range(c.layers):
+            bufs[f"key_{layer}"] = backend.empty(kv_shape, self.dtype)
+            bufs[f"value_{layer}"] = backend.empty(kv_shape, self.dtype)
+            bufs[f"out_{layer}"] = backend.empty(q_shape, self.dtype)
+        bufs["lse"] = backend.empty((1,), torch.float32)
+        # Buffers start zeroed, so a step without inputs computes on defined data.
+        for t in bufs.values():
+            t.zero_()
+        full = [c.max_kv_len] * bucket
+        bufs["workspace"] = backend.attention_workspace(self._arguments(bufs, 0, full))
+        return bufs
+
+    def _arguments(
+        self, bufs: dict[str, torch.Tensor], layer: int, lengths: list[int]
+    ) -> dict[str, Any]:
+        return dict(
+            query=bufs["query"] if layer == 0 else bufs[f"out_{layer - 1}"],
+            key=bufs[f"key_{layer}"],
+            value=bufs[f"value_{layer}"],
+            actual_seq_lengths_kv=list(lengths),
+            workspace=bufs.get("workspace"),
+            out=[bufs[f"out_{layer}"], bufs["lse"]],
+            **self._fia,
+        )
+
+    def capture(
+        self,
+        backend: DeviceBackend,
+        stream: Any,
+        bucket: int,
+        buffers: dict[str, torch.Tensor],
+        events: list[Any],
+    ) -> tuple[list[Any], list[Any]]:
+        full = [self.config.max_kv_len] * bucket
+        handles = []
+        for layer in range(self.config.layers):
+            events[layer].wait(stream)
+            backend.task_group_begin(stream)
+            backend.attention_out(self._arguments(buffers, layer, full))
+            handles.append(backend.task_group_end(stream))
+        return handles, [tuple(full)] * self.config.layers
+
+    # ------------------------------------------------------------ steps
+    def plan(
+        self, batch: int, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]
+    ) -> StepPlan:
+        c = self.config
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise StepError("batch", f"must be a positive integer, not {batch!r}")
+        bucket = self.bucket_for(batch)
+        for key in params:
+            if key != "actual_seq_lengths_kv":
+                raise StepError(f"params.{key}", "unknown parameter (known: actual_seq_lengths_kv)")
+        if "actual_seq_lengths_kv" not in params:
+            raise StepError("params.actual_seq_lengths_kv", "is required")
+        lengths = params["actual_seq_lengths_kv"]
+        if not isinstance(lengths, (list, tuple)) or len(lengths) != batch:
+            raise StepError(
+                "params.actual_seq_lengths_kv",
+                f"must be a list of {batch} lengths (one per batch entry)",
+            )
+        for i, n in enumerate(lengths):
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= c.max_kv_len:
+                raise StepError(
+                    f"params.actual_seq_lengths_kv[{i}]",
+                    f"{n!r} is not a length in 1..{c.max_kv_len} (max_kv_len)",
+                )
+        expected = {
+            "query": (batch, c.num_heads, 1, c.head_dim),
+            "key": (c.layers, batch, c.num_kv_heads, c.max_kv_len, c.head_dim),
+            "value": (c.layers, batch, c.num_kv_heads, c.max_kv_len, c.head_dim),
+        }
+        for name, t in inputs.items():
+            if name not in expected:
+                raise StepError(f"inputs.{name}", f"unknown input (known: {sorted(expected)})")
+            if not isinstance(t, torch.Tensor):
+                raise StepError(f"inputs.{name}", "must be a tensor")
+            if tuple(t.shape) != expected[name]:
+                raise StepError(
+                    f"inputs.{name}", f"shape {list(t.shape)} instead of {list(expected[name])}"
+                )
+            if t.dtype != self.dtype:
+                raise StepError(f"inputs.{name}", f"dtype {t.dtype} instead of {self.dtype}")
+        padded = tuple(lengths) + (1,) * (bucket - batch)
+        return StepPlan(self.name, batch, bucket, {"lengths": padded}, dict(inputs))
+
+    def group_signature(self, plan: StepPlan, group: int) -> Any:
+        return plan.values["lengths"]
+
+    def group_arguments(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
+    ) -> dict[str, Any]:
+        return self._arguments(buffers, group, list(plan.values["lengths"]))
+
+    def input_writes(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        b = plan.batch
+        writes = []
+        if group == 0 and "query" in plan.inputs:
+            writes.append((buffers["query"][:b], plan.inputs["query"]))
+        for name in ("key", "value"):
+            if name in plan.inputs:
+                writes.append((buffers[f"{name}_{group}"][:b], plan.inputs[name][group]))
+        return writes
+
+    def output_views(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        views = {}
+        for name in names:
+            if name != "out":
+                raise StepError("outputs", f"unknown output {name!r} (known: out)")
+            views[name] = buffers[f"out_{self.config.layers - 1}"][: plan.batch]
+        return views

@@ -1,0 +1,141 @@
+"""What a graph program is: what gets captured, and how a step's parameters patch it.
+
+A program is captured once per batch-size bucket (``depth`` times with a slot
+ring). Its captured graph consists of *task groups*, each preceded by its own
+ExternalEvent wait; a step patches each group whose parameters changed and
+releases every group's event exactly once per replay. The step engine
+(:mod:`graphlane.workers.pipeline`) owns the ordering; a program only says
+which buffers exist, what is captured, how a step's parameters and inputs are
+validated, and what each group's update arguments are.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphlane.workers.backends.base import DeviceBackend
+
+
+class StepError(ValueError):
+    """A step request that cannot run: ``field`` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ProgramConfigError(ValueError):
+    """A program configuration that cannot be used: ``key`` names the setting."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Identifies one captured graph instance: (program, bucket, slot)."""
+
+    program: str
+    bucket: int
+    slot: int
+
+
+@dataclass(eq=False)
+class CapturedGraph:
+    """One captured graph instance with its task-group handles, events and static buffers."""
+
+    key: GraphKey
+    graph: Any
+    handles: list[Any]
+    events: list[Any]
+    buffers: dict[str, torch.Tensor]
+    signatures: list[Any]  # parameters each group currently holds (to skip unchanged)
+    last_done: Any = None  # event recorded after this instance's latest replay
+    replays: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A validated step: the bucket it runs on and program-specific values."""
+
+    program: str
+    batch: int
+    bucket: int
+    values: Mapping[str, Any] = field(default_factory=dict)
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+class GraphProgram(abc.ABC):
+    """Base class of graph programs. Subclasses set ``name`` and implement the hooks."""
+
+    name: str = ""
+    #: batch sizes captured, ascending
+    buckets: tuple[int, ...] = ()
+    #: names of the outputs a step may ask for
+    outputs: tuple[str, ...] = ()
+
+    @property
+    @abc.abstractmethod
+    def num_groups(self) -> int:
+        """Task groups per captured graph (each has its own ExternalEvent)."""
+
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise StepError(
+            "batch", f"{batch} is larger than every captured bucket {list(self.buckets)}"
+        )
+
+    @abc.abstractmethod
+    def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:
+        """Static device buffers of one graph instance."""
+
+    @abc.abstractmethod
+    def capture(
+        self,
+        backend: DeviceBackend,
+        stream: Any,
+        bucket: int,
+        buffers: dict[str, torch.Tensor],
+        events: list[Any],
+    ) -> tuple[list[Any], list[Any]]:
+        """Record the graph's work on ``stream`` (inside a capture).
+
+        Each group must be preceded by ``events[g].wait(stream)``. Returns the
+        task-group handles and each group's captured parameter signature.
+        """
+
+    @abc.abstractmethod
+    def plan(
+        self, batch: int, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]
+    ) -> StepPlan:
+        """Validate a step; raise StepError naming the field."""
+
+    @abc.abstractmethod
+    def group_signature(self, plan: StepPlan, group: int) -> Any:
+        """The parameters group ``group`` needs for this step (compared to skip patches)."""
+
+    @abc.abstractmethod
+    def group_arguments(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
+    ) -> dict[str, Any]:
+        """Arguments of the op that patches group ``group``."""
+
+    def input_writes(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device destination, host source) copies that must land before group ``group`` runs."""
+        return []
+
+    @abc.abstractmethod
+    def output_views(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        """Device views of the requested outputs, without padding rows."""
