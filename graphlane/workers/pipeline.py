@@ -256,26 +256,28 @@ class StepEngine:
         plan = pending.plan
         program = self.programs[plan.program]
         g = self._next_graph(plan)
-        S, U = self.capture_stream, self.update_stream
         if not self.pipeline:
             patched = self._release_groups(program, g, plan)
-            outs, done = self._replay(program, g, plan, pending.outputs)
+            b.replay(g.graph, self.capture_stream)
         else:
             if g.last_done is not None:
-                b.wait(U, g.last_done)  # the previous replay of g is finished with it
-            outs, done = self._replay(program, g, plan, pending.outputs)
+                b.wait(self.update_stream, g.last_done)  # previous replay of g is done with it
+            b.replay(g.graph, self.capture_stream)
+            # The patches go first: the replay waits for layer 0's release. The
+            # output copy is queued behind the replay on S, so issuing it after
+            # the patches costs the device nothing.
             patched = self._release_groups(program, g, plan)
-        del S
+        g.replays += 1
+        outs, done = self._collect(program, g, plan, pending.outputs)
         result = StepResult(outs, g.key, patched, pending.submitted)
         return _InFlight(done, pending.future, result)
 
-    def _replay(
+    def _collect(
         self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, names: tuple[str, ...]
     ) -> tuple[dict[str, torch.Tensor], Any]:
+        """Queue the outputs' copy to the host behind the replay, and the step's done event."""
         b = self.backend
         S = self.capture_stream
-        b.replay(g.graph, S)
-        g.replays += 1
         with b.use_stream(S):
             views = program.output_views(g.buffers, plan, list(names))
             outs = {name: v.to("cpu", non_blocking=True) for name, v in views.items()}

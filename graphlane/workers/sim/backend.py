@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import sys
 import threading
 
 import torch
@@ -9,6 +11,7 @@ import torch
 _lock = threading.Lock()
 _done = False
 _keep: list[object] = []
+SWITCH_INTERVAL_S = 0.0002
 
 
 def setup() -> None:
@@ -33,5 +36,12 @@ def setup() -> None:
         lib.fallback(factory_fallback, dispatch_key="PrivateUse1")
         _keep.append(lib)
         from . import ops  # noqa: F401  (registers torch.ops.npu.*)
+        from .runtime import RUNTIME
+
+        atexit.register(RUNTIME.shutdown)
+        # Stream threads stand in for independent hardware queues: hand the GIL
+        # over quickly (the default 5 ms lets one busy thread stall a device
+        # stream that is ready to run for that long).
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
 
         _done = True

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -391,7 +392,8 @@ def graph_task_update_end(stream: Stream) -> None:
 
 # Captured tasks of patchable ops, by (op, tensors): finds an eager re-issue that
 # was meant as an update (the op then runs eagerly and the graph keeps old values).
-_CAPTURED: dict[tuple[Any, ...], TaskGroup] = {}
+# Weak references: a graph dropped by its owner is forgotten here too.
+_CAPTURED: dict[tuple[Any, ...], list[weakref.ref[TaskGroup]]] = {}
 
 
 def _task_key(call: OpCall) -> tuple[Any, ...]:
@@ -399,10 +401,11 @@ def _task_key(call: OpCall) -> tuple[Any, ...]:
 
 
 def captured_group_of_locked(call: OpCall) -> TaskGroup | None:
-    group = _CAPTURED.get(_task_key(call))
-    if group is None or not group.graph.captured:
-        return None
-    return group
+    for ref in _CAPTURED.get(_task_key(call), ()):
+        group = ref()
+        if group is not None and group.graph.captured:
+            return group
+    return None
 
 
 def _register_group_locked(group: TaskGroup) -> None:
@@ -410,12 +413,18 @@ def _register_group_locked(group: TaskGroup) -> None:
 
     for task in group.tasks:
         if task.call.op in PATCHABLE_OPS:
-            _CAPTURED[_task_key(task.call)] = group
+            refs = _CAPTURED.setdefault(_task_key(task.call), [])
+            refs[:] = [r for r in refs if r() is not None]
+            refs.append(weakref.ref(group))
 
 
 def _forget_graph_locked(graph: NPUGraph) -> None:
-    for key in [k for k, g in _CAPTURED.items() if g.graph is graph]:
-        del _CAPTURED[key]
+    for key in list(_CAPTURED):
+        refs = [r for r in _CAPTURED[key] if (g := r()) is not None and g.graph is not graph]
+        if refs:
+            _CAPTURED[key] = refs
+        else:
+            del _CAPTURED[key]
 
 
 def is_current_stream_capturing() -> bool:

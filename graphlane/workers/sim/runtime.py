@@ -99,6 +99,7 @@ class Runtime:
         self.device_count = 8
         self._host = threading.local()
         self.epoch = 0  # bumped by reset(): work of an older epoch is dropped
+        self.closing = False  # set at interpreter exit: stream threads stop
 
     # ------------------------------------------------------------ host clocks
     def host_actor(self) -> tuple[int, Clock]:
@@ -199,6 +200,15 @@ class Runtime:
         with self.cond:
             for s in self.streams:
                 s.blocked = None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """At interpreter exit: drop pending work and stop the stream threads, so that
+        no torch op is still running while the interpreter tears down."""
+        with self.cond:
+            self.closing = True
+        self.reset()
+        for s in list(self.streams):
+            s.join(timeout)
 
 
 RUNTIME = Runtime()

@@ -156,6 +156,8 @@ class Stream:
                 while not self._queue:
                     self._idle = True
                     cond.notify_all()
+                    if RUNTIME.closing:
+                        return
                     self._wake.wait()
                 self._idle = False
                 entry = self._queue[0]
@@ -269,6 +271,12 @@ class Stream:
         self.capturing = None
         self.updating = None
         self._wake.notify()
+
+    def join(self, timeout: float) -> None:
+        with RUNTIME.cond:
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def wait_idle_after_reset(self) -> None:
         with RUNTIME.cond:

@@ -70,6 +70,9 @@ class NpuTensor(torch.Tensor):
 
     __str__ = __repr__
 
+    def tolist(self) -> Any:
+        return self.cpu().tolist()
+
     def __format__(self, spec: str) -> str:
         if self.dim() == 0:
             return self.item().__format__(spec)
@@ -248,6 +251,8 @@ def _meta_key_part(v: Any) -> Any:
         return tuple(_meta_key_part(e) for e in v)
     if isinstance(v, torch.device):
         return ("D", v.type)
+    if isinstance(v, (bool, int, float, complex)):
+        return (type(v), v)  # 2, 2.0 and True give different result dtypes
     return v
 
 
@@ -255,23 +260,41 @@ def _check_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any
     """Run the op's meta kernel: validates arguments at issue time and gives output shapes.
 
     Results depend only on shapes, strides, dtypes and the other argument values,
-    so they are cached by those (a meta run costs ~300 us of Python).
+    so they are cached by those (a meta run costs ~300 us of Python). An op that
+    would resize a tensor it writes is refused: a device tensor's shape is fixed.
     """
     try:
         key = (func, _meta_key_part(args), _meta_key_part(tuple(kwargs.items())))
         hash(key)
     except TypeError:
         key = None
-    if key is not None:
-        hit = _META_CACHE.get(key)
-        if hit is not None:
-            return map_value(_meta_like, hit)
-    meta = func(*map_args(_to_meta, args), **map_kwargs(_to_meta, kwargs))
-    if key is not None:
-        if len(_META_CACHE) >= _META_CACHE_MAX:
-            _META_CACHE.clear()
-        _META_CACHE[key] = map_value(_meta_like, meta)
-    return meta
+    hit = _META_CACHE.get(key) if key is not None else None
+    if hit is None:
+        meta_args, meta_kwargs = map_args(_to_meta, args), map_kwargs(_to_meta, kwargs)
+        meta = func(*meta_args, **meta_kwargs)
+        before = _written_tensors(func, args, kwargs)
+        after = _written_tensors(func, meta_args, meta_kwargs)
+        resized = [tuple(m.shape) for t, m in zip(before, after, strict=True) if t.shape != m.shape]
+        hit = (map_value(_meta_like, meta), resized)
+        if key is not None:
+            if len(_META_CACHE) >= _META_CACHE_MAX:
+                _META_CACHE.clear()
+            _META_CACHE[key] = hit
+    result, resized = hit
+    if resized:
+        raise SimUsageError(
+            f"{func} would resize a device tensor it writes to {list(resized[0])}: the "
+            "simulated NPU cannot resize device tensors; allocate the output with its final "
+            "shape, or build the data on the CPU and move it with .npu()"
+        )
+    return map_value(_meta_like, result)
+
+
+def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in _written_args(func, args, kwargs):
+        out.extend(v if isinstance(v, (list, tuple)) else [v])
+    return out
 
 
 def _meta_like(m: Any) -> Any:
@@ -296,24 +319,33 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(dst, NpuTensor) and isinstance(src, NpuTensor):
         return issue(current_stream(_index(dst)), func, args, kwargs, _index(dst))
     if isinstance(dst, NpuTensor):  # host to device
-        stream = current_stream(_index(dst))
         if src.device.type != "cpu":
             raise SimUsageError(f"copy to npu from {src.device} is not supported")
+        stream = current_stream(_index(dst))
         staged = src
         if non_blocking and stream.capturing is None:
-            staged = src.clone()  # pageable memory is staged at issue time
-        d = dst._data
-        stream.issue(OpWork("copy host->npu", lambda: d.copy_(staged)))
-        if not non_blocking:
-            stream.synchronize()
+            staged = src.clone()  # pageable host memory is staged at issue time
+        _cross_copy(stream, dst._data, staged, non_blocking, "copy host->npu")
         return dst
-    # device to host
-    stream = current_stream(_index(src))
-    s = src._data
-    stream.issue(OpWork("copy npu->host", lambda: dst.copy_(s)))
+    stream = current_stream(_index(src))  # device to host
+    _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host")
+    return dst
+
+
+def _cross_copy(
+    stream: Stream, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, label: str
+) -> None:
+    """A copy between host and device memory: queued, captured, and waited for if blocking."""
+    if not non_blocking and stream.capturing is not None:
+        raise SimUsageError(
+            f"a blocking {label} on {stream.name} while it captures "
+            f"{stream.capturing.graph.name}; capture non_blocking copies only"
+        )
+    call = OpCall(aten.copy_.default, (dst, src), {})
+    call.label = label
+    _route(stream, call, None, None)
     if not non_blocking:
         stream.synchronize()
-    return dst
 
 
 def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
