@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from typing import Any
+
+from .config import DEFAULT_LISTEN
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -12,6 +17,35 @@ def _parser() -> argparse.ArgumentParser:
         description="Keep captured NPU graphs hot and patch their parameters between replays.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser(
+        "serve",
+        help="run the daemon: one worker process per device",
+        description="Run the graphlane daemon: an orchestrator on --listen and one worker "
+        "process per device, each with its programs captured. Settings come from --config "
+        "(TOML), then these flags. Without any, it serves the 'attention' program on 2 "
+        "simulated devices on " + DEFAULT_LISTEN + ". SIGTERM/SIGINT drain and stop it.",
+    )
+    s.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    s.add_argument("--backend", choices=["sim", "npu"], help="device backend (default sim)")
+    s.add_argument("--devices", metavar="N|LIST", help="device count (2) or ids (0,3)")
+    s.add_argument(
+        "--listen", metavar="ENDPOINT", help=f"tcp:// or ipc:// (default {DEFAULT_LISTEN})"
+    )
+    s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    s.add_argument("--ready-file", metavar="PATH", help=argparse.SUPPRESS)
+
+    st = sub.add_parser(
+        "status",
+        help="show the daemon's workers",
+        description="Ask a running daemon for its status. With --wait, wait until every "
+        "worker is ready: exit 0 then, 1 at the deadline.",
+    )
+    st.add_argument("--connect", metavar="ENDPOINT", default=DEFAULT_LISTEN)
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.add_argument("--wait", type=float, metavar="SECONDS", help="wait for readiness")
+    st.add_argument("--timeout", type=float, default=5.0, help="per-request timeout (5 s)")
+
     ex = sub.add_parser(
         "example",
         help="capture, patch and replay a layered attention graph on the simulated NPU",
@@ -20,16 +54,87 @@ def _parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
+
+    d = sub.add_parser(
+        "demo",
+        help="start a daemon on simulated devices, drive it like a scheduler, stop it",
+        description="Start the daemon on simulated devices, send steps to every device as a "
+        "scheduler would (checking each result against eager attention), print what "
+        "happened, stop the daemon and exit.",
+    )
+    d.add_argument("--devices", type=int, default=2, help="simulated devices (default 2)")
+    d.add_argument("--steps", type=int, default=40, help="steps per device (default 40)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        return _status(args)
     if args.command == "example":
         from graphlane.workers.sim.example import run
 
         return run(steps=args.steps, layers=args.layers)
+    if args.command == "demo":
+        from .demo import run as run_demo
+
+        return run_demo(devices=args.devices, steps=args.steps)
     return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from . import config as cfg
+    from .daemon import serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        conf = cfg.load(
+            args.config,
+            {"backend": args.backend, "devices": args.devices, "listen": args.listen},
+        )
+    except cfg.ConfigError as exc:
+        print(f"graphlane serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    return serve(conf, ready_file=args.ready_file)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from graphlane.protocol.errors import GraphlaneError
+
+    from .client import Client
+
+    async def fetch() -> dict[str, Any]:
+        client = Client(args.connect, timeout=args.timeout)
+        try:
+            await client.connect()
+            if args.wait is not None:
+                return await client.wait_ready(args.wait)
+            return await client.status()
+        finally:
+            await client.close()
+
+    try:
+        st = asyncio.run(fetch())
+    except GraphlaneError as exc:
+        print(f"graphlane status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+    else:
+        print(f"daemon {st['state']} at {st['endpoint']} (pid {st['pid']}), ready={st['ready']}")
+        for w in st["workers"]:
+            programs = ", ".join(sorted(w.get("programs") or {}))
+            print(
+                f"  device {w['device']}: {w['state']:<8} pid {w['pid']} restarts {w['restarts']} "
+                f"endpoint {w['endpoint']} programs [{programs}]"
+            )
+    return 0
 
 
 if __name__ == "__main__":

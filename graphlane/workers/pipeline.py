@@ -22,6 +22,11 @@ step N, so they never overwrite buffers that replay N still reads.
 
 ``pipeline=False`` keeps a serial mode for comparison: patches, then replay,
 then the host waits for the result before it issues the next step.
+
+Schedulers that drive the two halves themselves use ``submit_update`` (patch an
+instance of the bucket and keep it *staged*, no release) and ``submit_replay``
+(release every group of the staged instance, or of the next one in the ring,
+and replay it). A step on a bucket with a staged instance uses that instance.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class StepResult:
 
 @dataclass(eq=False)
 class _Pending:
+    kind: str  # "step" | "update" | "replay"
     plan: StepPlan
     outputs: tuple[str, ...]
     future: Future[StepResult]
@@ -120,6 +126,7 @@ class StepEngine:
         self._completions: queue.Queue[Any] = queue.Queue()
         self._graphs: dict[GraphKey, CapturedGraph] = {}
         self._ring: dict[tuple[str, int], int] = {}
+        self._staged: dict[tuple[str, int], CapturedGraph] = {}
         self._failure: BaseException | None = None
         self._closed = False
         self._started = False
@@ -206,20 +213,47 @@ class StepEngine:
 
     def submit(self, request: StepRequest) -> Future[StepResult]:
         """Validate and queue a step. Raises StepError, EngineBusy or EngineError at once."""
+        return self._enqueue("step", self.plan(request), tuple(request.outputs))
+
+    def submit_update(self, request: StepRequest) -> Future[StepResult]:
+        """Patch the bucket's staged (or next) instance for the next replay; no release."""
+        return self._enqueue("update", self.plan(request), ())
+
+    def submit_replay(
+        self, program: str, batch: int, outputs: tuple[str, ...]
+    ) -> Future[StepResult]:
+        """Release and replay the bucket's staged instance (or the next one in the ring)."""
+        prog = self.programs.get(program)
+        if prog is None:
+            raise StepError(
+                "program", f"unknown program {program!r} (serving {sorted(self.programs)})"
+            )
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise StepError("batch", f"must be a positive integer, not {batch!r}")
+        for name in outputs:
+            if name not in prog.outputs:
+                raise StepError("outputs", f"unknown output {name!r} (known: {list(prog.outputs)})")
+        plan = StepPlan(program, batch, prog.bucket_for(batch))
+        return self._enqueue("replay", plan, tuple(outputs))
+
+    def _enqueue(self, kind: str, plan: StepPlan, outputs: tuple[str, ...]) -> Future[StepResult]:
         if self._failure is not None:
             raise EngineError(f"engine failed: {self._failure}") from self._failure
         if self._closed or not self._started:
             raise EngineError("engine is not running")
-        plan = self.plan(request)
         fut: Future[StepResult] = Future()
         try:
-            self._queue.put_nowait(_Pending(plan, tuple(request.outputs), fut, time.perf_counter()))
+            self._queue.put_nowait(_Pending(kind, plan, outputs, fut, time.perf_counter()))
         except queue.Full:
-            raise EngineBusy(f"{self._queue.maxsize} steps are queued already") from None
+            raise EngineBusy(f"{self._queue.maxsize} requests are queued already") from None
         return fut
 
     def run(self, request: StepRequest, timeout: float | None = None) -> StepResult:
         return self.submit(request).result(timeout)
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
 
     # ------------------------------------------------------------ issue thread
     def _next_graph(self, plan: StepPlan) -> CapturedGraph:
@@ -255,8 +289,29 @@ class StepEngine:
         b = self.backend
         plan = pending.plan
         program = self.programs[plan.program]
-        g = self._next_graph(plan)
-        if not self.pipeline:
+        ring_key = (plan.program, plan.bucket)
+        if pending.kind == "update":
+            g = self._staged.get(ring_key) or self._next_graph(plan)
+            self._staged[ring_key] = g
+            if g.last_done is not None:
+                b.wait(self.update_stream, g.last_done)
+            patched = self._patch_groups(program, g, plan)
+            done = b.new_event()
+            b.record(done, self.update_stream)
+            return _InFlight(
+                done, pending.future, StepResult({}, g.key, patched, pending.submitted)
+            )
+        staged = self._staged.pop(ring_key, None)
+        g = staged if staged is not None else self._next_graph(plan)
+        patched = 0
+        if pending.kind == "replay":
+            if g.last_done is not None:
+                b.wait(self.update_stream, g.last_done)
+            b.replay(g.graph, self.capture_stream)
+            with b.use_stream(self.update_stream):
+                for event in g.events:
+                    b.record(event, self.update_stream)
+        elif not self.pipeline:
             patched = self._release_groups(program, g, plan)
             b.replay(g.graph, self.capture_stream)
         else:
@@ -288,6 +343,11 @@ class StepEngine:
 
     def _release_groups(self, program: GraphProgram, g: CapturedGraph, plan: StepPlan) -> int:
         """Copy inputs, patch changed groups and record every group's event once, on U."""
+        return self._patch_groups(program, g, plan, release=True)
+
+    def _patch_groups(
+        self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, release: bool = False
+    ) -> int:
         b = self.backend
         U = self.update_stream
         patched = 0
@@ -296,12 +356,16 @@ class StepEngine:
                 for dst, src in program.input_writes(g.buffers, plan, group):
                     dst.copy_(src, non_blocking=True)
                 sig = program.group_signature(plan, group)
-                if sig != g.signatures[group]:
+                changed = sig != g.signatures[group]
+                if changed:
                     args = program.group_arguments(g.buffers, plan, group)
-                    b.update_attention(U, g.handles[group], g.events[group], args)
+                    if release:
+                        b.update_attention(U, g.handles[group], g.events[group], args)
+                    else:
+                        b.patch_attention(U, g.handles[group], args)
                     g.signatures[group] = sig
                     patched += 1
-                else:
+                if release and not changed:
                     b.record(g.events[group], U)
         return patched
 

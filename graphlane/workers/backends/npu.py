@@ -98,6 +98,13 @@ class NpuBackend:
             self.npu.graph_task_update_end(stream)
             event.record(stream)
 
+    def patch_attention(self, stream: Any, handle: Any, arguments: dict[str, Any]) -> None:
+        """Patch one attention task group without releasing its event."""
+        with self.npu.stream(stream):
+            self.npu.graph_task_update_begin(stream, handle)
+            self._fia_out(**arguments)
+            self.npu.graph_task_update_end(stream)
+
     # ------------------------------------------------------------ ops and memory
     def attention_out(self, arguments: dict[str, Any]) -> None:
         self._fia_out(**arguments)

@@ -1,0 +1,216 @@
+"""The daemon's configuration: typed and frozen, built once at the edge from the
+TOML file, then CLI flags, validated there, and passed whole.
+
+```toml
+listen = "tcp://127.0.0.1:7450"   # the orchestrator's endpoint (tcp or ipc)
+backend = "sim"                    # "sim" (simulated NPU) or "npu" (torch_npu)
+devices = 2                        # a count (0..N-1) or a list of device ids
+depth = 1                          # graph instances per bucket (slot ring)
+pipeline = true                    # false: serial update, replay, wait
+
+[sim]
+mode = "compute"                   # or "timed": cost model instead of compute
+task_us = 0.0                      # timed: device time per replayed task
+patch_us = 0.0                     # timed: host time per task-group patch
+
+[[programs]]
+name = "attention"                 # plus the program's own keys
+layers = 4
+```
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from graphlane.workers.sim.runtime import SimConfig
+
+DEFAULT_LISTEN = "tcp://127.0.0.1:7450"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; ``key`` names it (file key or CLI flag)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    listen: str = DEFAULT_LISTEN
+    backend: str = "sim"
+    devices: tuple[int, ...] = (0, 1)
+    depth: int = 1
+    pipeline: bool = True
+    sim: SimConfig = field(default_factory=SimConfig)
+    programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
+    max_queued: int = 256
+    startup_timeout_s: float = 120.0
+    max_restarts: int = 5
+    restart_window_s: float = 60.0
+    shutdown_timeout_s: float = 30.0
+    log_format: str = "text"
+
+    def worker_endpoint(self, device: int) -> str:
+        """Where the worker of ``device`` binds: next to the orchestrator's endpoint."""
+        if self.listen.startswith("ipc://"):
+            base = self.listen[len("ipc://") :]
+            stem = base[:-5] if base.endswith(".sock") else base
+            return f"ipc://{stem}-worker-{device}.sock"
+        host, _, port = self.listen[len("tcp://") :].rpartition(":")
+        if port == "0" or port == "*":
+            return f"tcp://{host}:0"
+        return f"tcp://{host}:{int(port) + 1 + device}"
+
+
+_TOP_KEYS = {
+    "listen", "backend", "devices", "depth", "pipeline", "sim", "programs", "max_queued",
+    "startup_timeout_s", "max_restarts", "restart_window_s", "shutdown_timeout_s", "log_format",
+}  # fmt: skip
+
+
+def _int(key: str, v: Any, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ConfigError(key, f"must be an integer >= {minimum}, not {v!r}")
+    return v
+
+
+def _number(key: str, v: Any, minimum: float = 0.0) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < minimum:
+        raise ConfigError(key, f"must be a number >= {minimum}, not {v!r}")
+    return float(v)
+
+
+def parse_devices(key: str, v: Any) -> tuple[int, ...]:
+    """A count ("2", 2: devices 0 and 1) or a list ("0,3", [0, 3])."""
+    if isinstance(v, str):
+        text = v.strip()
+        if "," in text or text.startswith("["):
+            v = [p for p in text.strip("[]").split(",") if p.strip()]
+            try:
+                v = [int(p) for p in v]
+            except ValueError:
+                raise ConfigError(key, f"{text!r} is not a list of device ids") from None
+        else:
+            try:
+                v = int(text)
+            except ValueError:
+                raise ConfigError(key, f"{text!r} is neither a count nor a list of ids") from None
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 1:
+            raise ConfigError(key, "the device count must be >= 1")
+        return tuple(range(v))
+    if isinstance(v, (list, tuple)) and v:
+        ids = tuple(_int(f"{key}[{i}]", d) for i, d in enumerate(v))
+        if len(set(ids)) != len(ids):
+            raise ConfigError(key, f"device ids repeat: {list(ids)}")
+        return ids
+    raise ConfigError(key, f"must be a device count or a non-empty list of ids, not {v!r}")
+
+
+def _listen(key: str, v: Any) -> str:
+    if not isinstance(v, str) or not (v.startswith("tcp://") or v.startswith("ipc://")):
+        raise ConfigError(key, f"must be a tcp:// or ipc:// endpoint, not {v!r}")
+    if v.startswith("tcp://"):
+        host, sep, port = v[len("tcp://") :].rpartition(":")
+        if not sep or not host or not (port.isdigit() or port == "*"):
+            raise ConfigError(key, f"{v!r} needs a host and a port, e.g. tcp://127.0.0.1:7450")
+    return v
+
+
+def _sim(raw: Any) -> SimConfig:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("sim", "must be a table")
+    for k in raw:
+        if k not in ("mode", "task_us", "patch_us", "watchdog_s"):
+            raise ConfigError(
+                f"sim.{k}", "unknown key (known: mode, task_us, patch_us, watchdog_s)"
+            )
+    mode = raw.get("mode", "compute")
+    if mode not in ("compute", "timed"):
+        raise ConfigError("sim.mode", f"must be 'compute' or 'timed', not {mode!r}")
+    return SimConfig(
+        mode=mode,
+        task_us=_number("sim.task_us", raw.get("task_us", 0.0)),
+        patch_us=_number("sim.patch_us", raw.get("patch_us", 0.0)),
+        watchdog_s=_number("sim.watchdog_s", raw.get("watchdog_s", 30.0), 0.001),
+    )
+
+
+def _programs(raw: Any) -> tuple[dict[str, Any], ...]:
+    from graphlane.workers.programs import ProgramConfigError, load_program
+
+    if not isinstance(raw, list) or not raw:
+        raise ConfigError("programs", "must be a non-empty array of tables ([[programs]])")
+    seen = set()
+    out = []
+    for i, p in enumerate(raw):
+        if not isinstance(p, Mapping) or not isinstance(p.get("name"), str):
+            raise ConfigError(f"programs[{i}].name", "each program needs a name")
+        if p["name"] in seen:
+            raise ConfigError(f"programs[{i}].name", f"{p['name']!r} appears twice")
+        seen.add(p["name"])
+        try:
+            load_program(p["name"], p)  # validated here, once, at the edge
+        except ProgramConfigError as exc:
+            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1]) from exc
+        out.append(dict(p))
+    return tuple(out)
+
+
+def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
+    for k in raw:
+        if k not in _TOP_KEYS:
+            raise ConfigError(k, f"unknown key (known: {', '.join(sorted(_TOP_KEYS))})")
+    cfg = ServeConfig()
+    values: dict[str, Any] = {}
+    if "listen" in raw:
+        values["listen"] = _listen("listen", raw["listen"])
+    if "backend" in raw:
+        if raw["backend"] not in ("sim", "npu"):
+            raise ConfigError("backend", f"must be 'sim' or 'npu', not {raw['backend']!r}")
+        values["backend"] = raw["backend"]
+    if "devices" in raw:
+        values["devices"] = parse_devices("devices", raw["devices"])
+    if "depth" in raw:
+        values["depth"] = _int("depth", raw["depth"], 1)
+    if "pipeline" in raw:
+        if not isinstance(raw["pipeline"], bool):
+            raise ConfigError("pipeline", "must be true or false")
+        values["pipeline"] = raw["pipeline"]
+    if "sim" in raw:
+        values["sim"] = _sim(raw["sim"])
+    if "programs" in raw:
+        values["programs"] = _programs(raw["programs"])
+    for k in ("max_queued", "max_restarts"):
+        if k in raw:
+            values[k] = _int(k, raw[k], 1 if k == "max_queued" else 0)
+    for k in ("startup_timeout_s", "restart_window_s", "shutdown_timeout_s"):
+        if k in raw:
+            values[k] = _number(k, raw[k], 0.001)
+    if "log_format" in raw:
+        if raw["log_format"] not in ("text", "json"):
+            raise ConfigError("log_format", "must be 'text' or 'json'")
+        values["log_format"] = raw["log_format"]
+    return replace(cfg, **values)
+
+
+def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> ServeConfig:
+    """The file (if any), then ``overrides`` (CLI flags, already named as file keys)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError("--config", f"{path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+    for k, v in (overrides or {}).items():
+        if v is not None:
+            raw[k] = v
+    return from_mapping(raw)

@@ -1,0 +1,222 @@
+"""The daemon: the orchestrator's control socket over the supervised workers.
+
+The orchestrator answers ``hello`` (protocol version, capabilities, and where
+each device's worker listens), ``status``, ``drain`` and ``shutdown`` on its own
+ROUTER socket. Steps do not pass through it: clients send ``step``, ``update``
+and ``replay`` to the worker's own socket (found with ``hello``), so the hot
+path has no extra hop; the orchestrator answers them with BAD_REQUEST naming
+the worker endpoint to use.
+
+States: RUNNING -> DRAINING (SIGTERM/SIGINT or ``shutdown``: workers stop
+accepting, finish what is in flight and exit) -> STOPPED (exit 0). Signal
+handlers only set the state and wake the main flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from graphlane import __version__
+from graphlane.protocol import codec, messages
+from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, error_class
+from graphlane.workers.worker import WorkerSpec
+
+from .config import ServeConfig
+from .supervisor import READY, Supervisor, WorkerHandle
+
+log = logging.getLogger("graphlane.daemon")
+
+RUNNING, DRAINING, STOPPED = "running", "draining", "stopped"
+
+
+class Daemon:
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self.state = RUNNING
+        self.started = time.time()
+        self.counters = {"requests": 0, "undecodable": 0, "errors": 0}
+        specs = [
+            WorkerSpec(
+                device=d,
+                backend=config.backend,
+                sim=config.sim if config.backend == "sim" else None,
+                programs=config.programs,
+                depth=config.depth,
+                pipeline=config.pipeline,
+                endpoint=config.worker_endpoint(d),
+                max_queued=config.max_queued,
+                log_level=logging.getLogger().level or logging.INFO,
+            )
+            for d in config.devices
+        ]
+        self.supervisor = Supervisor(
+            specs,
+            startup_timeout_s=config.startup_timeout_s,
+            max_restarts=config.max_restarts,
+            restart_window_s=config.restart_window_s,
+            env_for=self._env_for,
+        )
+        self._shutdown = asyncio.Event()
+        self.endpoint = ""
+
+    def _env_for(self, device: int) -> dict[str, str]:
+        if self.config.backend == "npu":
+            # Pin each worker to its NPU; inside the process it is device 0.
+            return {"ASCEND_RT_VISIBLE_DEVICES": str(device)}
+        return {}
+
+    # ------------------------------------------------------------ run
+    async def run(self, ready_file: str | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_shutdown, sig.name)
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, codec.DEFAULT_LIMITS.max_envelope_bytes)
+        _prepare_ipc(self.config.listen)
+        sock.bind(self.config.listen)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info(
+            "daemon listening on %s, starting %d worker(s)", self.endpoint, len(self.config.devices)
+        )
+        serving = asyncio.ensure_future(self._serve(sock))
+        try:
+            await self.supervisor.start_all()
+            if ready_file:
+                await asyncio.to_thread(Path(ready_file).write_text, self.endpoint)
+            await self._shutdown.wait()
+            log.info("shutdown: draining workers")
+            await self.supervisor.stop_all(self.config.shutdown_timeout_s)
+        finally:
+            self.state = STOPPED
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+            sock.close(0)
+            ctx.term()
+            log.info("daemon stopped")
+        return 0
+
+    def request_shutdown(self, why: str = "request") -> None:
+        if self.state == RUNNING:
+            log.info("shutdown requested (%s)", why)
+            self.state = DRAINING
+            self.supervisor.drain()
+            self._shutdown.set()
+
+    # ------------------------------------------------------------ control socket
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            self.counters["requests"] += 1
+            ident, payload = frames[0], frames[1:]
+            reply: list[Any]
+            try:
+                req = codec.decode_request(payload)
+            except codec.DecodeError as exc:
+                if exc.request_id is None:
+                    self.counters["undecodable"] += 1
+                    log.warning("dropped an undecodable message: %s", exc.message)
+                    continue
+                reply = codec.encode_error(exc.request_id, error_class(exc.code)(exc.message))
+                await sock.send_multipart([ident, *reply])
+                continue
+            try:
+                body = self._handle(req)
+                reply = codec.encode_reply(req.id, body)
+            except GraphlaneError as exc:
+                self.counters["errors"] += 1
+                reply = codec.encode_error(req.id, exc)
+            except Exception as exc:
+                log.exception("request %s (%s) failed", req.id, req.op)
+                reply = codec.encode_error(req.id, InternalError(f"{type(exc).__name__}: {exc}"))
+            await sock.send_multipart([ident, *reply])
+
+    def _handle(self, req: codec.Request) -> dict[str, Any]:
+        msg = messages.parse_body(req.op, req.body)
+        if isinstance(msg, messages.Hello):
+            return self.hello()
+        if isinstance(msg, messages.StatusRequest):
+            return self.status()
+        if isinstance(msg, messages.DrainRequest):
+            devices = [msg.device] if msg.device is not None else list(self.supervisor.workers)
+            for d in devices:
+                if d not in self.supervisor.workers:
+                    from graphlane.protocol.errors import UnknownDevice
+
+                    raise UnknownDevice(
+                        f"device {d} is not served (serving {sorted(self.supervisor.workers)})"
+                    )
+                self.supervisor.send(d, "drain")
+            return {"draining": devices}
+        if isinstance(msg, messages.ShutdownRequest):
+            self.request_shutdown("shutdown request")
+            return {"state": self.state}
+        workers = {h.device: h.info.get("endpoint") for h in self.supervisor.workers.values()}
+        raise BadRequest(
+            f"{req.op} is served by the worker's own socket, not the daemon's: "
+            f"device endpoints {workers} (see hello)"
+        )
+
+    def _worker_entry(self, h: WorkerHandle) -> dict[str, Any]:
+        return h.describe()
+
+    def hello(self) -> dict[str, Any]:
+        return {
+            "version": codec.PROTOCOL_VERSION,
+            "server": f"graphlane {__version__}",
+            "state": self.state,
+            "capabilities": {
+                "ops": sorted(messages.MESSAGES),
+                "backend": self.config.backend,
+                "max_message_bytes": codec.DEFAULT_LIMITS.max_message_bytes,
+            },
+            "workers": [self._worker_entry(h) for h in self.supervisor.workers.values()],
+        }
+
+    def status(self) -> dict[str, Any]:
+        workers = [self._worker_entry(h) for h in self.supervisor.workers.values()]
+        return {
+            "state": self.state,
+            "pid": os.getpid(),
+            "endpoint": self.endpoint,
+            "uptime_s": round(time.time() - self.started, 3),
+            "ready": all(w["state"] == READY for w in workers),
+            "workers": workers,
+            "counters": dict(self.counters),
+            "config": {
+                "backend": self.config.backend,
+                "devices": list(self.config.devices),
+                "depth": self.config.depth,
+                "pipeline": self.config.pipeline,
+                "programs": [p["name"] for p in self.config.programs],
+                "sim": replace(self.config.sim).__dict__ if self.config.backend == "sim" else None,
+            },
+        }
+
+
+def _prepare_ipc(endpoint: str) -> None:
+    """ipc sockets live in a directory only the owner can enter."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = endpoint[len("ipc://") :]
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def serve(config: ServeConfig, ready_file: str | None = None) -> int:
+    return asyncio.run(Daemon(config).run(ready_file))

@@ -1,0 +1,280 @@
+"""Spawns, watches and restarts the worker processes (one per device).
+
+Lifecycle of a worker, explicit:
+
+    spawn (multiprocessing "spawn") -> handshake: ("ready", info) on its pipe within
+    startup_timeout_s -> READY; liveness through the process sentinel (an fd that
+    becomes readable when the process ends) -> LOST -> restart after a backoff,
+    unless more than max_restarts happened within restart_window_s -> FAILED.
+    stop: "stop" on the pipe (finish in-flight, exit) -> SIGTERM -> SIGKILL,
+    recording which step ended it.
+
+The pipe is also the worker's lifeline: when the orchestrator dies, the worker
+reads EOF and exits, so no orphan keeps a device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from graphlane.workers.worker import WorkerSpec, worker_main
+
+log = logging.getLogger("graphlane.supervisor")
+
+STARTING, READY, LOST, FAILED, STOPPING, STOPPED = (
+    "starting", "ready", "lost", "failed", "stopping", "stopped",
+)  # fmt: skip
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    spec: WorkerSpec
+    state: str = STARTING
+    process: BaseProcess | None = None
+    conn: Connection | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    restart_times: deque[float] = field(default_factory=deque)
+    generation: int = 0
+    last_exit: int | None = None
+    last_error: str = ""
+    stopped_by: str = ""
+    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)  # the current process ended
+
+    @property
+    def device(self) -> int:
+        return self.spec.device
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "pid": self.pid,
+            "state": self.state,
+            "restarts": self.restarts,
+            "generation": self.generation,
+            "endpoint": self.info.get("endpoint"),
+            "programs": self.info.get("programs", {}),
+            "last_exit": self.last_exit,
+            "last_error": self.last_error or None,
+        }
+
+
+class Supervisor:
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        *,
+        startup_timeout_s: float = 120.0,
+        max_restarts: int = 5,
+        restart_window_s: float = 60.0,
+        backoff_s: tuple[float, float] = (0.2, 10.0),
+        on_change: Callable[[WorkerHandle], None] | None = None,
+        env_for: Callable[[int], dict[str, str]] | None = None,
+    ) -> None:
+        self.workers = {s.device: WorkerHandle(s) for s in specs}
+        self.startup_timeout_s = startup_timeout_s
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.backoff_s = backoff_s
+        self.on_change = on_change or (lambda h: None)
+        self.env_for = env_for or (lambda device: {})
+        self.stopping = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ctx = mp.get_context("spawn")
+
+    # ------------------------------------------------------------ start
+    async def start_all(self) -> None:
+        await asyncio.gather(*(self._start(h) for h in self.workers.values()))
+
+    async def _start(self, h: WorkerHandle) -> None:
+        h.state = STARTING
+        h.ready_event.clear()
+        spec = replace(h.spec, generation=h.generation)
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(
+            target=worker_main, args=(spec, child), name=f"graphlane-worker-{h.device}", daemon=True
+        )
+        env = self.env_for(h.device)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # a spawned child takes the parent's environment at start
+        try:
+            proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+        h.process, h.conn = proc, parent
+        h.exited = asyncio.Event()
+        log.info("worker start device=%s pid=%s generation=%s", h.device, proc.pid, h.generation)
+        self.on_change(h)
+        loop = asyncio.get_running_loop()
+        loop.add_reader(proc.sentinel, self._on_exit, h, proc)
+        msg = await self._handshake(h, parent)
+        if h.process is not proc or h.state != STARTING:
+            return  # died (or was stopped) during startup; _on_exit took over
+        if msg is not None and msg[0] == "ready":
+            h.info = dict(msg[1])
+            h.state = READY
+            h.last_error = ""
+            h.ready_event.set()
+            log.info(
+                "worker ready device=%s pid=%s endpoint=%s",
+                h.device,
+                proc.pid,
+                h.info.get("endpoint"),
+            )
+            self.on_change(h)
+            return
+        h.last_error = (
+            msg[1] if msg is not None else f"no handshake within {self.startup_timeout_s:g} s"
+        )
+        log.error("worker failed to start device=%s pid=%s: %s", h.device, proc.pid, h.last_error)
+        self._kill(proc)
+
+    async def _handshake(self, h: WorkerHandle, conn: Connection) -> tuple[str, Any] | None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(conn.fileno(), ready.set)
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(ready.wait(), deadline - time.monotonic())
+                ready.clear()
+                if conn.poll():
+                    try:
+                        msg = conn.recv()
+                    except (EOFError, OSError):
+                        return None
+                    if isinstance(msg, tuple) and msg and msg[0] in ("ready", "failed"):
+                        return msg
+                if h.process is None or not h.process.is_alive():
+                    return None
+            return None
+        finally:
+            loop.remove_reader(conn.fileno())
+
+    # ------------------------------------------------------------ liveness
+    def _on_exit(self, h: WorkerHandle, proc: BaseProcess) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.sentinel)
+        proc.join(0)
+        if h.process is not proc:
+            return
+        h.exited.set()
+        h.last_exit = proc.exitcode
+        if h.conn is not None:
+            h.conn.close()
+            h.conn = None
+        h.ready_event.clear()
+        if self.stopping or h.state in (STOPPING, STOPPED):
+            h.state = STOPPED
+            log.info("worker stopped device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
+            self.on_change(h)
+            return
+        h.state = LOST
+        log.warning("worker lost device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
+        self.on_change(h)
+        self._spawn_task(self._restart(h))
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, h: WorkerHandle) -> None:
+        now = time.monotonic()
+        while h.restart_times and now - h.restart_times[0] > self.restart_window_s:
+            h.restart_times.popleft()
+        if len(h.restart_times) >= self.max_restarts:
+            h.state = FAILED
+            h.last_error = (
+                f"{len(h.restart_times)} restarts within {self.restart_window_s:g} s "
+                "(max_restarts); not restarting"
+            )
+            log.error("worker failed device=%s: %s", h.device, h.last_error)
+            self.on_change(h)
+            return
+        lo, hi = self.backoff_s
+        delay = min(hi, lo * (2 ** len(h.restart_times)))
+        h.restart_times.append(now)
+        await asyncio.sleep(delay)
+        if self.stopping:
+            return
+        h.restarts += 1
+        h.generation += 1
+        log.info("worker restarted device=%s restarts=%s after %.2f s", h.device, h.restarts, delay)
+        await self._start(h)
+
+    # ------------------------------------------------------------ stop
+    def _kill(self, proc: BaseProcess) -> None:
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+
+    def send(self, device: int, command: str) -> None:
+        h = self.workers[device]
+        if h.conn is not None:
+            with contextlib.suppress(OSError):
+                h.conn.send(command)
+
+    async def stop_all(self, timeout_s: float = 30.0) -> None:
+        """Stop every worker: finish in-flight and exit; then SIGTERM; then SIGKILL."""
+        self.stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*(self._stop(h, timeout_s) for h in self.workers.values()))
+
+    async def _stop(self, h: WorkerHandle, timeout_s: float) -> None:
+        proc = h.process
+        if proc is None or not proc.is_alive():
+            h.state = STOPPED
+            return
+        h.state = STOPPING
+        steps: list[tuple[str, float, Callable[[], None]]] = [
+            ("message", timeout_s, lambda: self.send(h.device, "stop")),
+            ("SIGTERM", 5.0, lambda: proc.terminate()),
+            ("SIGKILL", 5.0, lambda: self._kill(proc)),
+        ]
+        for name, wait_s, action in steps:
+            action()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(h.exited.wait(), wait_s)
+            if h.exited.is_set():
+                h.stopped_by = name
+                break
+        proc.join(1)
+        h.state = STOPPED
+        h.last_exit = proc.exitcode
+        log.info(
+            "worker stop device=%s pid=%s by=%s exit=%s",
+            h.device,
+            proc.pid,
+            h.stopped_by,
+            proc.exitcode,
+        )
+        self.on_change(h)
+
+    def drain(self) -> None:
+        for device in self.workers:
+            self.send(device, "drain")

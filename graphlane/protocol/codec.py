@@ -1,0 +1,592 @@
+"""Encoding and decoding of multipart messages (the layout is in the package docstring).
+
+Encoding turns a body that may hold ``torch.Tensor`` values into frames: the
+msgpack envelope first, then one frame per tensor larger than
+:data:`INLINE_TENSOR_BYTES`, each a ``memoryview`` over the tensor's own memory
+(no copy unless the tensor is not contiguous). Encoding mistakes are the
+caller's bugs and raise ``ValueError`` naming the path of the bad value.
+
+Decoding is validation. Whatever bytes arrive, :func:`decode_request` and
+:func:`decode_reply` either return a value whose every part has the documented
+type and is within :class:`Limits`, or raise :class:`DecodeError`; nothing else
+escapes. Tensors read from frames are views over the received buffers (no
+copy): treat them as read-only and copy what must outlive the message.
+
+The encoded frames share memory with the tensors they came from until zmq has
+sent them (``send_multipart(frames, copy=False)`` sends later, from zmq's I/O
+thread): do not write to those tensors before the send is done.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, NoReturn, TypeAlias
+
+import msgpack
+import torch
+import zmq
+
+from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_class, error_from_wire
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DTYPES",
+    "INLINE_TENSOR_BYTES",
+    "PROTOCOL_VERSION",
+    "TENSOR_KEY",
+    "DecodeError",
+    "FrameLike",
+    "Limits",
+    "Reply",
+    "Request",
+    "decode_reply",
+    "decode_request",
+    "encode_error",
+    "encode_reply",
+    "encode_request",
+    "tensor_to_wire",
+]
+
+PROTOCOL_VERSION = 1
+INLINE_TENSOR_BYTES = 1024
+"""Tensors of at most this many bytes travel inside the envelope, larger ones as frames."""
+TENSOR_KEY = "$tensor"
+"""The one key of a map that stands for a tensor; reserved everywhere in a body."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+_UINT64_MAX = 2**64 - 1
+_INT_MIN = -(2**63)
+_MAX_ENCODE_DEPTH = 64  # only guards against cycles; the receiver's Limits.max_depth is smaller
+_REQUEST_KEYS = frozenset({"v", "id", "op", "body"})
+_REPLY_OK_KEYS = frozenset({"v", "id", "ok", "body"})
+_REPLY_ERROR_KEYS = frozenset({"v", "id", "ok", "error"})
+_TENSOR_FIELDS = frozenset({"dtype", "shape", "frame", "data"})
+_SCALAR_TYPES = frozenset({type(None), bool, int, float, str, bytes})  # as msgpack returns them
+
+FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a receiver accepts. Every limit is checked before the work it bounds."""
+
+    max_message_bytes: int = 256 * 2**20  # sum of all frames
+    max_frames: int = 64  # envelope included
+    max_envelope_bytes: int = 1 * 2**20  # frame 0
+    max_depth: int = 8  # nesting of maps/lists in the body; the body itself is level 1
+    max_items: int = 4096  # length of any list or map
+    max_str_bytes: int = 64 * 1024  # utf-8 length of any str
+    max_tensor_bytes: int = 256 * 2**20
+    max_tensor_dims: int = 8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{f.name} must be an int >= 1, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decoded request: the envelope's id and op, and the body with tensors decoded."""
+
+    id: int
+    op: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A decoded reply: ``ok`` with a body, or not ``ok`` with an error (then ``body == {}``)."""
+
+    id: int
+    ok: bool
+    body: dict[str, Any]
+    error: GraphlaneError | None
+
+    def unwrap(self) -> dict[str, Any]:
+        """The body of an ok reply; raises the reply's error otherwise."""
+        if self.error is not None:
+            raise self.error
+        return self.body
+
+
+class DecodeError(Exception):
+    """A message that cannot be accepted.
+
+    ``request_id`` is set when the id could be read (then the sender gets a
+    reply with ``code``: see :meth:`to_error`), None otherwise (then the message
+    is only counted and logged). ``message`` names the offending field.
+    """
+
+    request_id: int | None
+    code: ErrorCode
+    message: str
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: ErrorCode = ErrorCode.BAD_REQUEST,
+        request_id: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def to_error(self) -> GraphlaneError:
+        """The wire error to send back to the peer."""
+        return error_class(self.code)(self.message)
+
+
+# ---------------------------------------------------------------------------- encoding
+
+
+def encode_request(request_id: int, op: str, body: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """Frames of a request. Raises ``ValueError`` for a value that cannot be sent."""
+    _check_id(request_id)
+    if not isinstance(op, str) or not op:
+        raise ValueError(f"op must be a non-empty str, got {op!r}")
+    frames: list[bytes | memoryview] = []
+    wire_body = _body_to_wire(body, frames)
+    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "op": op, "body": wire_body}
+    return [_pack(envelope), *frames]
+
+
+def encode_reply(request_id: int, body: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """Frames of an ok reply. Raises ``ValueError`` for a value that cannot be sent."""
+    _check_id(request_id)
+    frames: list[bytes | memoryview] = []
+    wire_body = _body_to_wire(body, frames)
+    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": wire_body}
+    return [_pack(envelope), *frames]
+
+
+def encode_error(request_id: int, error: GraphlaneError) -> list[bytes]:
+    """The single frame of an error reply."""
+    _check_id(request_id)
+    if not isinstance(error, GraphlaneError):
+        raise ValueError(f"error must be a GraphlaneError, got {type(error).__name__}")
+    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": error.to_wire()}
+    return [_pack(envelope)]
+
+
+def tensor_to_wire(
+    t: torch.Tensor, frames: list[bytes | memoryview], *, path: str = "tensor"
+) -> dict[str, Any]:
+    """The ``$tensor`` map of a CPU tensor.
+
+    A tensor of more than :data:`INLINE_TENSOR_BYTES` bytes is appended to
+    ``frames`` (the data frames that follow the envelope, so the reference is
+    ``len(frames)`` after the append) as a memoryview over its memory; a
+    non-contiguous tensor is first copied into a contiguous one.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"{path}: tensor is on {t.device}; copy it to the CPU before sending")
+    if t.layout != torch.strided:
+        raise ValueError(f"{path}: {t.layout} tensors cannot be sent, only strided ones")
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise ValueError(f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(DTYPES)})")
+    t = t.detach().resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    spec: dict[str, Any] = {"dtype": name, "shape": list(t.shape)}
+    if t.numel() * t.element_size() <= INLINE_TENSOR_BYTES:
+        spec["data"] = _byte_view(t).tobytes()
+    else:
+        frames.append(_byte_view(t))
+        spec["frame"] = len(frames)
+    return {TENSOR_KEY: spec}
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte memoryview over a contiguous CPU tensor's memory (shares it)."""
+    # reshape(-1) first: a 0-dim tensor cannot be viewed as a dtype of another size.
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _check_id(request_id: int) -> None:
+    if isinstance(request_id, bool) or not isinstance(request_id, int):
+        raise ValueError(f"request id must be an int, got {type(request_id).__name__}")
+    if not 0 <= request_id <= _UINT64_MAX:
+        raise ValueError(f"request id must fit in uint64, got {request_id}")
+
+
+def _pack(envelope: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(envelope, use_bin_type=True)
+    return packed
+
+
+def _body_to_wire(body: Mapping[str, Any], frames: list[bytes | memoryview]) -> dict[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ValueError(f"body must be a mapping, got {type(body).__name__}")
+    wire = _to_wire(body, "body", frames, 1)
+    assert isinstance(wire, dict)
+    return wire
+
+
+def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int) -> Any:
+    if value is None or isinstance(value, bool | float | str | bytes):
+        return value
+    if isinstance(value, int):
+        if not _INT_MIN <= value <= _UINT64_MAX:
+            raise ValueError(f"{path}: int {value} does not fit in 64 bits")
+        return int(value)
+    if isinstance(value, torch.Tensor):
+        return tensor_to_wire(value, frames, path=path)
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    if depth > _MAX_ENCODE_DEPTH:
+        raise ValueError(f"{path}: nested deeper than {_MAX_ENCODE_DEPTH} levels (a cycle?)")
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{path}: map keys must be str, got {type(key).__name__}")
+            if key == TENSOR_KEY:
+                raise ValueError(f"{path}: the key {TENSOR_KEY!r} is reserved for tensors")
+            out[key] = _to_wire(item, f"{path}.{key}", frames, depth + 1)
+        return out
+    if isinstance(value, list | tuple):
+        return [_to_wire(item, f"{path}[{i}]", frames, depth + 1) for i, item in enumerate(value)]
+    raise ValueError(f"{path}: cannot send a value of type {type(value).__name__}")
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def decode_request(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Validate and decode a request. Raises :class:`DecodeError` and nothing else."""
+    decoder = _Decoder(limits)
+    try:
+        env = decoder.open(frames)
+        request_id = decoder.request_id
+        assert request_id is not None
+        op = decoder.require(env, "op")
+        if not isinstance(op, str) or not op:
+            decoder.fail(f"op: must be a non-empty str, got {_describe(op)}")
+        body = decoder.require(env, "body")
+        decoder.check_keys(env, _REQUEST_KEYS)
+        wire_body = decoder.body(body)
+        decoder.check_all_frames_used()
+        return Request(id=request_id, op=op, body=wire_body)
+    except DecodeError:
+        raise
+    except Exception as exc:  # a bug in the checks above must not escape as anything else
+        raise decoder.unexpected(exc) from exc
+
+
+def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Reply:
+    """Validate and decode a reply. Raises :class:`DecodeError` and nothing else."""
+    decoder = _Decoder(limits)
+    try:
+        env = decoder.open(frames)
+        request_id = decoder.request_id
+        assert request_id is not None
+        ok = decoder.require(env, "ok")
+        if not isinstance(ok, bool):
+            decoder.fail(f"ok: must be a bool, got {_describe(ok)}")
+        if ok:
+            body = decoder.require(env, "body")
+            decoder.check_keys(env, _REPLY_OK_KEYS)
+            reply = Reply(id=request_id, ok=True, body=decoder.body(body), error=None)
+        else:
+            error = decoder.require(env, "error")
+            if not isinstance(error, dict):
+                decoder.fail(f"error: must be a map, got {_describe(error)}")
+            decoder.check_keys(env, _REPLY_ERROR_KEYS)
+            reply = Reply(id=request_id, ok=False, body={}, error=error_from_wire(error))
+        decoder.check_all_frames_used()
+        return reply
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise decoder.unexpected(exc) from exc
+
+
+class _Decoder:
+    """The state of one decode: the frames, which of them tensors used, the id once read."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.buffers: list[memoryview] = []
+        self.used: set[int] = set()
+        self.request_id: int | None = None
+
+    def fail(self, message: str, code: ErrorCode = ErrorCode.BAD_REQUEST) -> NoReturn:
+        raise DecodeError(message, code=code, request_id=self.request_id)
+
+    def unexpected(self, exc: Exception) -> DecodeError:
+        message = f"cannot decode message: {type(exc).__name__}: {exc}"
+        return DecodeError(message, request_id=self.request_id)
+
+    # -- envelope
+
+    def open(self, frames: Sequence[FrameLike]) -> dict[Any, Any]:
+        """Check sizes, unpack the envelope, read id and version; returns the envelope map."""
+        self.buffers = _as_buffers(frames)
+        limits = self.limits
+        if not self.buffers:
+            self.fail("message has no frames")
+        envelope_bytes = self.buffers[0].nbytes
+        if envelope_bytes > limits.max_envelope_bytes:
+            self.fail(
+                f"envelope is {envelope_bytes} bytes, over the limit of "
+                f"{limits.max_envelope_bytes} (Limits.max_envelope_bytes)"
+            )
+        if len(self.buffers) > limits.max_frames:
+            self.request_id = _peek_id(self.buffers[0])
+            self.fail(f"{len(self.buffers)} frames, over the limit of {limits.max_frames}")
+        total = sum(buf.nbytes for buf in self.buffers)
+        if total > limits.max_message_bytes:
+            self.request_id = _peek_id(self.buffers[0])
+            self.fail(f"message is {total} bytes, over the limit of {limits.max_message_bytes}")
+        try:
+            env = msgpack.unpackb(
+                self.buffers[0],
+                raw=False,
+                strict_map_key=True,
+                use_list=True,
+                max_str_len=limits.max_str_bytes,
+                max_bin_len=limits.max_envelope_bytes,
+                max_array_len=limits.max_items,
+                max_map_len=limits.max_items,
+                max_ext_len=limits.max_envelope_bytes,
+            )
+        except Exception as exc:
+            # Over a limit, or not msgpack: tell the sender if its id can still be read.
+            self.request_id = _peek_id(self.buffers[0])
+            self.fail(f"envelope: not valid msgpack or over a limit: {type(exc).__name__}: {exc}")
+        if not isinstance(env, dict):
+            self.fail(f"envelope: must be a map, got {_describe(env)}")
+        self.request_id = self._read_id(env)
+        self._check_version(env)
+        return env
+
+    def _read_id(self, env: dict[Any, Any]) -> int:
+        if "id" not in env:
+            self.fail("id: missing envelope field")
+        request_id = env["id"]
+        if not _is_uint64(request_id):
+            self.fail(f"id: must be an int in 0..2**64-1, got {_describe(request_id)}")
+        assert isinstance(request_id, int)
+        return request_id
+
+    def _check_version(self, env: dict[Any, Any]) -> None:
+        if "v" not in env:
+            self.fail("v: missing envelope field")
+        version = env["v"]
+        if isinstance(version, bool) or not isinstance(version, int) or version != PROTOCOL_VERSION:
+            self.fail(
+                f"v: protocol version {_describe(version)} is not supported (this peer speaks "
+                f"{PROTOCOL_VERSION})",
+                ErrorCode.UNSUPPORTED_VERSION,
+            )
+
+    def require(self, env: dict[Any, Any], key: str) -> Any:
+        if key not in env:
+            self.fail(f"{key}: missing envelope field")
+        return env[key]
+
+    def check_keys(self, env: dict[Any, Any], allowed: frozenset[str]) -> None:
+        for key in env:
+            if key not in allowed:
+                self.fail(f"{_key_text(key)}: unknown envelope field (known: {sorted(allowed)})")
+
+    def check_all_frames_used(self) -> None:
+        unused = [i for i in range(1, len(self.buffers)) if i not in self.used]
+        if unused:
+            self.fail(f"extra frames: {unused} are not referenced by any tensor")
+
+    # -- body
+
+    def body(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            self.fail(f"body: must be a map, got {_describe(body)}")
+        decoded = self.container(body, "body", 1)
+        if not isinstance(decoded, dict):
+            self.fail("body: must be a map of fields, not a tensor")
+        return decoded
+
+    # The walk replaces tensor maps in place: the containers are fresh from msgpack
+    # and nobody else holds them. Scalars (exact msgpack types) are skipped without a
+    # call, and a child's path is only formatted when the child is a container.
+
+    def container(self, value: dict[Any, Any] | list[Any], path: str, depth: int) -> Any:
+        if depth > self.limits.max_depth:
+            self.fail(f"{path}: nested deeper than {self.limits.max_depth} levels")
+        if len(value) > self.limits.max_items:  # msgpack bounds this too; kept for clarity
+            self.fail(f"{path}: {len(value)} items, over the limit of {self.limits.max_items}")
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if type(item) not in _SCALAR_TYPES:
+                    value[i] = self.child(item, f"{path}[{i}]", depth + 1)
+            return value
+        if TENSOR_KEY in value:
+            return self.tensor(value, path)
+        for key, item in value.items():
+            if type(key) is not str:
+                self.fail(f"{path}: map keys must be str, got {type(key).__name__}")
+            if type(item) not in _SCALAR_TYPES:
+                value[key] = self.child(item, f"{path}.{_key_text(key)}", depth + 1)
+        return value
+
+    def child(self, item: Any, path: str, depth: int) -> Any:
+        if isinstance(item, dict | list):
+            return self.container(item, path, depth)
+        self.fail(f"{path}: values of type {type(item).__name__} are not accepted")
+
+    def tensor(self, wrapper: dict[Any, Any], path: str) -> torch.Tensor:
+        if len(wrapper) != 1:
+            self.fail(f"{path}: a {TENSOR_KEY} map must have no other keys")
+        spec = wrapper[TENSOR_KEY]
+        if not isinstance(spec, dict):
+            self.fail(f"{path}.{TENSOR_KEY}: must be a map, got {_describe(spec)}")
+        for key in spec:
+            if key not in _TENSOR_FIELDS:
+                self.fail(f"{path}.{_key_text(key)}: unknown tensor field")
+        dtype = self._dtype(spec, path)
+        shape = self._shape(spec, path)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.limits.max_tensor_bytes:
+            self.fail(
+                f"{path}.shape: {shape} of {dtype} is {nbytes} bytes, over the limit of "
+                f"{self.limits.max_tensor_bytes}"
+            )
+        if ("frame" in spec) == ("data" in spec):
+            self.fail(f"{path}: needs exactly one of 'frame' and 'data'")
+        if "frame" in spec:
+            field, buf = "frame", self._frame(spec["frame"], path)
+        else:
+            field, buf = "data", spec["data"]
+            if not isinstance(buf, bytes):
+                self.fail(f"{path}.data: must be bin, got {_describe(buf)}")
+            buf = memoryview(buf)
+        if buf.nbytes != nbytes:
+            self.fail(
+                f"{path}.{field}: has {buf.nbytes} bytes, shape {shape} of {dtype} needs {nbytes}"
+            )
+        return self._view(buf, dtype, shape, f"{path}.{field}")
+
+    def _dtype(self, spec: dict[Any, Any], path: str) -> torch.dtype:
+        name = spec.get("dtype")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        if dtype is None:
+            self.fail(f"{path}.dtype: must be one of {sorted(DTYPES)}, got {_describe(name)}")
+        return dtype
+
+    def _shape(self, spec: dict[Any, Any], path: str) -> list[int]:
+        shape = spec.get("shape")
+        if not isinstance(shape, list):
+            self.fail(f"{path}.shape: must be a list of ints, got {_describe(shape)}")
+        if len(shape) > self.limits.max_tensor_dims:
+            self.fail(
+                f"{path}.shape: {len(shape)} dims, over the limit of {self.limits.max_tensor_dims}"
+            )
+        for i, dim in enumerate(shape):
+            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+                self.fail(f"{path}.shape[{i}]: must be an int >= 0, got {_describe(dim)}")
+        return shape
+
+    def _frame(self, index: Any, path: str) -> memoryview:
+        last = len(self.buffers) - 1
+        if isinstance(index, bool) or not isinstance(index, int) or not 1 <= index <= last:
+            self.fail(f"{path}.frame: must be a frame index in 1..{last}, got {_describe(index)}")
+        if index in self.used:
+            self.fail(f"{path}.frame: frame {index} is referenced by another tensor")
+        self.used.add(index)
+        return self.buffers[index]
+
+    def _view(
+        self, buf: memoryview, dtype: torch.dtype, shape: list[int], path: str
+    ) -> torch.Tensor:
+        if buf.nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        if buf.readonly:
+            with warnings.catch_warnings():
+                # frombuffer warns that a read-only buffer (bytes) gives a writable
+                # tensor; decoded tensors are documented as read-only.
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(buf, dtype=torch.uint8)
+        else:  # a received zmq frame or a bytearray: no warning to silence
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+        if flat.data_ptr() % dtype.itemsize:
+            flat = flat.clone()  # misaligned buffer: an aligned copy is the only safe view
+        if dtype == torch.bool and bool((flat > 1).any()):
+            self.fail(f"{path}: bool tensor bytes must be 0 or 1")
+        return flat.view(dtype).reshape(shape)
+
+
+def _as_buffers(frames: Sequence[FrameLike]) -> list[memoryview]:
+    if isinstance(frames, bytes | bytearray | memoryview | str) or not isinstance(frames, Sequence):
+        raise DecodeError(f"frames must be a sequence of buffers, got {type(frames).__name__}")
+    buffers = []
+    for i, frame in enumerate(frames):
+        try:
+            view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+            if not view.c_contiguous:
+                view = memoryview(view.tobytes())
+            if view.ndim != 1 or view.format != "B":
+                view = view.cast("B")
+        except (TypeError, ValueError) as exc:
+            raise DecodeError(f"frame {i}: not a byte buffer ({exc})") from exc
+        buffers.append(view)
+    return buffers
+
+
+def _peek_id(envelope: memoryview) -> int | None:
+    """The id of an envelope that failed a check, if it can be read cheaply; never raises."""
+    try:
+        unpacker = msgpack.Unpacker(
+            raw=False, strict_map_key=True, max_buffer_size=max(envelope.nbytes, 1)
+        )
+        unpacker.feed(envelope)
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                value = unpacker.unpack()
+                return value if _is_uint64(value) else None
+            unpacker.skip()
+    except Exception:
+        return None
+    return None
+
+
+def _is_uint64(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= _UINT64_MAX
+
+
+def _describe(value: Any) -> str:
+    """A short description of a received value for error messages."""
+    if isinstance(value, str | bytes | int | float | bool) or value is None:
+        text = repr(value)
+        return text if len(text) <= 40 else f"{text[:37]}..."
+    return type(value).__name__
+
+
+def _key_text(key: Any) -> str:
+    text = key if isinstance(key, str) else repr(key)
+    return text if len(text) <= 64 else f"{text[:61]}..."

@@ -1,0 +1,239 @@
+"""Wire error codes and the exception tree that carries them.
+
+Every failed request is answered with one stable code (an :class:`ErrorCode`);
+the message text is for people and may change. Both sides use the same tree:
+the server raises a subclass and sends ``{"code", "message", "retryable"}``
+(:func:`graphlane.protocol.codec.encode_error`); the client turns that map back
+into the same subclass with :func:`error_from_wire`.
+
+The tree is split by what the caller should do about it::
+
+    GraphlaneError
+    ├── RequestError        the request was wrong: fix it, do not retry
+    │   ├── BadRequest          malformed message, unknown field, wrong type, over a limit
+    │   ├── UnknownProgram      no program of that name is loaded
+    │   ├── UnknownDevice       no worker serves that device id
+    │   ├── UnsupportedVersion  the envelope's "v" is not a version this server speaks
+    │   └── Unauthorized        the peer may not make this request
+    └── ServiceError        the service could not serve it now: may retry
+        ├── Busy                queue full; retry after a pause            (retryable)
+        ├── WorkerLost          the worker died while holding the request  (retryable)
+        ├── Timeout             no result before the deadline              (retryable)
+        ├── ShuttingDown        the daemon is draining or stopping         (retryable)
+        └── InternalError       a bug or an unexpected fault on the server (not retryable)
+
+``retryable`` defaults from :data:`RETRYABLE` and a server may override it per
+error (e.g. a ``TIMEOUT`` of a step that may already have been applied).
+Tests assert on ``code``, never on message text.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+__all__ = [
+    "RETRYABLE",
+    "BadRequest",
+    "Busy",
+    "ErrorCode",
+    "GraphlaneError",
+    "InternalError",
+    "RequestError",
+    "ServiceError",
+    "ShuttingDown",
+    "Timeout",
+    "Unauthorized",
+    "UnknownDevice",
+    "UnknownProgram",
+    "UnsupportedVersion",
+    "WorkerLost",
+    "error_class",
+    "error_from_wire",
+]
+
+
+class ErrorCode(enum.StrEnum):
+    """Stable error codes sent on the wire (the value is the wire string)."""
+
+    BAD_REQUEST = "BAD_REQUEST"
+    UNKNOWN_PROGRAM = "UNKNOWN_PROGRAM"
+    UNKNOWN_DEVICE = "UNKNOWN_DEVICE"
+    BUSY = "BUSY"
+    WORKER_LOST = "WORKER_LOST"
+    TIMEOUT = "TIMEOUT"
+    UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"
+    UNAUTHORIZED = "UNAUTHORIZED"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    INTERNAL = "INTERNAL"
+
+
+RETRYABLE: frozenset[ErrorCode] = frozenset(
+    {ErrorCode.BUSY, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
+)
+"""Codes whose errors are retryable unless the sender says otherwise."""
+
+
+class GraphlaneError(Exception):
+    """Base of every error that travels on the wire.
+
+    Subclasses set the class attribute ``code``; the base itself reports
+    ``INTERNAL`` so that a bare ``GraphlaneError`` is never mistaken for a
+    request error.
+    """
+
+    code: ClassVar[ErrorCode] = ErrorCode.INTERNAL
+    message: str
+    retryable: bool
+
+    def __init__(self, message: str, *, retryable: bool | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = self.code in RETRYABLE if retryable is None else retryable
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, retryable={self.retryable})"
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``error`` map of a reply envelope."""
+        return {"code": str(self.code), "message": self.message, "retryable": self.retryable}
+
+
+class RequestError(GraphlaneError):
+    """The request was wrong: fix it, do not retry."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class BadRequest(RequestError):
+    """Malformed message, unknown field, wrong type or a value over a limit."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+class UnknownProgram(RequestError):
+    """No graph program of that name is loaded."""
+
+    code = ErrorCode.UNKNOWN_PROGRAM
+
+
+class UnknownDevice(RequestError):
+    """No worker serves that device id."""
+
+    code = ErrorCode.UNKNOWN_DEVICE
+
+
+class UnsupportedVersion(RequestError):
+    """The envelope's protocol version is not one this peer speaks."""
+
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class Unauthorized(RequestError):
+    """The peer may not make this request."""
+
+    code = ErrorCode.UNAUTHORIZED
+
+
+class ServiceError(GraphlaneError):
+    """The service could not serve the request now: it may be retried."""
+
+    code = ErrorCode.INTERNAL
+
+
+class Busy(ServiceError):
+    """The target's queue is full."""
+
+    code = ErrorCode.BUSY
+
+
+class WorkerLost(ServiceError):
+    """The worker process died or stopped answering while it held the request."""
+
+    code = ErrorCode.WORKER_LOST
+
+
+class Timeout(ServiceError):
+    """No result before the request's deadline."""
+
+    code = ErrorCode.TIMEOUT
+
+
+class ShuttingDown(ServiceError):
+    """The daemon is draining or stopping and takes no new work."""
+
+    code = ErrorCode.SHUTTING_DOWN
+
+
+class InternalError(ServiceError):
+    """A bug or an unexpected fault on the server (also: an unreadable error from the peer)."""
+
+    code = ErrorCode.INTERNAL
+
+
+_CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        UnknownProgram,
+        UnknownDevice,
+        UnsupportedVersion,
+        Unauthorized,
+        Busy,
+        WorkerLost,
+        Timeout,
+        ShuttingDown,
+        InternalError,
+    )
+}
+assert set(_CLASSES) == set(ErrorCode), "every code needs exactly one class"
+
+
+def error_class(code: str | ErrorCode) -> type[GraphlaneError]:
+    """The exception class of a wire code; an unknown code maps to :class:`InternalError`."""
+    try:
+        return _CLASSES[ErrorCode(code)]
+    except ValueError:
+        return InternalError
+
+
+_WIRE_KEYS = frozenset({"code", "message", "retryable"})
+
+
+def error_from_wire(error: Mapping[str, Any]) -> GraphlaneError:
+    """Build the exception described by a reply's ``error`` map. Never raises.
+
+    A map that is not exactly ``{"code": str, "message": str, "retryable": bool}``
+    becomes an :class:`InternalError` describing what was wrong with it. A code
+    this side does not know becomes an ``InternalError`` whose message keeps the
+    code and the peer's message (its ``retryable`` flag is kept).
+    """
+    problem = _wire_problem(error)
+    if problem is not None:
+        return InternalError(f"malformed error from peer: {problem}")
+    code: str = error["code"]
+    message: str = error["message"]
+    retryable: bool = error["retryable"]
+    try:
+        known = ErrorCode(code)
+    except ValueError:
+        return InternalError(f"unknown error code {code!r}: {message}", retryable=retryable)
+    return _CLASSES[known](message, retryable=retryable)
+
+
+def _wire_problem(error: object) -> str | None:
+    if not isinstance(error, Mapping):
+        return f"error must be a map, got {type(error).__name__}"
+    for key in error:
+        if key not in _WIRE_KEYS:
+            return f"unknown field error.{key}"
+    for key, kind in (("code", str), ("message", str), ("retryable", bool)):
+        if key not in error:
+            return f"missing field error.{key}"
+        if not isinstance(error[key], kind):
+            return f"error.{key} must be {kind.__name__}, got {type(error[key]).__name__}"
+    return None

@@ -1,0 +1,381 @@
+"""Typed request bodies, one frozen class per operation.
+
+Each class is the spec of its operation's body: its fields are the body's keys,
+``from_body`` validates a decoded body (an unknown key, a missing required key
+or a wrong type raises :class:`~graphlane.protocol.errors.BadRequest` naming
+``body.<field>``) and ``to_body`` gives the map to encode. Constructing a class
+directly runs the same checks, so a client cannot build a body the server would
+refuse for its shape.
+
+The codec has already enforced sizes, nesting and tensor layout; these classes
+check meaning: which keys exist, their types and ranges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Self, TypeAlias
+
+import torch
+
+from graphlane.protocol.codec import encode_request
+from graphlane.protocol.errors import BadRequest
+
+__all__ = [
+    "MAX_OUTPUTS",
+    "MESSAGES",
+    "DrainRequest",
+    "Hello",
+    "Message",
+    "ReplayRequestMsg",
+    "ShutdownRequest",
+    "StatusRequest",
+    "StepRequestMsg",
+    "UpdateRequestMsg",
+    "encode_message",
+    "parse_body",
+]
+
+MAX_OUTPUTS = 16
+"""Most output names a step or replay may ask for."""
+
+BATCH_PARAM = "actual_seq_lengths_kv"
+"""The parameter whose length gives ``batch`` when a step or update omits it."""
+
+
+# ------------------------------------------------------------------------- field checks
+
+
+def _str(value: Any, name: str, *, non_empty: bool = False) -> str:
+    if not isinstance(value, str) or (non_empty and not value):
+        kind = "a non-empty str" if non_empty else "a str"
+        raise BadRequest(f"body.{name}: must be {kind}, got {_type(value)}")
+    return value
+
+
+def _int(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise BadRequest(f"body.{name}: must be an int >= {minimum}, got {_show(value)}")
+    return value
+
+
+def _optional_int(value: Any, name: str, *, minimum: int) -> int | None:
+    return None if value is None else _int(value, name, minimum=minimum)
+
+
+def _params(value: Any, name: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise BadRequest(f"body.{name}: must be a map, got {_type(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise BadRequest(f"body.{name}: keys must be str, got {_type(key)}")
+    return dict(value)
+
+
+def _tensors(value: Any, name: str) -> dict[str, torch.Tensor]:
+    tensors = _params(value, name)
+    for key, item in tensors.items():
+        if not isinstance(item, torch.Tensor):
+            raise BadRequest(f"body.{name}.{key}: must be a tensor, got {_type(item)}")
+    return tensors
+
+
+def _names(value: Any, name: str) -> tuple[str, ...]:
+    if not isinstance(value, list | tuple):
+        raise BadRequest(f"body.{name}: must be a list of str, got {_type(value)}")
+    if len(value) > MAX_OUTPUTS:
+        raise BadRequest(f"body.{name}: {len(value)} names, at most {MAX_OUTPUTS} allowed")
+    for i, item in enumerate(value):
+        _str(item, f"{name}[{i}]", non_empty=True)
+    if len(set(value)) != len(value):
+        raise BadRequest(f"body.{name}: names must be unique, got {list(value)}")
+    return tuple(value)
+
+
+def _type(value: Any) -> str:
+    return "nil" if value is None else type(value).__name__
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, int) else _type(value)
+
+
+def _set(obj: object, **values: Any) -> None:
+    """Store normalized field values on a frozen instance (only from ``__post_init__``)."""
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+
+
+class _Body:
+    """Reads a body map for one message class: rejects unknown keys, reports missing ones."""
+
+    def __init__(self, cls: type[Any], body: Mapping[str, Any]) -> None:
+        if not isinstance(body, Mapping):
+            raise BadRequest(f"body: must be a map, got {_type(body)}")
+        known = [f.name for f in fields(cls)]
+        for key in body:
+            if key not in known:
+                raise BadRequest(f"body.{key}: unknown field of {cls.OP!r} (known: {known})")
+        self.body = body
+
+    def required(self, name: str) -> Any:
+        if name not in self.body:
+            raise BadRequest(f"body.{name}: missing required field")
+        return self.body[name]
+
+    def optional(self, name: str, default: Any) -> Any:
+        return self.body.get(name, default)
+
+    def batch(self) -> Any:
+        """``batch``, or the length of ``params.actual_seq_lengths_kv`` when it is absent."""
+        if "batch" in self.body:
+            return self.body["batch"]
+        params = self.body.get("params")
+        lengths = params.get(BATCH_PARAM) if isinstance(params, Mapping) else None
+        if not isinstance(lengths, list | tuple):
+            raise BadRequest(
+                f"body.batch: missing, and not inferable (body.params.{BATCH_PARAM} is not a list)"
+            )
+        return len(lengths)
+
+
+def _wire(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
+class _Message:
+    """Shared ``to_body``: every field, except optional ones left at None."""
+
+    OP: ClassVar[str]
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if value is None and f.default is None:
+                continue
+            body[f.name] = _wire(value)
+        return body
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Hello(_Message):
+    """``hello``: who is calling; the reply says what the server can do.
+
+    Body: ``{"client": str}`` (optional, free text for logs).
+    Reply body (a free-form map, for people and feature checks):
+    ``{"version": 1, "server": str, "capabilities": {...}, "workers": [...]}``.
+    """
+
+    OP: ClassVar[str] = "hello"
+    client: str = ""
+
+    def __post_init__(self) -> None:
+        _str(self.client, "client")
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        r = _Body(cls, body)
+        return cls(client=r.optional("client", ""))
+
+
+@dataclass(frozen=True)
+class StatusRequest(_Message):
+    """``status``: the daemon's state, its workers and counters. Body: ``{}``."""
+
+    OP: ClassVar[str] = "status"
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        _Body(cls, body)
+        return cls()
+
+
+@dataclass(frozen=True)
+class StepRequestMsg(_Message):
+    """``step``: patch ``program``'s graph on ``device`` with ``params``, replay it, return outputs.
+
+    ``batch`` may be omitted on the wire; it is then ``len(params.actual_seq_lengths_kv)``.
+    ``inputs`` are copied into the graph's static buffers; ``outputs`` names the
+    tensors to send back (at most 16). ``timeout_ms`` bounds the whole step.
+    """
+
+    OP: ClassVar[str] = "step"
+    program: str
+    device: int
+    batch: int
+    params: dict[str, Any]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    outputs: tuple[str, ...] = ("out",)
+    timeout_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        _set(
+            self,
+            program=_str(self.program, "program", non_empty=True),
+            device=_int(self.device, "device", minimum=0),
+            batch=_int(self.batch, "batch", minimum=1),
+            params=_params(self.params, "params"),
+            inputs=_tensors(self.inputs, "inputs"),
+            outputs=_names(self.outputs, "outputs"),
+            timeout_ms=_optional_int(self.timeout_ms, "timeout_ms", minimum=1),
+        )
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        r = _Body(cls, body)
+        return cls(
+            program=r.required("program"),
+            device=r.required("device"),
+            batch=r.batch(),
+            params=r.required("params"),
+            inputs=r.optional("inputs", {}),
+            outputs=r.optional("outputs", ("out",)),
+            timeout_ms=r.optional("timeout_ms", None),
+        )
+
+
+@dataclass(frozen=True)
+class UpdateRequestMsg(_Message):
+    """``update``: patch the graph for the next replay, without replaying it.
+
+    Fields as ``step`` without ``outputs``; ``batch`` is inferred the same way.
+    """
+
+    OP: ClassVar[str] = "update"
+    program: str
+    device: int
+    batch: int
+    params: dict[str, Any]
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    timeout_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        _set(
+            self,
+            program=_str(self.program, "program", non_empty=True),
+            device=_int(self.device, "device", minimum=0),
+            batch=_int(self.batch, "batch", minimum=1),
+            params=_params(self.params, "params"),
+            inputs=_tensors(self.inputs, "inputs"),
+            timeout_ms=_optional_int(self.timeout_ms, "timeout_ms", minimum=1),
+        )
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        r = _Body(cls, body)
+        return cls(
+            program=r.required("program"),
+            device=r.required("device"),
+            batch=r.batch(),
+            params=r.required("params"),
+            inputs=r.optional("inputs", {}),
+            timeout_ms=r.optional("timeout_ms", None),
+        )
+
+
+@dataclass(frozen=True)
+class ReplayRequestMsg(_Message):
+    """``replay``: replay the graph as last patched, return ``outputs``. ``batch`` is required."""
+
+    OP: ClassVar[str] = "replay"
+    program: str
+    device: int
+    batch: int
+    outputs: tuple[str, ...] = ("out",)
+    timeout_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        _set(
+            self,
+            program=_str(self.program, "program", non_empty=True),
+            device=_int(self.device, "device", minimum=0),
+            batch=_int(self.batch, "batch", minimum=1),
+            outputs=_names(self.outputs, "outputs"),
+            timeout_ms=_optional_int(self.timeout_ms, "timeout_ms", minimum=1),
+        )
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        r = _Body(cls, body)
+        return cls(
+            program=r.required("program"),
+            device=r.required("device"),
+            batch=r.required("batch"),
+            outputs=r.optional("outputs", ("out",)),
+            timeout_ms=r.optional("timeout_ms", None),
+        )
+
+
+@dataclass(frozen=True)
+class DrainRequest(_Message):
+    """``drain``: finish in-flight work and take no more, on one device or (no ``device``) all."""
+
+    OP: ClassVar[str] = "drain"
+    device: int | None = None
+
+    def __post_init__(self) -> None:
+        _optional_int(self.device, "device", minimum=0)
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        r = _Body(cls, body)
+        return cls(device=r.optional("device", None))
+
+
+@dataclass(frozen=True)
+class ShutdownRequest(_Message):
+    """``shutdown``: drain, stop the workers, exit. Body: ``{}``."""
+
+    OP: ClassVar[str] = "shutdown"
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Self:
+        _Body(cls, body)
+        return cls()
+
+
+Message: TypeAlias = (
+    Hello
+    | StatusRequest
+    | StepRequestMsg
+    | UpdateRequestMsg
+    | ReplayRequestMsg
+    | DrainRequest
+    | ShutdownRequest
+)
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.OP: cls
+    for cls in (
+        Hello,
+        StatusRequest,
+        StepRequestMsg,
+        UpdateRequestMsg,
+        ReplayRequestMsg,
+        DrainRequest,
+        ShutdownRequest,
+    )
+}
+"""Operation name → body class."""
+
+
+def parse_body(op: str, body: Mapping[str, Any]) -> Message:
+    """The typed body of a decoded request; raises ``BadRequest`` naming ``op`` or the field."""
+    cls = MESSAGES.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise BadRequest(f"op: unknown operation {op!r} (known: {sorted(MESSAGES)})")
+    return cls.from_body(body)
+
+
+def encode_message(request_id: int, message: Message) -> list[bytes | memoryview]:
+    """Frames of a request carrying ``message`` (``encode_request`` with its op and body)."""
+    return encode_request(request_id, message.OP, message.to_body())

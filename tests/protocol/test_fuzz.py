@@ -1,0 +1,227 @@
+"""Whatever arrives, decoding returns a well-formed value or raises DecodeError: nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from graphlane.protocol import (
+    DEFAULT_LIMITS,
+    DTYPES,
+    TENSOR_KEY,
+    DecodeError,
+    ErrorCode,
+    Limits,
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    encode_error,
+    encode_reply,
+    encode_request,
+)
+from graphlane.protocol.errors import Busy
+
+FUZZ = settings(
+    max_examples=300,
+    deadline=None,
+    database=None,  # leave no files behind
+    # The autouse device fixture runs once per test, not per example: that is fine here.
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+TIGHT = Limits(
+    max_message_bytes=8192,
+    max_frames=4,
+    max_envelope_bytes=2048,
+    max_depth=3,
+    max_items=8,
+    max_str_bytes=64,
+    max_tensor_bytes=2048,
+    max_tensor_dims=3,
+)
+limits_st = st.sampled_from([DEFAULT_LIMITS, TIGHT])
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+def check_value(value: Any, depth: int, limits: Limits) -> None:
+    """A decoded body value has only the documented types and respects the limits."""
+    if isinstance(value, torch.Tensor | dict | list):
+        assert depth <= limits.max_depth
+    if isinstance(value, torch.Tensor):
+        assert value.dtype in DTYPES.values() and value.device.type == "cpu"
+        assert value.dim() <= limits.max_tensor_dims
+        assert value.numel() * value.element_size() <= limits.max_tensor_bytes
+    elif isinstance(value, dict):
+        assert len(value) <= limits.max_items and TENSOR_KEY not in value
+        for key, item in value.items():
+            assert isinstance(key, str)
+            check_value(item, depth + 1, limits)
+    elif isinstance(value, list):
+        assert len(value) <= limits.max_items
+        for item in value:
+            check_value(item, depth + 1, limits)
+    else:
+        assert value is None or isinstance(value, bool | int | float | str | bytes)
+
+
+def decodes_or_refuses(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> None:
+    for decode in (decode_request, decode_reply):
+        try:
+            result: Request | Reply = decode(frames, limits)
+        except DecodeError as exc:
+            assert exc.code in set(ErrorCode)
+            assert exc.request_id is None or 0 <= exc.request_id < 2**64
+            continue
+        assert 0 <= result.id < 2**64
+        assert isinstance(result.body, dict)
+        check_value(result.body, 1, limits)
+        if isinstance(result, Request):
+            assert isinstance(result.op, str) and result.op
+        else:
+            assert (result.error is None) == result.ok
+
+
+# -------------------------------------------------------------------------- 1: raw bytes
+
+
+@FUZZ
+@given(st.binary(max_size=4096), limits_st)
+def test_any_bytes_as_one_frame(data: bytes, limits: Limits) -> None:
+    decodes_or_refuses([data], limits)
+
+
+@FUZZ
+@given(st.lists(st.binary(max_size=1024), max_size=6), limits_st)
+def test_any_bytes_as_several_frames(frames: list[bytes], limits: Limits) -> None:
+    decodes_or_refuses(frames, limits)
+
+
+# ------------------------------------------------------------------- 2: structured values
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=20)
+    | st.binary(max_size=40)
+)
+keys = st.sampled_from(["v", "id", "op", "body", "ok", "error", "x", "dtype", "shape"]) | st.text(
+    max_size=8
+)
+tensor_specs = st.fixed_dictionaries(
+    {},
+    optional={
+        "dtype": st.sampled_from([*DTYPES, "complex64"]) | scalars,
+        "shape": st.lists(st.integers(-2, 40), max_size=4) | scalars,
+        "frame": st.integers(-1, 4) | scalars,
+        "data": st.binary(max_size=64) | scalars,
+    },
+).map(lambda spec: {TENSOR_KEY: spec})
+values = st.recursive(
+    scalars | tensor_specs,
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(keys, children, max_size=5),
+    max_leaves=30,
+)
+envelopes = st.fixed_dictionaries(
+    {},
+    optional={
+        "v": st.just(1) | values,
+        "id": st.integers(0, 2**64 - 1) | values,
+        "op": st.sampled_from(["step", "hello"]) | values,
+        "ok": st.booleans() | values,
+        "body": st.dictionaries(keys, values, max_size=6) | values,
+        "error": st.fixed_dictionaries(
+            {"code": st.sampled_from(list(ErrorCode)) | st.text(max_size=5), "message": st.text()}
+        )
+        | values,
+        "extra": values,
+    },
+)
+
+
+@FUZZ
+@given(values, st.lists(st.binary(max_size=128), max_size=3), limits_st)
+def test_any_msgpack_value_as_envelope(env: Any, extra: list[bytes], limits: Limits) -> None:
+    decodes_or_refuses([msgpack.packb(env, use_bin_type=True), *extra], limits)
+
+
+@FUZZ
+@given(envelopes, st.lists(st.binary(max_size=256), max_size=3), limits_st)
+def test_envelope_like_maps(env: dict[str, Any], extra: list[bytes], limits: Limits) -> None:
+    decodes_or_refuses([msgpack.packb(env, use_bin_type=True), *extra], limits)
+
+
+# ------------------------------------------------------------------ 3: mutated messages
+
+
+def valid_messages() -> list[list[bytes]]:
+    body = {
+        "program": "attention",
+        "device": 0,
+        "params": {"actual_seq_lengths_kv": [3, 1, 4], "scale": 0.5},
+        "inputs": {
+            "query": torch.randn(3, 2, 64).half(),  # 768 bytes: inline
+            "keys": torch.randn(3, 128),  # 1536 bytes: a frame
+            "mask": torch.ones(1200, dtype=torch.bool),  # a frame
+            "pos": torch.arange(3),
+            "empty": torch.zeros(0, 4),
+            "scalar": torch.tensor(2.0, dtype=torch.bfloat16),
+        },
+        "outputs": ["out", "lse"],
+    }
+    messages: list[Sequence[bytes | memoryview]] = [
+        encode_request(12345, "step", body),
+        encode_reply(12345, {"outputs": {"out": torch.randn(20, 20)}}),
+        encode_error(7, Busy("queue full")),
+    ]
+    return [[bytes(frame) for frame in frames] for frames in messages]
+
+
+VALID = valid_messages()
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> list[bytes]:
+    frames = [bytearray(frame) for frame in draw(st.sampled_from(VALID))]
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "set", "truncate", "insert", "drop", "dup", "swap"]))
+        i = draw(st.integers(0, len(frames) - 1)) if frames else 0
+        if kind in ("flip", "set") and frames and frames[i]:
+            pos = draw(st.integers(0, len(frames[i]) - 1))
+            if kind == "flip":
+                frames[i][pos] ^= 1 << draw(st.integers(0, 7))
+            else:
+                frames[i][pos] = draw(st.integers(0, 255))
+        elif kind == "truncate" and frames:
+            del frames[i][draw(st.integers(0, len(frames[i]))) :]
+        elif kind == "insert" and frames:
+            pos = draw(st.integers(0, len(frames[i])))
+            frames[i][pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "drop" and frames:
+            del frames[i]
+        elif kind == "dup" and frames:
+            frames.insert(i, bytearray(frames[i]))
+        elif kind == "swap" and len(frames) > 1:
+            j = draw(st.integers(0, len(frames) - 1))
+            frames[i], frames[j] = frames[j], frames[i]
+    return [bytes(frame) for frame in frames]
+
+
+def test_the_unmutated_messages_decode() -> None:
+    assert decode_request(VALID[0]).id == 12345
+    assert decode_reply(VALID[1]).ok and isinstance(decode_reply(VALID[2]).error, Busy)
+
+
+@FUZZ
+@given(mutated(), limits_st)
+def test_mutated_messages(frames: list[bytes], limits: Limits) -> None:
+    decodes_or_refuses(frames, limits)
