@@ -111,6 +111,8 @@ class Daemon:
 
     def request_shutdown(self, why: str = "request") -> None:
         if self.state == RUNNING:
+            for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal changes nothing
+                asyncio.get_running_loop().add_signal_handler(sig, lambda: None)
             log.info("shutdown requested (%s)", why)
             self.state = DRAINING
             self.supervisor.drain()
@@ -219,4 +221,10 @@ def _prepare_ipc(endpoint: str) -> None:
 
 
 def serve(config: ServeConfig, ready_file: str | None = None) -> int:
-    return asyncio.run(Daemon(config).run(ready_file))
+    daemon = Daemon(config)
+    try:
+        return asyncio.run(daemon.run(ready_file))
+    finally:
+        # Shutting down already: a repeated SIGTERM/SIGINT must not kill the exit path.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -77,6 +77,7 @@ _REQUEST_KEYS = frozenset({"v", "id", "op", "body"})
 _REPLY_OK_KEYS = frozenset({"v", "id", "ok", "body"})
 _REPLY_ERROR_KEYS = frozenset({"v", "id", "ok", "error"})
 _TENSOR_FIELDS = frozenset({"dtype", "shape", "frame", "data"})
+_PLAIN_TYPES = frozenset({type(None), bool, float, str, bytes})  # sent as they are
 _SCALAR_TYPES = frozenset({type(None), bool, int, float, str, bytes})  # as msgpack returns them
 
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
@@ -262,6 +263,7 @@ def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int
         return bytes(value)
     if depth > _MAX_ENCODE_DEPTH:
         raise ValueError(f"{path}: nested deeper than {_MAX_ENCODE_DEPTH} levels (a cycle?)")
+    # In containers, items msgpack takes as they are skip the call and the path string.
     if isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
@@ -269,10 +271,21 @@ def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int
                 raise ValueError(f"{path}: map keys must be str, got {type(key).__name__}")
             if key == TENSOR_KEY:
                 raise ValueError(f"{path}: the key {TENSOR_KEY!r} is reserved for tensors")
-            out[key] = _to_wire(item, f"{path}.{key}", frames, depth + 1)
+            kind = type(item)
+            if kind in _PLAIN_TYPES or (kind is int and _INT_MIN <= item <= _UINT64_MAX):
+                out[key] = item
+            else:
+                out[key] = _to_wire(item, f"{path}.{key}", frames, depth + 1)
         return out
     if isinstance(value, list | tuple):
-        return [_to_wire(item, f"{path}[{i}]", frames, depth + 1) for i, item in enumerate(value)]
+        items: list[Any] = []
+        for i, item in enumerate(value):
+            kind = type(item)
+            if kind in _PLAIN_TYPES or (kind is int and _INT_MIN <= item <= _UINT64_MAX):
+                items.append(item)
+            else:
+                items.append(_to_wire(item, f"{path}[{i}]", frames, depth + 1))
+        return items
     raise ValueError(f"{path}: cannot send a value of type {type(value).__name__}")
 
 

@@ -116,7 +116,8 @@ class _Body:
         known = [f.name for f in fields(cls)]
         for key in body:
             if key not in known:
-                raise BadRequest(f"body.{key}: unknown field of {cls.OP!r} (known: {known})")
+                name = str(key) if len(str(key)) <= 64 else f"{str(key)[:61]}..."
+                raise BadRequest(f"body.{name}: unknown field of {cls.OP!r} (known: {known})")
         self.body = body
 
     def required(self, name: str) -> Any:

@@ -569,12 +569,8 @@ CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
 
 def test_every_code_has_its_class_and_family() -> None:
     assert set(CLASSES) == set(ErrorCode)
-    assert {
-        ErrorCode.BUSY,
-        ErrorCode.WORKER_LOST,
-        ErrorCode.TIMEOUT,
-        ErrorCode.SHUTTING_DOWN,
-    } == RETRYABLE
+    retryable = {ErrorCode.BUSY, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
+    assert set(RETRYABLE) == retryable
     for code, cls in CLASSES.items():
         assert error_class(code) is cls and error_class(str(code)) is cls
         assert cls.code == code

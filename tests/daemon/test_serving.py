@@ -1,0 +1,145 @@
+"""A real daemon serving many concurrent pipelined steps across devices, with
+numerics checked; the client's concurrency, cancellation and sync variant;
+status from the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from daemons import SMALL, RunningDaemon, until
+from reference import decode_stack
+
+import graphlane
+from graphlane.orchestrator.client import Client, SyncClient
+
+L, N, NKV, D, MAXKV = (
+    SMALL["layers"],
+    SMALL["num_heads"],
+    SMALL["num_kv_heads"],
+    SMALL["head_dim"],
+    SMALL["max_kv_len"],
+)
+
+
+def make_step(gen: torch.Generator, batch: int) -> tuple[list[int], dict[str, torch.Tensor]]:
+    lengths = torch.randint(1, MAXKV + 1, (batch,), generator=gen).tolist()
+    inputs = {
+        "query": torch.randn(batch, N, 1, D, dtype=torch.float16, generator=gen),
+        "key": torch.randn(L, batch, NKV, MAXKV, D, dtype=torch.float16, generator=gen),
+        "value": torch.randn(L, batch, NKV, MAXKV, D, dtype=torch.float16, generator=gen),
+    }
+    return lengths, inputs
+
+
+def expected(lengths: list[int], inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return decode_stack(inputs["query"], list(inputs["key"]), list(inputs["value"]), lengths)
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_concurrent_steps_across_devices_match_the_reference(start_daemon, transport: str) -> None:
+    d: RunningDaemon = start_daemon(transport, devices=2, depth=2)
+
+    async def main() -> None:
+        gen = torch.Generator().manual_seed(11)
+        async with graphlane.Client(d.endpoint, timeout=60) as c:
+            calls, cases = [], []
+            for i in range(48):
+                batch = 1 + i % 4
+                lengths, inputs = make_step(gen, batch)
+                device = i % 2
+                calls.append(
+                    c.step("attention", device, {"actual_seq_lengths_kv": lengths}, inputs)
+                )
+                cases.append((lengths, inputs, batch, device))
+            replies = await asyncio.gather(*calls)  # all 48 in flight at once
+        for r, (lengths, inputs, batch, device) in zip(replies, cases, strict=True):
+            assert r.device == device
+            assert r.bucket == min(b for b in SMALL["buckets"] if b >= batch)
+            out = r.outputs["out"]
+            assert out.shape == (batch, N, 1, D)
+            torch.testing.assert_close(out, expected(lengths, inputs), atol=2e-3, rtol=2e-3)
+
+    asyncio.run(main())
+    st = d.status()
+    assert st["ready"] and all(w["restarts"] == 0 for w in st["workers"])
+
+
+def test_split_update_then_replay_and_status(start_daemon) -> None:
+    d = start_daemon(devices=1)
+
+    async def main() -> None:
+        gen = torch.Generator().manual_seed(5)
+        lengths, inputs = make_step(gen, 3)
+        async with Client(d.endpoint) as c:
+            up = await c.update("attention", 0, {"actual_seq_lengths_kv": lengths}, inputs)
+            assert up.outputs == {} and up.patched == L
+            r = await c.replay("attention", 0, batch=3)
+            torch.testing.assert_close(
+                r.outputs["out"], expected(lengths, inputs), atol=2e-3, rtol=2e-3
+            )
+            ws = await c.worker_status(0)
+            assert ws["state"] == "ready" and ws["steps"] >= 2
+
+    asyncio.run(main())
+
+
+def test_cancelled_call_loses_nothing_and_the_client_stays_usable(start_daemon) -> None:
+    d = start_daemon(devices=1, sim={"mode": "timed", "task_us": 20000.0, "patch_us": 100.0})
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=30) as c:
+            slow = asyncio.ensure_future(c.step("attention", 0, {"actual_seq_lengths_kv": [4]}))
+            await until(lambda: bool(c._workers) and bool(c._workers[0].pending))
+            slow.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            # The connection keeps working; the cancelled call's reply is dropped on arrival.
+            replies = await asyncio.gather(
+                *(c.step("attention", 0, {"actual_seq_lengths_kv": [i + 1]}) for i in range(3))
+            )
+            assert [r.outputs["out"].shape[0] for r in replies] == [1, 1, 1]
+            assert c._workers[0].late_replies == 1
+            assert not c._workers[0].pending
+
+    asyncio.run(main())
+
+
+def test_sync_client_is_the_async_client(start_daemon) -> None:
+    d = start_daemon(devices=1)
+    with SyncClient(d.endpoint, timeout=30) as c:
+        r = c.step("attention", 0, {"actual_seq_lengths_kv": [3, 9]})
+        assert r.outputs["out"].shape == (2, N, 1, D)
+        assert c.status()["ready"]
+        with pytest.raises(graphlane.GraphlaneError) as err:
+            c.step("attention", 0, {"actual_seq_lengths_kv": [0]})
+        assert err.value.code == "BAD_REQUEST"
+
+
+def test_status_cli(start_daemon) -> None:
+    d = start_daemon(devices=2)
+    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "status", "--connect", d.endpoint]
+    out = subprocess.run(
+        [*cli, "--json", "--wait", "30"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    st = json.loads(out.stdout)
+    assert [w["state"] for w in st["workers"]] == ["ready", "ready"]
+    for w in st["workers"]:
+        assert {"device", "pid", "state", "restarts", "programs"} <= set(w)
+        assert "attention" in w["programs"]
+    text = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0 and "device 1: ready" in text.stdout
+
+
+def test_status_wait_fails_at_the_deadline_when_nothing_answers(tmp_path) -> None:
+    nobody = f"ipc://{tmp_path}/nobody.sock"
+    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "status", "--connect", nobody]
+    cli += ["--wait", "0.5", "--timeout", "0.2"]
+    out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "TIMEOUT" in out.stderr
