@@ -55,6 +55,18 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
 
+    b = sub.add_parser(
+        "bench",
+        help="measure pipelining, the control plane and scaling side by side",
+        description="Measure, side by side in one run, and print as ratios: the step "
+        "pipeline on the timed sim (serial vs pipelined vs the limit, latency vs the floor), "
+        "the control plane (step round trip, windowed throughput and tensor bandwidth "
+        "against a raw pyzmq+msgpack baseline between two processes), and scaling over 1, 2 "
+        "and 4 simulated devices.",
+    )
+    b.add_argument("--json", action="store_true", help="print the figures as JSON")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions (noisier)")
+
     d = sub.add_parser(
         "demo",
         help="start a daemon on simulated devices, drive it like a scheduler, stop it",
@@ -77,6 +89,16 @@ def main(argv: list[str] | None = None) -> int:
         from graphlane.workers.sim.example import run
 
         return run(steps=args.steps, layers=args.layers)
+    if args.command == "bench":
+        from .bench import format_report, run_all
+
+        report = run_all(quick=args.quick)
+        if args.json:
+            report.pop("pipeline_table")
+            print(json.dumps(report, indent=2))
+        else:
+            print(format_report(report))
+        return 0
     if args.command == "demo":
         from .demo import run as run_demo
 

@@ -64,6 +64,7 @@ class StepReply:
     slot: int
     patched: int
     device: int
+    server_us: float = 0.0  # time the worker held the request, device work included
 
 
 class Channel:
@@ -138,15 +139,17 @@ class Channel:
         if self.lost:
             raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
         frames = codec.encode_request(request_id, op, body)
-        fut: asyncio.Future[codec.Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[codec.Reply] = loop.create_future()
         self.pending[request_id] = fut
+        # One timer instead of wait_for(shield(...)): the deadline fails the future.
+        timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
         try:
             await self.sock.send_multipart(frames, copy=False)
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            raise Timeout(f"{op} to {self.name} got no reply within {timeout:g} s") from None
+            return await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
+            timer.cancel()
             self.pending.pop(request_id, None)
 
     async def close(self) -> None:
@@ -160,6 +163,11 @@ class Channel:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
+
+
+def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(Timeout(f"{what} got no reply within {timeout:g} s"))
 
 
 class Client:
@@ -347,6 +355,7 @@ def _reply(device: int, body: Mapping[str, Any]) -> StepReply:
         slot=int(body.get("slot", 0)),
         patched=int(body.get("patched", 0)),
         device=device,
+        server_us=float(body.get("server_us", 0.0)),
     )
 
 

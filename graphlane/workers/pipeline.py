@@ -110,11 +110,14 @@ class StepEngine:
         depth: int = 1,
         pipeline: bool = True,
         max_queued: int = 256,
+        max_inflight: int = 8,
     ) -> None:
         if depth < 1:
             raise ValueError("depth must be >= 1")
         if max_queued < 1:
             raise ValueError("max_queued must be >= 1")
+        if max_inflight < 1:
+            raise ValueError("max_inflight must be >= 1")
         names = [p.name for p in programs]
         if len(set(names)) != len(names):
             raise ValueError(f"program names must be distinct: {names}")
@@ -124,6 +127,9 @@ class StepEngine:
         self.pipeline = pipeline
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self._completions: queue.Queue[Any] = queue.Queue()
+        # Steps issued to the device and not yet complete: the issue thread may run
+        # ahead of the device by this much, no more (bounded memory, bounded latency).
+        self._inflight = threading.BoundedSemaphore(max_inflight)
         self._graphs: dict[GraphKey, CapturedGraph] = {}
         self._ring: dict[tuple[str, int], int] = {}
         self._staged: dict[tuple[str, int], CapturedGraph] = {}
@@ -274,9 +280,11 @@ class StepEngine:
                 continue
             if not pending.future.set_running_or_notify_cancel():
                 continue
+            self._inflight.acquire()
             try:
                 inflight = self._issue(pending)
             except BaseException as exc:  # a device fault or a misuse: fail loudly
+                self._inflight.release()
                 self._fail(exc)
                 pending.future.set_exception(exc)
                 continue
@@ -384,6 +392,8 @@ class StepEngine:
             self._fail(exc)
             inflight.future.set_exception(exc)
             return
+        finally:
+            self._inflight.release()
         inflight.result.done_at = time.perf_counter()
         self.steps_done += 1
         inflight.future.set_result(inflight.result)

@@ -207,6 +207,7 @@ class Worker:
         self._send(ident, codec.encode_error(request_id, error))
 
     def _handle(self, frames: list[Any]) -> None:
+        received = time.perf_counter()
         self.counters["requests"] += 1
         ident = frames[0]
         try:
@@ -219,14 +220,14 @@ class Worker:
             self._reply_error(ident, exc.request_id, _error(exc.code, exc.message))
             return
         try:
-            self._dispatch(ident, req)
+            self._dispatch(ident, req, received)
         except GraphlaneError as exc:
             self._reply_error(ident, req.id, exc)
         except Exception as exc:  # never let one request take the worker down
             log.exception("request %s (%s) failed", req.id, req.op)
             self._reply_error(ident, req.id, InternalError(f"{type(exc).__name__}: {exc}"))
 
-    def _dispatch(self, ident: Any, req: codec.Request) -> None:
+    def _dispatch(self, ident: Any, req: codec.Request, received: float) -> None:
         msg = messages.parse_body(req.op, req.body)
         if isinstance(msg, messages.Hello):
             self._send(
@@ -259,7 +260,9 @@ class Worker:
         self.inflight += 1
         loop = self._loop
         assert loop is not None
-        fut.add_done_callback(lambda f: loop.call_soon_threadsafe(self._finish, ident, req.id, f))
+        fut.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(self._finish, ident, req.id, f, received)
+        )
 
     def _submit(self, msg: Any) -> Future[StepResult]:
         try:
@@ -282,7 +285,9 @@ class Worker:
         except EngineError as exc:
             raise InternalError(str(exc)) from exc
 
-    def _finish(self, ident: Any, request_id: int, fut: Future[StepResult]) -> None:
+    def _finish(
+        self, ident: Any, request_id: int, fut: Future[StepResult], received: float
+    ) -> None:
         self.inflight -= 1
         exc = fut.exception()
         if exc is not None:
@@ -299,6 +304,8 @@ class Worker:
                 "bucket": r.key.bucket,
                 "slot": r.key.slot,
                 "patched": r.patched_groups,
+                # Time the worker held the request: decode to reply (device work included).
+                "server_us": round((time.perf_counter() - received) * 1e6, 1),
             }
             self.counters["replies"] += 1
             self._send(ident, codec.encode_reply(request_id, body))

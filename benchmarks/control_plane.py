@@ -1,0 +1,31 @@
+"""Control plane against a raw pyzmq+msgpack baseline, and scaling over devices.
+
+    .venv/bin/python benchmarks/control_plane.py [--json]
+
+The same figures are part of `graphlane bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from graphlane.orchestrator import bench
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    report = {"control_plane": bench.control_plane(), "bandwidth": bench.bandwidth()}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for section, figures in report.items():
+            print(section)
+            for k, v in figures.items():
+                print(f"  {k:<26} {v:.3f}" if isinstance(v, float) else f"  {k:<26} {v}")
+
+
+if __name__ == "__main__":
+    main()

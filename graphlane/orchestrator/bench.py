@@ -1,0 +1,328 @@
+"""``graphlane bench``: everything measured side by side in one run, printed as ratios.
+
+- pipeline: the step engine on the timed sim, serial vs pipelined vs the limit,
+  latency vs the floor (see :mod:`graphlane.workers.bench`);
+- control plane: a raw pyzmq+msgpack round trip between two processes (a
+  ROUTER echo server in a child process, an asyncio DEALER here) against the
+  daemon, in the same run: sequential round trips, windowed throughput, and
+  large-tensor bandwidth (raw zero-copy frames vs step inputs);
+- scaling: windowed steps/s over 1, 2 and 4 simulated devices.
+
+The daemon runs the ``attention`` program on the timed sim with zero costs, so
+a step's device work is only the simulator's own Python; each step reply says
+how long the worker held it (``server_us``), and the round trip minus that is
+the control plane's own cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+import zmq
+import zmq.asyncio
+
+from .client import Client
+
+TINY = {
+    "layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "max_kv_len": 8,
+    "buckets": [1],
+}
+WIDE = {
+    "layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 64,
+    "max_kv_len": 8192,
+    "buckets": [4],
+}
+SCALE = {
+    "layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "max_kv_len": 64,
+    "buckets": [4],
+}
+
+
+# ---------------------------------------------------------------- raw baseline
+def _echo_server(endpoint: str) -> None:
+    """Raw pyzmq+msgpack: decode the request envelope, answer a small reply."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        req = msgpack.unpackb(frames[1].buffer)
+        reply = msgpack.packb({"v": 1, "id": req["id"], "ok": True, "body": {}})
+        sock.send_multipart([frames[0], reply])
+        if req.get("op") == "stop":
+            break
+    sock.close(0)
+    ctx.term()
+
+
+class RawClient:
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.ids = 0
+
+    async def call(self, extra: list[Any] | None = None) -> None:
+        self.ids += 1
+        body = {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": [3]}}
+        env = msgpack.packb({"v": 1, "id": self.ids, "op": "step", "body": body})
+        await self.sock.send_multipart([env, *(extra or [])], copy=False)
+        msgpack.unpackb((await self.sock.recv_multipart())[0])
+
+    async def windowed(self, n: int, window: int) -> float:
+        """n requests with `window` in flight; replies matched by count (one socket)."""
+        t0 = time.perf_counter()
+        sent = received = 0
+        env = msgpack.packb({"v": 1, "id": 1, "op": "step", "body": {"params": {"x": [3]}}})
+        while received < n:
+            while sent < n and sent - received < window:
+                await self.sock.send(env)
+                sent += 1
+            await self.sock.recv_multipart()
+            received += 1
+        return n / (time.perf_counter() - t0)
+
+    async def stop(self) -> None:
+        await self.sock.send(msgpack.packb({"v": 1, "id": 0, "op": "stop", "body": {}}))
+        await self.sock.recv_multipart()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+async def _timed(n: int, call: Callable[[], Awaitable[Any]]) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+# ---------------------------------------------------------------- daemon
+class BenchDaemon:
+    """``graphlane serve`` in a child process on a private ipc endpoint."""
+
+    def __init__(
+        self, program: dict[str, Any], devices: int = 1, sim: dict[str, Any] | None = None
+    ):
+        self.tmp = tempfile.TemporaryDirectory(prefix="graphlane-bench-")
+        self.endpoint = f"ipc://{self.tmp.name}/daemon.sock"
+        sim = sim or {"mode": "timed", "task_us": 0.0, "patch_us": 0.0}
+        lines = [
+            f'listen = "{self.endpoint}"',
+            f"devices = {devices}",
+            "max_queued = 4096",
+            "[sim]",
+        ]
+        lines += [f"{k} = {v!r}".replace("'", '"') for k, v in sim.items()]
+        lines += ["[[programs]]", 'name = "attention"']
+        lines += [f"{k} = {v}" for k, v in program.items()]
+        cfg = Path(self.tmp.name, "bench.toml")
+        cfg.write_text("\n".join(lines) + "\n")
+        ready = Path(self.tmp.name, "ready")
+        cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "serve", "--config", str(cfg),
+               "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + 180
+        while not (ready.exists() and ready.stat().st_size):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the benchmark daemon did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+        self.tmp.cleanup()
+
+
+def _ms(xs: list[float]) -> float:
+    return 1000 * statistics.median(xs)
+
+
+async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict[str, Any]:
+    raw = RawClient(raw_endpoint)
+    async with Client(daemon.endpoint, timeout=60) as c:
+        params = {"actual_seq_lengths_kv": [3]}
+        for _ in range(50):  # warm up both
+            await raw.call()
+            await c.step("attention", 0, params)
+        server: list[float] = []
+
+        async def step() -> None:
+            r = await c.step("attention", 0, params)
+            server.append(r.server_us * 1e-6)
+
+        raw_rtt = await _timed(n, raw.call)
+        step_rtt = await _timed(n, step)
+        status_rtt = await _timed(n, lambda: c.worker_status(0))
+        raw_rate = await raw.windowed(4 * n, 64)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(c.step("attention", 0, params) for _ in range(4 * n)))
+        step_rate = 4 * n / (time.perf_counter() - t0)
+        await raw.stop()
+    overhead = [r - s for r, s in zip(step_rtt, server, strict=True)]
+    return {
+        "raw_rtt_ms": _ms(raw_rtt),
+        "step_rtt_ms": _ms(step_rtt),
+        "step_server_ms": _ms(server),
+        "step_outside_worker_ms": _ms(overhead),
+        "worker_status_rtt_ms": _ms(status_rtt),
+        "step_rtt_vs_raw": _ms(step_rtt) / _ms(raw_rtt),
+        "outside_worker_vs_raw": _ms(overhead) / _ms(raw_rtt),
+        "raw_windowed_msgs_s": raw_rate,
+        "windowed_steps_s": step_rate,
+        "windowed_vs_raw": step_rate / raw_rate,
+    }
+
+
+async def _bandwidth(daemon: BenchDaemon, raw_endpoint: str, reps: int) -> dict[str, Any]:
+    w: dict[str, Any] = WIDE
+    shape = (w["layers"], w["buckets"][0], w["num_kv_heads"], w["max_kv_len"], w["head_dim"])
+    key = torch.randn(shape).half()
+    value = torch.randn(shape).half()
+    nbytes = key.numel() * 2 * 2
+    raw = RawClient(raw_endpoint)
+    frames = [key.view(torch.uint8).numpy().data, value.view(torch.uint8).numpy().data]
+    async with Client(daemon.endpoint, timeout=120) as c:
+        params = {"actual_seq_lengths_kv": [3] * w["buckets"][0]}
+        inputs = {"key": key, "value": value}
+        await c.step("attention", 0, params, inputs)
+        await raw.call(frames)
+        raw_t = await _timed(reps, lambda: raw.call(frames))
+        step_t = await _timed(reps, lambda: c.step("attention", 0, params, inputs))
+    await raw.stop()
+    raw_mb_s = nbytes / statistics.median(raw_t) / 1e6
+    step_mb_s = nbytes / statistics.median(step_t) / 1e6
+    return {
+        "bytes_per_request": nbytes,
+        "raw_mb_s": raw_mb_s,
+        "step_inputs_mb_s": step_mb_s,
+        "bandwidth_vs_raw": step_mb_s / raw_mb_s,
+    }
+
+
+async def _scaling_rate(daemon: BenchDaemon, devices: int, n: int) -> float:
+    async with Client(daemon.endpoint, timeout=120) as c:
+        params = [{"actual_seq_lengths_kv": [1 + (i % 60)] * 4} for i in range(n)]
+        for d in range(devices):
+            await c.step("attention", d, params[0])
+        t0 = time.perf_counter()
+        await asyncio.gather(*(c.step("attention", i % devices, params[i]) for i in range(n)))
+        return n / (time.perf_counter() - t0)
+
+
+def _with_raw_server(fn: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="graphlane-raw-") as tmp:
+        endpoint = f"ipc://{tmp}/raw.sock"
+        proc = mp.get_context("spawn").Process(target=_echo_server, args=(endpoint,), daemon=True)
+        proc.start()
+        try:
+            return asyncio.run(fn(endpoint))
+        finally:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def control_plane(n: int = 500) -> dict[str, Any]:
+    daemon = BenchDaemon(TINY)
+    try:
+        return _with_raw_server(lambda ep: _control_plane(daemon, ep, n))
+    finally:
+        daemon.close()
+
+
+def bandwidth(reps: int = 10) -> dict[str, Any]:
+    daemon = BenchDaemon(WIDE)
+    try:
+        return _with_raw_server(lambda ep: _bandwidth(daemon, ep, reps))
+    finally:
+        daemon.close()
+
+
+def scaling(device_counts: tuple[int, ...] = (1, 2, 4), steps: int = 200) -> dict[str, Any]:
+    sim = {"mode": "timed", "task_us": 1000.0, "patch_us": 1000.0}
+    rates = {}
+    for n in device_counts:
+        daemon = BenchDaemon(SCALE, devices=n, sim=sim)
+        try:
+            rates[n] = asyncio.run(_scaling_rate(daemon, n, steps))
+        finally:
+            daemon.close()
+    base = rates[device_counts[0]]
+    return {
+        "steps_s": {str(k): v for k, v in rates.items()},
+        "vs_one_device": {str(k): v / base for k, v in rates.items()},
+        "cpu_cores": os.cpu_count(),
+    }
+
+
+def run_all(quick: bool = False) -> dict[str, Any]:
+    from graphlane.workers import bench as pipeline_bench
+
+    steps = 20 if quick else 40
+    pipe = pipeline_bench.run(steps=steps)
+    return {
+        "pipeline": [r.as_dict() for r in pipe],
+        "pipeline_table": pipeline_bench.table(pipe),
+        "control_plane": control_plane(200 if quick else 500),
+        "bandwidth": bandwidth(5 if quick else 10),
+        "scaling": scaling(steps=100 if quick else 200),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    cp, bw, sc = r["control_plane"], r["bandwidth"], r["scaling"]
+    lines = ["pipeline (timed sim, 8 layers):", r["pipeline_table"], "", "control plane:"]
+    held = f"{cp['step_server_ms']:.3f} ms (decode, engine, sim device work)"
+    outside = f"{cp['step_outside_worker_ms']:.3f} ms  ({cp['outside_worker_vs_raw']:.2f}x raw)"
+    windowed = (
+        f"raw {cp['raw_windowed_msgs_s']:.0f} msgs/s, steps {cp['windowed_steps_s']:.0f}/s "
+        f"({cp['windowed_vs_raw']:.2f}x raw)"
+    )
+    tensors = (
+        f"({bw['bytes_per_request'] / 2**20:.0f} MiB/request): raw {bw['raw_mb_s']:.0f} MB/s, "
+        f"step {bw['step_inputs_mb_s']:.0f} MB/s ({bw['bandwidth_vs_raw']:.2f}x raw)"
+    )
+    lines += [
+        f"  raw pyzmq+msgpack round trip   {cp['raw_rtt_ms']:.3f} ms",
+        f"  step round trip                {cp['step_rtt_ms']:.3f} ms  "
+        f"({cp['step_rtt_vs_raw']:.2f}x raw)",
+        f"    of which the worker held it  {held}",
+        f"    outside the worker           {outside}",
+        f"  worker status round trip       {cp['worker_status_rtt_ms']:.3f} ms",
+        f"  windowed: {windowed}",
+        f"  tensor inputs {tensors}",
+        "",
+        f"scaling (timed sim 1000/1000 us, 4 layers, {sc['cpu_cores']} CPU cores):",
+    ]
+    for n, rate in sc["steps_s"].items():
+        lines.append(
+            f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
+        )
+    return "\n".join(lines)
