@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from typing import Any
 
@@ -32,7 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--listen", metavar="ENDPOINT", help=f"tcp:// or ipc:// (default {DEFAULT_LISTEN})"
     )
+    s.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: any free port)")  # fmt: skip
     s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
     s.add_argument("--ready-file", metavar="PATH", help=argparse.SUPPRESS)
 
     st = sub.add_parser(
@@ -109,18 +111,23 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from . import config as cfg
     from .daemon import serve
+    from .logs import setup_logging
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
     try:
         conf = cfg.load(
             args.config,
-            {"backend": args.backend, "devices": args.devices, "listen": args.listen},
+            {
+                "backend": args.backend,
+                "devices": args.devices,
+                "listen": args.listen,
+                "metrics_port": args.metrics_port,
+                "log_format": args.log_format,
+            },
         )
     except cfg.ConfigError as exc:
         print(f"graphlane serve: configuration error: {exc}", file=sys.stderr)
         return 2
+    setup_logging(args.log_level.upper(), conf.log_format, "daemon")
     return serve(conf, ready_file=args.ready_file)
 
 

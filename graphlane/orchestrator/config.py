@@ -54,7 +54,11 @@ class ServeConfig:
     max_restarts: int = 5
     restart_window_s: float = 60.0
     shutdown_timeout_s: float = 30.0
+    hang_timeout_s: float = 30.0
     log_format: str = "text"
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    faults: dict[str, Any] = field(default_factory=dict)
 
     def worker_endpoint(self, device: int) -> str:
         """Where the worker of ``device`` binds: next to the orchestrator's endpoint."""
@@ -71,7 +75,9 @@ class ServeConfig:
 _TOP_KEYS = {
     "listen", "backend", "devices", "depth", "pipeline", "sim", "programs", "max_queued",
     "startup_timeout_s", "max_restarts", "restart_window_s", "shutdown_timeout_s", "log_format",
+    "hang_timeout_s", "metrics_port", "metrics_host", "faults",
 }  # fmt: skip
+_FAULTS = {"fail_start": bool, "hang_device_after": int}
 
 
 def _int(key: str, v: Any, minimum: int = 0) -> int:
@@ -190,9 +196,34 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     for k in ("max_queued", "max_restarts"):
         if k in raw:
             values[k] = _int(k, raw[k], 1 if k == "max_queued" else 0)
-    for k in ("startup_timeout_s", "restart_window_s", "shutdown_timeout_s"):
+    for k in ("startup_timeout_s", "restart_window_s", "shutdown_timeout_s", "hang_timeout_s"):
         if k in raw:
             values[k] = _number(k, raw[k], 0.001)
+    if raw.get("metrics_port") is not None:
+        values["metrics_port"] = _int("metrics_port", raw["metrics_port"], 0)
+        if values["metrics_port"] > 65535:
+            raise ConfigError("metrics_port", "must be a TCP port (0..65535)")
+    if "metrics_host" in raw:
+        if not isinstance(raw["metrics_host"], str) or not raw["metrics_host"]:
+            raise ConfigError("metrics_host", "must be a host name or address")
+        values["metrics_host"] = raw["metrics_host"]
+    if "faults" in raw:
+        faults = raw["faults"]
+        if not isinstance(faults, Mapping):
+            raise ConfigError("faults", "must be a table")
+        for k, v in faults.items():
+            kind = _FAULTS.get(k)
+            if kind is bool:
+                ok = isinstance(v, bool)
+            else:
+                ok = kind is int and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            if not ok:
+                raise ConfigError(
+                    f"faults.{k}",
+                    "unknown fault or wrong value (known: fail_start = true, "
+                    "hang_device_after = <steps>)",
+                )
+        values["faults"] = dict(faults)
     if "log_format" in raw:
         if raw["log_format"] not in ("text", "json"):
             raise ConfigError("log_format", "must be 'text' or 'json'")

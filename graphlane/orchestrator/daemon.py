@@ -57,6 +57,8 @@ class Daemon:
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
                 log_level=logging.getLogger().level or logging.INFO,
+                log_format=config.log_format,
+                faults=dict(config.faults),
             )
             for d in config.devices
         ]
@@ -65,8 +67,10 @@ class Daemon:
             startup_timeout_s=config.startup_timeout_s,
             max_restarts=config.max_restarts,
             restart_window_s=config.restart_window_s,
+            hang_timeout_s=config.hang_timeout_s,
             env_for=self._env_for,
         )
+        self.metrics_server: Any = None
         self._shutdown = asyncio.Event()
         self.endpoint = ""
 
@@ -92,6 +96,14 @@ class Daemon:
             "daemon listening on %s, starting %d worker(s)", self.endpoint, len(self.config.devices)
         )
         serving = asyncio.ensure_future(self._serve(sock))
+        if self.config.metrics_port is not None:
+            from .metrics import serve_metrics
+
+            self.metrics_server = serve_metrics(
+                self.supervisor, self.config.metrics_port, self.config.metrics_host
+            )
+            host, port = self.metrics_server.server_address[:2]
+            log.info("metrics on http://%s:%s/metrics", host, port)
         try:
             await self.supervisor.start_all()
             if ready_file:
@@ -106,6 +118,8 @@ class Daemon:
                 await serving
             sock.close(0)
             ctx.term()
+            if self.metrics_server is not None:
+                self.metrics_server.shutdown()
             log.info("daemon stopped")
         return 0
 
@@ -173,7 +187,14 @@ class Daemon:
         )
 
     def _worker_entry(self, h: WorkerHandle) -> dict[str, Any]:
-        return h.describe()
+        entry = h.describe()
+        st = h.stats
+        entry.update(
+            inflight=st.get("inflight", 0),
+            queued=st.get("queued", 0),
+            steps=st.get("steps", 0),
+        )
+        return entry
 
     def hello(self) -> dict[str, Any]:
         return {
@@ -198,6 +219,7 @@ class Daemon:
             "ready": all(w["state"] == READY for w in workers),
             "workers": workers,
             "counters": dict(self.counters),
+            "metrics": self.metrics_address(),
             "config": {
                 "backend": self.config.backend,
                 "devices": list(self.config.devices),
@@ -207,6 +229,12 @@ class Daemon:
                 "sim": replace(self.config.sim).__dict__ if self.config.backend == "sim" else None,
             },
         }
+
+    def metrics_address(self) -> str | None:
+        if self.metrics_server is None:
+            return None
+        host, port = self.metrics_server.server_address[:2]
+        return f"http://{host}:{port}/metrics"
 
 
 def _prepare_ipc(endpoint: str) -> None:

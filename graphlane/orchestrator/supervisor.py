@@ -51,6 +51,7 @@ class WorkerHandle:
     last_exit: int | None = None
     last_error: str = ""
     stopped_by: str = ""
+    stats: dict[str, Any] = field(default_factory=dict)  # the worker's latest status report
     ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     exited: asyncio.Event = field(default_factory=asyncio.Event)  # the current process ended
 
@@ -85,6 +86,8 @@ class Supervisor:
         max_restarts: int = 5,
         restart_window_s: float = 60.0,
         backoff_s: tuple[float, float] = (0.2, 10.0),
+        hang_timeout_s: float = 30.0,
+        poll_s: float = 1.0,
         on_change: Callable[[WorkerHandle], None] | None = None,
         env_for: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
@@ -93,6 +96,8 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.backoff_s = backoff_s
+        self.hang_timeout_s = hang_timeout_s
+        self.poll_s = poll_s
         self.on_change = on_change or (lambda h: None)
         self.env_for = env_for or (lambda device: {})
         self.stopping = False
@@ -144,11 +149,57 @@ class Supervisor:
                 h.info.get("endpoint"),
             )
             self.on_change(h)
+            self._spawn_task(self._watch(h, proc, parent))
             return
         h.last_error = (
             msg[1] if msg is not None else f"no handshake within {self.startup_timeout_s:g} s"
         )
         log.error("worker failed to start device=%s pid=%s: %s", h.device, proc.pid, h.last_error)
+        self._kill(proc)
+
+    async def _receive(self, conn: Connection, limit_s: float) -> Any:
+        """The next message on a worker's pipe, or None (timeout, EOF)."""
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(conn.fileno(), readable.set)
+        try:
+            await asyncio.wait_for(readable.wait(), limit_s)
+            return conn.recv()
+        except (TimeoutError, EOFError, OSError):
+            return None
+        finally:
+            with contextlib.suppress(OSError, ValueError):
+                loop.remove_reader(conn.fileno())
+
+    async def _watch(self, h: WorkerHandle, proc: BaseProcess, conn: Connection) -> None:
+        """Health and figures, about once per poll_s. A worker that does not answer, or
+        holds a request longer than hang_timeout_s (a device wait that never ends),
+        is killed; the normal restart path replaces it."""
+        while True:
+            await asyncio.sleep(self.poll_s)
+            if h.process is not proc or h.state != READY or h.conn is not conn:
+                return
+            try:
+                conn.send("ping")
+            except OSError:
+                return
+            msg = await self._receive(conn, self.hang_timeout_s)
+            if h.process is not proc or h.state != READY:
+                return
+            if not (isinstance(msg, tuple) and msg and msg[0] == "pong"):
+                self._hung(h, proc, f"no answer to a health check within {self.hang_timeout_s:g} s")
+                return
+            h.stats = msg[1]
+            age = float(h.stats.get("oldest_inflight_s", 0.0))
+            if age > self.hang_timeout_s:
+                self._hung(
+                    h, proc, f"a request has been in flight for {age:.1f} s (hang_timeout_s)"
+                )
+                return
+
+    def _hung(self, h: WorkerHandle, proc: BaseProcess, why: str) -> None:
+        h.last_error = f"hung: {why}"
+        log.error("worker hung device=%s pid=%s: %s; killing it", h.device, proc.pid, why)
         self._kill(proc)
 
     async def _handshake(self, h: WorkerHandle, conn: Connection) -> tuple[str, Any] | None:

@@ -76,8 +76,10 @@ class StepResult:
     outputs: dict[str, torch.Tensor]
     key: GraphKey
     patched_groups: int
-    issued_at: float
-    done_at: float = 0.0
+    issued_at: float  # when it was submitted
+    done_at: float = 0.0  # when the device finished it
+    dispatch_s: float = 0.0  # host time spent copying inputs and dispatching patches
+    replay_at: float = 0.0  # when its replay was issued (0: no replay)
 
 
 @dataclass(eq=False)
@@ -138,6 +140,10 @@ class StepEngine:
         self._started = False
         self._threads: list[threading.Thread] = []
         self.steps_done = 0
+        # Fault injection for tests: after this many releases, stop releasing the
+        # graph's events, so replays wait on the device forever (a hung device).
+        self.fault_hang_after: int | None = None
+        self._releases = 0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -303,36 +309,46 @@ class StepEngine:
             self._staged[ring_key] = g
             if g.last_done is not None:
                 b.wait(self.update_stream, g.last_done)
+            t0 = time.perf_counter()
             patched = self._patch_groups(program, g, plan)
+            result = StepResult({}, g.key, patched, pending.submitted)
+            result.dispatch_s = time.perf_counter() - t0
             done = b.new_event()
             b.record(done, self.update_stream)
-            return _InFlight(
-                done, pending.future, StepResult({}, g.key, patched, pending.submitted)
-            )
+            return _InFlight(done, pending.future, result)
         staged = self._staged.pop(ring_key, None)
         g = staged if staged is not None else self._next_graph(plan)
         patched = 0
+        dispatch = 0.0
         if pending.kind == "replay":
             if g.last_done is not None:
                 b.wait(self.update_stream, g.last_done)
+            replay_at = time.perf_counter()
             b.replay(g.graph, self.capture_stream)
             with b.use_stream(self.update_stream):
                 for event in g.events:
                     b.record(event, self.update_stream)
         elif not self.pipeline:
+            t0 = time.perf_counter()
             patched = self._release_groups(program, g, plan)
+            replay_at = time.perf_counter()
+            dispatch = replay_at - t0
             b.replay(g.graph, self.capture_stream)
         else:
             if g.last_done is not None:
                 b.wait(self.update_stream, g.last_done)  # previous replay of g is done with it
+            replay_at = time.perf_counter()
             b.replay(g.graph, self.capture_stream)
             # The patches go first: the replay waits for layer 0's release. The
             # output copy is queued behind the replay on S, so issuing it after
             # the patches costs the device nothing.
+            t0 = time.perf_counter()
             patched = self._release_groups(program, g, plan)
+            dispatch = time.perf_counter() - t0
         g.replays += 1
         outs, done = self._collect(program, g, plan, pending.outputs)
         result = StepResult(outs, g.key, patched, pending.submitted)
+        result.dispatch_s, result.replay_at = dispatch, replay_at
         return _InFlight(done, pending.future, result)
 
     def _collect(
@@ -351,6 +367,10 @@ class StepEngine:
 
     def _release_groups(self, program: GraphProgram, g: CapturedGraph, plan: StepPlan) -> int:
         """Copy inputs, patch changed groups and record every group's event once, on U."""
+        self._releases += 1
+        if self.fault_hang_after is not None and self._releases > self.fault_hang_after:
+            log.error("fault injection: not releasing %s (the device will hang)", g.key)
+            return 0
         return self._patch_groups(program, g, plan, release=True)
 
     def _patch_groups(

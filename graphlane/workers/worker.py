@@ -43,6 +43,7 @@ from graphlane.protocol.errors import (
     UnknownDevice,
     UnknownProgram,
 )
+from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.pipeline import EngineBusy, EngineError, StepEngine, StepRequest, StepResult
 from graphlane.workers.programs import StepError
 
@@ -64,6 +65,9 @@ class WorkerSpec:
     limits: codec.Limits = field(default_factory=codec.Limits)
     generation: int = 0
     log_level: int = logging.INFO
+    log_format: str = "text"
+    # Fault injection for tests ("fail_start": true, "hang_device_after": N).
+    faults: dict[str, Any] = field(default_factory=dict)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -90,6 +94,8 @@ class Worker:
 
         self.spec = spec
         self.conn = conn
+        if spec.faults.get("fail_start"):
+            raise RuntimeError("fault injection: fail_start")
         options: dict[str, Any] = {}
         if spec.backend == "sim" and spec.sim is not None:
             options["config"] = spec.sim
@@ -98,6 +104,7 @@ class Worker:
         self.engine = StepEngine(
             backend, programs, depth=spec.depth, pipeline=spec.pipeline, max_queued=spec.max_queued
         )
+        self.engine.fault_hang_after = spec.faults.get("hang_device_after")
         self.engine.start()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -108,6 +115,9 @@ class Worker:
         self.draining = False
         self.inflight = 0
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0}
+        self.metrics = WorkerMetrics()
+        self._inflight_since: dict[int, float] = {}  # token -> when the request arrived
+        self._tokens = 0
         self.started = time.time()
         self._stop = asyncio.Event()
         self.exit_code = 0
@@ -141,6 +151,10 @@ class Worker:
             "steps": self.engine.steps_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.counters),
+            "oldest_inflight_s": round(time.perf_counter() - min(self._inflight_since.values()), 3)
+            if self._inflight_since
+            else 0.0,
+            "metrics": self.metrics.snapshot(),
             "uptime_s": round(time.time() - self.started, 3),
         }
 
@@ -168,10 +182,17 @@ class Worker:
                 if loop is not None:
                     loop.call_soon_threadsafe(self._begin_drain, cmd == "stop")
             elif cmd == "ping":
-                try:
-                    self.conn.send(("pong", self.status()))
-                except OSError:
-                    os._exit(4)
+                # Answered by the loop thread: the status is its state, and a loop that
+                # cannot answer is a hung worker.
+                loop = self._loop
+                if loop is not None:
+                    loop.call_soon_threadsafe(self._pong)
+
+    def _pong(self) -> None:
+        try:
+            self.conn.send(("pong", self.status()))
+        except OSError:
+            os._exit(4)
 
     def _begin_drain(self, stop: bool) -> None:
         self.draining = True
@@ -200,15 +221,18 @@ class Worker:
 
     # ------------------------------------------------------------ requests
     def _send(self, ident: Any, frames: list[Any]) -> None:
+        self.metrics.bytes_out += sum(memoryview(f).nbytes for f in frames)
         self.sock.send_multipart([ident, *frames], copy=False)
 
     def _reply_error(self, ident: Any, request_id: int, error: GraphlaneError) -> None:
         self.counters["errors"] += 1
+        self.metrics.errors[str(error.code)] += 1
         self._send(ident, codec.encode_error(request_id, error))
 
     def _handle(self, frames: list[Any]) -> None:
         received = time.perf_counter()
         self.counters["requests"] += 1
+        self.metrics.bytes_in += sum(len(f) for f in frames[1:])
         ident = frames[0]
         try:
             req = codec.decode_request(frames[1:], self.spec.limits)
@@ -258,10 +282,14 @@ class Worker:
             )
         fut = self._submit(msg)
         self.inflight += 1
+        self._tokens += 1
+        token = self._tokens
+        self._inflight_since[token] = received
         loop = self._loop
         assert loop is not None
+        where = (msg.program, req.op, token)
         fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(self._finish, ident, req.id, f, received)
+            lambda f: loop.call_soon_threadsafe(self._finish, ident, req.id, f, received, where)
         )
 
     def _submit(self, msg: Any) -> Future[StepResult]:
@@ -286,9 +314,16 @@ class Worker:
             raise InternalError(str(exc)) from exc
 
     def _finish(
-        self, ident: Any, request_id: int, fut: Future[StepResult], received: float
+        self,
+        ident: Any,
+        request_id: int,
+        fut: Future[StepResult],
+        received: float,
+        where: tuple[str, str, int],
     ) -> None:
+        program, op, token = where
         self.inflight -= 1
+        self._inflight_since.pop(token, None)
         exc = fut.exception()
         if exc is not None:
             error = (
@@ -299,13 +334,19 @@ class Worker:
             self._reply_error(ident, request_id, error)
         else:
             r = fut.result()
+            now = time.perf_counter()
+            self.metrics.observe_step(program, op, now - received)
+            if r.dispatch_s:
+                self.metrics.dispatch_seconds.observe(r.dispatch_s)
+            if r.replay_at:
+                self.metrics.replay_seconds.observe(max(0.0, r.done_at - r.replay_at))
             body = {
                 "outputs": r.outputs,
                 "bucket": r.key.bucket,
                 "slot": r.key.slot,
                 "patched": r.patched_groups,
                 # Time the worker held the request: decode to reply (device work included).
-                "server_us": round((time.perf_counter() - received) * 1e6, 1),
+                "server_us": round((now - received) * 1e6, 1),
             }
             self.counters["replies"] += 1
             self._send(ident, codec.encode_reply(request_id, body))

@@ -1,0 +1,53 @@
+"""Logging of the daemon and its workers: one line per event, text or JSON.
+
+Lifecycle events (worker start/ready/lost/restarted/hung/stop, drain, shutdown)
+are logged with ``key=value`` pairs (device, pid, ...); with ``--log-format
+json`` each line is a JSON object with ``ts``, ``level``, ``logger``,
+``process`` and ``msg``, plus those pairs as fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+
+_PAIR = re.compile(r"(\w+)=(\S+)")
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, process_name: str) -> None:
+        super().__init__()
+        self.process_name = process_name
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        entry: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "process": self.process_name,
+            "pid": record.process,
+            "msg": msg,
+        }
+        for key, value in _PAIR.findall(msg):
+            entry.setdefault(key, int(value) if value.isdigit() else value)
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: int | str, fmt: str = "text", process_name: str = "daemon") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(process_name))
+    else:
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s {process_name} %(name)s %(levelname)s %(message)s")
+        )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)

@@ -1,0 +1,70 @@
+"""A worker's own measurements, kept as plain numbers in the worker process.
+
+The orchestrator fetches a snapshot through the worker's pipe (ping/pong) and
+renders it for Prometheus; nothing here depends on prometheus-client, and
+nothing crosses the step path but a few additions.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# Seconds: from 50 us (a patch dispatch) to 10 s (a stalled step).
+BUCKETS_S: tuple[float, ...] = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2,
+    2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0,
+)  # fmt: skip
+
+
+@dataclass
+class Histogram:
+    """Cumulative-at-render histogram: per-bucket counts, sum and count."""
+
+    bounds: tuple[float, ...] = BUCKETS_S
+    counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
+    total: float = 0.0
+    n: int = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "bounds": list(self.bounds),
+            "counts": list(self.counts),
+            "sum": self.total,
+            "count": self.n,
+        }
+
+
+@dataclass
+class WorkerMetrics:
+    step_seconds: dict[tuple[str, str], Histogram] = field(default_factory=dict)  # (program, op)
+    dispatch_seconds: Histogram = field(default_factory=Histogram)  # host time patching a step
+    replay_seconds: Histogram = field(default_factory=Histogram)  # replay issue -> done
+    errors: Counter[str] = field(default_factory=Counter)  # wire code -> count
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def observe_step(self, program: str, op: str, seconds: float) -> None:
+        h = self.step_seconds.get((program, op))
+        if h is None:
+            h = self.step_seconds[(program, op)] = Histogram()
+        h.observe(seconds)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "step_seconds": [
+                {"program": p, "op": op, **h.snapshot()} for (p, op), h in self.step_seconds.items()
+            ],
+            "dispatch_seconds": self.dispatch_seconds.snapshot(),
+            "replay_seconds": self.replay_seconds.snapshot(),
+            "errors": dict(self.errors),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+        }
