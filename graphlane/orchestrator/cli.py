@@ -33,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this port (0: any free port)")  # fmt: skip
+    s.add_argument(
+        "--auth-dir",
+        metavar="DIR",
+        help="CurveZMQ: serve with DIR/server.key_secret, admit the keys in DIR/clients/",
+    )
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback tcp --listen without --auth-dir")  # fmt: skip
     s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
     s.add_argument("--ready-file", metavar="PATH", help=argparse.SUPPRESS)
@@ -47,6 +54,19 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--wait", type=float, metavar="SECONDS", help="wait for readiness")
     st.add_argument("--timeout", type=float, default=5.0, help="per-request timeout (5 s)")
+    _add_key_flags(st)
+
+    k = sub.add_parser(
+        "keys",
+        help="generate CurveZMQ keypairs",
+        description="Generate a CurveZMQ keypair: DIR/NAME.key (public) and DIR/NAME.key_secret. "
+        "For the daemon, use --name server in its --auth-dir; for a client, copy its "
+        "NAME.key into the daemon's DIR/clients/ to admit it.",
+    )
+    ksub = k.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    kg = ksub.add_parser("generate", help="write DIR/NAME.key and DIR/NAME.key_secret")
+    kg.add_argument("directory", metavar="DIR")
+    kg.add_argument("--name", required=True, help="key name, e.g. server or scheduler-1")
 
     ex = sub.add_parser(
         "example",
@@ -81,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-key", metavar="FILE", help="the daemon's public key (server.key)")
+    p.add_argument("--client-key", metavar="FILE", help="this client's NAME.key_secret")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
@@ -91,6 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         from graphlane.workers.sim.example import run
 
         return run(steps=args.steps, layers=args.layers)
+    if args.command == "keys":
+        from graphlane.protocol.security import SecurityError, generate
+
+        try:
+            public, secret = generate(args.directory, args.name)
+        except SecurityError as exc:
+            print(f"graphlane keys: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {public} (public) and {secret} (secret, owner-only)")
+        return 0
     if args.command == "bench":
         from .bench import format_report, run_all
 
@@ -122,6 +157,8 @@ def _serve(args: argparse.Namespace) -> int:
                 "listen": args.listen,
                 "metrics_port": args.metrics_port,
                 "log_format": args.log_format,
+                "auth_dir": args.auth_dir,
+                "insecure": True if args.insecure else None,
             },
         )
     except cfg.ConfigError as exc:
@@ -139,7 +176,12 @@ def _status(args: argparse.Namespace) -> int:
     from .client import Client
 
     async def fetch() -> dict[str, Any]:
-        client = Client(args.connect, timeout=args.timeout)
+        client = Client(
+            args.connect,
+            timeout=args.timeout,
+            server_key=args.server_key,
+            client_key=args.client_key,
+        )
         try:
             await client.connect()
             if args.wait is not None:

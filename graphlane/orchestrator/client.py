@@ -49,9 +49,11 @@ from graphlane.protocol.errors import (
     GraphlaneError,
     InternalError,
     Timeout,
+    Unauthorized,
     UnknownDevice,
     WorkerLost,
 )
+from graphlane.protocol.security import ClientKeys
 
 log = logging.getLogger("graphlane.client")
 T = TypeVar("T")
@@ -70,14 +72,23 @@ class StepReply:
 class Channel:
     """One DEALER connection with its reader and monitor tasks and pending calls."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, name: str) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, endpoint: str, name: str, keys: ClientKeys | None = None
+    ) -> None:
         self.endpoint = endpoint
         self.name = name
         self.sock = ctx.socket(zmq.DEALER)
+        if keys is not None:
+            keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        )  # fmt: skip
+        self.refused: str | None = None  # why the server refused our handshake
         self.sock.connect(endpoint)
         self.pending: dict[int, asyncio.Future[codec.Reply]] = {}
         self.connected = False
@@ -118,7 +129,17 @@ class Channel:
                 msg = parse_monitor_message(await self.monitor.recv_multipart())
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            if msg["event"] == zmq.EVENT_CONNECTED:
+            event = msg["event"]
+            if event in (
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
+                self.refused = f"{self.endpoint} refused the security handshake (key not admitted?)"
+                self.fail_all(Unauthorized(self.refused))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
+            elif msg["event"] == zmq.EVENT_CONNECTED:
                 self.connected, self.lost = True, False
             elif msg["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
@@ -136,6 +157,8 @@ class Channel:
     ) -> codec.Reply:
         if self.closed:
             raise WorkerLost(f"connection to {self.name} is closed")
+        if self.refused is not None:
+            raise Unauthorized(self.refused)
         if self.lost:
             raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
         frames = codec.encode_request(request_id, op, body)
@@ -174,8 +197,23 @@ class Client:
     """Async client of a graphlane daemon (see the module docstring)."""
 
     def __init__(
-        self, endpoint: str, *, timeout: float = 10.0, name: str = "graphlane-client"
+        self,
+        endpoint: str,
+        *,
+        timeout: float = 10.0,
+        name: str = "graphlane-client",
+        server_key: str | bytes | None = None,
+        client_key: str | bytes | None = None,
     ) -> None:
+        """``server_key`` (the server's NAME.key, or its Z85 public key) and ``client_key``
+        (this client's NAME.key_secret) turn on CurveZMQ; both or neither."""
+        if (server_key is None) != (client_key is None):
+            raise ValueError("server_key and client_key go together (CurveZMQ needs both)")
+        self.keys = (
+            ClientKeys.load(server_key, client_key)
+            if server_key is not None and client_key is not None
+            else None
+        )
         self.endpoint = endpoint
         self.timeout = timeout
         self.name = name
@@ -190,7 +228,7 @@ class Client:
     async def connect(self) -> dict[str, Any]:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-            self._daemon = Channel(self._ctx, self.endpoint, "daemon")
+            self._daemon = Channel(self._ctx, self.endpoint, "daemon", self.keys)
             self._refresh_lock = asyncio.Lock()
         return await self.hello()
 
@@ -253,7 +291,9 @@ class Client:
                     return ch
                 await ch.close()
             assert self._ctx is not None
-            ch = self._workers[device] = Channel(self._ctx, entry["endpoint"], f"device {device}")
+            ch = self._workers[device] = Channel(
+                self._ctx, entry["endpoint"], f"device {device}", self.keys
+            )
             return ch
 
     # ------------------------------------------------------------ operations

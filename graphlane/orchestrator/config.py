@@ -59,6 +59,8 @@ class ServeConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     faults: dict[str, Any] = field(default_factory=dict)
+    auth_dir: str | None = None
+    insecure: bool = False
 
     def worker_endpoint(self, device: int) -> str:
         """Where the worker of ``device`` binds: next to the orchestrator's endpoint."""
@@ -75,7 +77,7 @@ class ServeConfig:
 _TOP_KEYS = {
     "listen", "backend", "devices", "depth", "pipeline", "sim", "programs", "max_queued",
     "startup_timeout_s", "max_restarts", "restart_window_s", "shutdown_timeout_s", "log_format",
-    "hang_timeout_s", "metrics_port", "metrics_host", "faults",
+    "hang_timeout_s", "metrics_port", "metrics_host", "faults", "auth_dir", "insecure",
 }  # fmt: skip
 _FAULTS = {"fail_start": bool, "hang_device_after": int}
 
@@ -224,11 +226,30 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
                     "hang_device_after = <steps>)",
                 )
         values["faults"] = dict(faults)
+    if raw.get("auth_dir") is not None:
+        from graphlane.protocol.security import SecurityError, ServerKeys
+
+        try:
+            ServerKeys.load(raw["auth_dir"])
+        except SecurityError as exc:
+            raise ConfigError("auth_dir", str(exc).split(": ", 1)[-1]) from None
+        values["auth_dir"] = str(raw["auth_dir"])
+    if "insecure" in raw:
+        if not isinstance(raw["insecure"], bool):
+            raise ConfigError("insecure", "must be true or false")
+        values["insecure"] = raw["insecure"]
     if "log_format" in raw:
         if raw["log_format"] not in ("text", "json"):
             raise ConfigError("log_format", "must be 'text' or 'json'")
         values["log_format"] = raw["log_format"]
-    return replace(cfg, **values)
+    cfg = replace(cfg, **values)
+    from graphlane.protocol.security import SecurityError, check_bind
+
+    try:
+        check_bind(cfg.listen, cfg.auth_dir is not None, cfg.insecure)
+    except SecurityError as exc:
+        raise ConfigError("listen", str(exc).split(": ", 1)[-1]) from None
+    return cfg
 
 
 def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> ServeConfig:

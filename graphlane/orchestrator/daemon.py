@@ -28,7 +28,7 @@ import zmq
 import zmq.asyncio
 
 from graphlane import __version__
-from graphlane.protocol import codec, messages
+from graphlane.protocol import codec, messages, security
 from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, error_class
 from graphlane.workers.worker import WorkerSpec
 
@@ -59,6 +59,7 @@ class Daemon:
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,
                 faults=dict(config.faults),
+                auth_dir=config.auth_dir,
             )
             for d in config.devices
         ]
@@ -86,7 +87,12 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, sig.name)
         ctx = zmq.asyncio.Context()
+        auth = None
         sock = ctx.socket(zmq.ROUTER)
+        if self.config.auth_dir is not None:
+            keys = security.ServerKeys.load(self.config.auth_dir)
+            auth = security.start_authenticator(ctx, keys)
+            keys.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, codec.DEFAULT_LIMITS.max_envelope_bytes)
         _prepare_ipc(self.config.listen)
@@ -117,6 +123,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await serving
             sock.close(0)
+            if auth is not None:
+                auth.stop()
             ctx.term()
             if self.metrics_server is not None:
                 self.metrics_server.shutdown()
@@ -203,6 +211,7 @@ class Daemon:
             "state": self.state,
             "capabilities": {
                 "ops": sorted(messages.MESSAGES),
+                "auth": "curve" if self.config.auth_dir else "none",
                 "backend": self.config.backend,
                 "max_message_bytes": codec.DEFAULT_LIMITS.max_message_bytes,
             },

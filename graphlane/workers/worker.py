@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from graphlane.protocol import codec, messages
+from graphlane.protocol import codec, messages, security
 from graphlane.protocol.errors import (
     BadRequest,
     Busy,
@@ -66,6 +66,7 @@ class WorkerSpec:
     generation: int = 0
     log_level: int = logging.INFO
     log_format: str = "text"
+    auth_dir: str | None = None  # CurveZMQ server keys and admitted clients
     # Fault injection for tests ("fail_start": true, "hang_device_after": N).
     faults: dict[str, Any] = field(default_factory=dict)
 
@@ -107,7 +108,12 @@ class Worker:
         self.engine.fault_hang_after = spec.faults.get("hang_device_after")
         self.engine.start()
         self.ctx = zmq.asyncio.Context()
+        self.auth: Any = None
         self.sock = self.ctx.socket(zmq.ROUTER)
+        if spec.auth_dir is not None:
+            keys = security.ServerKeys.load(spec.auth_dir)
+            self.auth = security.start_authenticator(self.ctx, keys)
+            keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, spec.limits.max_message_bytes)
         self.sock.bind(spec.endpoint)
@@ -167,6 +173,8 @@ class Worker:
         finally:
             self.engine.close()
             self.sock.close(0)
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.term()
         return self.exit_code
 
