@@ -93,13 +93,14 @@ class RunningDaemon:
     log_path: Path
     stopped: bool = False
     signalled: bool = False
+    client_keys: dict[str, str] = field(default_factory=dict)
     worker_pids_seen: set[int] = field(default_factory=set)
 
     def status(self) -> dict[str, Any]:
         from graphlane.orchestrator.client import Client
 
         async def get() -> dict[str, Any]:
-            async with Client(self.endpoint, timeout=10) as c:
+            async with Client(self.endpoint, timeout=10, **self.client_keys) as c:
                 return await c.status()
 
         st = asyncio.run(get())
@@ -135,7 +136,12 @@ class RunningDaemon:
 def start_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
     started: list[RunningDaemon] = []
 
-    def start(transport: str = "ipc", devices: int = 2, **config: Any) -> RunningDaemon:
+    def start(
+        transport: str = "ipc",
+        devices: int = 2,
+        client_keys: dict[str, str] | None = None,
+        **config: Any,
+    ) -> RunningDaemon:
         n = len(started)
         if transport == "ipc":
             listen = f"ipc://{tmp_path}/run{n}/daemon.sock"
@@ -149,7 +155,7 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
                "--ready-file", str(ready)]  # fmt: skip
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        d = RunningDaemon(listen, proc, log_path)
+        d = RunningDaemon(listen, proc, log_path, client_keys=dict(client_keys or {}))
         started.append(d)
 
         def is_ready() -> bool:

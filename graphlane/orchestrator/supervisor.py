@@ -260,8 +260,8 @@ class Supervisor:
         if len(h.restart_times) >= self.max_restarts:
             h.state = FAILED
             h.last_error = (
-                f"{len(h.restart_times)} restarts within {self.restart_window_s:g} s "
-                "(max_restarts); not restarting"
+                f"{h.last_error or 'exited'}; {len(h.restart_times)} restarts within "
+                f"{self.restart_window_s:g} s (max_restarts): not restarting"
             )
             log.error("worker failed device=%s: %s", h.device, h.last_error)
             self.on_change(h)
