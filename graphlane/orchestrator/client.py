@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
@@ -67,6 +69,7 @@ class StepReply:
     patched: int
     device: int
     server_us: float = 0.0  # time the worker held the request, device work included
+    host: str = ""  # the daemon's endpoint
 
 
 class Channel:
@@ -193,12 +196,33 @@ def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
         fut.set_exception(Timeout(f"{what} got no reply within {timeout:g} s"))
 
 
+Device = int | tuple[int | str, int]
+
+
+class _Host:
+    """One daemon: its control channel and its workers' channels."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.daemon: Channel | None = None
+        self.workers: dict[int, Channel] = {}
+        self.hello: dict[str, Any] = {}
+        self.lock = asyncio.Lock()
+
+
 class Client:
-    """Async client of a graphlane daemon (see the module docstring)."""
+    """Async client of one or several graphlane daemons (see the module docstring).
+
+    ``endpoints`` is one endpoint, a list (one daemon per host), or a tcp endpoint
+    whose DNS name resolves to several addresses (e.g. a Kubernetes headless
+    Service): each address is a host. With one host, devices are plain ints; with
+    several, a device is ``(host, device)`` where host is the host's index or
+    endpoint.
+    """
 
     def __init__(
         self,
-        endpoint: str,
+        endpoints: str | Sequence[str],
         *,
         timeout: float = 10.0,
         name: str = "graphlane-client",
@@ -214,29 +238,36 @@ class Client:
             if server_key is not None and client_key is not None
             else None
         )
-        self.endpoint = endpoint
+        self.requested = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.requested:
+            raise ValueError("Client needs at least one endpoint")
+        self.endpoint = self.requested[0]
         self.timeout = timeout
         self.name = name
         self._ctx: zmq.asyncio.Context | None = None
-        self._daemon: Channel | None = None
-        self._workers: dict[int, Channel] = {}
+        self._hosts: list[_Host] = []
         self._ids = itertools.count(1)
-        self._hello: dict[str, Any] = {}
-        self._refresh_lock: asyncio.Lock | None = None
 
     # ------------------------------------------------------------ lifecycle
     async def connect(self) -> dict[str, Any]:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-            self._daemon = Channel(self._ctx, self.endpoint, "daemon", self.keys)
-            self._refresh_lock = asyncio.Lock()
+            endpoints: list[str] = []
+            for ep in self.requested:
+                for resolved in await _expand(ep):
+                    if resolved not in endpoints:
+                        endpoints.append(resolved)
+            for ep in endpoints:
+                host = _Host(ep)
+                host.daemon = Channel(self._ctx, ep, f"daemon at {ep}", self.keys)
+                self._hosts.append(host)
         return await self.hello()
 
     async def close(self) -> None:
-        for ch in [*self._workers.values(), *([self._daemon] if self._daemon else [])]:
-            await ch.close()
-        self._workers.clear()
-        self._daemon = None
+        for host in self._hosts:
+            for ch in [*host.workers.values(), *([host.daemon] if host.daemon else [])]:
+                await ch.close()
+        self._hosts = []
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -247,6 +278,15 @@ class Client:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.endpoint for h in self._hosts]
+
+    @property
+    def _workers(self) -> dict[int, Channel]:
+        """The first host's worker channels (single-host clients and tests)."""
+        return self._hosts[0].workers if self._hosts else {}
 
     # ------------------------------------------------------------ plumbing
     async def _call(
@@ -260,30 +300,52 @@ class Client:
             raise reply.error
         return reply.body
 
-    def _channel(self) -> Channel:
-        if self._daemon is None:
+    def _channel(self, host: _Host | None = None) -> Channel:
+        if not self._hosts:
             raise RuntimeError(
                 "the client is not connected: use 'async with Client(...)' or connect()"
             )
-        return self._daemon
+        ch = (host or self._hosts[0]).daemon
+        assert ch is not None
+        return ch
 
-    async def _worker(self, device: int) -> Channel:
-        ch = self._workers.get(device)
+    def _resolve(self, device: Device) -> tuple[_Host, int]:
+        if not self._hosts:
+            self._channel()  # raises: not connected
+        if isinstance(device, tuple):
+            which, local = device
+            if isinstance(which, int) and 0 <= which < len(self._hosts):
+                return self._hosts[which], local
+            for h in self._hosts:
+                if h.endpoint == which:
+                    return h, local
+            raise UnknownDevice(f"host {which!r} is not one of {self.hosts}")
+        if len(self._hosts) > 1:
+            raise UnknownDevice(
+                f"this client has {len(self._hosts)} hosts: address devices as (host, device)"
+            )
+        return self._hosts[0], device
+
+    async def _worker(self, device: Device) -> Channel:
+        host, local = self._resolve(device)
+        ch = host.workers.get(local)
         if ch is not None and not ch.lost:
             return ch
-        assert self._refresh_lock is not None
-        async with self._refresh_lock:  # one hello for many callers after a restart
-            ch = self._workers.get(device)
+        async with host.lock:  # one hello for many callers after a restart
+            ch = host.workers.get(local)
             if ch is not None and not ch.lost:
                 return ch
-            hello = await self.hello()
-            entry = next((w for w in hello.get("workers", []) if w.get("device") == device), None)
+            hello = await self._hello_on(host)
+            entry = next((w for w in hello.get("workers", []) if w.get("device") == local), None)
             if entry is None:
                 served = [w.get("device") for w in hello.get("workers", [])]
-                raise UnknownDevice(f"device {device} is not served (serving {served})")
+                raise UnknownDevice(
+                    f"device {local} is not served at {host.endpoint} (serving {served})"
+                )
             if entry.get("state") != "ready" or not entry.get("endpoint"):
                 raise WorkerLost(
-                    f"device {device} is {entry.get('state')}, not ready", retryable=True
+                    f"device {local} at {host.endpoint} is {entry.get('state')}, not ready",
+                    retryable=True,
                 )
             if ch is not None:
                 if ch.endpoint == entry["endpoint"]:
@@ -291,35 +353,58 @@ class Client:
                     return ch
                 await ch.close()
             assert self._ctx is not None
-            ch = self._workers[device] = Channel(
-                self._ctx, entry["endpoint"], f"device {device}", self.keys
+            ch = host.workers[local] = Channel(
+                self._ctx, entry["endpoint"], f"device {local} at {host.endpoint}", self.keys
             )
             return ch
 
+    async def _hello_on(self, host: _Host, timeout: float | None = None) -> dict[str, Any]:
+        host.hello = await self._call(self._channel(host), "hello", {"client": self.name}, timeout)
+        return host.hello
+
+    async def _each(self, op: str, body: Mapping[str, Any], timeout: float | None) -> Any:
+        """``op`` on every host: the reply, or {"hosts": [...]} with several hosts."""
+        replies = await asyncio.gather(
+            *(self._call(self._channel(h), op, body, timeout) for h in self._hosts)
+        )
+        if len(replies) == 1:
+            return replies[0]
+        hosts = [{"host": h.endpoint, **r} for h, r in zip(self._hosts, replies, strict=True)]
+        return {"hosts": hosts, "ready": all(r.get("ready", True) for r in replies)}
+
     # ------------------------------------------------------------ operations
     async def hello(self, timeout: float | None = None) -> dict[str, Any]:
-        self._hello = await self._call(self._channel(), "hello", {"client": self.name}, timeout)
-        return self._hello
+        if len(self._hosts) <= 1:
+            return await self._hello_on(self._hosts[0] if self._hosts else _no_host(), timeout)
+        replies = await asyncio.gather(*(self._hello_on(h, timeout) for h in self._hosts))
+        return {
+            "hosts": [{"host": h.endpoint, **r} for h, r in zip(self._hosts, replies, strict=True)]
+        }
 
     async def status(self, timeout: float | None = None) -> dict[str, Any]:
-        return await self._call(self._channel(), "status", {}, timeout)
+        result: dict[str, Any] = await self._each("status", {}, timeout)
+        return result
 
     async def drain(
-        self, device: int | None = None, timeout: float | None = None
+        self, device: Device | None = None, timeout: float | None = None
     ) -> dict[str, Any]:
-        body = {} if device is None else {"device": device}
-        return await self._call(self._channel(), "drain", body, timeout)
+        if device is None:
+            result: dict[str, Any] = await self._each("drain", {}, timeout)
+            return result
+        host, local = self._resolve(device)
+        return await self._call(self._channel(host), "drain", {"device": local}, timeout)
 
     async def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
-        return await self._call(self._channel(), "shutdown", {}, timeout)
+        result: dict[str, Any] = await self._each("shutdown", {}, timeout)
+        return result
 
-    async def worker_status(self, device: int, timeout: float | None = None) -> dict[str, Any]:
+    async def worker_status(self, device: Device, timeout: float | None = None) -> dict[str, Any]:
         return await self._call(await self._worker(device), "status", {}, timeout)
 
     async def step(
         self,
         program: str,
-        device: int,
+        device: Device,
         params: Mapping[str, Any],
         inputs: Mapping[str, torch.Tensor] | None = None,
         outputs: Sequence[str] = ("out",),
@@ -328,14 +413,16 @@ class Client:
         timeout: float | None = None,
     ) -> StepReply:
         """Patch and replay ``program`` on ``device``; returns the requested outputs."""
-        body = _step_body(program, device, params, inputs, batch)
+        host, local = self._resolve(device)
+        body = _step_body(program, local, params, inputs, batch)
         body["outputs"] = list(outputs)
-        return _reply(device, await self._call(await self._worker(device), "step", body, timeout))
+        ch = await self._worker(device)
+        return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
     async def update(
         self,
         program: str,
-        device: int,
+        device: Device,
         params: Mapping[str, Any],
         inputs: Mapping[str, torch.Tensor] | None = None,
         *,
@@ -343,21 +430,25 @@ class Client:
         timeout: float | None = None,
     ) -> StepReply:
         """Patch the next replay of the bucket (no replay)."""
-        body = _step_body(program, device, params, inputs, batch)
-        return _reply(device, await self._call(await self._worker(device), "update", body, timeout))
+        host, local = self._resolve(device)
+        body = _step_body(program, local, params, inputs, batch)
+        ch = await self._worker(device)
+        return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
     async def replay(
         self,
         program: str,
-        device: int,
+        device: Device,
         batch: int,
         outputs: Sequence[str] = ("out",),
         *,
         timeout: float | None = None,
     ) -> StepReply:
         """Replay the bucket's updated (or next) graph instance."""
-        body = {"program": program, "device": device, "batch": batch, "outputs": list(outputs)}
-        return _reply(device, await self._call(await self._worker(device), "replay", body, timeout))
+        host, local = self._resolve(device)
+        body = {"program": program, "device": local, "batch": batch, "outputs": list(outputs)}
+        ch = await self._worker(device)
+        return _reply(host.endpoint, local, await self._call(ch, "replay", body, timeout))
 
     async def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait until every worker is ready (polling status); TIMEOUT at the deadline."""
@@ -371,6 +462,31 @@ class Client:
             if time.monotonic() >= deadline:
                 raise Timeout(f"workers not ready within {timeout:g} s")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _no_host() -> _Host:
+    raise RuntimeError("the client is not connected: use 'async with Client(...)' or connect()")
+
+
+async def _expand(endpoint: str) -> list[str]:
+    """A tcp endpoint whose name resolves to several addresses: one endpoint each."""
+    if not endpoint.startswith("tcp://"):
+        return [endpoint]
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return [endpoint]
+    except ValueError:
+        pass
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return [endpoint]  # let the socket report the problem
+    addresses = sorted({str(info[4][0]) for info in infos})
+    if len(addresses) <= 1:
+        return [endpoint]
+    return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addresses]
 
 
 def _step_body(
@@ -388,8 +504,9 @@ def _step_body(
     return body
 
 
-def _reply(device: int, body: Mapping[str, Any]) -> StepReply:
+def _reply(host: str, device: int, body: Mapping[str, Any]) -> StepReply:
     return StepReply(
+        host=host,
         outputs=dict(body.get("outputs", {})),
         bucket=int(body.get("bucket", 0)),
         slot=int(body.get("slot", 0)),
