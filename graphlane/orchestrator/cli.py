@@ -50,7 +50,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Ask a running daemon for its status. With --wait, wait until every "
         "worker is ready: exit 0 then, 1 at the deadline.",
     )
-    st.add_argument("--connect", metavar="ENDPOINT", default=DEFAULT_LISTEN)
+    st.add_argument(
+        "--connect",
+        metavar="ENDPOINT[,ENDPOINT...]",
+        default=DEFAULT_LISTEN,
+        help="the daemon, or several (one per host), or a DNS name of several",
+    )
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.add_argument("--wait", type=float, metavar="SECONDS", help="wait for readiness")
     st.add_argument("--timeout", type=float, default=5.0, help="per-request timeout (5 s)")
@@ -177,7 +182,7 @@ def _status(args: argparse.Namespace) -> int:
 
     async def fetch() -> dict[str, Any]:
         client = Client(
-            args.connect,
+            [e for e in args.connect.split(",") if e],
             timeout=args.timeout,
             server_key=args.server_key,
             client_key=args.client_key,
@@ -197,9 +202,13 @@ def _status(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
-    else:
-        print(f"daemon {st['state']} at {st['endpoint']} (pid {st['pid']}), ready={st['ready']}")
-        for w in st["workers"]:
+        return 0
+    for host in st.get("hosts", [st]):
+        print(
+            f"daemon {host['state']} at {host['endpoint']} (pid {host['pid']}), "
+            f"ready={host['ready']}"
+        )
+        for w in host["workers"]:
             programs = ", ".join(sorted(w.get("programs") or {}))
             print(
                 f"  device {w['device']}: {w['state']:<8} pid {w['pid']} restarts {w['restarts']} "

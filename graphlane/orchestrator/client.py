@@ -484,7 +484,8 @@ async def _expand(endpoint: str) -> list[str]:
     except (OSError, ValueError):
         return [endpoint]  # let the socket report the problem
     addresses = sorted({str(info[4][0]) for info in infos})
-    if len(addresses) <= 1:
+    # A name for one machine (localhost: 127.0.0.1 and ::1) is one host, not several.
+    if len(addresses) <= 1 or any(ipaddress.ip_address(a).is_loopback for a in addresses):
         return [endpoint]
     return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addresses]
 

@@ -14,7 +14,9 @@ Two load models:
 
 Both stop starting steps after ``--duration`` and wait at most ``--timeout``
 more for the calls in flight (each call also has that deadline). A call still
-unanswered at that point is cancelled and counted as ``CLIENT_DEADLINE``.
+unanswered at that point is cancelled and counted as ``CLIENT_DEADLINE``. From
+the command line, a first Ctrl-C ends the sending early the same way (the
+report is still written, marked ``interrupted``); a second one aborts.
 Nothing is retried: every error is counted by its wire code (a
 :class:`~graphlane.GraphlaneError`'s ``code``; any other exception by its class
 name) and the caller moves on.
@@ -59,6 +61,7 @@ import contextlib
 import datetime
 import math
 import random
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -540,31 +543,55 @@ class Recorder:
         return sum(self.errors.values())
 
     def timeseries(self, end: float) -> dict[str, Any]:
-        last = max([*self.windows, int(max(0.0, end - self.start) / self.window_s)])
-        t, steps, errors, rate, p50, p99, pmax = [], [], [], [], [], [], []
-        per_device: dict[str, list[int]] = {str(d): [] for d in sorted(self.devices)}
+        span = max(0.0, end - self.start)
+        last = max([*self.windows, int(span / self.window_s)])
+        spans: list[tuple[float, float, _Window]] = []
         for i in range(last + 1):
-            w = self.windows.get(i) or _Window()
-            t.append(round((i + 1) * self.window_s, 3))
+            lo = i * self.window_s
+            # The last window ends with the run: rates are over the part it covers.
+            hi = min(lo + self.window_s, max(span, lo + 1e-3))
+            spans.append((lo, hi, self.windows.get(i) or _Window()))
+        if len(spans) > 1 and spans[-1][1] - spans[-1][0] < self.window_s / 2:
+            # A short last window would give a noisy rate: fold it into the one before.
+            lo, _, merged = spans[-2]
+            _, hi, tail = spans.pop()
+            merged.steps += tail.steps
+            merged.errors += tail.errors
+            merged.devices.update(tail.devices)
+            merged.hist.add(tail.hist)
+            spans[-1] = (lo, hi, merged)
+        t: list[float] = []
+        steps, errors = [], []
+        rate: list[float] = []
+        error_rate: list[float] = []
+        p50: list[float | None] = []
+        p99: list[float | None] = []
+        pmax: list[float | None] = []
+        per_device: dict[str, list[float]] = {str(d): [] for d in sorted(self.devices)}
+        for lo, hi, w in spans:
+            width = hi - lo
+            t.append(round(hi, 3))
             steps.append(w.steps)
             errors.append(w.errors)
-            rate.append(round(w.steps / self.window_s, 3))
+            rate.append(round(w.steps / width, 3))
+            error_rate.append(round(w.errors / width, 3))
             n = w.hist.get_total_count()
             p50.append(_ms(w.hist.get_value_at_percentile(50)) if n else None)
             p99.append(_ms(w.hist.get_value_at_percentile(99)) if n else None)
             pmax.append(_ms(w.hist.get_max_value()) if n else None)
             for d, series in per_device.items():
-                series.append(w.devices.get(int(d), 0))
+                series.append(round(w.devices.get(int(d), 0) / width, 3))
         return {
             "window_s": self.window_s,
             "t_s": t,
             "steps": steps,
             "errors": errors,
             "steps_per_s": rate,
+            "errors_per_s": error_rate,
             "p50_ms": p50,
             "p99_ms": p99,
             "max_ms": pmax,
-            "device_steps": per_device,
+            "device_steps_per_s": per_device,
         }
 
     def cdf(self) -> dict[str, list[float]]:
@@ -591,7 +618,24 @@ class _Run:
     workload: Workload
     rec: Recorder
     stop_at: float
-    hard_deadline: float
+    stop: asyncio.Event
+    sent_until: float | None = None  # when sending ended (stop_at, or earlier when stopped)
+
+    def sending(self) -> bool:
+        return self.sent_until is None and not self.stop.is_set()
+
+    async def pause(self, seconds: float) -> None:
+        """Sleep, waking up early if the run is stopped."""
+        if seconds <= 0.05 or self.stop.is_set():
+            await asyncio.sleep(max(0.0, seconds))
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+
+    def end_sending(self) -> None:
+        if self.sent_until is None:
+            now = time.monotonic()
+            self.sent_until = now if self.stop.is_set() else min(now, self.stop_at)
 
 
 async def _one(run: _Run, step: Step, scheduled: float) -> None:
@@ -649,16 +693,24 @@ async def _one(run: _Run, step: Step, scheduled: float) -> None:
 
 
 async def _finish(run: _Run, tasks: set[asyncio.Task[Any]]) -> None:
-    """Wait for the tasks until the hard deadline, then cancel what is left."""
+    """Wait for the tasks at most timeout_s after sending ended, then cancel what is left."""
+    run.end_sending()
+    assert run.sent_until is not None
+    deadline = run.sent_until + run.config.timeout_s
+    done: set[asyncio.Task[Any]] = set()
     if tasks:
-        _, pending = await asyncio.wait(
-            set(tasks), timeout=max(0.0, run.hard_deadline - time.monotonic())
+        done, pending = await asyncio.wait(
+            set(tasks), timeout=max(0.0, deadline - time.monotonic())
         )
         for t in pending:
             t.cancel()
         for t in pending:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+    for t in done:
+        error = None if t.cancelled() else t.exception()
+        if error is not None:
+            raise error  # a bug of the load generator: do not hide it
 
 
 async def _closed_loop(run: _Run) -> None:
@@ -666,7 +718,7 @@ async def _closed_loop(run: _Run) -> None:
 
     async def caller(i: int) -> None:
         rng = random.Random(run.config.seed * 1_000_003 + i)
-        while time.monotonic() < run.stop_at:
+        while time.monotonic() < run.stop_at and run.sending():
             step = run.workload.draw(rng)
             run.rec.arrivals += 1
             before = run.rec.errors_total
@@ -675,6 +727,7 @@ async def _closed_loop(run: _Run) -> None:
                 await asyncio.sleep(0)  # a failing call may not have yielded: let others run
 
     tasks = {asyncio.create_task(caller(i)) for i in range(run.config.concurrency)}
+    await run.pause(run.stop_at - time.monotonic())
     await _finish(run, tasks)
 
 
@@ -689,7 +742,9 @@ async def _open_loop(run: _Run, start: float) -> None:
         scheduled += arrivals.expovariate(run.config.rate)
         if scheduled >= run.stop_at:
             break
-        await asyncio.sleep(max(0.0, scheduled - time.monotonic()))
+        await run.pause(scheduled - time.monotonic())
+        if not run.sending():
+            break
         run.rec.arrivals += 1
         step = run.workload.draw(draws)
         if len(tasks) >= cap:
@@ -747,12 +802,12 @@ async def _preflight(
     return {str(d): r for d, r in zip(plan.devices, results, strict=True)}
 
 
-async def run_load(config: LoadConfig) -> dict[str, Any]:
+async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> dict[str, Any]:
     """Run the load test; returns the report (also written to ``config.report_dir`` if set).
 
     Bounded: after the setup (hello and one probe step per device, each with
-    ``timeout_s``), it sends for ``duration_s`` and then waits at most
-    ``timeout_s`` for the calls in flight.
+    ``timeout_s``), it sends for ``duration_s`` (or until ``stop`` is set) and
+    then waits at most ``timeout_s`` for the calls in flight.
     """
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     async with Client(config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest") as c:
@@ -760,6 +815,7 @@ async def run_load(config: LoadConfig) -> dict[str, Any]:
         plan = resolve_plan(config, hello)
         workload = Workload(plan, config.seed, config.verify)
         preflight = await _preflight(c, config, plan, workload)
+        progress = _Progress() if config.progress else None
         start = time.monotonic()
         rec = Recorder(start, window_for(config.duration_s), config.seed)
         run = _Run(
@@ -769,10 +825,9 @@ async def run_load(config: LoadConfig) -> dict[str, Any]:
             workload,
             rec,
             stop_at=start + config.duration_s,
-            hard_deadline=start + config.duration_s + config.timeout_s,
+            stop=stop or asyncio.Event(),
         )
-        progress = _Progress(run) if config.progress else None
-        ticker = asyncio.create_task(progress.run()) if progress else None
+        ticker = asyncio.create_task(progress.tick(run)) if progress else None
         try:
             if config.mode == "closed":
                 await _closed_loop(run)
@@ -785,7 +840,10 @@ async def run_load(config: LoadConfig) -> dict[str, Any]:
                     await ticker
                 progress.close()
         end = time.monotonic()
-    report = build_report(config, plan, rec, hello, preflight, started_at, start, end)
+    report = build_report(
+        config, plan, rec, hello, preflight, started_at, start, end,
+        sent_until=run.sent_until, interrupted=run.stop.is_set(),
+    )  # fmt: skip
     if config.report_dir:
         from .report import write_report
 
@@ -803,6 +861,9 @@ def build_report(
     started_at: str,
     start: float,
     end: float,
+    *,
+    sent_until: float | None = None,
+    interrupted: bool = False,
 ) -> dict[str, Any]:
     elapsed = max(end - start, 1e-9)
     resolved = config.to_dict()
@@ -842,7 +903,9 @@ def build_report(
         },
         "mode": config.mode,
         "duration_s": config.duration_s,
+        "sending_s": round((end if sent_until is None else sent_until) - start, 3),
         "elapsed_s": round(elapsed, 3),
+        "interrupted": interrupted,
         "arrivals": rec.arrivals,
         "sent": rec.sent,
         "steps": rec.steps,
@@ -904,22 +967,23 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
 
 # ---------------------------------------------------------------------------- progress
 class _Progress:
-    """A rich Live panel on stderr, refreshed 4 times a second by an asyncio task."""
+    """A rich Live view on stderr, refreshed 4 times a second by an asyncio task."""
 
-    def __init__(self, run: _Run) -> None:
-        from rich.console import Console
+    def __init__(self) -> None:
+        from rich.console import Console, Group
         from rich.live import Live
+        from rich.text import Text
 
-        self.run_ = run
+        self._group, self._text = Group, Text
         self.console = Console(stderr=True)
         self.live = Live(console=self.console, auto_refresh=False, transient=False)
-        self.history: deque[tuple[float, int]] = deque(maxlen=8)
-        self.live.start()
+        self.history: deque[tuple[float, int]] = deque(maxlen=5)
+        self.run_: _Run | None = None
+        self.finished = False
 
     def render(self) -> Any:
-        from rich.table import Table
-
-        run, rec = self.run_, self.run_.rec
+        assert self.run_ is not None
+        run, rec, c = self.run_, self.run_.rec, self.run_.config
         now = time.monotonic()
         elapsed = now - rec.start
         self.history.append((now, rec.steps))
@@ -929,35 +993,45 @@ class _Progress:
         n = lat.get_total_count()
         p50 = f"{lat.get_value_at_percentile(50) / 1000:.2f}" if n else "-"
         p99 = f"{lat.get_value_at_percentile(99) / 1000:.2f}" if n else "-"
-        c = run.config
         how = f"closed loop x{c.concurrency}" if c.mode == "closed" else f"open loop {c.rate:g}/s"
-        phase = "sending" if now < run.stop_at else "waiting for calls in flight"
-        t = Table.grid(padding=(0, 2))
-        t.add_row(
-            f"[bold]graphlane loadtest[/] {how} -> {c.endpoint}",
-            f"{min(elapsed, c.duration_s):.1f}/{c.duration_s:g} s ({phase})",
-        )
-        t.add_row(
-            f"steps [bold]{rec.steps}[/]  steps/s [bold]{recent:.1f}[/] "
-            f"(avg {rec.steps / max(elapsed, 1e-9):.1f})  in flight {rec.in_flight}",
-            f"latency ms p50 [bold]{p50}[/] p99 [bold]{p99}[/]",
+        phase = (
+            "done"
+            if self.finished
+            else "sending"
+            if run.sent_until is None
+            else "waiting for calls in flight"
         )
         errs = ", ".join(f"{k} {v}" for k, v in sorted(rec.errors.items())) or "none"
-        style = "red" if rec.errors else "green"
-        check = (
-            f"verified {rec.verified}, failed {rec.verify_failures}" if c.verify else "verify off"
+        check = f"  verified {rec.verified}, wrong {rec.verify_failures}" if c.verify else ""
+        T = self._text
+        return self._group(
+            T.from_markup(f"[bold]graphlane loadtest[/] {how} -> {c.endpoint}"),
+            T.from_markup(
+                f"elapsed [bold]{min(elapsed, c.duration_s):.1f}[/]/{c.duration_s:g} s "
+                f"({phase})  steps [bold]{rec.steps}[/]  steps/s [bold]{recent:.1f}[/] "
+                f"(avg {rec.steps / max(elapsed, 1e-9):.1f})  in flight {rec.in_flight}"
+            ),
+            T.from_markup(
+                f"latency ms p50 [bold]{p50}[/] p99 [bold]{p99}[/]  errors "
+                f"[{'red' if rec.errors else 'green'}]{errs}[/]{check}"
+            ),
         )
-        t.add_row(f"errors [{style}]{errs}[/]", check)
-        return t
 
-    async def run(self) -> None:
+    async def tick(self, run: _Run) -> None:
+        self.run_ = run
+        self.live.start()
         while True:
             self.live.update(self.render(), refresh=True)
             await asyncio.sleep(0.25)
 
     def close(self) -> None:
+        if self.run_ is None:
+            return
+        self.finished = True
         self.live.update(self.render(), refresh=True)
         self.live.stop()
+        if not self.console.is_terminal:
+            self.console.line()
 
 
 # ---------------------------------------------------------------------------- command line
@@ -1167,7 +1241,12 @@ def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
 
     t.add_row("endpoint", str(cfg["endpoint"]))
     t.add_row("program / devices", f"{cfg['program']} on {cfg['devices']}")
-    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s (sending for {report['duration_s']:g} s)")
+    sending = (
+        f"interrupted after {report['sending_s']:.2f} s of {report['duration_s']:g} s"
+        if report.get("interrupted")
+        else f"sending for {report['duration_s']:g} s"
+    )
+    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s ({sending})")
     t.add_row("steps", f"{report['steps']} of {report['sent']} sent")
     t.add_row("throughput", f"{report['throughput']:.1f} steps/s")
     t.add_row(
@@ -1203,9 +1282,34 @@ def main(args: argparse.Namespace) -> int:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
     try:
-        report = asyncio.run(run_load(config))
+        report = asyncio.run(_run_interruptible(config))
     except (ValueError, LoadTestError, GraphlaneError) as exc:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("graphlane loadtest: interrupted", file=sys.stderr)
+        return 130
     print_summary(report)
     return int(report["verdict"]["exit_code"])
+
+
+async def _run_interruptible(config: LoadConfig) -> dict[str, Any]:
+    """run_load where the first Ctrl-C ends sending early (the report is still written)
+    and a second one aborts."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+
+    def on_sigint() -> None:
+        if stop.is_set() and me is not None:
+            me.cancel()
+        stop.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+        return await run_load(config)
+    try:
+        return await run_load(config, stop=stop)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)

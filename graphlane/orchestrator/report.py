@@ -15,6 +15,7 @@ returns and writes, into one directory:
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -101,8 +102,9 @@ def plot_latency_over_time(report: Mapping[str, Any]) -> Any:
     if not sx:
         _empty(ax, "no successful steps")
         return fig
-    ax.scatter(sx, sy, s=4, alpha=0.25, color="tab:grey", label="steps (sample)", linewidths=0)
-    t = [x - ts.get("window_s", 0) / 2 for x in ts.get("t_s", [])]
+    ax.scatter(sx, sy, s=6, alpha=0.35, color="tab:grey", label="steps (sample)", linewidths=0)
+    edges = [0.0, *ts.get("t_s", [])]
+    t = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
     for key, label, color in (
         ("p50_ms", "p50", "tab:blue"),
         ("p99_ms", "p99", "tab:orange"),
@@ -110,6 +112,7 @@ def plot_latency_over_time(report: Mapping[str, Any]) -> Any:
     ):
         ax.plot(t, _nan(ts.get(key, [])), label=f"{label} per {ts.get('window_s')} s", color=color)
     _log_if_wide(ax, list(sy))
+    _sending_stopped(ax, report)
     ax.set_xlim(left=0)
     ax.set_xlabel("time since start (s), by completion")
     ax.set_ylabel(f"latency (ms, from {report.get('latency_basis', 'send')})")
@@ -148,7 +151,9 @@ def plot_latency_cdf(report: Mapping[str, Any]) -> Any:
         if v is not None:
             right.axhline(v, color=color, ls=":", lw=1, label=f"{key} {v:.2f} ms")
     if summary.get("max") is not None:
-        right.axhline(summary["max"], color="black", ls="--", lw=1, label=f"max {summary['max']:.2f}")
+        right.axhline(
+            summary["max"], color="black", ls="--", lw=1, label=f"max {summary['max']:.2f}"
+        )
     _log_if_wide(right, [v for _, v in tail])
     right.set_xlabel("percentile")
     right.set_ylabel("latency (ms)")
@@ -156,6 +161,11 @@ def plot_latency_cdf(report: Mapping[str, Any]) -> Any:
     right.grid(True, alpha=0.3)
     right.legend(loc="upper left", fontsize=8)
     return fig
+
+
+def _sending_stopped(ax: Any, report: Mapping[str, Any]) -> None:
+    if report.get("duration_s"):
+        ax.axvline(report["duration_s"], color="grey", ls="--", lw=1, label="sending stopped")
 
 
 def plot_throughput(report: Mapping[str, Any]) -> Any:
@@ -166,22 +176,22 @@ def plot_throughput(report: Mapping[str, Any]) -> Any:
     if not t:
         _empty(ax, "no data")
         return fig
-    w = ts.get("window_s", 1.0)
-    starts = [x - w for x in t]
-    errors = [e / w for e in ts.get("errors", [])]
+    edges = [0.0, *t]
+    errors = ts.get("errors_per_s", [])
     if any(errors):
-        ax.bar(starts, errors, width=w, align="edge", color="tab:red", alpha=0.35, label="errors/s")
-    ax.step(starts, ts.get("steps_per_s", []), where="post", color="tab:green", lw=2, label="steps/s")
-    devices = ts.get("device_steps", {})
+        ax.stairs(errors, edges, fill=True, color="tab:red", alpha=0.35, label="errors/s")
+    ax.stairs(ts.get("steps_per_s", []), edges, color="tab:green", lw=2, label="steps/s")
+    devices = ts.get("device_steps_per_s", {})
     if len(devices) > 1:
-        for d, counts in devices.items():
-            ax.step(starts, [c / w for c in counts], where="post", lw=1, alpha=0.7, label=f"device {d}")
+        for d, rates in devices.items():
+            ax.stairs(rates, edges, lw=1, alpha=0.8, label=f"device {d}")
     if report.get("offered_rate"):
-        ax.axhline(report["offered_rate"], color="black", ls="--", lw=1, label="offered rate")
+        ax.axhline(report["offered_rate"], color="black", ls=":", lw=1, label="offered rate")
+    _sending_stopped(ax, report)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("time since start (s), by completion")
-    ax.set_ylabel(f"per second (over {w} s windows)")
+    ax.set_ylabel(f"per second ({ts.get('window_s')} s windows)")
     ax.set_title(f"Throughput over time: {_subtitle(report)}", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
@@ -256,7 +266,15 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
         ("batch sizes", _e(cfg.get("batch_sizes"))),
         (
             "time",
-            _e(f"sent for {report.get('duration_s')} s, finished after {report.get('elapsed_s')} s"),
+            _e(
+                f"sent for {report.get('sending_s')} s"
+                + (
+                    f" (interrupted; asked for {report.get('duration_s')} s)"
+                    if report.get("interrupted")
+                    else ""
+                )
+                + f", finished after {report.get('elapsed_s')} s"
+            ),
         ),
         ("steps", _e(f"{report.get('steps')} succeeded of {report.get('sent')} sent")),
         ("throughput", f"<b>{report.get('throughput', 0):.1f}</b> steps/s"),

@@ -143,3 +143,32 @@ def test_status_wait_fails_at_the_deadline_when_nothing_answers(tmp_path) -> Non
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "TIMEOUT" in out.stderr
+
+
+def test_one_client_across_two_daemons_acting_as_two_hosts(start_daemon) -> None:
+    a = start_daemon("tcp", devices=1)
+    b = start_daemon("tcp", devices=2)
+
+    async def main() -> None:
+        async with Client([a.endpoint, b.endpoint], timeout=30) as c:
+            assert c.hosts == [a.endpoint, b.endpoint]
+            r0 = await c.step("attention", (0, 0), {"actual_seq_lengths_kv": [2]})
+            r1 = await c.step("attention", (b.endpoint, 1), {"actual_seq_lengths_kv": [2, 3]})
+            assert (r0.host, r0.device) == (a.endpoint, 0)
+            assert (r1.host, r1.device, r1.outputs["out"].shape[0]) == (b.endpoint, 1, 2)
+            with pytest.raises(graphlane.GraphlaneError) as err:
+                await c.step("attention", 0, {"actual_seq_lengths_kv": [2]})  # which host?
+            assert err.value.code == "UNKNOWN_DEVICE"
+            st = await c.status()
+            assert st["ready"] and [len(h["workers"]) for h in st["hosts"]] == [1, 2]
+
+    asyncio.run(main())
+    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "status"]
+    out = subprocess.run(
+        [*cli, "--connect", f"{a.endpoint},{b.endpoint}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("daemon running") == 2 and out.stdout.count(": ready") == 3
