@@ -31,15 +31,27 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--listen", metavar="ENDPOINT", help=f"tcp:// or ipc:// (default {DEFAULT_LISTEN})"
     )
-    s.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on this port (0: any free port)")  # fmt: skip
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (0: any free port)",
+    )
     s.add_argument(
         "--auth-dir",
         metavar="DIR",
         help="CurveZMQ: serve with DIR/server.key_secret, admit the keys in DIR/clients/",
     )
-    s.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback tcp --listen without --auth-dir")  # fmt: skip
+    s.add_argument(
+        "--advertise-host",
+        metavar="HOST",
+        help="host clients should use to reach the workers (with a wildcard --listen)",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback tcp --listen without --auth-dir",
+    )
     s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
     s.add_argument("--ready-file", metavar="PATH", help=argparse.SUPPRESS)
@@ -164,6 +176,7 @@ def _serve(args: argparse.Namespace) -> int:
                 "log_format": args.log_format,
                 "auth_dir": args.auth_dir,
                 "insecure": True if args.insecure else None,
+                "advertise_host": args.advertise_host,
             },
         )
     except cfg.ConfigError as exc:

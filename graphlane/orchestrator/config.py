@@ -61,6 +61,7 @@ class ServeConfig:
     faults: dict[str, Any] = field(default_factory=dict)
     auth_dir: str | None = None
     insecure: bool = False
+    advertise_host: str | None = None  # host clients use for workers (with a wildcard listen)
 
     def worker_endpoint(self, device: int) -> str:
         """Where the worker of ``device`` binds: next to the orchestrator's endpoint."""
@@ -78,6 +79,7 @@ _TOP_KEYS = {
     "listen", "backend", "devices", "depth", "pipeline", "sim", "programs", "max_queued",
     "startup_timeout_s", "max_restarts", "restart_window_s", "shutdown_timeout_s", "log_format",
     "hang_timeout_s", "metrics_port", "metrics_host", "faults", "auth_dir", "insecure",
+    "advertise_host",
 }  # fmt: skip
 _FAULTS = {"fail_start": bool, "hang_device_after": int}
 
@@ -234,6 +236,10 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
         except SecurityError as exc:
             raise ConfigError("auth_dir", str(exc).split(": ", 1)[-1]) from None
         values["auth_dir"] = str(raw["auth_dir"])
+    if raw.get("advertise_host") is not None:
+        if not isinstance(raw["advertise_host"], str) or not raw["advertise_host"]:
+            raise ConfigError("advertise_host", "must be a host name or address")
+        values["advertise_host"] = raw["advertise_host"]
     if "insecure" in raw:
         if not isinstance(raw["insecure"], bool):
             raise ConfigError("insecure", "must be true or false")

@@ -196,6 +196,11 @@ class Daemon:
 
     def _worker_entry(self, h: WorkerHandle) -> dict[str, Any]:
         entry = h.describe()
+        ep = entry.get("endpoint")
+        if self.config.advertise_host and isinstance(ep, str) and ep.startswith("tcp://"):
+            # Workers bound to a wildcard are reached through the advertised host.
+            port = ep.rpartition(":")[2]
+            entry["endpoint"] = f"tcp://{self.config.advertise_host}:{port}"
         st = h.stats
         entry.update(
             inflight=st.get("inflight", 0),

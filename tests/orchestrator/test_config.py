@@ -1,0 +1,81 @@
+"""The daemon's configuration: validated once at the edge, errors name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from graphlane.orchestrator.config import (
+    ConfigError,
+    ServeConfig,
+    from_mapping,
+    load,
+    parse_devices,
+)
+
+
+def test_defaults_serve_attention_on_two_simulated_devices_on_loopback() -> None:
+    cfg = load()
+    assert (cfg.backend, cfg.devices, cfg.listen) == ("sim", (0, 1), "tcp://127.0.0.1:7450")
+    assert [p["name"] for p in cfg.programs] == ["attention"]
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text(
+        'devices = 4\ndepth = 2\n[sim]\nmode = "timed"\ntask_us = 5.0\n'
+        '[[programs]]\nname = "attention"\nlayers = 2\n'
+    )
+    cfg = load(f, {"devices": "0,3", "listen": None})
+    assert cfg.devices == (0, 3) and cfg.depth == 2
+    assert cfg.sim.mode == "timed" and cfg.sim.task_us == 5.0
+    assert cfg.programs[0]["layers"] == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"listen": "http://x"}, "listen"),
+        ({"listen": "tcp://127.0.0.1"}, "listen"),
+        ({"listen": "tcp://0.0.0.0:7450"}, "listen"),  # open bind without auth
+        ({"backend": "gpu"}, "backend"),
+        ({"devices": 0}, "devices"),
+        ({"devices": [1, 1]}, "devices"),
+        ({"devices": "a,b"}, "devices"),
+        ({"depth": 0}, "depth"),
+        ({"pipeline": "yes"}, "pipeline"),
+        ({"sim": {"mode": "fast"}}, "sim.mode"),
+        ({"sim": {"task_us": -1}}, "sim.task_us"),
+        ({"sim": {"speed": 1}}, "sim.speed"),
+        ({"programs": []}, "programs"),
+        ({"programs": [{"name": "attention", "layers": 0}]}, "programs.attention.layers"),
+        ({"programs": [{"name": "attention"}, {"name": "attention"}]}, "programs[1].name"),
+        ({"programs": [{"name": "nope"}]}, "programs.kind"),
+        ({"metrics_port": 70000}, "metrics_port"),
+        ({"faults": {"explode": True}}, "faults.explode"),
+        ({"auth_dir": "/nonexistent"}, "auth_dir"),
+        ({"unknown": 1}, "unknown"),
+    ],
+)
+def test_errors_name_the_key(raw: dict, key: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping(raw)
+    assert err.value.key == key
+
+
+def test_open_bind_is_allowed_when_insecure_is_explicit() -> None:
+    assert from_mapping({"listen": "tcp://0.0.0.0:7450", "insecure": True}).insecure
+
+
+def test_worker_endpoints_sit_next_to_the_daemon() -> None:
+    assert ServeConfig(listen="tcp://127.0.0.1:7450").worker_endpoint(3) == "tcp://127.0.0.1:7454"
+    assert ServeConfig(listen="tcp://127.0.0.1:0").worker_endpoint(3) == "tcp://127.0.0.1:0"
+    ipc = ServeConfig(listen="ipc:///run/g/daemon.sock").worker_endpoint(1)
+    assert ipc == "ipc:///run/g/daemon-worker-1.sock"
+
+
+def test_device_lists() -> None:
+    assert parse_devices("d", "2") == (0, 1)
+    assert parse_devices("d", "[0, 5]") == (0, 5)
+    assert parse_devices("d", [2]) == (2,)
