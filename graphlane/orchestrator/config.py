@@ -81,7 +81,7 @@ _TOP_KEYS = {
     "hang_timeout_s", "metrics_port", "metrics_host", "faults", "auth_dir", "insecure",
     "advertise_host",
 }  # fmt: skip
-_FAULTS = {"fail_start": bool, "hang_device_after": int}
+_FAULTS = {"fail_start": bool, "hang_device_after": int, "device_fault_after": int}
 
 
 def _int(key: str, v: Any, minimum: int = 0) -> int:
@@ -225,7 +225,7 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
                 raise ConfigError(
                     f"faults.{k}",
                     "unknown fault or wrong value (known: fail_start = true, "
-                    "hang_device_after = <steps>)",
+                    "hang_device_after = <steps>, device_fault_after = <steps>)",
                 )
         values["faults"] = dict(faults)
     if raw.get("auth_dir") is not None:

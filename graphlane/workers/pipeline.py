@@ -143,7 +143,9 @@ class StepEngine:
         # Fault injection for tests: after this many releases, stop releasing the
         # graph's events, so replays wait on the device forever (a hung device).
         self.fault_hang_after: int | None = None
+        self.fault_device_after: int | None = None  # then a device fault fails the next step
         self._releases = 0
+        self._issued = 0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -300,6 +302,11 @@ class StepEngine:
                 self._complete(inflight)
 
     def _issue(self, pending: _Pending) -> _InFlight:
+        self._issued += 1
+        if self.fault_device_after is not None and self._issued > self.fault_device_after:
+            from graphlane.workers.sim import DeviceFaultError
+
+            raise DeviceFaultError("fault injection: the device failed (device_fault_after)")
         b = self.backend
         plan = pending.plan
         program = self.programs[plan.program]

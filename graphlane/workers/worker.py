@@ -67,7 +67,8 @@ class WorkerSpec:
     log_level: int = logging.INFO
     log_format: str = "text"
     auth_dir: str | None = None  # CurveZMQ server keys and admitted clients
-    # Fault injection for tests ("fail_start": true, "hang_device_after": N).
+    # Fault injection for tests: "fail_start": true, "hang_device_after": N,
+    # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -106,6 +107,7 @@ class Worker:
             backend, programs, depth=spec.depth, pipeline=spec.pipeline, max_queued=spec.max_queued
         )
         self.engine.fault_hang_after = spec.faults.get("hang_device_after")
+        self.engine.fault_device_after = spec.faults.get("device_fault_after")
         self.engine.start()
         self.ctx = zmq.asyncio.Context()
         self.auth: Any = None

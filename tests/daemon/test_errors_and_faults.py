@@ -268,3 +268,23 @@ async def _one(endpoint: str, k: torch.Tensor) -> torch.Tensor:
         inputs = {"key": k, "value": k}
         r = await c.step("attention", 0, {"actual_seq_lengths_kv": [1] * 4}, inputs)
         return r.outputs["out"]
+
+
+def test_a_device_fault_answers_internal_and_the_worker_is_restarted(start_daemon) -> None:
+    d = start_daemon(devices=1, faults={"device_fault_after": 2})
+    first = d.worker(0)["pid"]
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=30) as c:
+            await c.step("attention", 0, STEP)
+            await c.step("attention", 0, STEP)
+            e = await expect_code(c.step("attention", 0, STEP), "INTERNAL")
+            assert not e.retryable
+
+    asyncio.run(main())
+
+    def restarted() -> dict[str, Any] | None:
+        w = d.worker(0)
+        return w if w["pid"] != first and w["state"] == "ready" else None
+
+    assert wait_for(restarted, 120, "the faulted worker to be restarted")["restarts"] == 1
