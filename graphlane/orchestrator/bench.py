@@ -128,7 +128,11 @@ class BenchDaemon:
     """``graphlane serve`` in a child process on a private ipc endpoint."""
 
     def __init__(
-        self, program: dict[str, Any], devices: int = 1, sim: dict[str, Any] | None = None
+        self,
+        program: dict[str, Any],
+        devices: int = 1,
+        sim: dict[str, Any] | None = None,
+        max_queued: int = 4096,
     ):
         self.tmp = tempfile.TemporaryDirectory(prefix="graphlane-bench-")
         self.endpoint = f"ipc://{self.tmp.name}/daemon.sock"
@@ -136,7 +140,7 @@ class BenchDaemon:
         lines = [
             f'listen = "{self.endpoint}"',
             f"devices = {devices}",
-            "max_queued = 4096",
+            f"max_queued = {max_queued}",
             "[sim]",
         ]
         lines += [f"{k} = {v!r}".replace("'", '"') for k, v in sim.items()]

@@ -161,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from graphlane.logs import setup_logging
+
     from . import config as cfg
     from .daemon import serve
-    from .logs import setup_logging
 
     try:
         conf = cfg.load(

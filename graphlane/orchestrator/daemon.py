@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from graphlane import __version__
+from graphlane.logs import Throttled
 from graphlane.protocol import codec, messages, security
 from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, error_class
 from graphlane.workers.worker import WorkerSpec
@@ -46,6 +47,7 @@ class Daemon:
         self.state = RUNNING
         self.started = time.time()
         self.counters = {"requests": 0, "undecodable": 0, "errors": 0}
+        self._dropped_log = Throttled(log)
         specs = [
             WorkerSpec(
                 device=d,
@@ -152,7 +154,7 @@ class Daemon:
             except codec.DecodeError as exc:
                 if exc.request_id is None:
                     self.counters["undecodable"] += 1
-                    log.warning("dropped an undecodable message: %s", exc.message)
+                    self._dropped_log.warning("dropped an undecodable message: %s", exc.message)
                     continue
                 reply = codec.encode_error(exc.request_id, error_class(exc.code)(exc.message))
                 await sock.send_multipart([ident, *reply])

@@ -33,6 +33,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from graphlane.logs import Throttled, setup_logging
 from graphlane.protocol import codec, messages, security
 from graphlane.protocol.errors import (
     BadRequest,
@@ -74,9 +75,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawn)."""
-    logging.basicConfig(
-        level=spec.log_level, format=f"%(asctime)s worker[{spec.device}] %(message)s"
-    )
+    setup_logging(spec.log_level, spec.log_format, f"worker[{spec.device}]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
     try:
         worker = Worker(spec, conn)
@@ -124,6 +123,7 @@ class Worker:
         self.inflight = 0
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0}
         self.metrics = WorkerMetrics()
+        self._dropped_log = Throttled(log)
         self._inflight_since: dict[int, float] = {}  # token -> when the request arrived
         self._tokens = 0
         self.started = time.time()
@@ -249,7 +249,7 @@ class Worker:
         except codec.DecodeError as exc:
             if exc.request_id is None:
                 self.counters["undecodable"] += 1
-                log.warning("dropped an undecodable message: %s", exc.message)
+                self._dropped_log.warning("dropped an undecodable message: %s", exc.message)
                 return
             self._reply_error(ident, exc.request_id, _error(exc.code, exc.message))
             return

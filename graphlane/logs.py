@@ -51,3 +51,24 @@ def setup_logging(level: int | str, fmt: str = "text", process_name: str = "daem
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+class Throttled:
+    """Log a recurring event at most once per ``interval_s``, counting the ones skipped,
+    so that a flood of bad input cannot turn into a flood of log lines."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 5.0) -> None:
+        self.logger = logger
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._skipped = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            self._skipped += 1
+            return
+        if self._skipped:
+            msg = f"{msg} (and {self._skipped} more like it since the last report)"
+        self._last, self._skipped = now, 0
+        self.logger.warning(msg, *args)
