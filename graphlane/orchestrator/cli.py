@@ -94,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
 
+    from .loadtest import add_parser as add_loadtest_parser
+
+    add_loadtest_parser(sub)
+
     b = sub.add_parser(
         "bench",
         help="measure pipelining, the control plane and scaling side by side",
@@ -108,13 +112,16 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo",
-        help="start a daemon on simulated devices, drive it like a scheduler, stop it",
-        description="Start the daemon on simulated devices, send steps to every device as a "
-        "scheduler would (checking each result against eager attention), print what "
-        "happened, stop the daemon and exit.",
+        help="start a daemon on simulated NPUs, load-test it with verification, stop it",
+        description="Start the daemon on simulated NPUs, run a short closed-loop load test "
+        "against every device with a share of the outputs checked against eager attention, "
+        "print the summary and where the HTML report is, stop the daemon and exit.",
     )
     d.add_argument("--devices", type=int, default=2, help="simulated devices (default 2)")
-    d.add_argument("--steps", type=int, default=40, help="steps per device (default 40)")
+    d.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")
+    d.add_argument("--concurrency", type=int, default=8, help="calls in flight (default 8)")
+    d.add_argument("--verify", type=float, default=0.25, help="share of outputs checked (0.25)")
+    d.add_argument("--report", metavar="DIR", help="report directory (default reports/demo-TIME)")
     return p
 
 
@@ -143,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         print(f"wrote {public} (public) and {secret} (secret, owner-only)")
         return 0
+    if args.command == "loadtest":
+        from .loadtest import main as loadtest_main
+
+        return loadtest_main(args)
     if args.command == "bench":
         from .bench import format_report, run_all
 
@@ -156,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run as run_demo
 
-        return run_demo(devices=args.devices, steps=args.steps)
+        return run_demo(
+            devices=args.devices,
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            verify=args.verify,
+            report_dir=args.report,
+        )
     return 2
 
 
