@@ -113,10 +113,19 @@ class Daemon:
             host, port = self.metrics_server.server_address[:2]
             log.info("metrics on http://%s:%s/metrics", host, port)
         try:
-            await self.supervisor.start_all()
-            if ready_file:
-                await asyncio.to_thread(Path(ready_file).write_text, self.endpoint)
-            await self._shutdown.wait()
+            # A shutdown requested while workers still capture does not wait for them.
+            starting = asyncio.ensure_future(self.supervisor.start_all())
+            stopping = asyncio.ensure_future(self._shutdown.wait())
+            await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()
+                if ready_file:
+                    await asyncio.to_thread(Path(ready_file).write_text, self.endpoint)
+                await stopping
+            else:
+                starting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await starting
             log.info("shutdown: draining workers")
             await self.supervisor.stop_all(self.config.shutdown_timeout_s)
         finally:

@@ -301,12 +301,15 @@ class Supervisor:
         if proc is None or not proc.is_alive():
             h.state = STOPPED
             return
+        capturing = h.state == STARTING  # no in-flight work yet: do not wait for it
         h.state = STOPPING
         steps: list[tuple[str, float, Callable[[], None]]] = [
             ("message", timeout_s, lambda: self.send(h.device, "stop")),
             ("SIGTERM", 5.0, lambda: proc.terminate()),
             ("SIGKILL", 5.0, lambda: self._kill(proc)),
         ]
+        if capturing:
+            steps = steps[1:]
         for name, wait_s, action in steps:
             action()
             with contextlib.suppress(TimeoutError):
