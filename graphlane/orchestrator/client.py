@@ -171,7 +171,10 @@ class Channel:
         # One timer instead of wait_for(shield(...)): the deadline fails the future.
         timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
         try:
-            await self.sock.send_multipart(frames, copy=False)
+            try:
+                await self.sock.send_multipart(frames, copy=False)
+            except zmq.ZMQError as exc:  # closed under us
+                raise WorkerLost(f"connection to {self.name} is closed") from exc
             return await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
@@ -247,9 +250,11 @@ class Client:
         self._ctx: zmq.asyncio.Context | None = None
         self._hosts: list[_Host] = []
         self._ids = itertools.count(1)
+        self._closing = False
 
     # ------------------------------------------------------------ lifecycle
     async def connect(self) -> dict[str, Any]:
+        self._closing = False
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
             endpoints: list[str] = []
@@ -264,8 +269,20 @@ class Client:
         return await self.hello()
 
     async def close(self) -> None:
-        for host in self._hosts:
-            for ch in [*host.workers.values(), *([host.daemon] if host.daemon else [])]:
+        # Calls still resolving a worker may add a channel while we close: refuse new
+        # channels first, then close until none is left (a socket left open would
+        # make the context's term() wait forever).
+        self._closing = True
+        while True:
+            channels = [
+                ch
+                for host in self._hosts
+                for ch in [*host.workers.values(), *([host.daemon] if host.daemon else [])]
+                if not ch.closed
+            ]
+            if not channels:
+                break
+            for ch in channels:
                 await ch.close()
         self._hosts = []
         if self._ctx is not None:
@@ -301,6 +318,8 @@ class Client:
         return reply.body
 
     def _channel(self, host: _Host | None = None) -> Channel:
+        if self._closing:
+            raise WorkerLost("the client was closed")
         if not self._hosts:
             raise RuntimeError(
                 "the client is not connected: use 'async with Client(...)' or connect()"
@@ -310,7 +329,7 @@ class Client:
         return ch
 
     def _resolve(self, device: Device) -> tuple[_Host, int]:
-        if not self._hosts:
+        if self._closing or not self._hosts:
             self._channel()  # raises: not connected
         if isinstance(device, tuple):
             which, local = device
@@ -347,6 +366,8 @@ class Client:
                     f"device {local} at {host.endpoint} is {entry.get('state')}, not ready",
                     retryable=True,
                 )
+            if self._closing:
+                raise WorkerLost("the client is closing")
             if ch is not None:
                 if ch.endpoint == entry["endpoint"]:
                     ch.lost = False  # same endpoint: the socket reconnects by itself

@@ -44,13 +44,24 @@ measured; it also opens the connections): a daemon whose program has other
 shapes refuses it with BAD_REQUEST naming the field, and the load test stops
 there with that message.
 
+The report (:func:`run_load` returns it; :mod:`.report` writes it as
+``report.json`` and ``report.html`` with PNG plots): successful ``steps``,
+``throughput`` (steps/s over the whole run, tail included), ``latency_ms``
+(min, mean, p50, p90, p99, p99.9, max from an HDR histogram of microseconds
+with 3 significant digits; its encoding is ``latency_hdr_us``), ``errors`` by
+code, ``verified`` / ``verify_failures``, ``per_device`` and ``per_batch``
+counts and percentiles, a ``timeseries`` (~120 windows), the open loop's
+``send_lag_ms`` (how late the client sent, already part of the latency), the
+resolved ``config`` and a ``verdict``.
+
 Exit status of :func:`main`: 0 when at least one step succeeded, no verified
 output was wrong and every error was retryable (BUSY, TIMEOUT, WORKER_LOST,
 SHUTTING_DOWN, or the client's own CLIENT_OVERLOAD / CLIENT_DEADLINE: what a
 loaded or restarting server is expected to answer); 1 when a verification
 failed, an error was not retryable (BAD_REQUEST, INTERNAL, a client
 exception...) or no step succeeded; 2 when the flags are invalid or the run
-could not start (daemon unreachable, program not served, shapes differ).
+could not start (daemon unreachable, program not served, shapes differ);
+130 when aborted by a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -619,6 +630,7 @@ class _Run:
     rec: Recorder
     stop_at: float
     stop: asyncio.Event
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)  # every task of the run
     sent_until: float | None = None  # when sending ended (stop_at, or earlier when stopped)
 
     def sending(self) -> bool:
@@ -727,6 +739,7 @@ async def _closed_loop(run: _Run) -> None:
                 await asyncio.sleep(0)  # a failing call may not have yielded: let others run
 
     tasks = {asyncio.create_task(caller(i)) for i in range(run.config.concurrency)}
+    run.tasks.update(tasks)
     await run.pause(run.stop_at - time.monotonic())
     await _finish(run, tasks)
 
@@ -759,11 +772,17 @@ async def _open_loop(run: _Run, start: float) -> None:
         task = asyncio.create_task(_one(run, step, scheduled))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
+        run.tasks.add(task)
+        task.add_done_callback(run.tasks.discard)
     await _finish(run, tasks)
 
 
 async def _preflight(
-    client: Client, config: LoadConfig, plan: Plan, workload: Workload
+    client: Client,
+    config: LoadConfig,
+    plan: Plan,
+    workload: Workload,
+    spawned: set[asyncio.Task[Any]],
 ) -> dict[str, str]:
     """One verified step per device, unmeasured: checks the shapes, opens the connections."""
     gen = torch.Generator().manual_seed(config.seed + 7)
@@ -784,7 +803,7 @@ async def _preflight(
         except GraphlaneError as exc:
             if exc.code in ("BAD_REQUEST", "UNKNOWN_PROGRAM", "UNKNOWN_DEVICE"):
                 raise LoadTestError(
-                    f"device {device} refused a {config.program!r} step built with the shape "
+                    f"device {device} refused a step of {config.program!r} built with the shape "
                     f"{plan.shape_dict()}: {exc}. Give the daemon's program shape with --shape "
                     "(e.g. --shape num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256)."
                 ) from None
@@ -798,8 +817,15 @@ async def _preflight(
             )
         return "ok" if check_output(case, out, plan.dtype) is not None else "wrong output"
 
-    results = await asyncio.gather(*(probe(d) for d in plan.devices))
-    return {str(d): r for d, r in zip(plan.devices, results, strict=True)}
+    # Every probe ends (each within timeout_s) before a failure is raised: no call may be
+    # left in flight when the client closes.
+    tasks = [asyncio.create_task(probe(d)) for d in plan.devices]
+    spawned.update(tasks)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return {str(d): str(r) for d, r in zip(plan.devices, results, strict=True)}
 
 
 async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> dict[str, Any]:
@@ -810,36 +836,43 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
     then waits at most ``timeout_s`` for the calls in flight.
     """
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    async with Client(config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest") as c:
-        hello = await c.hello()
+    client = Client(config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest")
+    # Every task that calls the client; all are ended before it closes (a call still in
+    # flight while the client closes could open a socket that then blocks its shutdown).
+    spawned: set[asyncio.Task[Any]] = set()
+    progress: _Progress | None = None
+    try:
+        hello = await client.connect()
         plan = resolve_plan(config, hello)
         workload = Workload(plan, config.seed, config.verify)
-        preflight = await _preflight(c, config, plan, workload)
+        preflight = await _preflight(client, config, plan, workload, spawned)
         progress = _Progress() if config.progress else None
         start = time.monotonic()
         rec = Recorder(start, window_for(config.duration_s), config.seed)
         run = _Run(
             config,
-            c,
+            client,
             plan,
             workload,
             rec,
             stop_at=start + config.duration_s,
             stop=stop or asyncio.Event(),
+            tasks=spawned,
         )
-        ticker = asyncio.create_task(progress.tick(run)) if progress else None
-        try:
-            if config.mode == "closed":
-                await _closed_loop(run)
-            else:
-                await _open_loop(run, start)
-        finally:
-            if ticker is not None and progress is not None:
-                ticker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await ticker
-                progress.close()
+        if progress is not None:
+            spawned.add(asyncio.create_task(progress.tick(run)))
+        if config.mode == "closed":
+            await _closed_loop(run)
+        else:
+            await _open_loop(run, start)
         end = time.monotonic()
+    finally:
+        for t in spawned:
+            t.cancel()
+        await asyncio.gather(*spawned, return_exceptions=True)
+        if progress is not None:
+            progress.close()
+        await client.close()
     report = build_report(
         config, plan, rec, hello, preflight, started_at, start, end,
         sent_until=run.sent_until, interrupted=run.stop.is_set(),

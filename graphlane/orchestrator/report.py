@@ -182,7 +182,7 @@ def plot_throughput(report: Mapping[str, Any]) -> Any:
         ax.stairs(errors, edges, fill=True, color="tab:red", alpha=0.35, label="errors/s")
     ax.stairs(ts.get("steps_per_s", []), edges, color="tab:green", lw=2, label="steps/s")
     devices = ts.get("device_steps_per_s", {})
-    if len(devices) > 1:
+    if sum(1 for rates in devices.values() if any(rates)) > 1:
         for d, rates in devices.items():
             ax.stairs(rates, edges, lw=1, alpha=0.8, label=f"device {d}")
     if report.get("offered_rate"):
@@ -245,8 +245,10 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     lat = report.get("latency_ms", {})
     verdict = report.get("verdict", {"ok": True, "reasons": []})
     ok = bool(verdict.get("ok"))
-    verdict_text = "PASS" if ok else "FAIL: " + "; ".join(verdict.get("reasons", []))
     errors = report.get("errors", {})
+    verdict_text = "PASS" if ok else "FAIL: " + "; ".join(verdict.get("reasons", []))
+    if ok and errors:
+        verdict_text += f" (with {report.get('errors_total', 0)} retryable errors)"
     errors_text = (
         '<span class="err">'
         + _e(", ".join(f"{k}: {v}" for k, v in errors.items()))

@@ -172,3 +172,25 @@ def test_one_client_across_two_daemons_acting_as_two_hosts(start_daemon) -> None
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("daemon running") == 2 and out.stdout.count(": ready") == 3
+
+
+def test_close_with_calls_still_resolving_their_worker_does_not_hang(start_daemon) -> None:
+    """close() while steps are still finding their worker's socket closes every socket
+    (a socket left open would make close() wait forever)."""
+    d = start_daemon(devices=2)
+
+    async def main() -> None:
+        c = Client(d.endpoint, timeout=30)
+        await c.connect()
+        calls = [
+            asyncio.ensure_future(c.step("attention", i % 2, {"actual_seq_lengths_kv": [1]}))
+            for i in range(6)
+        ]
+        await asyncio.sleep(0)  # the steps start resolving their workers
+        await c.close()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(
+            isinstance(r, graphlane.GraphlaneError) or hasattr(r, "outputs") for r in results
+        )
+
+    asyncio.run(main())
