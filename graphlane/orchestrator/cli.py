@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
 
-    from .loadtest import add_parser as add_loadtest_parser
+    from .loadtest_cli import add_parser as add_loadtest_parser
 
     add_loadtest_parser(sub)
 
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {public} (public) and {secret} (secret, owner-only)")
         return 0
     if args.command == "loadtest":
-        from .loadtest import main as loadtest_main
+        from .loadtest_cli import main as loadtest_main
 
         return loadtest_main(args)
     if args.command == "bench":

@@ -109,22 +109,36 @@ class Channel:
                 frames = await self.sock.recv_multipart(copy=False)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
+            self._deliver(frames)
+
+    def _deliver(self, frames: list[Any]) -> None:
+        try:
+            reply = codec.decode_reply(frames)
+        except codec.DecodeError as exc:
+            fut = self.pending.pop(exc.request_id, None) if exc.request_id is not None else None
+            if fut is not None and not fut.done():
+                fut.set_exception(InternalError(f"undecodable reply: {exc.message}"))
+            else:
+                log.warning("dropped an undecodable reply from %s: %s", self.endpoint, exc.message)
+            return
+        fut = self.pending.pop(reply.id, None)
+        if fut is None or fut.done():
+            self.late_replies += 1  # its call was cancelled or timed out
+            return
+        fut.set_result(reply)
+
+    def _deliver_received(self) -> None:
+        """Hand out replies that arrived before the connection dropped: a worker's last
+        answers come before its socket closes, and must not turn into WORKER_LOST."""
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
+        while True:
             try:
-                reply = codec.decode_reply(frames)
-            except codec.DecodeError as exc:
-                fut = self.pending.pop(exc.request_id, None) if exc.request_id is not None else None
-                if fut is not None and not fut.done():
-                    fut.set_exception(InternalError(f"undecodable reply: {exc.message}"))
-                else:
-                    log.warning(
-                        "dropped an undecodable reply from %s: %s", self.endpoint, exc.message
-                    )
-                continue
-            fut = self.pending.pop(reply.id, None)
-            if fut is None or fut.done():
-                self.late_replies += 1  # its call was cancelled or timed out
-                continue
-            fut.set_result(reply)
+                frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            self._deliver(frames)
 
     async def _watch(self) -> None:
         while True:
@@ -147,6 +161,7 @@ class Channel:
             elif msg["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.lost = True
+                self._deliver_received()
                 self.fail_all(WorkerLost(f"connection to {self.name} at {self.endpoint} was lost"))
 
     def fail_all(self, error: GraphlaneError) -> None:

@@ -133,7 +133,7 @@ class Daemon:
             serving.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await serving
-            sock.close(0)
+            sock.close(linger=1000)  # the shutdown reply and others still queued go out
             if auth is not None:
                 auth.stop()
             ctx.term()

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 from .client import Client
-from .loadtest import LoadConfig, print_summary, run_load
+from .loadtest import LoadConfig, run_load
+from .loadtest_cli import print_summary
 
 
 async def _wait_ready(endpoint: str, daemon: subprocess.Popen[bytes]) -> None:

@@ -66,20 +66,16 @@ could not start (daemon unreachable, program not served, shapes differ);
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import datetime
 import math
 import random
-import signal
-import sys
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -89,39 +85,81 @@ from graphlane.workers.programs.attention import AttentionConfig
 from graphlane.workers.programs.base import ProgramConfigError
 
 from .client import Client, StepReply
-from .config import DEFAULT_LISTEN
+from .loadtest_record import (
+    HIGHEST_US,
+    MAX_EXAMPLES,
+    MAX_SAMPLES,
+    PERCENTILES,
+    DeviceStats,
+    Recorder,
+    summary,
+    window_for,
+)
+from .loadtest_workload import (
+    QUERY_POOL,
+    SHAPE_KEYS,
+    TOLERANCE,
+    VERIFY_POOL,
+    Case,
+    Plan,
+    Step,
+    Workload,
+    check_output,
+    reference,
+    resolve_plan,
+)
+
+if TYPE_CHECKING:
+    from .loadtest_cli import add_parser, config_from_args, main, parse_shape, print_summary
 
 __all__ = [
+    "CLIENT_DEADLINE",
+    "CLIENT_OVERLOAD",
+    "HIGHEST_US",
+    "MAX_EXAMPLES",
+    "MAX_SAMPLES",
+    "PERCENTILES",
+    "QUERY_POOL",
     "SHAPE_KEYS",
+    "TOLERANCE",
+    "VERIFY_POOL",
+    "Case",
     "LoadConfig",
     "LoadTestError",
+    "Plan",
+    "Recorder",
+    "Step",
+    "Workload",
     "add_parser",
     "assess",
+    "build_report",
+    "check_output",
     "config_from_args",
     "main",
+    "parse_shape",
+    "print_summary",
+    "reference",
+    "resolve_plan",
     "run_load",
+    "window_for",
 ]
 
-#: Keys of ``--shape`` / ``LoadConfig.shape`` (defaults from AttentionConfig).
-SHAPE_KEYS = ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len", "dtype")
+#: Names of :mod:`.loadtest_cli` re-exported here, imported on first use by
+#: :func:`__getattr__` (loadtest_cli imports this module, so not at the top).
+_CLI_NAMES = frozenset({"add_parser", "config_from_args", "main", "parse_shape", "print_summary"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CLI_NAMES:
+        from . import loadtest_cli
+
+        return getattr(loadtest_cli, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 #: Error codes of the load generator itself (never on the wire).
 CLIENT_OVERLOAD = "CLIENT_OVERLOAD"
 CLIENT_DEADLINE = "CLIENT_DEADLINE"
-#: Verified cases made per batch size before the run.
-VERIFY_POOL = 4
-#: Unverified queries made per batch size before the run.
-QUERY_POOL = 4
-#: Latency samples kept (reservoir) for the latency-over-time plot.
-MAX_SAMPLES = 2000
-#: Error examples kept in the report.
-MAX_EXAMPLES = 5
-#: HDR histograms record microseconds from 1 us to one hour.
-HIGHEST_US = 3600 * 10**6
-#: Percentiles reported in ``latency_ms`` (and printed).
-PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
-#: Tolerances (atol = rtol) of verification, by output dtype.
-TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _CLIENT_RETRYABLE = frozenset({CLIENT_OVERLOAD, CLIENT_DEADLINE})
 
 
@@ -237,392 +275,9 @@ def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-# ---------------------------------------------------------------------------- plan and workload
-@dataclass(frozen=True)
-class Plan:
-    """What the run sends, resolved against the daemon's hello."""
-
-    devices: tuple[int, ...]
-    batch_sizes: tuple[int, ...]
-    buckets: tuple[int, ...]
-    shape: AttentionConfig
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return _DTYPES[self.shape.dtype]
-
-    def shape_dict(self) -> dict[str, Any]:
-        return {k: getattr(self.shape, k) for k in SHAPE_KEYS}
-
-
-def resolve_plan(config: LoadConfig, hello: Mapping[str, Any]) -> Plan:
-    """Check the config against the daemon's ``hello``; ValueError names the flag."""
-    workers = [w for w in hello.get("workers", []) if isinstance(w, Mapping)]
-    served = sorted(int(w["device"]) for w in workers if "device" in w)
-    if not served:
-        raise LoadTestError(f"the daemon at {config.endpoint} serves no device")
-    devices = config.devices if config.devices is not None else tuple(served)
-    missing = [d for d in devices if d not in served]
-    if missing:
-        raise ValueError(f"--devices: {missing} not served by the daemon (serving {served})")
-    info: Mapping[str, Any] | None = None
-    known: set[str] = set()
-    for w in workers:
-        programs = w.get("programs") or {}
-        known |= set(programs)
-        if w.get("device") in devices and config.program in programs and info is None:
-            info = programs[config.program]
-    if info is None:
-        raise ValueError(
-            f"--program: {config.program!r} is not served on devices {list(devices)} "
-            f"(serving {sorted(known) or 'nothing yet: are the workers ready?'})"
-        )
-    buckets = tuple(sorted(int(b) for b in info.get("buckets", [])))
-    if not buckets:
-        raise LoadTestError(f"the daemon reports no buckets for {config.program!r}")
-    if "out" not in info.get("outputs", ["out"]):
-        raise LoadTestError(
-            f"{config.program!r} has no output 'out' (outputs {info.get('outputs')}): "
-            "the load test drives attention-shaped programs only"
-        )
-    groups = int(info.get("groups", 0)) or None
-    shape = dict(config.shape)
-    if "layers" in shape and groups is not None and shape["layers"] != groups:
-        raise ValueError(
-            f"--shape: layers={shape['layers']} but {config.program!r} on the daemon has "
-            f"{groups} layers (task groups)"
-        )
-    if groups is not None:
-        shape.setdefault("layers", groups)
-    attention = AttentionConfig.from_mapping(shape, "--shape")
-    batch_sizes = config.batch_sizes if config.batch_sizes is not None else buckets
-    too_big = [b for b in batch_sizes if b > buckets[-1]]
-    if too_big:
-        raise ValueError(
-            f"--batch-sizes: {too_big} larger than the largest bucket {buckets[-1]} "
-            f"of {config.program!r} (buckets {list(buckets)})"
-        )
-    return Plan(tuple(devices), tuple(batch_sizes), buckets, attention)
-
-
-def reference(
-    shape: AttentionConfig,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    lengths: Sequence[int],
-) -> torch.Tensor:
-    """Eager attention of the program: layer l+1 attends from layer l's output."""
-    from graphlane.workers.sim.attention_kernel import fused_infer_attention
-
-    x = query
-    for layer in range(shape.layers):
-        x, _ = fused_infer_attention(
-            x,
-            key[layer],
-            value[layer],
-            actual_seq_lengths_kv=list(lengths),
-            num_heads=shape.num_heads,
-            num_key_value_heads=shape.num_kv_heads,
-            input_layout="BNSD",
-            scale=1.0 / math.sqrt(shape.head_dim),
-        )
-    return x
-
-
-@dataclass(frozen=True)
-class Case:
-    """A verified step: its lengths and inputs, and the output eager attention gives."""
-
-    lengths: list[int]
-    inputs: dict[str, torch.Tensor]
-    expected: torch.Tensor
-
-
-@dataclass(frozen=True)
-class Step:
-    device: int
-    batch: int
-    lengths: list[int]
-    inputs: dict[str, torch.Tensor]
-    case: Case | None
-
-
-class Workload:
-    """Makes the steps of a run from pools built up front (see the module docstring)."""
-
-    def __init__(self, plan: Plan, seed: int, verify: float) -> None:
-        self.plan = plan
-        self.verify = verify
-        s = plan.shape
-        gen = torch.Generator().manual_seed(seed)
-        self.queries: dict[int, list[torch.Tensor]] = {
-            b: [self._randn((b, s.num_heads, 1, s.head_dim), gen) for _ in range(QUERY_POOL)]
-            for b in plan.batch_sizes
-        }
-        cases_per_batch = VERIFY_POOL if verify > 0 else 0
-        self.cases: dict[int, list[Case]] = {
-            b: [self.make_case(b, gen) for _ in range(cases_per_batch)] for b in plan.batch_sizes
-        }
-        self._turn: Counter[tuple[int, int]] = Counter()
-
-    def _randn(self, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.plan.dtype)
-
-    def make_case(self, batch: int, gen: torch.Generator) -> Case:
-        s = self.plan.shape
-        lengths = torch.randint(1, s.max_kv_len + 1, (batch,), generator=gen).tolist()
-        kv = (s.layers, batch, s.num_kv_heads, s.max_kv_len, s.head_dim)
-        inputs = {
-            "query": self._randn((batch, s.num_heads, 1, s.head_dim), gen),
-            "key": self._randn(kv, gen),
-            "value": self._randn(kv, gen),
-        }
-        expected = reference(s, inputs["query"], inputs["key"], inputs["value"], lengths)
-        return Case(lengths, inputs, expected)
-
-    def verified_step(self, device: int, batch: int) -> Step:
-        turn = self._turn[device, batch]
-        self._turn[device, batch] += 1
-        case = self.cases[batch][turn % len(self.cases[batch])]
-        return Step(device, batch, case.lengths, case.inputs, case)
-
-    def draw(self, rng: random.Random) -> Step:
-        device = rng.choice(self.plan.devices)
-        batch = rng.choice(self.plan.batch_sizes)
-        if self.verify > 0 and rng.random() < self.verify:
-            return self.verified_step(device, batch)
-        top = self.plan.shape.max_kv_len
-        lengths = [rng.randint(1, top) for _ in range(batch)]
-        query = self.queries[batch][rng.randrange(QUERY_POOL)]
-        return Step(device, batch, lengths, {"query": query}, None)
-
-
-def check_output(case: Case, out: torch.Tensor, dtype: torch.dtype) -> float | None:
-    """The max |out - expected|, or None when the output is wrong (shape or tolerance)."""
-    if tuple(out.shape) != tuple(case.expected.shape):
-        return None
-    tol = TOLERANCE.get(dtype, 1e-2)
-    got, want = out.float(), case.expected.float()
-    err = float((got - want).abs().max()) if got.numel() else 0.0
-    if not torch.allclose(got, want, rtol=tol, atol=tol) or not math.isfinite(err):
-        return None
-    return err
-
-
-# ---------------------------------------------------------------------------- recording
-def _hist(significant_figures: int = 3) -> Any:
-    from hdrh.histogram import HdrHistogram
-
-    return HdrHistogram(1, HIGHEST_US, significant_figures)
-
-
-def _record(hist: Any, seconds: float) -> None:
-    hist.record_value(min(HIGHEST_US, max(1, round(seconds * 1e6))))
-
-
-def _ms(us: float) -> float:
-    return round(us / 1000.0, 3)
-
-
-def _summary(hist: Any) -> dict[str, Any]:
-    n = hist.get_total_count()
-    out: dict[str, Any] = {"count": n}
-    if not n:
-        out.update({k: None for k in ("min", "mean", *(p for p, _ in PERCENTILES), "max")})
-        return out
-    out["min"] = _ms(hist.get_min_value())
-    out["mean"] = _ms(hist.get_mean_value())
-    for name, p in PERCENTILES:
-        out[name] = _ms(hist.get_value_at_percentile(p))
-    out["max"] = _ms(hist.get_max_value())
-    return out
-
-
-@dataclass
-class _Window:
-    hist: Any = field(default_factory=lambda: _hist(2))
-    steps: int = 0
-    errors: int = 0
-    devices: Counter[int] = field(default_factory=Counter)
-
-
-@dataclass
-class _DeviceStats:
-    steps: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-    verified: int = 0
-    verify_failures: int = 0
-    hist: Any = field(default_factory=_hist)
-
-
-class Recorder:
-    """Counts and histograms of one run; times are ``time.monotonic()`` seconds."""
-
-    def __init__(self, start: float, window_s: float, seed: int) -> None:
-        self.start = start
-        self.window_s = window_s
-        self.latency = _hist()
-        self.send_lag = _hist()
-        self.windows: dict[int, _Window] = {}
-        self.errors: Counter[str] = Counter()
-        self.non_retryable = 0
-        self.error_examples: dict[str, str] = {}
-        self.devices: dict[int, _DeviceStats] = {}
-        self.batches: dict[int, Any] = {}
-        self.arrivals = 0
-        self.sent = 0
-        self.steps = 0
-        self.in_flight = 0
-        self.verified = 0
-        self.verify_failures = 0
-        self.verify_max_error = 0.0
-        self.failure_examples: list[dict[str, Any]] = []
-        self.samples: list[tuple[float, float]] = []
-        self._seen = 0
-        self._rng = random.Random(seed ^ 0x5EED)
-
-    def _window(self, t: float) -> _Window:
-        i = max(0, int((t - self.start) / self.window_s))
-        w = self.windows.get(i)
-        if w is None:
-            w = self.windows[i] = _Window()
-        return w
-
-    def _device(self, device: int) -> _DeviceStats:
-        d = self.devices.get(device)
-        if d is None:
-            d = self.devices[device] = _DeviceStats()
-        return d
-
-    def ok(self, step: Step, scheduled: float, done: float) -> None:
-        latency = done - scheduled
-        self.steps += 1
-        _record(self.latency, latency)
-        w = self._window(done)
-        w.steps += 1
-        w.devices[step.device] += 1
-        _record(w.hist, latency)
-        d = self._device(step.device)
-        d.steps += 1
-        _record(d.hist, latency)
-        b = self.batches.get(step.batch)
-        if b is None:
-            b = self.batches[step.batch] = _hist()
-        _record(b, latency)
-        # Reservoir sample (algorithm R) for the latency-over-time scatter.
-        self._seen += 1
-        sample = (done - self.start, latency)
-        if len(self.samples) < MAX_SAMPLES:
-            self.samples.append(sample)
-        else:
-            j = self._rng.randrange(self._seen)
-            if j < MAX_SAMPLES:
-                self.samples[j] = sample
-
-    def verification(self, step: Step, error: float | None) -> None:
-        d = self._device(step.device)
-        self.verified += 1
-        d.verified += 1
-        if error is None:
-            self.verify_failures += 1
-            d.verify_failures += 1
-            if len(self.failure_examples) < MAX_EXAMPLES:
-                self.failure_examples.append(
-                    {"device": step.device, "batch": step.batch, "lengths": step.lengths}
-                )
-        else:
-            self.verify_max_error = max(self.verify_max_error, error)
-
-    def error(
-        self, code: str, done: float, *, device: int | None, retryable: bool, message: str = ""
-    ) -> None:
-        self.errors[code] += 1
-        if not retryable:
-            self.non_retryable += 1
-        if code not in self.error_examples and len(self.error_examples) < 20:
-            self.error_examples[code] = message[:300]
-        self._window(done).errors += 1
-        if device is not None:
-            self._device(device).errors[code] += 1
-
-    def lag(self, seconds: float) -> None:
-        _record(self.send_lag, max(0.0, seconds))
-
-    @property
-    def errors_total(self) -> int:
-        return sum(self.errors.values())
-
-    def timeseries(self, end: float) -> dict[str, Any]:
-        span = max(0.0, end - self.start)
-        last = max([*self.windows, int(span / self.window_s)])
-        spans: list[tuple[float, float, _Window]] = []
-        for i in range(last + 1):
-            lo = i * self.window_s
-            # The last window ends with the run: rates are over the part it covers.
-            hi = min(lo + self.window_s, max(span, lo + 1e-3))
-            spans.append((lo, hi, self.windows.get(i) or _Window()))
-        if len(spans) > 1 and spans[-1][1] - spans[-1][0] < self.window_s / 2:
-            # A short last window would give a noisy rate: fold it into the one before.
-            lo, _, merged = spans[-2]
-            _, hi, tail = spans.pop()
-            merged.steps += tail.steps
-            merged.errors += tail.errors
-            merged.devices.update(tail.devices)
-            merged.hist.add(tail.hist)
-            spans[-1] = (lo, hi, merged)
-        t: list[float] = []
-        steps, errors = [], []
-        rate: list[float] = []
-        error_rate: list[float] = []
-        p50: list[float | None] = []
-        p99: list[float | None] = []
-        pmax: list[float | None] = []
-        per_device: dict[str, list[float]] = {str(d): [] for d in sorted(self.devices)}
-        for lo, hi, w in spans:
-            width = hi - lo
-            t.append(round(hi, 3))
-            steps.append(w.steps)
-            errors.append(w.errors)
-            rate.append(round(w.steps / width, 3))
-            error_rate.append(round(w.errors / width, 3))
-            n = w.hist.get_total_count()
-            p50.append(_ms(w.hist.get_value_at_percentile(50)) if n else None)
-            p99.append(_ms(w.hist.get_value_at_percentile(99)) if n else None)
-            pmax.append(_ms(w.hist.get_max_value()) if n else None)
-            for d, series in per_device.items():
-                series.append(round(w.devices.get(int(d), 0) / width, 3))
-        return {
-            "window_s": self.window_s,
-            "t_s": t,
-            "steps": steps,
-            "errors": errors,
-            "steps_per_s": rate,
-            "errors_per_s": error_rate,
-            "p50_ms": p50,
-            "p99_ms": p99,
-            "max_ms": pmax,
-            "device_steps_per_s": per_device,
-        }
-
-    def cdf(self) -> dict[str, list[float]]:
-        if not self.latency.get_total_count():
-            return {"percentile": [], "latency_ms": []}
-        grid = [float(p) for p in range(0, 100)]
-        grid += [99 + i / 10 for i in range(1, 10)] + [99.9 + i / 100 for i in range(1, 10)]
-        grid += [99.99 + i / 1000 for i in range(1, 10)] + [100.0]
-        values = [_ms(self.latency.get_value_at_percentile(p)) for p in grid]
-        return {"percentile": [round(p, 3) for p in grid], "latency_ms": values}
-
-
-def window_for(duration_s: float) -> float:
-    """Time-series bucket width: ~120 buckets over the run, at least 0.25 s."""
-    return round(max(0.25, duration_s / 120.0), 3)
-
-
 # ---------------------------------------------------------------------------- the run
 @dataclass
-class _Run:
+class Run:
     config: LoadConfig
     client: Client
     plan: Plan
@@ -650,7 +305,7 @@ class _Run:
             self.sent_until = now if self.stop.is_set() else min(now, self.stop_at)
 
 
-async def _one(run: _Run, step: Step, scheduled: float) -> None:
+async def _one(run: Run, step: Step, scheduled: float) -> None:
     rec = run.rec
     sent = time.monotonic()
     rec.sent += 1
@@ -704,7 +359,7 @@ async def _one(run: _Run, step: Step, scheduled: float) -> None:
         rec.verification(step, err)
 
 
-async def _finish(run: _Run, tasks: set[asyncio.Task[Any]]) -> None:
+async def _finish(run: Run, tasks: set[asyncio.Task[Any]]) -> None:
     """Wait for the tasks at most timeout_s after sending ended, then cancel what is left."""
     run.end_sending()
     assert run.sent_until is not None
@@ -725,7 +380,7 @@ async def _finish(run: _Run, tasks: set[asyncio.Task[Any]]) -> None:
             raise error  # a bug of the load generator: do not hide it
 
 
-async def _closed_loop(run: _Run) -> None:
+async def _closed_loop(run: Run) -> None:
     assert run.config.concurrency is not None
 
     async def caller(i: int) -> None:
@@ -744,7 +399,7 @@ async def _closed_loop(run: _Run) -> None:
     await _finish(run, tasks)
 
 
-async def _open_loop(run: _Run, start: float) -> None:
+async def _open_loop(run: Run, start: float) -> None:
     assert run.config.rate is not None
     arrivals = random.Random(run.config.seed)  # the schedule does not depend on the draws
     draws = random.Random(run.config.seed * 1_000_003 + 1)
@@ -835,21 +490,23 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
     ``timeout_s``), it sends for ``duration_s`` (or until ``stop`` is set) and
     then waits at most ``timeout_s`` for the calls in flight.
     """
+    from .loadtest_cli import Progress
+
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     client = Client(config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest")
     # Every task that calls the client; all are ended before it closes (a call still in
     # flight while the client closes could open a socket that then blocks its shutdown).
     spawned: set[asyncio.Task[Any]] = set()
-    progress: _Progress | None = None
+    progress: Progress | None = None
     try:
         hello = await client.connect()
         plan = resolve_plan(config, hello)
         workload = Workload(plan, config.seed, config.verify)
         preflight = await _preflight(client, config, plan, workload, spawned)
-        progress = _Progress() if config.progress else None
+        progress = Progress() if config.progress else None
         start = time.monotonic()
         rec = Recorder(start, window_for(config.duration_s), config.seed)
-        run = _Run(
+        run = Run(
             config,
             client,
             plan,
@@ -911,8 +568,8 @@ def build_report(
         resolved["max_outstanding"] = config.outstanding_cap()
     per_device = {}
     for d in plan.devices:
-        s = rec.devices.get(d) or _DeviceStats()
-        lat = _summary(s.hist)
+        s = rec.devices.get(d) or DeviceStats()
+        lat = summary(s.hist)
         per_device[str(d)] = {
             "steps": s.steps,
             "errors": dict(sorted(s.errors.items())),
@@ -923,7 +580,7 @@ def build_report(
         }
     per_batch = {}
     for b in sorted(rec.batches):
-        lat = _summary(rec.batches[b])
+        lat = summary(rec.batches[b])
         per_batch[str(b)] = {"steps": lat["count"], "p50_ms": lat["p50"], "p99_ms": lat["p99"]}
     report: dict[str, Any] = {
         "tool": f"graphlane loadtest {__version__}",
@@ -944,7 +601,7 @@ def build_report(
         "steps": rec.steps,
         "throughput": round(rec.steps / elapsed, 3),
         "offered_rate": config.rate,
-        "latency_ms": _summary(rec.latency),
+        "latency_ms": summary(rec.latency),
         "latency_basis": "scheduled arrival time" if config.mode == "open" else "send time",
         "errors_total": rec.errors_total,
         "errors": dict(sorted(rec.errors.items())),
@@ -968,7 +625,7 @@ def build_report(
         "latency_hdr_us": rec.latency.encode().decode("ascii"),
     }
     if config.mode == "open":
-        report["send_lag_ms"] = _summary(rec.send_lag)
+        report["send_lag_ms"] = summary(rec.send_lag)
     code, reasons = assess(report)
     report["verdict"] = {"exit_code": code, "ok": code == 0, "reasons": reasons}
     return report
@@ -996,353 +653,3 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
     if not report.get("steps", 0):
         reasons.append("no step succeeded")
     return (1 if reasons else 0), reasons
-
-
-# ---------------------------------------------------------------------------- progress
-class _Progress:
-    """A rich Live view on stderr, refreshed 4 times a second by an asyncio task."""
-
-    def __init__(self) -> None:
-        from rich.console import Console, Group
-        from rich.live import Live
-        from rich.text import Text
-
-        self._group, self._text = Group, Text
-        self.console = Console(stderr=True)
-        self.live = Live(console=self.console, auto_refresh=False, transient=False)
-        self.history: deque[tuple[float, int]] = deque(maxlen=5)
-        self.run_: _Run | None = None
-        self.finished = False
-
-    def render(self) -> Any:
-        assert self.run_ is not None
-        run, rec, c = self.run_, self.run_.rec, self.run_.config
-        now = time.monotonic()
-        elapsed = now - rec.start
-        self.history.append((now, rec.steps))
-        t0, n0 = self.history[0]
-        recent = (rec.steps - n0) / (now - t0) if now > t0 else 0.0
-        lat = rec.latency
-        n = lat.get_total_count()
-        p50 = f"{lat.get_value_at_percentile(50) / 1000:.2f}" if n else "-"
-        p99 = f"{lat.get_value_at_percentile(99) / 1000:.2f}" if n else "-"
-        how = f"closed loop x{c.concurrency}" if c.mode == "closed" else f"open loop {c.rate:g}/s"
-        phase = (
-            "done"
-            if self.finished
-            else "sending"
-            if run.sent_until is None
-            else "waiting for calls in flight"
-        )
-        errs = ", ".join(f"{k} {v}" for k, v in sorted(rec.errors.items())) or "none"
-        check = f"  verified {rec.verified}, wrong {rec.verify_failures}" if c.verify else ""
-        T = self._text
-        return self._group(
-            T.from_markup(f"[bold]graphlane loadtest[/] {how} -> {c.endpoint}"),
-            T.from_markup(
-                f"elapsed [bold]{min(elapsed, c.duration_s):.1f}[/]/{c.duration_s:g} s "
-                f"({phase})  steps [bold]{rec.steps}[/]  steps/s [bold]{recent:.1f}[/] "
-                f"(avg {rec.steps / max(elapsed, 1e-9):.1f})  in flight {rec.in_flight}"
-            ),
-            T.from_markup(
-                f"latency ms p50 [bold]{p50}[/] p99 [bold]{p99}[/]  errors "
-                f"[{'red' if rec.errors else 'green'}]{errs}[/]{check}"
-            ),
-        )
-
-    async def tick(self, run: _Run) -> None:
-        self.run_ = run
-        self.live.start()
-        while True:
-            self.live.update(self.render(), refresh=True)
-            await asyncio.sleep(0.25)
-
-    def close(self) -> None:
-        if self.run_ is None:
-            return
-        self.finished = True
-        self.live.update(self.render(), refresh=True)
-        self.live.stop()
-        if not self.console.is_terminal:
-            self.console.line()
-
-
-# ---------------------------------------------------------------------------- command line
-def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
-    def parse(text: str) -> tuple[int, ...]:
-        try:
-            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated integers, not {text!r}"
-            ) from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{flag} needs at least one value")
-        return values
-
-    return parse
-
-
-def parse_shape(text: str) -> dict[str, Any]:
-    """``layers=2,num_heads=4,dtype=float16`` -> a shape mapping (integers except dtype)."""
-    out: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or key not in SHAPE_KEYS:
-            raise argparse.ArgumentTypeError(
-                f"--shape takes KEY=VALUE pairs with KEY in {', '.join(SHAPE_KEYS)}, not {item!r}"
-            )
-        if key == "dtype":
-            out[key] = value.strip()
-            continue
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--shape {key} must be an integer") from None
-    return out
-
-
-def _number(flag: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, not {text!r}") from None
-        return v
-
-    return parse
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``loadtest`` subcommand to an ``add_subparsers()`` object."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "loadtest",
-        help="drive a running daemon with steps and report latency and throughput",
-        description=(
-            "Send attention steps to a running graphlane daemon for --duration seconds, either "
-            "closed loop (--concurrency C calls in flight) or open loop (Poisson arrivals at "
-            "--rate R steps/s, latency measured from each arrival's scheduled time, so a "
-            "stalled server shows as latency rather than as fewer arrivals). Shows live "
-            "progress, prints a summary, and writes DIR/report.json and DIR/report.html "
-            "(with PNG plots). With --verify F, a fraction F of the steps carry their own "
-            "query/key/value and their output is checked against eager attention; the other "
-            "steps send lengths and a query only."
-        ),
-        epilog=(
-            "exit status: 0 when steps succeeded, no verified output was wrong and every "
-            "error was retryable (BUSY, TIMEOUT, WORKER_LOST, SHUTTING_DOWN, CLIENT_OVERLOAD, "
-            "CLIENT_DEADLINE); 1 when a verification failed, an error was not retryable or no "
-            "step succeeded; 2 for invalid flags or a run that could not start.\n\n"
-            "example: graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 "
-            "--duration 30 --verify 0.05 --report out/"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--connect",
-        metavar="ENDPOINT",
-        default=DEFAULT_LISTEN,
-        help=f"the daemon's endpoint, tcp://HOST:PORT or ipc://PATH (default {DEFAULT_LISTEN})",
-    )
-    mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument(
-        "--concurrency",
-        type=int,
-        metavar="C",
-        help="closed loop: keep C steps in flight, each caller sending its next step when "
-        "the previous one is answered",
-    )
-    mode.add_argument(
-        "--rate",
-        type=_number("--rate"),
-        metavar="R",
-        help="open loop: Poisson arrivals at R steps/s, whatever the server does",
-    )
-    p.add_argument(
-        "--duration",
-        type=_number("--duration"),
-        required=True,
-        metavar="SECONDS",
-        help="how long to send steps; calls in flight then get at most --timeout more",
-    )
-    p.add_argument(
-        "--program", default="attention", metavar="NAME", help="program to step (attention)"
-    )
-    p.add_argument(
-        "--devices",
-        type=_int_list("--devices"),
-        metavar="LIST",
-        help="device ids to send to, e.g. 0,1 (default: every device the daemon serves)",
-    )
-    p.add_argument(
-        "--batch-sizes",
-        type=_int_list("--batch-sizes"),
-        metavar="LIST",
-        help="batch sizes to draw from uniformly, e.g. 1,3,8 (default: the program's buckets)",
-    )
-    p.add_argument(
-        "--verify",
-        type=_number("--verify"),
-        default=0.0,
-        metavar="FRACTION",
-        help="fraction of steps (0..1) sent with full inputs and checked against eager "
-        "attention computed here (default 0)",
-    )
-    p.add_argument(
-        "--report",
-        metavar="DIR",
-        required=True,
-        help="directory for report.json, report.html and its PNG plots (created if needed)",
-    )
-    p.add_argument(
-        "--shape",
-        type=parse_shape,
-        default={},
-        metavar="KEY=VALUE,...",
-        help="the program's shapes, which hello does not tell: keys "
-        + ", ".join(SHAPE_KEYS)
-        + " (defaults num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256,dtype=float16; "
-        "layers from the daemon)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=_number("--timeout"),
-        default=30.0,
-        metavar="SECONDS",
-        help="deadline of each call, and the most the run waits after --duration (default 30)",
-    )
-    p.add_argument(
-        "--max-outstanding",
-        type=int,
-        metavar="N",
-        help="open loop: most calls in flight; arrivals over it count as CLIENT_OVERLOAD "
-        "(default 10 x rate, within 100..10000)",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of arrivals, draws and inputs (default 0)"
-    )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="live progress on stderr (default: when stderr is a terminal)",
-    )
-    return p
-
-
-def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    """The LoadConfig of parsed ``loadtest`` arguments (ValueError names the flag)."""
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
-    return LoadConfig(
-        endpoint=args.connect,
-        duration_s=args.duration,
-        concurrency=args.concurrency,
-        rate=args.rate,
-        program=args.program,
-        devices=args.devices,
-        batch_sizes=args.batch_sizes,
-        verify=args.verify,
-        report_dir=args.report,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        progress=progress,
-        shape=args.shape or {},
-        max_outstanding=args.max_outstanding,
-    )
-
-
-def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
-    """A rich table of the run's results."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    lat = report["latency_ms"]
-    cfg = report["config"]
-    how = (
-        f"closed loop, concurrency {cfg['concurrency']}"
-        if report["mode"] == "closed"
-        else f"open loop, {cfg['rate']:g} arrivals/s"
-    )
-    t = Table(title=f"graphlane loadtest: {how}", show_header=False, title_justify="left")
-    t.add_column(style="bold")
-    t.add_column()
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
-    t.add_row("endpoint", str(cfg["endpoint"]))
-    t.add_row("program / devices", f"{cfg['program']} on {cfg['devices']}")
-    sending = (
-        f"interrupted after {report['sending_s']:.2f} s of {report['duration_s']:g} s"
-        if report.get("interrupted")
-        else f"sending for {report['duration_s']:g} s"
-    )
-    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s ({sending})")
-    t.add_row("steps", f"{report['steps']} of {report['sent']} sent")
-    t.add_row("throughput", f"{report['throughput']:.1f} steps/s")
-    t.add_row(
-        f"latency ms ({report['latency_basis']})",
-        "  ".join(f"{k} {ms(lat[k])}" for k in ("p50", "p90", "p99", "p99.9", "max")),
-    )
-    if "send_lag_ms" in report:
-        lag = report["send_lag_ms"]
-        t.add_row("send lag ms", f"p50 {ms(lag['p50'])}  p99 {ms(lag['p99'])}")
-    errors = ", ".join(f"{k}: {v}" for k, v in report["errors"].items()) or "none"
-    t.add_row("errors", f"[red]{errors}[/]" if report["errors"] else errors)
-    if report["verify_fraction"]:
-        t.add_row(
-            "verified",
-            f"{report['verified']} checked, {report['verify_failures']} wrong "
-            f"(max |out - eager| {report['verify_max_abs_error']:.2g})",
-        )
-    verdict = report["verdict"]
-    t.add_row(
-        "result",
-        "[green]ok[/]" if verdict["ok"] else "[red]FAILED[/]: " + "; ".join(verdict["reasons"]),
-    )
-    if "files" in report:
-        t.add_row("report", f"{report['files']['html']}\n{report['files']['json']}")
-    console.print(t)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Run ``graphlane loadtest`` from parsed arguments; returns the exit status."""
-    try:
-        config = config_from_args(args)
-    except ValueError as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = asyncio.run(_run_interruptible(config))
-    except (ValueError, LoadTestError, GraphlaneError) as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        print("graphlane loadtest: interrupted", file=sys.stderr)
-        return 130
-    print_summary(report)
-    return int(report["verdict"]["exit_code"])
-
-
-async def _run_interruptible(config: LoadConfig) -> dict[str, Any]:
-    """run_load where the first Ctrl-C ends sending early (the report is still written)
-    and a second one aborts."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    me = asyncio.current_task()
-
-    def on_sigint() -> None:
-        if stop.is_set() and me is not None:
-            me.cancel()
-        stop.set()
-
-    try:
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
-    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
-        return await run_load(config)
-    try:
-        return await run_load(config, stop=stop)
-    finally:
-        loop.remove_signal_handler(signal.SIGINT)

@@ -174,7 +174,8 @@ class Worker:
             asyncio.run(self._serve())
         finally:
             self.engine.close()
-            self.sock.close(0)
+            # Replies already queued (the last answers before a stop or a fault) go out.
+            self.sock.close(linger=2000)
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
