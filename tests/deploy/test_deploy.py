@@ -354,11 +354,10 @@ def test_production_config_loads() -> None:
     assert [p["name"] for p in conf.programs] == ["attention"]
     # Per-device worker ports must not collide with anything the DaemonSet declares.
     assert conf.worker_endpoint(7) == "tcp://127.0.0.1:7458"
+    # Metrics on the port the DaemonSet's scrape annotation names, reachable by Prometheus.
+    assert (conf.metrics_port, conf.metrics_host) == (9450, "0.0.0.0")
     text = (DEPLOY / "graphlane.toml").read_text()
-    assert "enable when your graphlane has --metrics-port / --auth-dir" in text
-    for key in ("metrics_port", "auth_dir"):
-        assert re.search(rf"^# {key} = ", text, re.M), f"{key} should be there, commented out"
-        assert not re.search(rf"^{key}\s*=", text, re.M), f"{key}: commented out until available"
+    assert re.search(r"^# auth_dir = ", text, re.M), "auth_dir should be there, commented out"
 
 
 def test_configmap_embeds_the_production_config(tmp_path: Path) -> None:
