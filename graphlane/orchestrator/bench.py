@@ -17,6 +17,7 @@ the control plane's own cost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing as mp
 import os
 import signal
@@ -133,6 +134,7 @@ class BenchDaemon:
         devices: int = 1,
         sim: dict[str, Any] | None = None,
         max_queued: int = 4096,
+        backend: str = "sim",
     ):
         self.tmp = tempfile.TemporaryDirectory(prefix="graphlane-bench-")
         self.endpoint = f"ipc://{self.tmp.name}/daemon.sock"
@@ -141,6 +143,7 @@ class BenchDaemon:
             f'listen = "{self.endpoint}"',
             f"devices = {devices}",
             f"max_queued = {max_queued}",
+            f'backend = "{backend}"',
             "[sim]",
         ]
         lines += [f"{k} = {v!r}".replace("'", '"') for k, v in sim.items()]
@@ -254,11 +257,21 @@ def _with_raw_server(fn: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -
 
 
 def control_plane(n: int = 500) -> dict[str, Any]:
-    daemon = BenchDaemon(TINY)
-    try:
-        return _with_raw_server(lambda ep: _control_plane(daemon, ep, n))
-    finally:
-        daemon.close()
+    """Against the raw baseline, in the same run: the daemon on the null backend
+    (graphlane alone, no device) and on the timed sim with zero costs (graphlane plus
+    the simulator's own Python per device op)."""
+    out: dict[str, Any] = {}
+    for backend in ("null", "sim"):
+        daemon = BenchDaemon(TINY, backend=backend)
+        try:
+            out[backend] = _with_raw_server(functools.partial(_control_plane_at, daemon, n))
+        finally:
+            daemon.close()
+    return out
+
+
+async def _control_plane_at(daemon: BenchDaemon, n: int, raw_endpoint: str) -> dict[str, Any]:
+    return await _control_plane(daemon, raw_endpoint, n)
 
 
 def bandwidth(reps: int = 10) -> dict[str, Any]:
@@ -302,26 +315,35 @@ def run_all(quick: bool = False) -> dict[str, Any]:
 
 def format_report(r: dict[str, Any]) -> str:
     cp, bw, sc = r["control_plane"], r["bandwidth"], r["scaling"]
-    lines = ["pipeline (timed sim, 8 layers):", r["pipeline_table"], "", "control plane:"]
-    held = f"{cp['step_server_ms']:.3f} ms (decode, engine, sim device work)"
-    outside = f"{cp['step_outside_worker_ms']:.3f} ms  ({cp['outside_worker_vs_raw']:.2f}x raw)"
-    windowed = (
-        f"raw {cp['raw_windowed_msgs_s']:.0f} msgs/s, steps {cp['windowed_steps_s']:.0f}/s "
-        f"({cp['windowed_vs_raw']:.2f}x raw)"
-    )
-    tensors = (
-        f"({bw['bytes_per_request'] / 2**20:.0f} MiB/request): raw {bw['raw_mb_s']:.0f} MB/s, "
-        f"step {bw['step_inputs_mb_s']:.0f} MB/s ({bw['bandwidth_vs_raw']:.2f}x raw)"
-    )
+    lines = ["pipeline (timed sim, 8 layers):", r["pipeline_table"], ""]
+    lines.append("control plane (ms; ratio to the raw round trip measured beside it):")
+    lines.append(f"  {'':34} {'null device':>20} {'timed sim':>20}")
+
+    def row(label: str, key: str, ratio: str | None = None) -> str:
+        cells = []
+        for b in ("null", "sim"):
+            f = cp[b]
+            cell = f"{f[key]:.3f}"
+            if ratio:
+                cell += f" ({f[ratio]:.2f}x)"
+            cells.append(f"{cell:>20}")
+        return f"  {label:<34} {' '.join(cells)}"
+
     lines += [
-        f"  raw pyzmq+msgpack round trip   {cp['raw_rtt_ms']:.3f} ms",
-        f"  step round trip                {cp['step_rtt_ms']:.3f} ms  "
-        f"({cp['step_rtt_vs_raw']:.2f}x raw)",
-        f"    of which the worker held it  {held}",
-        f"    outside the worker           {outside}",
-        f"  worker status round trip       {cp['worker_status_rtt_ms']:.3f} ms",
-        f"  windowed: {windowed}",
-        f"  tensor inputs {tensors}",
+        row("raw pyzmq+msgpack round trip", "raw_rtt_ms"),
+        row("step round trip", "step_rtt_ms", "step_rtt_vs_raw"),
+        row("  of which the worker held it", "step_server_ms"),
+        row("  outside the worker", "step_outside_worker_ms", "outside_worker_vs_raw"),
+        row("worker status round trip", "worker_status_rtt_ms"),
+        f"  {'windowed steps/s (raw msgs/s)':<34} "
+        + " ".join(
+            f"{cp[b]['windowed_steps_s']:>9.0f} ({cp[b]['raw_windowed_msgs_s']:.0f}, "
+            f"{cp[b]['windowed_vs_raw']:.2f}x)"
+            for b in ("null", "sim")
+        ),
+        f"  tensor inputs, {bw['bytes_per_request'] / 2**20:.0f} MiB/request (sim): raw "
+        f"{bw['raw_mb_s']:.0f} MB/s, step {bw['step_inputs_mb_s']:.0f} MB/s "
+        f"({bw['bandwidth_vs_raw']:.2f}x raw)",
         "",
         f"scaling (timed sim 1000/1000 us, 4 layers, {sc['cpu_cores']} CPU cores):",
     ]

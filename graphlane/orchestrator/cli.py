@@ -26,7 +26,12 @@ def _parser() -> argparse.ArgumentParser:
         "simulated devices on " + DEFAULT_LISTEN + ". SIGTERM/SIGINT drain and stop it.",
     )
     s.add_argument("--config", metavar="FILE", help="TOML configuration file")
-    s.add_argument("--backend", choices=["sim", "npu"], help="device backend (default sim)")
+    s.add_argument(
+        "--backend",
+        choices=["sim", "npu", "null"],
+        help="device backend: sim (default), npu (torch_npu), null (no device: for measuring "
+        "graphlane itself)",
+    )
     s.add_argument("--devices", metavar="N|LIST", help="device count (2) or ids (0,3)")
     s.add_argument(
         "--listen", metavar="ENDPOINT", help=f"tcp:// or ipc:// (default {DEFAULT_LISTEN})"

@@ -182,8 +182,10 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     if "listen" in raw:
         values["listen"] = _listen("listen", raw["listen"])
     if "backend" in raw:
-        if raw["backend"] not in ("sim", "npu"):
-            raise ConfigError("backend", f"must be 'sim' or 'npu', not {raw['backend']!r}")
+        if raw["backend"] not in ("sim", "npu", "null"):
+            raise ConfigError(
+                "backend", f"must be 'sim', 'npu' or 'null' (no device), not {raw['backend']!r}"
+            )
         values["backend"] = raw["backend"]
     if "devices" in raw:
         values["devices"] = parse_devices("devices", raw["devices"])

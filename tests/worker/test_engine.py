@@ -194,3 +194,14 @@ def test_create_backend_names() -> None:
     assert create_backend("sim").name == "sim"
     with pytest.raises(ValueError):
         create_backend("tpu")
+
+
+def test_null_backend_runs_the_engine_without_a_device() -> None:
+    """The null provider (for measuring graphlane alone) drives the same engine path."""
+    with StepEngine(create_backend("null"), [AttentionProgram(CFG)], depth=2) as eng:
+        results = [
+            eng.run(StepRequest("attention", 3, {"actual_seq_lengths_kv": [1, 2, 3]}), 30)
+            for _ in range(4)
+        ]
+    assert [r.key.slot for r in results] == [0, 1, 0, 1]
+    assert all(r.outputs["out"].shape == (3, CFG.num_heads, 1, CFG.head_dim) for r in results)

@@ -1,4 +1,5 @@
-"""Device backends: the interface (:mod:`.base`) and its providers ``sim`` and ``npu``."""
+"""Device backends: the interface (:mod:`.base`) and its providers ``sim`` and ``npu``,
+plus ``null`` (no device at all) for measuring graphlane's own overhead."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 from .base import DeviceBackend
 
-BACKENDS = ("sim", "npu")
+BACKENDS = ("sim", "npu", "null")
 
 
 def create_backend(name: str, device_index: int = 0, **options: Any) -> DeviceBackend:
@@ -15,6 +16,10 @@ def create_backend(name: str, device_index: int = 0, **options: Any) -> DeviceBa
         from .sim import SimBackend
 
         return SimBackend(device_index, **options)
+    if name == "null":
+        from .null import NullBackend
+
+        return NullBackend(device_index)
     if name == "npu":
         from .npu import NpuBackend
 

@@ -1,0 +1,95 @@
+"""The ``null`` provider: a device that does nothing, instantly.
+
+For measuring graphlane's own cost (sockets, codec, event loop, issue and
+completion threads) apart from any device, simulated or real: streams and
+events are tokens, capture and replay do nothing, buffers are CPU tensors, and
+every event is already complete. Outputs are whatever the buffers hold
+(zeros). Never use it to serve real work.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+
+class _Done:
+    """An event that is always complete."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class NullBackend:
+    name = "null"
+
+    def __init__(self, device_index: int = 0) -> None:
+        self.device = torch.device("cpu")
+        self.device_index = device_index
+
+    def new_stream(self) -> Any:
+        return object()
+
+    def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
+        return nullcontext(stream)
+
+    def new_event(self) -> Any:
+        return _Done()
+
+    def new_external_event(self) -> Any:
+        return _Done()
+
+    def record(self, event: Any, stream: Any) -> None:
+        pass
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def new_graph(self) -> Any:
+        return object()
+
+    def capture(self, graph: Any, stream: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def replay(self, graph: Any, stream: Any) -> None:
+        pass
+
+    def task_group_begin(self, stream: Any) -> None:
+        pass
+
+    def task_group_end(self, stream: Any) -> Any:
+        return object()
+
+    def update_attention(
+        self, stream: Any, handle: Any, event: Any, arguments: dict[str, Any]
+    ) -> None:
+        pass
+
+    def patch_attention(self, stream: Any, handle: Any, arguments: dict[str, Any]) -> None:
+        pass
+
+    def attention_out(self, arguments: dict[str, Any]) -> None:
+        pass
+
+    def attention_workspace(self, arguments: dict[str, Any]) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        return t
