@@ -361,7 +361,9 @@ class Client:
         return self._hosts[0], device
 
     async def _worker(self, device: Device) -> Channel:
-        host, local = self._resolve(device)
+        return await self._worker_at(*self._resolve(device))
+
+    async def _worker_at(self, host: _Host, local: int) -> Channel:
         ch = host.workers.get(local)
         if ch is not None and not ch.lost:
             return ch
@@ -452,7 +454,7 @@ class Client:
         host, local = self._resolve(device)
         body = _step_body(program, local, params, inputs, batch)
         body["outputs"] = list(outputs)
-        ch = await self._worker(device)
+        ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
     async def update(
@@ -468,7 +470,7 @@ class Client:
         """Patch the next replay of the bucket (no replay)."""
         host, local = self._resolve(device)
         body = _step_body(program, local, params, inputs, batch)
-        ch = await self._worker(device)
+        ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
     async def replay(
@@ -483,7 +485,7 @@ class Client:
         """Replay the bucket's updated (or next) graph instance."""
         host, local = self._resolve(device)
         body = {"program": program, "device": local, "batch": batch, "outputs": list(outputs)}
-        ch = await self._worker(device)
+        ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "replay", body, timeout))
 
     async def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import zmq.asyncio
 from graphlane import __version__
 from graphlane.logs import Throttled
 from graphlane.protocol import codec, messages, security
-from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, error_class
+from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, UnknownDevice
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig
@@ -165,7 +165,7 @@ class Daemon:
                     self.counters["undecodable"] += 1
                     self._dropped_log.warning("dropped an undecodable message: %s", exc.message)
                     continue
-                reply = codec.encode_error(exc.request_id, error_class(exc.code)(exc.message))
+                reply = codec.encode_error(exc.request_id, exc.to_error())
                 await sock.send_multipart([ident, *reply])
                 continue
             try:
@@ -189,8 +189,6 @@ class Daemon:
             devices = [msg.device] if msg.device is not None else list(self.supervisor.workers)
             for d in devices:
                 if d not in self.supervisor.workers:
-                    from graphlane.protocol.errors import UnknownDevice
-
                     raise UnknownDevice(
                         f"device {d} is not served (serving {sorted(self.supervisor.workers)})"
                     )

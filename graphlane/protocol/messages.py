@@ -200,6 +200,30 @@ class StatusRequest(_Message):
         return cls()
 
 
+def _checked_patch_fields(msg: Any) -> dict[str, Any]:
+    """The fields ``step`` and ``update`` share, validated (BadRequest names the field)."""
+    return {
+        "program": _str(msg.program, "program", non_empty=True),
+        "device": _int(msg.device, "device", minimum=0),
+        "batch": _int(msg.batch, "batch", minimum=1),
+        "params": _params(msg.params, "params"),
+        "inputs": _tensors(msg.inputs, "inputs"),
+        "timeout_ms": _optional_int(msg.timeout_ms, "timeout_ms", minimum=1),
+    }
+
+
+def _patch_fields_of(r: _Body) -> dict[str, Any]:
+    """The shared fields read from a wire body."""
+    return {
+        "program": r.required("program"),
+        "device": r.required("device"),
+        "batch": r.batch(),
+        "params": r.required("params"),
+        "inputs": r.optional("inputs", {}),
+        "timeout_ms": r.optional("timeout_ms", None),
+    }
+
+
 @dataclass(frozen=True)
 class StepRequestMsg(_Message):
     """``step``: patch ``program``'s graph on ``device`` with ``params``, replay it, return outputs.
@@ -219,29 +243,12 @@ class StepRequestMsg(_Message):
     timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
-        _set(
-            self,
-            program=_str(self.program, "program", non_empty=True),
-            device=_int(self.device, "device", minimum=0),
-            batch=_int(self.batch, "batch", minimum=1),
-            params=_params(self.params, "params"),
-            inputs=_tensors(self.inputs, "inputs"),
-            outputs=_names(self.outputs, "outputs"),
-            timeout_ms=_optional_int(self.timeout_ms, "timeout_ms", minimum=1),
-        )
+        _set(self, outputs=_names(self.outputs, "outputs"), **_checked_patch_fields(self))
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
         r = _Body(cls, body)
-        return cls(
-            program=r.required("program"),
-            device=r.required("device"),
-            batch=r.batch(),
-            params=r.required("params"),
-            inputs=r.optional("inputs", {}),
-            outputs=r.optional("outputs", ("out",)),
-            timeout_ms=r.optional("timeout_ms", None),
-        )
+        return cls(outputs=r.optional("outputs", ("out",)), **_patch_fields_of(r))
 
 
 @dataclass(frozen=True)
@@ -260,27 +267,11 @@ class UpdateRequestMsg(_Message):
     timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
-        _set(
-            self,
-            program=_str(self.program, "program", non_empty=True),
-            device=_int(self.device, "device", minimum=0),
-            batch=_int(self.batch, "batch", minimum=1),
-            params=_params(self.params, "params"),
-            inputs=_tensors(self.inputs, "inputs"),
-            timeout_ms=_optional_int(self.timeout_ms, "timeout_ms", minimum=1),
-        )
+        _set(self, **_checked_patch_fields(self))
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
-        r = _Body(cls, body)
-        return cls(
-            program=r.required("program"),
-            device=r.required("device"),
-            batch=r.batch(),
-            params=r.required("params"),
-            inputs=r.optional("inputs", {}),
-            timeout_ms=r.optional("timeout_ms", None),
-        )
+        return cls(**_patch_fields_of(_Body(cls, body)))
 
 
 @dataclass(frozen=True)

@@ -252,7 +252,7 @@ class Worker:
                 self.counters["undecodable"] += 1
                 self._dropped_log.warning("dropped an undecodable message: %s", exc.message)
                 return
-            self._reply_error(ident, exc.request_id, _error(exc.code, exc.message))
+            self._reply_error(ident, exc.request_id, exc.to_error())
             return
         try:
             self._dispatch(ident, req, received)
@@ -369,12 +369,6 @@ class Worker:
             self._stop.set()
             return
         self._maybe_stop()
-
-
-def _error(code: str, message: str) -> GraphlaneError:
-    from graphlane.protocol.errors import error_class
-
-    return error_class(code)(message)
 
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
