@@ -24,7 +24,8 @@ def main() -> None:
         sections = {
             "control plane, null device": report["control_plane"]["null"],
             "control plane, timed sim": report["control_plane"]["sim"],
-            "tensor bandwidth (sim)": report["bandwidth"],
+            "tensor bandwidth, null device": report["bandwidth"]["null"],
+            "tensor bandwidth, timed sim": report["bandwidth"]["sim"],
         }
         for section, figures in sections.items():
             print(section)

@@ -43,7 +43,6 @@ from typing import Any, TypeVar
 
 import torch
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from graphlane.protocol import codec
@@ -73,13 +72,21 @@ class StepReply:
 
 
 class Channel:
-    """One DEALER connection with its reader and monitor tasks and pending calls."""
+    """One DEALER connection: its pending calls, fed by the event loop's reader callbacks.
+
+    The sockets are plain (not ``zmq.asyncio``) sockets whose file descriptors the
+    loop watches: a reply costs one ``recv`` and a ``set_result``, and a call one
+    non-blocking ``send``. A zmq descriptor signals edges, not levels, so every
+    wake-up drains the socket until it is empty, and a send (which may swallow
+    the edge of a reply that arrived meanwhile) looks whether a reply waits.
+    """
 
     def __init__(
-        self, ctx: zmq.asyncio.Context, endpoint: str, name: str, keys: ClientKeys | None = None
+        self, ctx: zmq.Context[Any], endpoint: str, name: str, keys: ClientKeys | None = None
     ) -> None:
         self.endpoint = endpoint
         self.name = name
+        self._loop = asyncio.get_running_loop()
         self.sock = ctx.socket(zmq.DEALER)
         if keys is not None:
             keys.apply(self.sock)
@@ -98,18 +105,29 @@ class Channel:
         self.lost = False  # connected once, then dropped: the peer went away
         self.late_replies = 0
         self.closed = False
-        self._tasks = [
-            asyncio.ensure_future(self._read()),
-            asyncio.ensure_future(self._watch()),
-        ]
+        self._fds = [self.sock.FD, self.monitor.FD]
+        self._loop.add_reader(self._fds[0], self._readable)
+        self._loop.add_reader(self._fds[1], self._watch)
+        # Whatever arrived before the loop watched the descriptors raised no edge.
+        self._loop.call_soon(self._readable)
+        self._loop.call_soon(self._watch)
 
-    async def _read(self) -> None:
-        while True:
+    def _readable(self) -> None:
+        if not self.closed and self._drain(_DRAIN_PER_TURN):
+            self._loop.call_soon(self._readable)  # more: after other callbacks had a turn
+
+    def _drain(self, limit: int | None) -> bool:
+        """Deliver received replies, at most ``limit``; True if more may wait."""
+        n = 0
+        sock = self.sock
+        while limit is None or n < limit:
             try:
-                frames = await self.sock.recv_multipart(copy=False)
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:  # Again (empty) or closed under us
+                return False
             self._deliver(frames)
+            n += 1
+        return True
 
     def _deliver(self, frames: list[Any]) -> None:
         try:
@@ -127,24 +145,11 @@ class Channel:
             return
         fut.set_result(reply)
 
-    def _deliver_received(self) -> None:
-        """Hand out replies that arrived before the connection dropped: a worker's last
-        answers come before its socket closes, and must not turn into WORKER_LOST."""
-        raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.sock.underlying)
-        while True:
+    def _watch(self) -> None:
+        while not self.closed:
             try:
-                frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+                msg = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.ZMQError:
-                return
-            self._deliver(frames)
-
-    async def _watch(self) -> None:
-        while True:
-            try:
-                msg = parse_monitor_message(await self.monitor.recv_multipart())
-            except (zmq.ZMQError, asyncio.CancelledError):
                 return
             event = msg["event"]
             if event in (
@@ -156,12 +161,14 @@ class Channel:
                 self.fail_all(Unauthorized(self.refused))
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.refused = None
-            elif msg["event"] == zmq.EVENT_CONNECTED:
+            elif event == zmq.EVENT_CONNECTED:
                 self.connected, self.lost = True, False
-            elif msg["event"] == zmq.EVENT_DISCONNECTED:
+            elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self.lost = True
-                self._deliver_received()
+                # A worker's last answers come before its socket closes: they are
+                # answers, not WORKER_LOST.
+                self._drain(None)
                 self.fail_all(WorkerLost(f"connection to {self.name} at {self.endpoint} was lost"))
 
     def fail_all(self, error: GraphlaneError) -> None:
@@ -180,33 +187,54 @@ class Channel:
         if self.lost:
             raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
         frames = codec.encode_request(request_id, op, body)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         fut: asyncio.Future[codec.Reply] = loop.create_future()
         self.pending[request_id] = fut
         # One timer instead of wait_for(shield(...)): the deadline fails the future.
         timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
         try:
             try:
-                await self.sock.send_multipart(frames, copy=False)
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # every peer's queue is full: wait for room
+                await self._send_later(frames, fut)
             except zmq.ZMQError as exc:  # closed under us
                 raise WorkerLost(f"connection to {self.name} is closed") from exc
+            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                loop.call_soon(self._readable)  # the send took the edge of a waiting reply
             return await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
             timer.cancel()
             self.pending.pop(request_id, None)
 
+    async def _send_later(self, frames: list[Any], fut: asyncio.Future[codec.Reply]) -> None:
+        """Retry a send the high-water mark refused until it goes, the call ends
+        (deadline, WORKER_LOST) or the channel closes."""
+        delay = 0.0005
+        while not fut.done():
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.02)
+            if self.closed:
+                raise WorkerLost(f"connection to {self.name} is closed")
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                continue
+
     async def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
         self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        for fd in self._fds:
+            self._loop.remove_reader(fd)
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
+
+
+_DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
 
 
 def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
@@ -262,7 +290,7 @@ class Client:
         self.endpoint = self.requested[0]
         self.timeout = timeout
         self.name = name
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context[Any] | None = None
         self._hosts: list[_Host] = []
         self._ids = itertools.count(1)
         self._closing = False
@@ -271,7 +299,7 @@ class Client:
     async def connect(self) -> dict[str, Any]:
         self._closing = False
         if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = zmq.Context()
             endpoints: list[str] = []
             for ep in self.requested:
                 for resolved in await _expand(ep):

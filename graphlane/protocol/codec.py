@@ -205,19 +205,24 @@ def tensor_to_wire(
     ``len(frames)`` after the append) as a memoryview over its memory; a
     non-contiguous tensor is first copied into a contiguous one.
     """
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         raise ValueError(f"{path}: tensor is on {t.device}; copy it to the CPU before sending")
     if t.layout != torch.strided:
         raise ValueError(f"{path}: {t.layout} tensors cannot be sent, only strided ones")
-    name = _DTYPE_NAMES.get(t.dtype)
+    dtype = t.dtype
+    name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        raise ValueError(f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(DTYPES)})")
-    t = t.detach().resolve_conj().resolve_neg()
+        raise ValueError(f"{path}: dtype {dtype} cannot be sent (supported: {sorted(DTYPES)})")
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
     spec: dict[str, Any] = {"dtype": name, "shape": list(t.shape)}
-    if t.numel() * t.element_size() <= INLINE_TENSOR_BYTES:
-        spec["data"] = _byte_view(t).tobytes()
+    if t.numel() * dtype.itemsize <= INLINE_TENSOR_BYTES:
+        # numpy has no bfloat16: that one goes through a byte view.
+        spec["data"] = (_byte_view(t) if dtype is torch.bfloat16 else t.numpy()).tobytes()
     else:
         frames.append(_byte_view(t))
         spec["frame"] = len(frames)
@@ -251,7 +256,10 @@ def _body_to_wire(body: Mapping[str, Any], frames: list[bytes | memoryview]) -> 
 
 
 def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int) -> Any:
-    if value is None or isinstance(value, bool | float | str | bytes):
+    kind = type(value)
+    if kind is torch.Tensor:  # the common cases first: exact types skip the ABC checks
+        return tensor_to_wire(value, frames, path=path)
+    if kind is not dict and (value is None or isinstance(value, bool | float | str | bytes)):
         return value
     if isinstance(value, int):
         if not _INT_MIN <= value <= _UINT64_MAX:
@@ -264,7 +272,7 @@ def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int
     if depth > _MAX_ENCODE_DEPTH:
         raise ValueError(f"{path}: nested deeper than {_MAX_ENCODE_DEPTH} levels (a cycle?)")
     # In containers, items msgpack takes as they are skip the call and the path string.
-    if isinstance(value, Mapping):
+    if kind is dict or isinstance(value, Mapping):
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):

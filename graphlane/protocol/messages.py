@@ -65,6 +65,8 @@ def _optional_int(value: Any, name: str, *, minimum: int) -> int | None:
 
 
 def _params(value: Any, name: str) -> dict[str, Any]:
+    if type(value) is dict and all(type(key) is str for key in value):  # the decoder's maps
+        return dict(value)
     if not isinstance(value, Mapping):
         raise BadRequest(f"body.{name}: must be a map, got {_type(value)}")
     for key in value:
@@ -110,14 +112,21 @@ def _set(obj: object, **values: Any) -> None:
 class _Body:
     """Reads a body map for one message class: rejects unknown keys, reports missing ones."""
 
+    _known: ClassVar[dict[type[Any], frozenset[str]]] = {}
+
     def __init__(self, cls: type[Any], body: Mapping[str, Any]) -> None:
         if not isinstance(body, Mapping):
             raise BadRequest(f"body: must be a map, got {_type(body)}")
-        known = [f.name for f in fields(cls)]
+        known = self._known.get(cls)
+        if known is None:
+            known = self._known[cls] = frozenset(f.name for f in fields(cls))
         for key in body:
             if key not in known:
+                known_list = [f.name for f in fields(cls)]
                 name = str(key) if len(str(key)) <= 64 else f"{str(key)[:61]}..."
-                raise BadRequest(f"body.{name}: unknown field of {cls.OP!r} (known: {known})")
+                raise BadRequest(
+                    f"body.{name}: unknown field of {cls.OP!r} (known: {known_list})"
+                )
         self.body = body
 
     def required(self, name: str) -> Any:

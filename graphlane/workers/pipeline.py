@@ -27,6 +27,14 @@ Schedulers that drive the two halves themselves use ``submit_update`` (patch an
 instance of the bucket and keep it *staged*, no release) and ``submit_replay``
 (release every group of the staged instance, or of the next one in the ring,
 and replay it). A step on a bucket with a staged instance uses that instance.
+
+Two ways to drive it. ``submit*`` (futures, thread-safe) queue requests for the
+engine's own issue thread. A server that already has a thread of its own (the
+worker's socket thread) calls :meth:`StepEngine.issue` from that thread
+instead (``start(issue_thread=False)``): no hand-off between receiving a
+request and issuing it, and a step whose done event is already complete when
+its issue returns is completed on the spot, without waking the completion
+thread.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +90,10 @@ class StepResult:
     replay_at: float = 0.0  # when its replay was issued (0: no replay)
 
 
+OnDone = Callable[[StepResult | None, BaseException | None], None]
+"""Called once per issued request: (result, None) or (None, error)."""
+
+
 @dataclass(eq=False)
 class _Pending:
     kind: str  # "step" | "update" | "replay"
@@ -94,8 +106,18 @@ class _Pending:
 @dataclass(eq=False)
 class _InFlight:
     done: Any
-    future: Future[StepResult]
+    on_done: OnDone
     result: StepResult
+
+
+def _resolver(fut: Future[StepResult]) -> OnDone:
+    def on_done(result: StepResult | None, exc: BaseException | None) -> None:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)  # type: ignore[arg-type]
+
+    return on_done
 
 
 _STOP = object()
@@ -129,9 +151,10 @@ class StepEngine:
         self.pipeline = pipeline
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
         self._completions: queue.Queue[Any] = queue.Queue()
-        # Steps issued to the device and not yet complete: the issue thread may run
-        # ahead of the device by this much, no more (bounded memory, bounded latency).
-        self._inflight = threading.BoundedSemaphore(max_inflight)
+        # Steps issued to the device and not yet complete: the issuer may run ahead
+        # of the device by this much, no more (bounded memory, bounded latency).
+        self.max_inflight = max_inflight
+        self._slots = threading.BoundedSemaphore(max_inflight)
         self._graphs: dict[GraphKey, CapturedGraph] = {}
         self._ring: dict[tuple[str, int], int] = {}
         self._staged: dict[tuple[str, int], CapturedGraph] = {}
@@ -140,6 +163,7 @@ class StepEngine:
         self._started = False
         self._threads: list[threading.Thread] = []
         self.steps_done = 0
+        self._count_lock = threading.Lock()
         # Fault injection for tests: after this many releases, stop releasing the
         # graph's events, so replays wait on the device forever (a hung device).
         self.fault_hang_after: int | None = None
@@ -148,8 +172,11 @@ class StepEngine:
         self._issued = 0
 
     # ------------------------------------------------------------ lifecycle
-    def start(self) -> None:
-        """Capture every program (largest bucket first), then start the threads."""
+    def start(self, issue_thread: bool = True) -> None:
+        """Capture every program (largest bucket first), then start the threads.
+
+        ``issue_thread=False``: no issue thread; the caller's thread issues with
+        :meth:`reserve` and :meth:`issue` (``submit*`` are then unavailable)."""
         if self._started:
             return
         b = self.backend
@@ -161,12 +188,14 @@ class StepEngine:
                     self._capture(program, bucket, slot)
         b.synchronize()
         self._started = True
+        self._own_issuer = issue_thread
         self._threads = [
-            threading.Thread(target=self._issue_loop, name="graphlane-issue", daemon=True),
-            threading.Thread(
-                target=self._completion_loop, name="graphlane-completion", daemon=True
-            ),
+            threading.Thread(target=self._completion_loop, name="graphlane-completion", daemon=True)
         ]
+        if issue_thread:
+            self._threads.append(
+                threading.Thread(target=self._issue_loop, name="graphlane-issue", daemon=True)
+            )
         for t in self._threads:
             t.start()
 
@@ -191,7 +220,7 @@ class StepEngine:
             return
         self._closed = True
         if self._started:
-            self._queue.put(_STOP)
+            (self._queue if self._own_issuer else self._completions).put(_STOP)
             for t in self._threads:
                 t.join()
 
@@ -211,19 +240,36 @@ class StepEngine:
         return self._failure
 
     # ------------------------------------------------------------ submit
-    def plan(self, request: StepRequest) -> StepPlan:
-        program = self.programs.get(request.program)
+    def _program(self, name: str) -> GraphProgram:
+        program = self.programs.get(name)
         if program is None:
             raise StepError(
-                "program", f"unknown program {request.program!r} (serving {sorted(self.programs)})"
+                "program", f"unknown program {name!r} (serving {sorted(self.programs)})"
             )
-        plan = program.plan(request.batch, request.params, request.inputs)
-        for name in request.outputs:
+        return program
+
+    @staticmethod
+    def _check_outputs(program: GraphProgram, names: Sequence[str]) -> None:
+        for name in names:
             if name not in program.outputs:
                 raise StepError(
                     "outputs", f"unknown output {name!r} (known: {list(program.outputs)})"
                 )
+
+    def plan(self, request: StepRequest, outputs: Sequence[str] | None = None) -> StepPlan:
+        """Validate a step or update (``outputs``: these instead of the request's)."""
+        program = self._program(request.program)
+        plan = program.plan(request.batch, request.params, request.inputs)
+        self._check_outputs(program, request.outputs if outputs is None else outputs)
         return plan
+
+    def plan_replay(self, program: str, batch: int, outputs: Sequence[str] = ()) -> StepPlan:
+        """Validate a replay of the bucket that serves ``batch``."""
+        prog = self._program(program)
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise StepError("batch", f"must be a positive integer, not {batch!r}")
+        self._check_outputs(prog, outputs)
+        return StepPlan(program, batch, prog.bucket_for(batch))
 
     def submit(self, request: StepRequest) -> Future[StepResult]:
         """Validate and queue a step. Raises StepError, EngineBusy or EngineError at once."""
@@ -231,30 +277,19 @@ class StepEngine:
 
     def submit_update(self, request: StepRequest) -> Future[StepResult]:
         """Patch the bucket's staged (or next) instance for the next replay; no release."""
-        return self._enqueue("update", self.plan(request), ())
+        return self._enqueue("update", self.plan(request, ()), ())
 
     def submit_replay(
         self, program: str, batch: int, outputs: tuple[str, ...]
     ) -> Future[StepResult]:
         """Release and replay the bucket's staged instance (or the next one in the ring)."""
-        prog = self.programs.get(program)
-        if prog is None:
-            raise StepError(
-                "program", f"unknown program {program!r} (serving {sorted(self.programs)})"
-            )
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise StepError("batch", f"must be a positive integer, not {batch!r}")
-        for name in outputs:
-            if name not in prog.outputs:
-                raise StepError("outputs", f"unknown output {name!r} (known: {list(prog.outputs)})")
-        plan = StepPlan(program, batch, prog.bucket_for(batch))
-        return self._enqueue("replay", plan, tuple(outputs))
+        return self._enqueue("replay", self.plan_replay(program, batch, outputs), tuple(outputs))
 
     def _enqueue(self, kind: str, plan: StepPlan, outputs: tuple[str, ...]) -> Future[StepResult]:
         if self._failure is not None:
             raise EngineError(f"engine failed: {self._failure}") from self._failure
-        if self._closed or not self._started:
-            raise EngineError("engine is not running")
+        if self._closed or not self._started or not self._own_issuer:
+            raise EngineError("engine is not running (or has no issue thread)")
         fut: Future[StepResult] = Future()
         try:
             self._queue.put_nowait(_Pending(kind, plan, outputs, fut, time.perf_counter()))
@@ -288,46 +323,88 @@ class StepEngine:
                 continue
             if not pending.future.set_running_or_notify_cancel():
                 continue
-            self._inflight.acquire()
-            try:
-                inflight = self._issue(pending)
-            except BaseException as exc:  # a device fault or a misuse: fail loudly
-                self._inflight.release()
-                self._fail(exc)
-                pending.future.set_exception(exc)
-                continue
-            if self.pipeline:
-                self._completions.put(inflight)
-            else:
-                self._complete(inflight)
+            self._slots.acquire()
+            # Serial mode waits for each step here, before taking the next.
+            self.issue(
+                pending.kind,
+                pending.plan,
+                pending.outputs,
+                _resolver(pending.future),
+                pending.submitted,
+                wait=not self.pipeline,
+            )
 
-    def _issue(self, pending: _Pending) -> _InFlight:
+    # ------------------------------------------------------------ issuing
+    def reserve(self, blocking: bool = True) -> bool:
+        """Take one in-flight slot (``max_inflight`` in all); the step's completion
+        gives it back. Without a slot, :meth:`issue` must not be called."""
+        return self._slots.acquire(blocking)
+
+    def issue(
+        self,
+        kind: str,
+        plan: StepPlan,
+        outputs: tuple[str, ...],
+        on_done: OnDone,
+        submitted: float = 0.0,
+        *,
+        wait: bool = False,
+    ) -> None:
+        """Issue one request's device work ("step", "update" or "replay") on a slot the
+        caller holds. Only one thread issues. ``on_done`` runs once: here if the work
+        failed to issue, is already complete, or ``wait``; else in the completion
+        thread."""
+        if self._failure is not None:
+            self._slots.release()
+            on_done(None, EngineError(f"engine failed: {self._failure}"))
+            return
+        try:
+            inflight = self._issue(kind, plan, outputs, on_done, submitted or time.perf_counter())
+        except BaseException as exc:  # a device fault or a misuse: fail loudly
+            self._slots.release()
+            self._fail(exc)
+            on_done(None, exc)
+            return
+        if wait:
+            self._complete(inflight)
+            return
+        try:
+            finished = inflight.done.query()
+        except BaseException:  # a fault: synchronize() in _complete reports it
+            finished = True
+        if finished:
+            self._complete(inflight)
+        else:
+            self._completions.put(inflight)
+
+    def _issue(
+        self, kind: str, plan: StepPlan, outputs: tuple[str, ...], on_done: OnDone, submitted: float
+    ) -> _InFlight:
         self._issued += 1
         if self.fault_device_after is not None and self._issued > self.fault_device_after:
             from graphlane.workers.sim import DeviceFaultError
 
             raise DeviceFaultError("fault injection: the device failed (device_fault_after)")
         b = self.backend
-        plan = pending.plan
         program = self.programs[plan.program]
         ring_key = (plan.program, plan.bucket)
-        if pending.kind == "update":
+        if kind == "update":
             g = self._staged.get(ring_key) or self._next_graph(plan)
             self._staged[ring_key] = g
             if g.last_done is not None:
                 b.wait(self.update_stream, g.last_done)
             t0 = time.perf_counter()
             patched = self._patch_groups(program, g, plan)
-            result = StepResult({}, g.key, patched, pending.submitted)
+            result = StepResult({}, g.key, patched, submitted)
             result.dispatch_s = time.perf_counter() - t0
             done = b.new_event()
             b.record(done, self.update_stream)
-            return _InFlight(done, pending.future, result)
+            return _InFlight(done, on_done, result)
         staged = self._staged.pop(ring_key, None)
         g = staged if staged is not None else self._next_graph(plan)
         patched = 0
         dispatch = 0.0
-        if pending.kind == "replay":
+        if kind == "replay":
             if g.last_done is not None:
                 b.wait(self.update_stream, g.last_done)
             replay_at = time.perf_counter()
@@ -353,10 +430,10 @@ class StepEngine:
             patched = self._release_groups(program, g, plan)
             dispatch = time.perf_counter() - t0
         g.replays += 1
-        outs, done = self._collect(program, g, plan, pending.outputs)
-        result = StepResult(outs, g.key, patched, pending.submitted)
+        outs, done = self._collect(program, g, plan, outputs)
+        result = StepResult(outs, g.key, patched, submitted)
         result.dispatch_s, result.replay_at = dispatch, replay_at
-        return _InFlight(done, pending.future, result)
+        return _InFlight(done, on_done, result)
 
     def _collect(
         self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, names: tuple[str, ...]
@@ -389,7 +466,7 @@ class StepEngine:
         with b.use_stream(U):
             for group in range(program.num_groups):
                 for dst, src in program.input_writes(g.buffers, plan, group):
-                    dst.copy_(src, non_blocking=True)
+                    b.copy_in(dst, src)
                 sig = program.group_signature(plan, group)
                 changed = sig != g.signatures[group]
                 if changed:
@@ -417,13 +494,14 @@ class StepEngine:
             inflight.done.synchronize()
         except BaseException as exc:
             self._fail(exc)
-            inflight.future.set_exception(exc)
+            self._slots.release()
+            inflight.on_done(None, exc)
             return
-        finally:
-            self._inflight.release()
+        self._slots.release()
         inflight.result.done_at = time.perf_counter()
-        self.steps_done += 1
-        inflight.future.set_result(inflight.result)
+        with self._count_lock:  # completions run in the issuer and the completion thread
+            self.steps_done += 1
+        inflight.on_done(inflight.result, None)
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:

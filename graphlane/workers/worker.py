@@ -2,15 +2,17 @@
 
 Threads and their roles:
 
-- the main thread runs an asyncio loop that owns the worker's ROUTER socket:
-  it decodes requests, validates them and queues them on the step engine, and
-  sends every reply (replies come back from the engine's completion thread
-  through ``loop.call_soon_threadsafe``);
-- the engine's issue thread owns the device's streams; its completion thread
-  waits for finished steps (see :mod:`graphlane.workers.pipeline`);
+- the main thread owns the worker's ROUTER socket and is the step engine's only
+  issuer: a plain zmq poll loop receives requests, decodes and validates them,
+  issues steps on the device at once (or queues them, bounded, while
+  ``max_inflight`` steps are on the device) and sends every reply. A step whose
+  device work is already complete when its issue returns is answered on the
+  spot; otherwise the engine's *completion thread* waits for it and hands the
+  result back through a wake-up pipe the loop polls beside the socket;
 - the *lifeline* thread reads the pipe to the orchestrator: commands (drain,
-  stop, ping) and, when the orchestrator dies, end-of-file, on which the worker
-  exits at once so that no orphan keeps the device.
+  stop, ping; run on the main thread, through the same wake-up pipe) and, when
+  the orchestrator dies, end-of-file, on which the worker exits at once so that
+  no orphan keeps the device.
 
 Startup handshake: the worker captures its programs, binds its socket, then
 sends ``("ready", info)`` on the pipe (or ``("failed", message)``).
@@ -18,20 +20,20 @@ sends ``("ready", info)`` on the pipe (or ``("failed", message)``).
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from graphlane.logs import Throttled, setup_logging
 from graphlane.protocol import codec, messages, security
@@ -45,8 +47,9 @@ from graphlane.protocol.errors import (
     UnknownProgram,
 )
 from graphlane.workers.metrics import WorkerMetrics
-from graphlane.workers.pipeline import EngineBusy, EngineError, StepEngine, StepRequest, StepResult
+from graphlane.workers.pipeline import StepEngine, StepRequest, StepResult
 from graphlane.workers.programs import StepError
+from graphlane.workers.programs.base import StepPlan
 
 log = logging.getLogger("graphlane.worker")
 
@@ -103,12 +106,17 @@ class Worker:
         backend = create_backend(spec.backend, spec.device, **options)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]
         self.engine = StepEngine(
-            backend, programs, depth=spec.depth, pipeline=spec.pipeline, max_queued=spec.max_queued
+            backend,
+            programs,
+            depth=spec.depth,
+            # Serial mode: one step on the device at a time, answered before the next.
+            max_inflight=8 if spec.pipeline else 1,
+            pipeline=spec.pipeline,
         )
         self.engine.fault_hang_after = spec.faults.get("hang_device_after")
         self.engine.fault_device_after = spec.faults.get("device_fault_after")
-        self.engine.start()
-        self.ctx = zmq.asyncio.Context()
+        self.engine.start(issue_thread=False)  # this process's main thread issues
+        self.ctx: zmq.Context[Any] = zmq.Context()
         self.auth: Any = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         if spec.auth_dir is not None:
@@ -120,16 +128,27 @@ class Worker:
         self.sock.bind(spec.endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
-        self.inflight = 0
+        self.inflight = 0  # accepted requests not answered yet (waiting + on the device)
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0}
         self.metrics = WorkerMetrics()
         self._dropped_log = Throttled(log)
         self._inflight_since: dict[int, float] = {}  # token -> when the request arrived
         self._tokens = 0
         self.started = time.time()
-        self._stop = asyncio.Event()
         self.exit_code = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self._stop_when_idle = False
+        # Accepted steps waiting for one of the engine's in-flight slots (bounded).
+        self._waiting: collections.deque[_Call] = collections.deque()
+        # Filled by other threads, emptied by the main thread after a wake-up:
+        # finished steps from the completion thread, commands from the lifeline.
+        self._finished: collections.deque[tuple[_Call, Any, Any]] = collections.deque()
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._woken = False  # a byte is (or is about to be) in the wake-up pipe
+        self._main = threading.get_ident()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -155,7 +174,7 @@ class Worker:
             **self.info(),
             "state": "draining" if self.draining else "ready",
             "inflight": self.inflight,
-            "queued": self.engine.queued,
+            "queued": len(self._waiting),
             "steps": self.engine.steps_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.counters),
@@ -168,10 +187,11 @@ class Worker:
 
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
+        self._main = threading.get_ident()
         self.conn.send(("ready", self.info()))
         threading.Thread(target=self._lifeline, name="graphlane-lifeline", daemon=True).start()
         try:
-            asyncio.run(self._serve())
+            self._serve()
         finally:
             self.engine.close()
             # Replies already queued (the last answers before a stop or a fault) go out.
@@ -179,6 +199,8 @@ class Worker:
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         return self.exit_code
 
     def _lifeline(self) -> None:
@@ -189,15 +211,23 @@ class Worker:
             except (EOFError, OSError):
                 os._exit(4)
             if cmd == "drain" or cmd == "stop":
-                loop = self._loop
-                if loop is not None:
-                    loop.call_soon_threadsafe(self._begin_drain, cmd == "stop")
+                self._post(functools.partial(self._begin_drain, cmd == "stop"))
             elif cmd == "ping":
-                # Answered by the loop thread: the status is its state, and a loop that
+                # Answered by the main thread: the status is its state, and a loop that
                 # cannot answer is a hung worker.
-                loop = self._loop
-                if loop is not None:
-                    loop.call_soon_threadsafe(self._pong)
+                self._post(self._pong)
+
+    def _post(self, command: Callable[[], None]) -> None:
+        """Run ``command`` on the main thread (from any other thread)."""
+        self._commands.append(command)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            # A full pipe means the main thread is waking anyway.
+            with contextlib.suppress(BlockingIOError):
+                os.write(self._wake_w, b"\0")
 
     def _pong(self) -> None:
         try:
@@ -211,24 +241,37 @@ class Worker:
             self._stop_when_idle = True
             self._maybe_stop()
 
-    _stop_when_idle = False
-
     def _maybe_stop(self) -> None:
         if self._stop_when_idle and self.inflight == 0:
-            self._stop.set()
+            self._stopping = True
 
-    async def _serve(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        recv = asyncio.ensure_future(self._recv_loop())
-        await self._stop.wait()
-        recv.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await recv
-
-    async def _recv_loop(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            self._handle(frames)
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        sock = self.sock
+        while not self._stopping:
+            poller.poll(1000)
+            # Wake-up protocol (see _wake): empty the pipe, re-arm, then take the
+            # deques; anything appended after the re-arm writes a fresh byte.
+            if self._woken:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                self._woken = False
+                while self._commands:
+                    self._commands.popleft()()
+                while self._finished:
+                    self._finish(*self._finished.popleft())
+            for _ in range(_BATCH):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+            self._pump()
 
     # ------------------------------------------------------------ requests
     def _send(self, ident: Any, frames: list[Any]) -> None:
@@ -291,62 +334,71 @@ class Worker:
             raise UnknownProgram(
                 f"{msg.program!r} is not served (serving {sorted(self.engine.programs)})"
             )
-        fut = self._submit(msg)
-        self.inflight += 1
+        if self.engine.failure is not None:
+            raise InternalError(f"engine failed: {self.engine.failure}")
+        kind, plan, outputs = self._plan(msg)
         self._tokens += 1
-        token = self._tokens
-        self._inflight_since[token] = received
-        loop = self._loop
-        assert loop is not None
-        where = (msg.program, req.op, token)
-        fut.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(self._finish, ident, req.id, f, received, where)
-        )
+        call = _Call(ident, req.id, req.op, kind, plan, outputs, received, self._tokens)
+        if self._waiting or not self.engine.reserve(blocking=False):
+            if len(self._waiting) >= self.spec.max_queued:
+                raise Busy(f"{self.spec.max_queued} requests are queued already")
+            self._accept(call)
+            self._waiting.append(call)
+            return
+        self._accept(call)
+        self._issue(call)
 
-    def _submit(self, msg: Any) -> Future[StepResult]:
+    def _plan(self, msg: Any) -> tuple[str, StepPlan, tuple[str, ...]]:
         try:
             if isinstance(msg, messages.ReplayRequestMsg):
-                return self.engine.submit_replay(msg.program, msg.batch, tuple(msg.outputs))
-            request = StepRequest(
-                msg.program,
-                msg.batch,
-                msg.params,
-                msg.inputs,
-                tuple(getattr(msg, "outputs", ())),
-            )
+                outputs = tuple(msg.outputs)
+                return "replay", self.engine.plan_replay(msg.program, msg.batch, outputs), outputs
+            request = StepRequest(msg.program, msg.batch, msg.params, msg.inputs)
             if isinstance(msg, messages.UpdateRequestMsg):
-                return self.engine.submit_update(request)
-            return self.engine.submit(request)
+                return "update", self.engine.plan(request, ()), ()
+            outputs = tuple(msg.outputs)
+            return "step", self.engine.plan(request, outputs), outputs
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
-        except EngineBusy as exc:
-            raise Busy(str(exc)) from exc
-        except EngineError as exc:
-            raise InternalError(str(exc)) from exc
 
-    def _finish(
-        self,
-        ident: Any,
-        request_id: int,
-        fut: Future[StepResult],
-        received: float,
-        where: tuple[str, str, int],
-    ) -> None:
-        program, op, token = where
+    def _accept(self, call: _Call) -> None:
+        self.inflight += 1
+        self._inflight_since[call.token] = call.received
+
+    def _issue(self, call: _Call) -> None:
+        self.engine.issue(
+            call.kind,
+            call.plan,
+            call.outputs,
+            functools.partial(self._on_done, call),
+            call.received,
+        )
+
+    def _pump(self) -> None:
+        """Issue waiting steps while the engine has in-flight slots."""
+        while self._waiting and self.engine.reserve(blocking=False):
+            self._issue(self._waiting.popleft())
+
+    def _on_done(self, call: _Call, result: StepResult | None, exc: BaseException | None) -> None:
+        if threading.get_ident() == self._main:  # completed on the spot, during its issue
+            self._finish(call, result, exc)
+        else:  # from the completion thread
+            self._finished.append((call, result, exc))
+            self._wake()
+
+    def _finish(self, call: _Call, r: StepResult | None, exc: BaseException | None) -> None:
         self.inflight -= 1
-        self._inflight_since.pop(token, None)
-        exc = fut.exception()
-        if exc is not None:
+        self._inflight_since.pop(call.token, None)
+        if r is None:
             error = (
                 exc
                 if isinstance(exc, GraphlaneError)
                 else InternalError(f"{type(exc).__name__}: {exc}")
             )
-            self._reply_error(ident, request_id, error)
+            self._reply_error(call.ident, call.request_id, error)
         else:
-            r = fut.result()
             now = time.perf_counter()
-            self.metrics.observe_step(program, op, now - received)
+            self.metrics.observe_step(call.plan.program, call.op, now - call.received)
             if r.dispatch_s:
                 self.metrics.dispatch_seconds.observe(r.dispatch_s)
             if r.replay_at:
@@ -357,18 +409,41 @@ class Worker:
                 "slot": r.key.slot,
                 "patched": r.patched_groups,
                 # Time the worker held the request: decode to reply (device work included).
-                "server_us": round((now - received) * 1e6, 1),
+                "server_us": round((now - call.received) * 1e6, 1),
             }
             self.counters["replies"] += 1
-            self._send(ident, codec.encode_reply(request_id, body))
-        if self.engine.failure is not None and not self._stop.is_set():
-            # A device fault: this process cannot serve again. Exit; the
-            # orchestrator restarts the worker, which captures afresh.
+            self._send(call.ident, codec.encode_reply(call.request_id, body))
+        if self.engine.failure is not None and not self._stopping:
+            # A device fault: this process cannot serve again. Answer what waits,
+            # then exit; the orchestrator restarts the worker, which captures afresh.
             log.error("device fault, worker exits: %s", self.engine.failure)
+            failed = InternalError(f"engine failed: {self.engine.failure}")
+            while self._waiting:
+                waiting = self._waiting.popleft()
+                self.inflight -= 1
+                self._inflight_since.pop(waiting.token, None)
+                self._reply_error(waiting.ident, waiting.request_id, failed)
             self.exit_code = 5
-            self._stop.set()
+            self._stopping = True
             return
         self._maybe_stop()
+
+
+_BATCH = 64  # requests taken from the socket per turn of the loop
+
+
+@dataclass(eq=False)
+class _Call:
+    """An accepted step, update or replay, from arrival to its reply."""
+
+    ident: Any
+    request_id: int
+    op: str
+    kind: str
+    plan: StepPlan
+    outputs: tuple[str, ...]
+    received: float
+    token: int
 
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]

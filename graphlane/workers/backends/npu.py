@@ -118,3 +118,6 @@ class NpuBackend:
 
     def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         return t.to(self.device, non_blocking=non_blocking)
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)

@@ -3,8 +3,8 @@
 For measuring graphlane's own cost (sockets, codec, event loop, issue and
 completion threads) apart from any device, simulated or real: streams and
 events are tokens, capture and replay do nothing, buffers are CPU tensors, and
-every event is already complete. Outputs are whatever the buffers hold
-(zeros). Never use it to serve real work.
+every event is already complete, and inputs are not copied anywhere. Outputs
+are whatever the buffers hold (zeros). Never use it to serve real work.
 """
 
 from __future__ import annotations
@@ -93,3 +93,6 @@ class NullBackend:
 
     def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
         return t
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        pass  # no device: inputs go nowhere (the host's own copy is not graphlane's cost)
