@@ -179,7 +179,8 @@ class Channel:
 
     async def call(
         self, request_id: int, op: str, body: Mapping[str, Any], timeout: float
-    ) -> codec.Reply:
+    ) -> dict[str, Any]:
+        """One request; its reply's body, or its error raised."""
         if self.closed:
             raise WorkerLost(f"connection to {self.name} is closed")
         if self.refused is not None:
@@ -201,11 +202,14 @@ class Channel:
                 raise WorkerLost(f"connection to {self.name} is closed") from exc
             if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 loop.call_soon(self._readable)  # the send took the edge of a waiting reply
-            return await fut
+            reply = await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
             timer.cancel()
             self.pending.pop(request_id, None)
+        if reply.error is not None:
+            raise reply.error
+        return reply.body
 
     async def _send_later(self, frames: list[Any], fut: asyncio.Future[codec.Reply]) -> None:
         """Retry a send the high-water mark refused until it goes, the call ends
@@ -349,16 +353,11 @@ class Client:
         return self._hosts[0].workers if self._hosts else {}
 
     # ------------------------------------------------------------ plumbing
-    async def _call(
+    def _call(
         self, ch: Channel, op: str, body: Mapping[str, Any], timeout: float | None
-    ) -> dict[str, Any]:
-        reply = await ch.call(
-            next(self._ids), op, body, self.timeout if timeout is None else timeout
-        )
-        if not reply.ok:
-            assert reply.error is not None
-            raise reply.error
-        return reply.body
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The call's coroutine (the reply's body; its error raised)."""
+        return ch.call(next(self._ids), op, body, self.timeout if timeout is None else timeout)
 
     def _channel(self, host: _Host | None = None) -> Channel:
         if self._closing:
@@ -482,7 +481,9 @@ class Client:
         host, local = self._resolve(device)
         body = _step_body(program, local, params, inputs, batch)
         body["outputs"] = list(outputs)
-        ch = await self._worker_at(host, local)
+        ch = host.workers.get(local)
+        if ch is None or ch.lost:
+            ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
     async def update(

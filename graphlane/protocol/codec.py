@@ -487,9 +487,10 @@ class _Decoder:
         spec = wrapper[TENSOR_KEY]
         if not isinstance(spec, dict):
             self.fail(f"{path}.{TENSOR_KEY}: must be a map, got {_describe(spec)}")
-        for key in spec:
-            if key not in _TENSOR_FIELDS:
-                self.fail(f"{path}.{_key_text(key)}: unknown tensor field")
+        if not spec.keys() <= _TENSOR_FIELDS:
+            for key in spec:
+                if key not in _TENSOR_FIELDS:
+                    self.fail(f"{path}.{_key_text(key)}: unknown tensor field")
         dtype = self._dtype(spec, path)
         shape = self._shape(spec, path)
         nbytes = math.prod(shape) * dtype.itemsize
@@ -500,13 +501,21 @@ class _Decoder:
             )
         if ("frame" in spec) == ("data" in spec):
             self.fail(f"{path}: needs exactly one of 'frame' and 'data'")
-        if "frame" in spec:
-            field, buf = "frame", self._frame(spec["frame"], path)
-        else:
-            field, buf = "data", spec["data"]
-            if not isinstance(buf, bytes):
-                self.fail(f"{path}.data: must be bin, got {_describe(buf)}")
-            buf = memoryview(buf)
+        if "frame" not in spec:  # inline: a small copy of its own, writable and aligned
+            data = spec["data"]
+            if not isinstance(data, bytes):
+                self.fail(f"{path}.data: must be bin, got {_describe(data)}")
+            if len(data) != nbytes:
+                self.fail(
+                    f"{path}.data: has {len(data)} bytes, shape {shape} of {dtype} needs {nbytes}"
+                )
+            if not nbytes:
+                return torch.empty(shape, dtype=dtype)
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if dtype == torch.bool and bool((flat > 1).any()):
+                self.fail(f"{path}.data: bool tensor bytes must be 0 or 1")
+            return flat.view(dtype).reshape(shape)
+        field, buf = "frame", self._frame(spec["frame"], path)
         if buf.nbytes != nbytes:
             self.fail(
                 f"{path}.{field}: has {buf.nbytes} bytes, shape {shape} of {dtype} needs {nbytes}"
@@ -529,7 +538,7 @@ class _Decoder:
                 f"{path}.shape: {len(shape)} dims, over the limit of {self.limits.max_tensor_dims}"
             )
         for i, dim in enumerate(shape):
-            if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+            if type(dim) is not int or dim < 0:  # msgpack gives exact ints (never bools)
                 self.fail(f"{path}.shape[{i}]: must be an int >= 0, got {_describe(dim)}")
         return shape
 

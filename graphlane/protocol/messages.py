@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Self, TypeAlias
+from typing import Any, ClassVar, Self, TypeAlias, TypeVar
 
 import torch
 
@@ -43,6 +43,8 @@ MAX_OUTPUTS = 16
 BATCH_PARAM = "actual_seq_lengths_kv"
 """The parameter whose length gives ``batch`` when a step or update omits it."""
 
+
+T = TypeVar("T")
 
 # ------------------------------------------------------------------------- field checks
 
@@ -209,16 +211,24 @@ class StatusRequest(_Message):
         return cls()
 
 
-def _checked_patch_fields(msg: Any) -> dict[str, Any]:
+def _checked_patch_fields(values: Mapping[str, Any]) -> dict[str, Any]:
     """The fields ``step`` and ``update`` share, validated (BadRequest names the field)."""
     return {
-        "program": _str(msg.program, "program", non_empty=True),
-        "device": _int(msg.device, "device", minimum=0),
-        "batch": _int(msg.batch, "batch", minimum=1),
-        "params": _params(msg.params, "params"),
-        "inputs": _tensors(msg.inputs, "inputs"),
-        "timeout_ms": _optional_int(msg.timeout_ms, "timeout_ms", minimum=1),
+        "program": _str(values["program"], "program", non_empty=True),
+        "device": _int(values["device"], "device", minimum=0),
+        "batch": _int(values["batch"], "batch", minimum=1),
+        "params": _params(values["params"], "params"),
+        "inputs": _tensors(values["inputs"], "inputs"),
+        "timeout_ms": _optional_int(values["timeout_ms"], "timeout_ms", minimum=1),
     }
+
+
+def _validated(cls: type[T], values: dict[str, Any]) -> T:
+    """An instance of frozen message class ``cls`` from values already validated as its
+    ``__post_init__`` would (a wire body is validated once, not twice)."""
+    msg = object.__new__(cls)
+    msg.__dict__.update(values)
+    return msg
 
 
 def _patch_fields_of(r: _Body) -> dict[str, Any]:
@@ -252,12 +262,14 @@ class StepRequestMsg(_Message):
     timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
-        _set(self, outputs=_names(self.outputs, "outputs"), **_checked_patch_fields(self))
+        _set(self, outputs=_names(self.outputs, "outputs"), **_checked_patch_fields(vars(self)))
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
         r = _Body(cls, body)
-        return cls(outputs=r.optional("outputs", ("out",)), **_patch_fields_of(r))
+        values = _checked_patch_fields(_patch_fields_of(r))
+        values["outputs"] = _names(r.optional("outputs", ("out",)), "outputs")
+        return _validated(cls, values)
 
 
 @dataclass(frozen=True)
@@ -276,11 +288,11 @@ class UpdateRequestMsg(_Message):
     timeout_ms: int | None = None
 
     def __post_init__(self) -> None:
-        _set(self, **_checked_patch_fields(self))
+        _set(self, **_checked_patch_fields(vars(self)))
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
-        return cls(**_patch_fields_of(_Body(cls, body)))
+        return _validated(cls, _checked_patch_fields(_patch_fields_of(_Body(cls, body))))
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -77,6 +77,20 @@ class StepRequest:
     params: Mapping[str, Any]
     inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
     outputs: tuple[str, ...] = ("out",)
+
+
+class StepFields(Protocol):
+    """What :meth:`StepEngine.plan` reads: a :class:`StepRequest`'s fields (and its
+    ``outputs``, if it has them and none are given)."""
+
+    @property
+    def program(self) -> str: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def params(self) -> Mapping[str, Any]: ...
+    @property
+    def inputs(self) -> Mapping[str, torch.Tensor]: ...
 
 
 @dataclass
@@ -123,6 +137,37 @@ def _resolver(fut: Future[StepResult]) -> OnDone:
 _STOP = object()
 
 
+class _Slots:
+    """A counting semaphore for the in-flight bound, cheap when nobody waits (the
+    issuer takes a slot per step; completions give it back from either thread)."""
+
+    def __init__(self, n: int) -> None:
+        self._free = n
+        self._max = n
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._waiting = 0
+
+    def acquire(self, blocking: bool = True) -> bool:
+        with self._lock:
+            while not self._free:
+                if not blocking:
+                    return False
+                self._waiting += 1
+                self._freed.wait()
+                self._waiting -= 1
+            self._free -= 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            if self._free >= self._max:
+                raise ValueError("slot released more often than taken")
+            self._free += 1
+            if self._waiting:
+                self._freed.notify()
+
+
 class StepEngine:
     """Runs steps of graph programs on one device. Thread-safe ``submit``."""
 
@@ -154,9 +199,10 @@ class StepEngine:
         # Steps issued to the device and not yet complete: the issuer may run ahead
         # of the device by this much, no more (bounded memory, bounded latency).
         self.max_inflight = max_inflight
-        self._slots = threading.BoundedSemaphore(max_inflight)
+        self._slots = _Slots(max_inflight)
         self._graphs: dict[GraphKey, CapturedGraph] = {}
-        self._ring: dict[tuple[str, int], int] = {}
+        self._ring: dict[tuple[str, int], int] = {}  # (program, bucket) -> next slot
+        self._rings: dict[tuple[str, int], list[CapturedGraph]] = {}  # its instances by slot
         self._staged: dict[tuple[str, int], CapturedGraph] = {}
         self._failure: BaseException | None = None
         self._closed = False
@@ -211,7 +257,9 @@ class StepEngine:
         b.synchronize()  # buffers are initialised before capture starts
         with b.capture(graph, self.capture_stream):
             handles, signatures = program.capture(b, self.capture_stream, bucket, buffers, events)
-        self._graphs[key] = CapturedGraph(key, graph, handles, events, buffers, list(signatures))
+        captured = CapturedGraph(key, graph, handles, events, buffers, list(signatures))
+        self._graphs[key] = captured
+        self._rings.setdefault((program.name, bucket), []).append(captured)  # slot order
         log.debug("captured %s", key)
 
     def close(self) -> None:
@@ -256,11 +304,14 @@ class StepEngine:
                     "outputs", f"unknown output {name!r} (known: {list(program.outputs)})"
                 )
 
-    def plan(self, request: StepRequest, outputs: Sequence[str] | None = None) -> StepPlan:
-        """Validate a step or update (``outputs``: these instead of the request's)."""
+    def plan(self, request: StepFields, outputs: Sequence[str] | None = None) -> StepPlan:
+        """Validate a step or update (a StepRequest or a wire message with its fields;
+        ``outputs``: these instead of the request's)."""
         program = self._program(request.program)
         plan = program.plan(request.batch, request.params, request.inputs)
-        self._check_outputs(program, request.outputs if outputs is None else outputs)
+        if outputs is None:
+            outputs = getattr(request, "outputs", ())
+        self._check_outputs(program, outputs)
         return plan
 
     def plan_replay(self, program: str, batch: int, outputs: Sequence[str] = ()) -> StepPlan:
@@ -309,7 +360,7 @@ class StepEngine:
         ring_key = (plan.program, plan.bucket)
         slot = self._ring.get(ring_key, 0)
         self._ring[ring_key] = (slot + 1) % self.depth
-        return self._graphs[GraphKey(plan.program, plan.bucket, slot)]
+        return self._rings[ring_key][slot]
 
     def _issue_loop(self) -> None:
         while True:

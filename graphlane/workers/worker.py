@@ -47,7 +47,7 @@ from graphlane.protocol.errors import (
     UnknownProgram,
 )
 from graphlane.workers.metrics import WorkerMetrics
-from graphlane.workers.pipeline import StepEngine, StepRequest, StepResult
+from graphlane.workers.pipeline import StepEngine, StepResult
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import StepPlan
 
@@ -275,7 +275,7 @@ class Worker:
 
     # ------------------------------------------------------------ requests
     def _send(self, ident: Any, frames: list[Any]) -> None:
-        self.metrics.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        self.metrics.bytes_out += sum(map(_nbytes, frames))
         self.sock.send_multipart([ident, *frames], copy=False)
 
     def _reply_error(self, ident: Any, request_id: int, error: GraphlaneError) -> None:
@@ -286,7 +286,7 @@ class Worker:
     def _handle(self, frames: list[Any]) -> None:
         received = time.perf_counter()
         self.counters["requests"] += 1
-        self.metrics.bytes_in += sum(len(f) for f in frames[1:])
+        self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
         ident = frames[0]
         try:
             req = codec.decode_request(frames[1:], self.spec.limits)
@@ -350,14 +350,12 @@ class Worker:
 
     def _plan(self, msg: Any) -> tuple[str, StepPlan, tuple[str, ...]]:
         try:
-            if isinstance(msg, messages.ReplayRequestMsg):
-                outputs = tuple(msg.outputs)
-                return "replay", self.engine.plan_replay(msg.program, msg.batch, outputs), outputs
-            request = StepRequest(msg.program, msg.batch, msg.params, msg.inputs)
-            if isinstance(msg, messages.UpdateRequestMsg):
-                return "update", self.engine.plan(request, ()), ()
+            if type(msg) is messages.StepRequestMsg:  # the messages' fields are a StepRequest's
+                return "step", self.engine.plan(msg), msg.outputs
+            if type(msg) is messages.UpdateRequestMsg:
+                return "update", self.engine.plan(msg, ()), ()
             outputs = tuple(msg.outputs)
-            return "step", self.engine.plan(request, outputs), outputs
+            return "replay", self.engine.plan_replay(msg.program, msg.batch, outputs), outputs
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -432,7 +430,11 @@ class Worker:
 _BATCH = 64  # requests taken from the socket per turn of the loop
 
 
-@dataclass(eq=False)
+def _nbytes(frame: Any) -> int:
+    return len(frame) if type(frame) is bytes else memoryview(frame).nbytes
+
+
+@dataclass(eq=False, slots=True)
 class _Call:
     """An accepted step, update or replay, from arrival to its reply."""
 

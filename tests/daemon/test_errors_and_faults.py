@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from typing import Any
 
 import msgpack
@@ -16,7 +17,7 @@ import zmq.asyncio
 from daemons import RunningDaemon, pid_alive, until, wait_for
 
 from graphlane import GraphlaneError
-from graphlane.orchestrator.client import Client
+from graphlane.orchestrator.client import Channel, Client
 from graphlane.protocol import codec
 
 STEP = {"actual_seq_lengths_kv": [3]}
@@ -296,3 +297,29 @@ def test_a_device_fault_answers_internal_and_the_worker_is_restarted(start_daemo
         return w if w["pid"] != first and w["state"] == "ready" else None
 
     assert wait_for(restarted, 120, "the faulted worker to be restarted")["restarts"] == 1
+
+
+def test_calls_past_the_send_queue_limit_wait_for_room_and_time_out_without_hanging() -> None:
+    """A peer that never answers (nothing listens): the first ~1000 requests queue in
+    the socket, the next ones find no room and wait for it; all end at their deadline
+    with TIMEOUT, and the channel closes cleanly."""
+
+    async def main() -> None:
+        with socket.socket() as s:  # a port nothing listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx: zmq.Context[Any] = zmq.Context()
+        ch = Channel(ctx, f"tcp://127.0.0.1:{port}", "nobody")
+        try:
+            n = ch.sock.getsockopt(zmq.SNDHWM) + 100
+            calls = [ch.call(i + 1, "status", {}, 0.5) for i in range(n)]
+            results = await asyncio.wait_for(
+                asyncio.gather(*calls, return_exceptions=True), timeout=30
+            )
+            assert all(isinstance(r, GraphlaneError) and r.code == "TIMEOUT" for r in results)
+            assert ch.pending == {}
+        finally:
+            await ch.close()
+            ctx.term()
+
+    asyncio.run(main())

@@ -5,7 +5,9 @@ pipelined, over the npu provider with and without the fused update binding."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -13,9 +15,10 @@ from reference import decode_stack
 
 from graphlane.workers.backends import create_backend
 from graphlane.workers.backends.npu import NpuBackend
-from graphlane.workers.pipeline import EngineError, StepEngine, StepRequest
+from graphlane.workers.backends.null import NullBackend
+from graphlane.workers.pipeline import EngineError, StepEngine, StepRequest, StepResult
 from graphlane.workers.programs import AttentionConfig, AttentionProgram, GraphKey, StepError
-from graphlane.workers.sim import HazardError, torch_npu
+from graphlane.workers.sim import DeviceFaultError, HazardError, torch_npu
 
 CFG = AttentionConfig(
     layers=3, num_heads=4, num_kv_heads=2, head_dim=16, max_kv_len=24, buckets=(1, 2, 4)
@@ -205,3 +208,119 @@ def test_null_backend_runs_the_engine_without_a_device() -> None:
         ]
     assert [r.key.slot for r in results] == [0, 1, 0, 1]
     assert all(r.outputs["out"].shape == (3, CFG.num_heads, 1, CFG.head_dim) for r in results)
+
+
+# ---------------------------------------------------------------- driven by its owner's thread
+class _Gate:
+    """A done event that completes when the test opens it."""
+
+    def __init__(self, opened: threading.Event) -> None:
+        self.opened = opened
+
+    def query(self) -> bool:
+        return self.opened.is_set()
+
+    def synchronize(self) -> None:
+        assert self.opened.wait(30)
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+class _GatedBackend(NullBackend):
+    """No device; a step's done event completes when ``opened`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = threading.Event()
+
+    def new_event(self) -> _Gate:
+        return _Gate(self.opened)
+
+
+def _collector() -> tuple[list[tuple[object, object, int]], Callable[..., None]]:
+    done: list[tuple[object, object, int]] = []
+
+    def on_done(result: object, exc: object) -> None:
+        done.append((result, exc, threading.get_ident()))
+
+    return done, on_done
+
+
+def test_a_driven_engine_answers_complete_steps_on_the_spot_and_others_from_its_thread() -> None:
+    """Without an issue thread the caller issues; a step already complete when its issue
+    returns is answered in the caller's thread, the others in the completion thread,
+    and no more than max_inflight steps are ever on the device."""
+    backend = _GatedBackend()
+    eng = StepEngine(backend, [AttentionProgram(CFG)], max_inflight=2)
+    eng.start(issue_thread=False)
+    try:
+        plan = eng.plan(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
+        done, on_done = _collector()
+        for _ in range(2):
+            assert eng.reserve(blocking=False)
+            eng.issue("step", plan, ("out",), on_done)
+        assert not eng.reserve(blocking=False)  # both slots are on the device
+        assert done == []
+        with pytest.raises(EngineError):  # no issue thread: submit is not the way in
+            eng.submit(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
+        backend.opened.set()
+        until = time.monotonic() + 30
+        while len(done) < 2 and time.monotonic() < until:
+            time.sleep(0.01)
+        assert [exc for _, exc, _ in done] == [None, None]
+        assert all(thread != threading.get_ident() for _, _, thread in done)
+        assert eng.reserve(blocking=False)  # slots came back
+        eng.issue("step", plan, ("out",), on_done)  # complete at once: answered right here
+        assert len(done) == 3 and done[2][2] == threading.get_ident()
+        assert eng.steps_done == 3
+    finally:
+        backend.opened.set()
+        eng.close()
+
+
+def test_a_driven_engine_reports_a_failed_issue_to_its_caller_and_returns_the_slot() -> None:
+    eng = StepEngine(create_backend("null"), [AttentionProgram(CFG)], max_inflight=1)
+    eng.fault_device_after = 0
+    eng.start(issue_thread=False)
+    try:
+        plan = eng.plan(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
+        done, on_done = _collector()
+        assert eng.reserve(blocking=False)
+        eng.issue("step", plan, ("out",), on_done)
+        assert isinstance(done[0][1], DeviceFaultError) and eng.failure is done[0][1]
+        assert eng.reserve(blocking=False)  # the failed step gave its slot back
+        eng.issue("step", plan, ("out",), on_done)  # a failed engine refuses, in order
+        assert isinstance(done[1][1], EngineError)
+        assert eng.reserve(blocking=False)
+    finally:
+        eng.close()
+
+
+def test_a_driven_engine_on_the_sim_matches_the_reference(gen: torch.Generator) -> None:
+    eng = _engine()
+    eng.start(issue_thread=False)
+    try:
+        k, v = _kv(2, gen)
+        done, on_done = _collector()
+        cases = []
+        for i in range(6):
+            q, n = _query(2, gen), _lengths(2, gen)
+            inputs = {"query": q, **({"key": k, "value": v} if i == 0 else {})}
+            plan = eng.plan(StepRequest("attention", 2, {"actual_seq_lengths_kv": n}, inputs))
+            eng.reserve()
+            eng.issue("step", plan, ("out",), on_done)
+            cases.append((q, n))
+        until = time.monotonic() + 30
+        while len(done) < len(cases) and time.monotonic() < until:
+            time.sleep(0.01)
+        assert len(done) == len(cases) and all(exc is None for _, exc, _ in done)
+        # Answers may come from either thread; match them to their steps by issue time.
+        results: list[StepResult] = sorted(
+            (r for r, _, _ in done if isinstance(r, StepResult)), key=lambda r: r.issued_at
+        )
+        for r, (q, n) in zip(results, cases, strict=True):
+            expected = _expected(q, k, v, n)
+            torch.testing.assert_close(r.outputs["out"], expected, atol=2e-3, rtol=2e-3)
+    finally:
+        eng.close()
