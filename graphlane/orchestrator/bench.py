@@ -317,7 +317,7 @@ async def _control_plane_at(daemon: BenchDaemon, n: int, raw_endpoint: str) -> d
     return await _control_plane(daemon, raw_endpoint, n)
 
 
-def bandwidth(reps: int = 10) -> dict[str, Any]:
+def bandwidth(reps: int = 30) -> dict[str, Any]:
     """Large-tensor inputs against raw frames, on the null backend (graphlane alone: the
     inputs are decoded as views of the received frames, then go nowhere) and on the
     sim (plus the staging copy of pageable host memory and the device copy)."""
@@ -361,7 +361,7 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         "pipeline": [r.as_dict() for r in pipe],
         "pipeline_table": pipeline_bench.table(pipe),
         "control_plane": control_plane(200 if quick else 500),
-        "bandwidth": bandwidth(5 if quick else 10),
+        "bandwidth": bandwidth(10 if quick else 30),
         "scaling": scaling(steps=100 if quick else 200),
     }
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -250,11 +250,16 @@ class Worker:
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         sock = self.sock
+        events = cast(Callable[[int], int], sock.getsockopt)  # EVENTS is an int option
+        wake = self._wake_r
         while not self._stopping:
-            poller.poll(1000)
+            woken = False
+            if not events(zmq.EVENTS) & zmq.POLLIN:  # nothing waiting: sleep
+                woken = any(fd == wake for fd, _ in poller.poll(1000))
             # Wake-up protocol (see _wake): empty the pipe, re-arm, then take the
-            # deques; anything appended after the re-arm writes a fresh byte.
-            if self._woken:
+            # deques; anything appended after the re-arm writes a fresh byte. A byte
+            # written late (after this pass took its item) is read by the next pass.
+            if woken or self._woken:
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
@@ -266,11 +271,9 @@ class Worker:
                 while self._finished:
                     self._finish(*self._finished.popleft())
             for _ in range(_BATCH):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                if self._stopping or not events(zmq.EVENTS) & zmq.POLLIN:
                     break
-                self._handle(frames)
+                self._handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
             self._pump()
 
     # ------------------------------------------------------------ requests

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,3 +197,30 @@ def test_close_with_calls_still_resolving_their_worker_does_not_hang(start_daemo
         )
 
     asyncio.run(main())
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_an_idle_worker_sleeps_after_serving(start_daemon) -> None:
+    """After a burst answered from the completion thread (the sim's steps are not done
+    when issued), the worker's loop goes back to sleep: a lost or stale wake-up would
+    spin it, burning a core while nothing happens."""
+    d: RunningDaemon = start_daemon(devices=1)
+    pid = d.worker(0)["pid"]
+
+    async def burst() -> None:
+        async with graphlane.Client(d.endpoint, timeout=60) as c:
+            await asyncio.gather(
+                *(c.step("attention", 0, {"actual_seq_lengths_kv": [1 + i % 8]}) for i in range(64))
+            )
+
+    asyncio.run(burst())
+    before, t0 = _cpu_seconds(pid), time.monotonic()
+    time.sleep(1.0)  # an observation window, not a wait for something to happen
+    used = (_cpu_seconds(pid) - before) / (time.monotonic() - t0)
+    assert used < 0.3, f"the idle worker used {used:.0%} of a core"
