@@ -267,14 +267,22 @@ class Worker:
                     pass
                 self._woken = False
                 while self._commands:
-                    self._commands.popleft()()
+                    self._run_safely(self._commands.popleft())
                 while self._finished:
-                    self._finish(*self._finished.popleft())
+                    self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
             for _ in range(_BATCH):
                 if self._stopping or not events(zmq.EVENTS) & zmq.POLLIN:
                     break
                 self._handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
             self._pump()
+
+    @staticmethod
+    def _run_safely(work: Callable[[], None]) -> None:
+        """One command or completion; a bug in it is logged, not fatal to the loop."""
+        try:
+            work()
+        except Exception:
+            log.exception("worker loop: %r failed", work)
 
     # ------------------------------------------------------------ requests
     def _send(self, ident: Any, frames: list[Any]) -> None:
@@ -412,8 +420,14 @@ class Worker:
                 # Time the worker held the request: decode to reply (device work included).
                 "server_us": round((now - call.received) * 1e6, 1),
             }
-            self.counters["replies"] += 1
-            self._send(call.ident, codec.encode_reply(call.request_id, body))
+            try:
+                frames = codec.encode_reply(call.request_id, body)
+            except Exception as exc:  # a program's outputs that cannot be sent: say so
+                log.exception("reply to request %s cannot be encoded", call.request_id)
+                self._reply_error(call.ident, call.request_id, InternalError(str(exc)))
+            else:
+                self.counters["replies"] += 1
+                self._send(call.ident, frames)
         if self.engine.failure is not None and not self._stopping:
             # A device fault: this process cannot serve again. Answer what waits,
             # then exit; the orchestrator restarts the worker, which captures afresh.

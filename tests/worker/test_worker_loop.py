@@ -1,0 +1,85 @@
+"""The worker's loop in-process (no orchestrator, no client library): a reply that
+cannot be encoded becomes an INTERNAL error and the worker serves on, whether the
+step was answered on the spot (null) or from the completion thread (sim)."""
+
+from __future__ import annotations
+
+import threading
+from multiprocessing import Pipe
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from graphlane.protocol import codec
+from graphlane.workers.worker import Worker, WorkerSpec
+
+TINY = {
+    "name": "attention",
+    "layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 8,
+    "max_kv_len": 8,
+    "buckets": [1],
+}
+
+
+def _request(request_id: int) -> list[bytes | memoryview]:
+    body = {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": [2]}}
+    return codec.encode_request(request_id, "step", body)
+
+
+@pytest.mark.parametrize("backend", ["null", "sim"])
+def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
+    backend: str,
+) -> None:
+    here, there = Pipe()
+    spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint="inproc://w")
+    worker = Worker(spec, here)
+    replies: list[codec.Reply] = []
+    send = worker._send
+
+    def capture(ident: Any, frames: list[Any]) -> None:
+        replies.append(codec.decode_reply([bytes(memoryview(f)) for f in frames]))
+        send(ident, frames)
+        if len(replies) == 2:
+            worker._stopping = True
+
+    worker._send = capture  # type: ignore[method-assign]
+    program = worker.engine.programs["attention"]
+    views = program.output_views
+    calls = 0
+
+    def first_unsendable(*args: Any) -> dict[str, torch.Tensor]:
+        nonlocal calls
+        calls += 1  # the first step's output has a dtype the wire cannot carry
+        return {"out": torch.zeros(1, dtype=torch.complex64)} if calls == 1 else views(*args)
+
+    program.output_views = first_unsendable  # type: ignore[method-assign]
+    client = worker.ctx.socket(zmq.DEALER)
+    try:
+        client.connect("inproc://w")
+        client.send_multipart(_request(1))
+        client.send_multipart(_request(2))
+        def serve() -> None:
+            worker._main = threading.get_ident()  # the loop's thread is the issuer
+            worker._serve()
+
+        loop = threading.Thread(target=serve, daemon=True)
+        loop.start()
+        loop.join(60)
+        assert not loop.is_alive(), "the worker loop did not answer both requests"
+        assert sorted(r.id for r in replies) == [1, 2]
+        first, second = sorted(replies, key=lambda r: r.id)
+        assert first.error is not None and first.error.code == "INTERNAL"
+        assert "complex64" in first.error.message
+        assert second.ok and second.body["outputs"]["out"].shape[0] == 1
+        assert worker.inflight == 0 and worker.engine.failure is None
+    finally:
+        client.close(0)
+        worker.engine.close()
+        worker.sock.close(0)
+        worker.ctx.term()
+        there.close()
