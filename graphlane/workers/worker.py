@@ -256,25 +256,31 @@ class Worker:
             woken = False
             if not events(zmq.EVENTS) & zmq.POLLIN:  # nothing waiting: sleep
                 woken = any(fd == wake for fd, _ in poller.poll(1000))
-            # Wake-up protocol (see _wake): empty the pipe, re-arm, then take the
-            # deques; anything appended after the re-arm writes a fresh byte. A byte
-            # written late (after this pass took its item) is read by the next pass.
             if woken or self._woken:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-                self._woken = False
-                while self._commands:
-                    self._run_safely(self._commands.popleft())
-                while self._finished:
-                    self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
+                self._take_wakeups()
             for _ in range(_BATCH):
                 if self._stopping or not events(zmq.EVENTS) & zmq.POLLIN:
                     break
                 self._handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                if self._woken:  # finished steps are answered between requests, not after
+                    self._take_wakeups()
             self._pump()
+
+    def _take_wakeups(self) -> None:
+        """Run posted commands and answer finished steps. The protocol (see _wake):
+        empty the pipe, re-arm, then take the deques; anything appended after the
+        re-arm writes a fresh byte; a byte written late (after this pass took its
+        item) is read by the next pass."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._woken = False
+        while self._commands:
+            self._run_safely(self._commands.popleft())
+        while self._finished:
+            self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
 
     @staticmethod
     def _run_safely(work: Callable[[], None]) -> None:
