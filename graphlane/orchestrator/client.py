@@ -11,7 +11,8 @@ async with graphlane.Client("tcp://127.0.0.1:7450") as c:
 
 The client asks the daemon (``hello``) where each device's worker listens and
 sends steps straight to that worker: one DEALER socket per endpoint, many
-calls in flight on each, replies matched by request id in one reader task.
+calls in flight on each, replies matched by request id by the event loop's
+reader callback for that socket.
 Sockets belong to the event loop that created the client (its thread is their
 only user); a send is a single ``send_multipart``, so frames of concurrent
 calls never interleave.
