@@ -303,40 +303,33 @@ def _with_raw_server(fn: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -
                 proc.kill()
 
 
-def control_plane(n: int = 500) -> dict[str, Any]:
-    """Against the raw baseline, in the same run: the daemon on the null backend
-    (graphlane alone, no device) and on the timed sim with zero costs (graphlane plus
-    the simulator's own Python per device op)."""
+def _on_each_backend(
+    program: dict[str, Any],
+    measure: Callable[[BenchDaemon, str], Coroutine[Any, Any, dict[str, Any]]],
+) -> dict[str, Any]:
+    """``measure(daemon, raw_endpoint)`` against a fresh raw echo server, once with the
+    daemon on the null backend (graphlane alone, no device) and once on the timed sim
+    with zero costs (graphlane plus the simulator's own Python per device op)."""
     out: dict[str, Any] = {}
     for backend in ("null", "sim"):
-        daemon = BenchDaemon(TINY, backend=backend)
+        daemon = BenchDaemon(program, backend=backend)
         try:
-            out[backend] = _with_raw_server(functools.partial(_control_plane_at, daemon, n))
+            out[backend] = _with_raw_server(functools.partial(measure, daemon))
         finally:
             daemon.close()
     return out
 
 
-async def _control_plane_at(daemon: BenchDaemon, n: int, raw_endpoint: str) -> dict[str, Any]:
-    return await _control_plane(daemon, raw_endpoint, n)
+def control_plane(n: int = 500) -> dict[str, Any]:
+    """Step round trips and windowed throughput against the raw baseline."""
+    return _on_each_backend(TINY, lambda daemon, raw: _control_plane(daemon, raw, n))
 
 
 def bandwidth(reps: int = 30) -> dict[str, Any]:
-    """Large-tensor inputs against raw frames, on the null backend (graphlane alone: the
-    inputs are decoded as views of the received frames, then go nowhere) and on the
-    sim (plus the staging copy of pageable host memory and the device copy)."""
-    out: dict[str, Any] = {}
-    for backend in ("null", "sim"):
-        daemon = BenchDaemon(WIDE, backend=backend)
-        try:
-            out[backend] = _with_raw_server(functools.partial(_bandwidth_at, daemon, reps))
-        finally:
-            daemon.close()
-    return out
-
-
-async def _bandwidth_at(daemon: BenchDaemon, reps: int, raw_endpoint: str) -> dict[str, Any]:
-    return await _bandwidth(daemon, raw_endpoint, reps)
+    """Large-tensor inputs against raw frames (on null the inputs are decoded as views
+    of the received frames, then go nowhere; the sim adds the staging copy of
+    pageable host memory and the device copy)."""
+    return _on_each_backend(WIDE, lambda daemon, raw: _bandwidth(daemon, raw, reps))
 
 
 def scaling(device_counts: tuple[int, ...] = (1, 2, 4), steps: int = 200) -> dict[str, Any]:

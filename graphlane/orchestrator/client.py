@@ -102,7 +102,6 @@ class Channel:
         self.refused: str | None = None  # why the server refused our handshake
         self.sock.connect(endpoint)
         self.pending: dict[int, asyncio.Future[codec.Reply]] = {}
-        self.connected = False
         self.lost = False  # connected once, then dropped: the peer went away
         self.late_replies = 0
         self.closed = False
@@ -166,9 +165,8 @@ class Channel:
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.refused = None
             elif event == zmq.EVENT_CONNECTED:
-                self.connected, self.lost = True, False
+                self.lost = False
             elif event == zmq.EVENT_DISCONNECTED:
-                self.connected = False
                 self.lost = True
                 # A worker's last answers come before its socket closes: they are
                 # answers, not WORKER_LOST.

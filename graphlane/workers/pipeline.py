@@ -198,11 +198,9 @@ class StepEngine:
         self._completions: queue.Queue[Any] = queue.Queue()
         # Steps issued to the device and not yet complete: the issuer may run ahead
         # of the device by this much, no more (bounded memory, bounded latency).
-        self.max_inflight = max_inflight
         self._slots = _Slots(max_inflight)
-        self._graphs: dict[GraphKey, CapturedGraph] = {}
         self._ring: dict[tuple[str, int], int] = {}  # (program, bucket) -> next slot
-        self._rings: dict[tuple[str, int], list[CapturedGraph]] = {}  # its instances by slot
+        self._rings: dict[tuple[str, int], list[CapturedGraph]] = {}  # instances by slot
         self._staged: dict[tuple[str, int], CapturedGraph] = {}
         self._failure: BaseException | None = None
         self._closed = False
@@ -258,7 +256,6 @@ class StepEngine:
         with b.capture(graph, self.capture_stream):
             handles, signatures = program.capture(b, self.capture_stream, bucket, buffers, events)
         captured = CapturedGraph(key, graph, handles, events, buffers, list(signatures))
-        self._graphs[key] = captured
         self._rings.setdefault((program.name, bucket), []).append(captured)  # slot order
         log.debug("captured %s", key)
 
@@ -281,7 +278,8 @@ class StepEngine:
 
     @property
     def graphs(self) -> dict[GraphKey, CapturedGraph]:
-        return self._graphs
+        """Every captured instance by its key."""
+        return {g.key: g for ring in self._rings.values() for g in ring}
 
     @property
     def failure(self) -> BaseException | None:
@@ -351,10 +349,6 @@ class StepEngine:
     def run(self, request: StepRequest, timeout: float | None = None) -> StepResult:
         return self.submit(request).result(timeout)
 
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
-
     # ------------------------------------------------------------ issue thread
     def _next_graph(self, plan: StepPlan) -> CapturedGraph:
         ring_key = (plan.program, plan.bucket)
@@ -369,6 +363,7 @@ class StepEngine:
                 self._completions.put(_STOP)
                 return
             pending: _Pending = item
+            # Checked before taking a slot too: slots held by a hung device never return.
             if self._failure is not None:
                 pending.future.set_exception(EngineError(f"engine failed: {self._failure}"))
                 continue

@@ -128,12 +128,11 @@ class Worker:
         self.sock.bind(spec.endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
-        self.inflight = 0  # accepted requests not answered yet (waiting + on the device)
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0}
         self.metrics = WorkerMetrics()
         self._dropped_log = Throttled(log)
-        self._inflight_since: dict[int, float] = {}  # token -> when the request arrived
-        self._tokens = 0
+        # Accepted requests not answered yet (waiting + on the device), oldest first.
+        self._open: dict[_Call, None] = {}
         self.started = time.time()
         self.exit_code = 0
         self._stopping = False
@@ -149,6 +148,11 @@ class Worker:
         os.set_blocking(self._wake_w, False)
         self._woken = False  # a byte is (or is about to be) in the wake-up pipe
         self._main = threading.get_ident()
+
+    @property
+    def inflight(self) -> int:
+        """Accepted requests not answered yet (waiting + on the device)."""
+        return len(self._open)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -178,8 +182,8 @@ class Worker:
             "steps": self.engine.steps_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.counters),
-            "oldest_inflight_s": round(time.perf_counter() - min(self._inflight_since.values()), 3)
-            if self._inflight_since
+            "oldest_inflight_s": round(time.perf_counter() - next(iter(self._open)).received, 3)
+            if self._open
             else 0.0,
             "metrics": self.metrics.snapshot(),
             "uptime_s": round(time.time() - self.started, 3),
@@ -354,8 +358,7 @@ class Worker:
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
         kind, plan, outputs = self._plan(msg)
-        self._tokens += 1
-        call = _Call(ident, req.id, req.op, kind, plan, outputs, received, self._tokens)
+        call = _Call(ident, req.id, req.op, kind, plan, outputs, received)
         if self._waiting or not self.engine.reserve(blocking=False):
             if len(self._waiting) >= self.spec.max_queued:
                 raise Busy(f"{self.spec.max_queued} requests are queued already")
@@ -377,8 +380,7 @@ class Worker:
             raise BadRequest(str(exc)) from exc
 
     def _accept(self, call: _Call) -> None:
-        self.inflight += 1
-        self._inflight_since[call.token] = call.received
+        self._open[call] = None
 
     def _issue(self, call: _Call) -> None:
         self.engine.issue(
@@ -402,8 +404,7 @@ class Worker:
             self._wake()
 
     def _finish(self, call: _Call, r: StepResult | None, exc: BaseException | None) -> None:
-        self.inflight -= 1
-        self._inflight_since.pop(call.token, None)
+        self._open.pop(call, None)
         if r is None:
             error = (
                 exc
@@ -441,8 +442,7 @@ class Worker:
             failed = InternalError(f"engine failed: {self.engine.failure}")
             while self._waiting:
                 waiting = self._waiting.popleft()
-                self.inflight -= 1
-                self._inflight_since.pop(waiting.token, None)
+                self._open.pop(waiting, None)
                 self._reply_error(waiting.ident, waiting.request_id, failed)
             self.exit_code = 5
             self._stopping = True
@@ -468,7 +468,6 @@ class _Call:
     plan: StepPlan
     outputs: tuple[str, ...]
     received: float
-    token: int
 
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]
