@@ -475,7 +475,6 @@ class StepEngine:
             t0 = time.perf_counter()
             patched = self._release_groups(program, g, plan)
             dispatch = time.perf_counter() - t0
-        g.replays += 1
         outs, done = self._collect(program, g, plan, outputs)
         result = StepResult(outs, g.key, patched, submitted)
         result.dispatch_s, result.replay_at = dispatch, replay_at

@@ -42,10 +42,6 @@ class NpuBackend:
             ) from exc
         return cls(torch_npu, device_index)
 
-    @property
-    def fused_update(self) -> bool:
-        return self._fused_update is not None
-
     # ------------------------------------------------------------ streams and events
     def new_stream(self) -> Any:
         return self.npu.Stream(device=self.device)
@@ -115,9 +111,6 @@ class NpuBackend:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
-
-    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        return t.to(self.device, non_blocking=non_blocking)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)

@@ -91,8 +91,5 @@ class NullBackend:
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
 
-    def to_device(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        return t
-
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         pass  # no device: inputs go nowhere (the host's own copy is not graphlane's cost)

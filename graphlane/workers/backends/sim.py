@@ -6,7 +6,7 @@ device reset after a fault.
 
 from __future__ import annotations
 
-from graphlane.workers.sim import SimConfig, configure, reset_device
+from graphlane.workers.sim import SimConfig, configure
 
 from .npu import NpuBackend
 
@@ -30,6 +30,3 @@ class SimBackend(NpuBackend):
                 watchdog_s=config.watchdog_s,
             )
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
-
-    def reset(self) -> None:
-        reset_device()

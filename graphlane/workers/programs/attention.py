@@ -227,9 +227,6 @@ class AttentionProgram(GraphProgram):
     def output_views(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
     ) -> dict[str, torch.Tensor]:
-        views = {}
-        for name in names:
-            if name != "out":
-                raise StepError("outputs", f"unknown output {name!r} (known: out)")
-            views[name] = buffers[f"out_{self.config.layers - 1}"][: plan.batch]
-        return views
+        # The engine checked the names against ``outputs`` when it planned the step.
+        out = buffers[f"out_{self.config.layers - 1}"][: plan.batch]
+        return {name: out for name in names}

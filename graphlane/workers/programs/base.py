@@ -57,7 +57,6 @@ class CapturedGraph:
     buffers: dict[str, torch.Tensor]
     signatures: list[Any]  # parameters each group currently holds (to skip unchanged)
     last_done: Any = None  # event recorded after this instance's latest replay
-    replays: int = 0
 
 
 @dataclass(frozen=True)
