@@ -80,7 +80,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphlane import __version__
-from graphlane.protocol.errors import GraphlaneError
+from graphlane.protocol.errors import RETRYABLE, GraphlaneError
 from graphlane.workers.programs.attention import AttentionConfig
 from graphlane.workers.programs.base import ProgramConfigError
 
@@ -641,10 +641,7 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
         )
     if report.get("non_retryable_errors", 0):
         codes = [
-            c
-            for c in report.get("errors", {})
-            if c not in _CLIENT_RETRYABLE
-            and c not in ("BUSY", "TIMEOUT", "WORKER_LOST", "SHUTTING_DOWN")
+            c for c in report.get("errors", {}) if c not in RETRYABLE and c not in _CLIENT_RETRYABLE
         ]
         reasons.append(
             f"{report['non_retryable_errors']} errors that are not retryable "
