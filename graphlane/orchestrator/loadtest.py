@@ -54,7 +54,7 @@ counts and percentiles, a ``timeseries`` (~120 windows), the open loop's
 ``send_lag_ms`` (how late the client sent, already part of the latency), the
 resolved ``config`` and a ``verdict``.
 
-Exit status of :func:`main`: 0 when at least one step succeeded, no verified
+Exit status of :func:`.loadtest_cli.main`: 0 when at least one step succeeded, no verified
 output was wrong and every error was retryable (BUSY, TIMEOUT, WORKER_LOST,
 SHUTTING_DOWN, or the client's own CLIENT_OVERLOAD / CLIENT_DEADLINE: what a
 loaded or restarting server is expected to answer); 1 when a verification
@@ -75,7 +75,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -85,76 +85,26 @@ from graphlane.workers.programs.attention import AttentionConfig
 from graphlane.workers.programs.base import ProgramConfigError
 
 from .client import Client, StepReply
-from .loadtest_record import (
-    HIGHEST_US,
-    MAX_EXAMPLES,
-    MAX_SAMPLES,
-    PERCENTILES,
-    DeviceStats,
-    Recorder,
-    summary,
-    window_for,
-)
+from .loadtest_record import DeviceStats, Recorder, summary, window_for
 from .loadtest_workload import (
-    QUERY_POOL,
     SHAPE_KEYS,
     TOLERANCE,
-    VERIFY_POOL,
-    Case,
     Plan,
     Step,
     Workload,
     check_output,
-    reference,
     resolve_plan,
 )
-
-if TYPE_CHECKING:
-    from .loadtest_cli import add_parser, config_from_args, main, parse_shape, print_summary
 
 __all__ = [
     "CLIENT_DEADLINE",
     "CLIENT_OVERLOAD",
-    "HIGHEST_US",
-    "MAX_EXAMPLES",
-    "MAX_SAMPLES",
-    "PERCENTILES",
-    "QUERY_POOL",
-    "SHAPE_KEYS",
-    "TOLERANCE",
-    "VERIFY_POOL",
-    "Case",
     "LoadConfig",
     "LoadTestError",
-    "Plan",
-    "Recorder",
-    "Step",
-    "Workload",
-    "add_parser",
     "assess",
     "build_report",
-    "check_output",
-    "config_from_args",
-    "main",
-    "parse_shape",
-    "print_summary",
-    "reference",
-    "resolve_plan",
     "run_load",
-    "window_for",
 ]
-
-#: Names of :mod:`.loadtest_cli` re-exported here, imported on first use by
-#: :func:`__getattr__` (loadtest_cli imports this module, so not at the top).
-_CLI_NAMES = frozenset({"add_parser", "config_from_args", "main", "parse_shape", "print_summary"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _CLI_NAMES:
-        from . import loadtest_cli
-
-        return getattr(loadtest_cli, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: Error codes of the load generator itself (never on the wire).

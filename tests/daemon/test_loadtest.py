@@ -17,19 +17,10 @@ from daemons import SMALL
 from reference import decode_stack
 
 from graphlane.orchestrator.client import Client
-from graphlane.orchestrator.loadtest import (
-    SHAPE_KEYS,
-    LoadConfig,
-    Plan,
-    Recorder,
-    Workload,
-    add_parser,
-    assess,
-    build_report,
-    check_output,
-    main,
-    run_load,
-)
+from graphlane.orchestrator.loadtest import LoadConfig, assess, build_report, run_load
+from graphlane.orchestrator.loadtest_cli import add_parser, main
+from graphlane.orchestrator.loadtest_record import Recorder
+from graphlane.orchestrator.loadtest_workload import SHAPE_KEYS, Plan, Workload, check_output
 from graphlane.orchestrator.report import write_report
 from graphlane.workers.programs.attention import AttentionConfig
 
