@@ -18,18 +18,11 @@ import html
 import itertools
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["PLOTS", "plot_all", "render_html", "write_report"]
-
-#: Plot file name -> title, in page order.
-PLOTS = {
-    "latency_over_time.png": "Latency over time",
-    "latency_cdf.png": "Latency distribution",
-    "throughput_over_time.png": "Throughput over time",
-}
 
 
 def write_report(report: Mapping[str, Any], directory: str | Path) -> tuple[Path, Path]:
@@ -73,12 +66,7 @@ def _log_if_wide(ax: Any, values: Sequence[float], axis: str = "y") -> None:
 
 def plot_all(report: Mapping[str, Any], directory: Path) -> dict[str, str]:
     """Draw every plot into ``directory``; returns {file name: title}."""
-    drawers = {
-        "latency_over_time.png": plot_latency_over_time,
-        "latency_cdf.png": plot_latency_cdf,
-        "throughput_over_time.png": plot_throughput,
-    }
-    for name, draw in drawers.items():
+    for name, (_, draw) in _DRAWERS.items():
         fig = draw(report)
         fig.savefig(directory / name, format="png")
     return dict(PLOTS)
@@ -196,6 +184,16 @@ def plot_throughput(report: Mapping[str, Any]) -> Any:
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     return fig
+
+
+#: Plot file name -> (title, drawer), in page order.
+_DRAWERS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
+    "latency_over_time.png": ("Latency over time", plot_latency_over_time),
+    "latency_cdf.png": ("Latency distribution", plot_latency_cdf),
+    "throughput_over_time.png": ("Throughput over time", plot_throughput),
+}
+#: Plot file name -> title, in page order.
+PLOTS = {name: title for name, (title, _) in _DRAWERS.items()}
 
 
 # ---------------------------------------------------------------------------- html
