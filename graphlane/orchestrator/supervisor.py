@@ -52,7 +52,6 @@ class WorkerHandle:
     last_error: str = ""
     stopped_by: str = ""
     stats: dict[str, Any] = field(default_factory=dict)  # the worker's latest status report
-    ready_event: asyncio.Event = field(default_factory=asyncio.Event)
     exited: asyncio.Event = field(default_factory=asyncio.Event)  # the current process ended
 
     @property
@@ -88,7 +87,6 @@ class Supervisor:
         backoff_s: tuple[float, float] = (0.2, 10.0),
         hang_timeout_s: float = 30.0,
         poll_s: float = 1.0,
-        on_change: Callable[[WorkerHandle], None] | None = None,
         env_for: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
         self.workers = {s.device: WorkerHandle(s) for s in specs}
@@ -98,7 +96,6 @@ class Supervisor:
         self.backoff_s = backoff_s
         self.hang_timeout_s = hang_timeout_s
         self.poll_s = poll_s
-        self.on_change = on_change or (lambda h: None)
         self.env_for = env_for or (lambda device: {})
         self.stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -110,7 +107,6 @@ class Supervisor:
 
     async def _start(self, h: WorkerHandle) -> None:
         h.state = STARTING
-        h.ready_event.clear()
         spec = replace(h.spec, generation=h.generation)
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
@@ -131,24 +127,21 @@ class Supervisor:
         h.process, h.conn = proc, parent
         h.exited = asyncio.Event()
         log.info("worker start device=%s pid=%s generation=%s", h.device, proc.pid, h.generation)
-        self.on_change(h)
         loop = asyncio.get_running_loop()
         loop.add_reader(proc.sentinel, self._on_exit, h, proc)
-        msg = await self._handshake(h, parent)
+        msg = await self._handshake(parent)
         if h.process is not proc or h.state != STARTING:
             return  # died (or was stopped) during startup; _on_exit took over
         if msg is not None and msg[0] == "ready":
             h.info = dict(msg[1])
             h.state = READY
             h.last_error = ""
-            h.ready_event.set()
             log.info(
                 "worker ready device=%s pid=%s endpoint=%s",
                 h.device,
                 proc.pid,
                 h.info.get("endpoint"),
             )
-            self.on_change(h)
             self._spawn_task(self._watch(h, proc, parent))
             return
         h.last_error = (
@@ -202,28 +195,16 @@ class Supervisor:
         log.error("worker hung device=%s pid=%s: %s; killing it", h.device, proc.pid, why)
         self._kill(proc)
 
-    async def _handshake(self, h: WorkerHandle, conn: Connection) -> tuple[str, Any] | None:
+    async def _handshake(self, conn: Connection) -> tuple[str, Any] | None:
+        """The worker's ("ready", info) or ("failed", message); None on timeout or EOF."""
         deadline = time.monotonic() + self.startup_timeout_s
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        loop.add_reader(conn.fileno(), ready.set)
-        try:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(ready.wait(), deadline - time.monotonic())
-                ready.clear()
-                if conn.poll():
-                    try:
-                        msg = conn.recv()
-                    except (EOFError, OSError):
-                        return None
-                    if isinstance(msg, tuple) and msg and msg[0] in ("ready", "failed"):
-                        return msg
-                if h.process is None or not h.process.is_alive():
-                    return None
-            return None
-        finally:
-            loop.remove_reader(conn.fileno())
+        while (left := deadline - time.monotonic()) > 0:
+            msg = await self._receive(conn, left)
+            if msg is None:
+                return None
+            if isinstance(msg, tuple) and msg and msg[0] in ("ready", "failed"):
+                return msg
+        return None
 
     # ------------------------------------------------------------ liveness
     def _on_exit(self, h: WorkerHandle, proc: BaseProcess) -> None:
@@ -237,15 +218,12 @@ class Supervisor:
         if h.conn is not None:
             h.conn.close()
             h.conn = None
-        h.ready_event.clear()
         if self.stopping or h.state in (STOPPING, STOPPED):
             h.state = STOPPED
             log.info("worker stopped device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
-            self.on_change(h)
             return
         h.state = LOST
         log.warning("worker lost device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
-        self.on_change(h)
         self._spawn_task(self._restart(h))
 
     def _spawn_task(self, coro: Any) -> None:
@@ -264,7 +242,6 @@ class Supervisor:
                 f"{self.restart_window_s:g} s (max_restarts): not restarting"
             )
             log.error("worker failed device=%s: %s", h.device, h.last_error)
-            self.on_change(h)
             return
         lo, hi = self.backoff_s
         delay = min(hi, lo * (2 ** len(h.restart_times)))
@@ -327,7 +304,6 @@ class Supervisor:
             h.stopped_by,
             proc.exitcode,
         )
-        self.on_change(h)
 
     def drain(self) -> None:
         for device in self.workers:
