@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +75,8 @@ class ServeConfig:
         return f"tcp://{host}:{int(port) + 1 + device}"
 
 
-_TOP_KEYS = {
-    "listen", "backend", "devices", "depth", "pipeline", "sim", "programs", "max_queued",
-    "startup_timeout_s", "max_restarts", "restart_window_s", "shutdown_timeout_s", "log_format",
-    "hang_timeout_s", "metrics_port", "metrics_host", "faults", "auth_dir", "insecure",
-    "advertise_host",
-}  # fmt: skip
+#: Keys of the file's top level: one per ServeConfig field.
+_TOP_KEYS = frozenset(f.name for f in fields(ServeConfig))
 _FAULTS = {"fail_start": bool, "hang_device_after": int, "device_fault_after": int}
 
 
