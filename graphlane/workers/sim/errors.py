@@ -12,7 +12,7 @@ the same error until :func:`graphlane.workers.sim.reset_device`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 
 class SimError(RuntimeError):
@@ -23,36 +23,40 @@ class SimUsageError(SimError):
     """An API call that breaks a documented rule; raised at the call."""
 
 
-class HazardError(SimError):
-    """Operations that real hardware would run in an unsafe order.
+class _KindedError(SimError):
+    """A SimError with a ``kind`` (``default_kind`` when not given) that copies and
+    pickles keep: a fault is raised again as a copy."""
 
-    ``kind`` is "race" (a task-group patch not ordered with a replay that reads
-    the group) or "lost-release" (an ExternalEvent record that can merge with
-    an unconsumed one).
-    """
+    default_kind: ClassVar[str]
 
-    def __init__(self, message: str, kind: str = "race") -> None:
+    def __init__(self, message: str, kind: str | None = None) -> None:
         super().__init__(message)
-        self.kind = kind
+        self.kind = self.default_kind if kind is None else kind
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.args[0], self.kind))
 
 
-class DeadlockError(SimError):
+class HazardError(_KindedError):
+    """Operations that real hardware would run in an unsafe order.
+
+    ``kind`` is "race" (the default: a task-group patch not ordered with a
+    replay that reads the group) or "lost-release" (an ExternalEvent record
+    that can merge with an unconsumed one).
+    """
+
+    default_kind = "race"
+
+
+class DeadlockError(_KindedError):
     """A device wait that nothing will ever satisfy.
 
-    ``kind`` is "cycle" (streams wait on each other; reported at once) or
-    "watchdog" (nothing queued can release the wait; reported after
+    ``kind`` is "cycle" (the default: streams wait on each other; reported at
+    once) or "watchdog" (nothing queued can release the wait; reported after
     GRAPHLANE_SIM_WATCHDOG_S).
     """
 
-    def __init__(self, message: str, kind: str = "cycle") -> None:
-        super().__init__(message)
-        self.kind = kind
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.args[0], self.kind))
+    default_kind = "cycle"
 
 
 class DeviceFaultError(SimError):
