@@ -6,6 +6,8 @@ device reset after a fault.
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from graphlane.workers.sim import SimConfig, configure
 
 from .npu import NpuBackend
@@ -23,10 +25,5 @@ class SimBackend(NpuBackend):
         from graphlane.workers.sim import torch_npu
 
         if config is not None:
-            configure(
-                mode=config.mode,
-                task_us=config.task_us,
-                patch_us=config.patch_us,
-                watchdog_s=config.watchdog_s,
-            )
+            configure(**asdict(config))
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
