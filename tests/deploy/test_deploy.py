@@ -514,7 +514,7 @@ def parse_env_file(text: str) -> dict[str, str]:
     return env
 
 
-def test_systemd_unit(cli_flags: dict[str, set[str]], tmp_path: Path) -> None:
+def test_systemd_unit(cli_flags: dict[str, set[str]]) -> None:
     unit = parse_unit(UNIT.read_text())
     svc = {k: v[-1] for k, v in unit["Service"].items()}
     conf = production_config()
@@ -560,9 +560,11 @@ def test_systemd_unit(cli_flags: dict[str, set[str]], tmp_path: Path) -> None:
     assert int(env["GRAPHLANE_READY_TIMEOUT"]) < int(svc["TimeoutStartSec"])
     assert env["GRAPHLANE_CONFIG"] == "/etc/graphlane/graphlane.toml"
 
+
+def test_systemd_unit_passes_systemd_analyze(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
-        return  # the parsed checks above are all this machine can do
+        pytest.skip("systemd-analyze is not installed (test_systemd_unit still parses the unit)")
     # verify checks that ExecStart's program exists: point it at this environment's.
     copy = tmp_path / UNIT.name
     copy.write_text(UNIT.read_text().replace(UNIT_BIN, graphlane_bin()))
