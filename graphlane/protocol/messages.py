@@ -50,6 +50,8 @@ T = TypeVar("T")
 
 
 def _str(value: Any, name: str, *, non_empty: bool = False) -> str:
+    if type(value) is str and (value or not non_empty):  # the common case first
+        return value
     if not isinstance(value, str) or (non_empty and not value):
         kind = "a non-empty str" if non_empty else "a str"
         raise BadRequest(f"body.{name}: must be {kind}, got {_type(value)}")
@@ -57,6 +59,8 @@ def _str(value: Any, name: str, *, non_empty: bool = False) -> str:
 
 
 def _int(value: Any, name: str, *, minimum: int) -> int:
+    if type(value) is int and value >= minimum:  # the common case first
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise BadRequest(f"body.{name}: must be an int >= {minimum}, got {_show(value)}")
     return value
@@ -78,6 +82,8 @@ def _params(value: Any, name: str) -> dict[str, Any]:
 
 
 def _tensors(value: Any, name: str) -> dict[str, torch.Tensor]:
+    if type(value) is dict and not value:  # no inputs: the common case
+        return {}
     tensors = _params(value, name)
     for key, item in tensors.items():
         if not isinstance(item, torch.Tensor):
@@ -117,11 +123,14 @@ class _Body:
     _known: ClassVar[dict[type[Any], frozenset[str]]] = {}
 
     def __init__(self, cls: type[Any], body: Mapping[str, Any]) -> None:
-        if not isinstance(body, Mapping):
-            raise BadRequest(f"body: must be a map, got {_type(body)}")
+        self.body = body
         known = self._known.get(cls)
         if known is None:
             known = self._known[cls] = frozenset(f.name for f in fields(cls))
+        if type(body) is dict and body.keys() <= known:  # a decoded body of known fields
+            return
+        if not isinstance(body, Mapping):
+            raise BadRequest(f"body: must be a map, got {_type(body)}")
         for key in body:
             if key not in known:
                 known_list = [f.name for f in fields(cls)]
@@ -129,7 +138,6 @@ class _Body:
                 raise BadRequest(
                     f"body.{name}: unknown field of {cls.OP!r} (known: {known_list})"
                 )
-        self.body = body
 
     def required(self, name: str) -> Any:
         if name not in self.body:
