@@ -39,6 +39,21 @@ Frames are sent and received without copies: the encoder hands zmq a
 memoryview over each contiguous tensor, the decoder returns tensors that view
 the received frames (treat them as read-only).
 
+Bundles
+=======
+
+A worker's socket also takes a *bundle*: a single-frame message whose frame 0
+is a msgpack array of request envelopes (1 to 65535 of them), none referencing
+data frames. Each envelope is checked and answered on its own, as if it had
+come alone: one bad envelope fails alone, with its id. The replies to a
+bundle's requests may come back bundled the same way (an array of reply
+envelopes); however they group, every request gets exactly one reply.
+Calls that carry tensors as frames never travel in a bundle. A daemon whose
+hello ``capabilities`` say ``"bundles": true`` runs workers that take them;
+the daemon's own socket does not (an array there is undecodable).
+``codec.bundle`` builds one; ``codec.decode_requests`` and
+``codec.decode_replies`` read a message of either kind.
+
 Decoding is validation (``codec.decode_request``): sizes and frame count, then
 the envelope, then ``id`` (so every later error can be answered), then ``v``
 (UNSUPPORTED_VERSION), ``op``, ``body``, unknown envelope keys, and the body
@@ -57,7 +72,8 @@ are the documented ones, more may appear.
 
     request  {"v": 1, "id": 1, "op": "hello", "body": {"client": "sched-0"}}
     reply    {"v": 1, "id": 1, "ok": true, "body": {"version": 1, "server": "graphlane 0.1.0",
-              "capabilities": {"ops": ["hello", "status", "step", ...], "dtypes": [...]},
+              "capabilities": {"ops": ["hello", "status", "step", ...], "dtypes": [...],
+                               "bundles": true},
               "workers": [{"device": 0, "state": "ready", "programs": ["attention"]}]}}
 
 ``status`` — state of the daemon and its workers::
@@ -128,9 +144,13 @@ from graphlane.protocol.codec import (
     Limits,
     Reply,
     Request,
+    bundle,
+    decode_replies,
     decode_reply,
     decode_request,
+    decode_requests,
     encode_error,
+    encode_outputs_reply,
     encode_reply,
     encode_request,
     tensor_to_wire,
@@ -205,10 +225,14 @@ __all__ = [
     "UnsupportedVersion",
     "UpdateRequestMsg",
     "WorkerLost",
+    "bundle",
+    "decode_replies",
     "decode_reply",
     "decode_request",
+    "decode_requests",
     "encode_error",
     "encode_message",
+    "encode_outputs_reply",
     "encode_reply",
     "encode_request",
     "error_class",

@@ -6,6 +6,12 @@ msgpack envelope first, then one frame per tensor larger than
 (no copy unless the tensor is not contiguous). Encoding mistakes are the
 caller's bugs and raise ``ValueError`` naming the path of the bad value.
 
+A bundle (:func:`bundle`) is frame 0 holding an array of envelopes packed
+already; :func:`decode_requests` and :func:`decode_replies` read one message of
+either kind into a list, an envelope that fails its checks becoming a
+:class:`DecodeError` in its place. :func:`decode_request` and
+:func:`decode_reply` take single envelopes only.
+
 Decoding is validation. Whatever bytes arrive, :func:`decode_request` and
 :func:`decode_reply` either return a value whose every part has the documented
 type and is within :class:`Limits`, or raise :class:`DecodeError`; nothing else
@@ -21,9 +27,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import msgpack
 import torch
@@ -42,9 +48,13 @@ __all__ = [
     "Limits",
     "Reply",
     "Request",
+    "bundle",
+    "decode_replies",
     "decode_reply",
     "decode_request",
+    "decode_requests",
     "encode_error",
+    "encode_outputs_reply",
     "encode_reply",
     "encode_request",
     "tensor_to_wire",
@@ -186,6 +196,23 @@ def encode_reply(request_id: int, body: Mapping[str, Any]) -> list[bytes | memor
     return [_pack(envelope), *frames]
 
 
+def encode_outputs_reply(
+    request_id: int, outputs: Mapping[str, torch.Tensor], fields: Mapping[str, int | float]
+) -> list[bytes | memoryview]:
+    """Frames of an ok reply whose body is ``{"outputs": outputs, **fields}``: what
+    :func:`encode_reply` makes of it, without its walk over arbitrary values (a
+    worker's reply to every step). ``request_id`` is one a decoder read."""
+    frames: list[bytes | memoryview] = []
+    wire = {}
+    for name, t in outputs.items():
+        if type(t) is not torch.Tensor:
+            raise ValueError(f"body.outputs.{name}: must be a tensor, got {type(t).__name__}")
+        wire[name] = tensor_to_wire(t, frames, path="body.outputs")
+    body = {"outputs": wire, **fields}
+    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": body}
+    return [_pack(envelope), *frames]
+
+
 def encode_error(request_id: int, error: GraphlaneError) -> list[bytes]:
     """The single frame of an error reply."""
     _check_id(request_id)
@@ -301,48 +328,94 @@ def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int
 
 
 def decode_request(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Request:
-    """Validate and decode a request. Raises :class:`DecodeError` and nothing else."""
-    decoder = _Decoder(limits)
-    try:
-        env = decoder.open(frames)
-        request_id = decoder.request_id
-        assert request_id is not None
-        op = decoder.require(env, "op")
-        if not isinstance(op, str) or not op:
-            decoder.fail(f"op: must be a non-empty str, got {_describe(op)}")
-        body = decoder.require(env, "body")
-        decoder.check_keys(env, _REQUEST_KEYS)
-        wire_body = decoder.body(body)
-        decoder.check_all_frames_used()
-        return Request(id=request_id, op=op, body=wire_body)
-    except DecodeError:
-        raise
-    except Exception as exc:  # a bug in the checks above must not escape as anything else
-        raise decoder.unexpected(exc) from exc
+    """Validate and decode a single request (not a bundle). Raises :class:`DecodeError`
+    and nothing else."""
+    return _decode_one(frames, limits, _Decoder.request)
 
 
 def decode_reply(frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS) -> Reply:
-    """Validate and decode a reply. Raises :class:`DecodeError` and nothing else."""
+    """Validate and decode a single reply (not a bundle). Raises :class:`DecodeError`
+    and nothing else."""
+    return _decode_one(frames, limits, _Decoder.reply)
+
+
+def decode_requests(
+    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
+) -> list[Request | DecodeError]:
+    """The requests of a message: its envelope's, or each envelope's of a bundle.
+
+    Raises :class:`DecodeError` when the message as a whole cannot be read. An
+    envelope of a bundle that fails its checks is a :class:`DecodeError` in its
+    place (with its id when the id could be read); the others are unaffected.
+    """
+    return _decode_each(frames, limits, _Decoder.request)
+
+
+def decode_replies(
+    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
+) -> list[Reply | DecodeError]:
+    """The replies of a message, one or a bundle's (as :func:`decode_requests`)."""
+    return _decode_each(frames, limits, _Decoder.reply)
+
+
+def bundle(envelopes: Sequence[bytes]) -> bytes:
+    """Frame 0 of a bundle: the msgpack array of envelopes packed already.
+
+    Only messages of one frame (no data frames) may be bundled: data frames are
+    numbered over the whole message, and an envelope packed alone numbers its own.
+    """
+    n = len(envelopes)
+    if not 1 <= n < 2**16:
+        raise ValueError(f"a bundle holds 1 to 65535 envelopes, not {n}")
+    header = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return header + b"".join(envelopes)
+
+
+_Item = TypeVar("_Item", Request, Reply)
+
+
+def _decode_one(
+    frames: Sequence[FrameLike], limits: Limits, read: Callable[[_Decoder, Any], _Item]
+) -> _Item:
     decoder = _Decoder(limits)
     try:
-        env = decoder.open(frames)
-        request_id = decoder.request_id
-        assert request_id is not None
-        ok = decoder.require(env, "ok")
-        if not isinstance(ok, bool):
-            decoder.fail(f"ok: must be a bool, got {_describe(ok)}")
-        if ok:
-            body = decoder.require(env, "body")
-            decoder.check_keys(env, _REPLY_OK_KEYS)
-            reply = Reply(id=request_id, ok=True, body=decoder.body(body), error=None)
-        else:
-            error = decoder.require(env, "error")
-            if not isinstance(error, dict):
-                decoder.fail(f"error: must be a map, got {_describe(error)}")
-            decoder.check_keys(env, _REPLY_ERROR_KEYS)
-            reply = Reply(id=request_id, ok=False, body={}, error=error_from_wire(error))
+        item = read(decoder, decoder.open(frames))
         decoder.check_all_frames_used()
-        return reply
+        return item
+    except DecodeError:
+        raise
+    except Exception as exc:  # a bug in the checks must not escape as anything else
+        raise decoder.unexpected(exc) from exc
+
+
+def _decode_each(
+    frames: Sequence[FrameLike], limits: Limits, read: Callable[[_Decoder, Any], _Item]
+) -> list[_Item | DecodeError]:
+    decoder = _Decoder(limits)
+    try:
+        top = decoder.open(frames)
+        if type(top) is not list:
+            item = read(decoder, top)
+            decoder.check_all_frames_used()
+            return [item]
+        if not top:
+            decoder.fail("bundle: an empty array of envelopes")
+        out: list[_Item | DecodeError] = []
+        for envelope in top:
+            decoder.request_id = None
+            try:
+                out.append(read(decoder, envelope))
+            except DecodeError as exc:
+                out.append(exc)
+            except Exception as exc:
+                out.append(decoder.unexpected(exc))
+        decoder.request_id = None
+        try:
+            decoder.check_all_frames_used()
+        except DecodeError as exc:  # the whole message is wrong: every readable id hears it
+            ids = [x.request_id if isinstance(x, DecodeError) else x.id for x in out]
+            return [DecodeError(exc.message, code=exc.code, request_id=i) for i in ids]
+        return out
     except DecodeError:
         raise
     except Exception as exc:
@@ -367,8 +440,8 @@ class _Decoder:
 
     # -- envelope
 
-    def open(self, frames: Sequence[FrameLike]) -> dict[Any, Any]:
-        """Check sizes, unpack the envelope, read id and version; returns the envelope map."""
+    def open(self, frames: Sequence[FrameLike]) -> Any:
+        """Check sizes and unpack frame 0: an envelope, or a bundle's array of them."""
         self.buffers = _as_buffers(frames)
         limits = self.limits
         if not self.buffers:
@@ -402,11 +475,43 @@ class _Decoder:
             # Over a limit, or not msgpack: tell the sender if its id can still be read.
             self.request_id = _peek_id(self.buffers[0])
             self.fail(f"envelope: not valid msgpack or over a limit: {type(exc).__name__}: {exc}")
-        if not isinstance(env, dict):
+        return env
+
+    def envelope(self, env: Any) -> dict[Any, Any]:
+        """Check that ``env`` is an envelope map; read its id, then its version."""
+        if type(env) is not dict:
             self.fail(f"envelope: must be a map, got {_describe(env)}")
         self.request_id = self._read_id(env)
         self._check_version(env)
         return env
+
+    def request(self, env: Any) -> Request:
+        env = self.envelope(env)
+        request_id = self.request_id
+        assert request_id is not None
+        op = self.require(env, "op")
+        if not isinstance(op, str) or not op:
+            self.fail(f"op: must be a non-empty str, got {_describe(op)}")
+        body = self.require(env, "body")
+        self.check_keys(env, _REQUEST_KEYS)
+        return Request(id=request_id, op=op, body=self.body(body))
+
+    def reply(self, env: Any) -> Reply:
+        env = self.envelope(env)
+        request_id = self.request_id
+        assert request_id is not None
+        ok = self.require(env, "ok")
+        if not isinstance(ok, bool):
+            self.fail(f"ok: must be a bool, got {_describe(ok)}")
+        if ok:
+            body = self.require(env, "body")
+            self.check_keys(env, _REPLY_OK_KEYS)
+            return Reply(id=request_id, ok=True, body=self.body(body), error=None)
+        error = self.require(env, "error")
+        if not isinstance(error, dict):
+            self.fail(f"error: must be a map, got {_describe(error)}")
+        self.check_keys(env, _REPLY_ERROR_KEYS)
+        return Reply(id=request_id, ok=False, body={}, error=error_from_wire(error))
 
     def _read_id(self, env: dict[Any, Any]) -> int:
         if "id" not in env:

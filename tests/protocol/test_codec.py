@@ -25,6 +25,8 @@ from graphlane.protocol import (
     GraphlaneError,
     InternalError,
     Limits,
+    Reply,
+    Request,
     RequestError,
     ServiceError,
     ShuttingDown,
@@ -34,9 +36,13 @@ from graphlane.protocol import (
     UnknownProgram,
     UnsupportedVersion,
     WorkerLost,
+    bundle,
+    decode_replies,
     decode_reply,
     decode_request,
+    decode_requests,
     encode_error,
+    encode_outputs_reply,
     encode_reply,
     encode_request,
     error_class,
@@ -629,3 +635,81 @@ def test_decode_error_maps_to_a_wire_error() -> None:
 def test_limits_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_frames"):
         Limits(max_frames=0)
+
+
+# ---------------------------------------------------------------------------- bundles
+
+
+def _envelope(request_id: int, body: dict[str, Any] | None = None) -> bytes:
+    frames = encode_request(request_id, "step", body if body is not None else {"i": request_id})
+    assert len(frames) == 1
+    return bytes(frames[0])
+
+
+@pytest.mark.parametrize("n", [1, 2, 15, 16, 300])  # fixarray and array16 headers
+def test_a_bundle_carries_requests_that_decode_as_if_sent_alone(n: int) -> None:
+    envelopes = [_envelope(i + 1) for i in range(n)]
+    decoded = decode_requests([bundle(envelopes)])
+    assert [r.id for r in decoded if isinstance(r, Request)] == list(range(1, n + 1))
+    assert decoded == [decode_request([e]) for e in envelopes]
+
+
+def test_a_bad_envelope_in_a_bundle_fails_alone_with_its_id_when_it_can_be_read() -> None:
+    wrong_version = msgpack.packb({"v": 9, "id": 2, "op": "step", "body": {}})
+    no_id = msgpack.packb({"v": 1, "op": "step", "body": {}})
+    not_a_map = msgpack.packb([1, 2])
+    bad_body = msgpack.packb({"v": 1, "id": 5, "op": "step", "body": {"x": {"$tensor": 1}}})
+    out = decode_requests(
+        [bundle([_envelope(1), wrong_version, no_id, not_a_map, bad_body, _envelope(6)])]
+    )
+    assert isinstance(out[0], Request) and out[0].id == 1
+    assert isinstance(out[1], DecodeError) and out[1].request_id == 2
+    assert out[1].code == ErrorCode.UNSUPPORTED_VERSION
+    assert isinstance(out[2], DecodeError) and out[2].request_id is None
+    assert isinstance(out[3], DecodeError) and out[3].request_id is None
+    assert isinstance(out[4], DecodeError) and out[4].request_id == 5
+    assert out[4].code == ErrorCode.BAD_REQUEST and "$tensor" in out[4].message
+    assert isinstance(out[5], Request) and out[5].id == 6
+
+
+def test_a_bundle_with_a_frame_no_tensor_uses_fails_every_request_in_it() -> None:
+    out = decode_requests([bundle([_envelope(1), _envelope(2)]), b"stray"])
+    assert all(isinstance(x, DecodeError) and "extra frames" in x.message for x in out)
+    assert [x.request_id for x in out if isinstance(x, DecodeError)] == [1, 2]
+
+
+def test_empty_bundles_and_bundles_where_one_message_is_expected_are_refused() -> None:
+    with pytest.raises(DecodeError, match="empty"):
+        decode_requests([b"\x90"])
+    with pytest.raises(DecodeError, match="must be a map"):
+        decode_request([bundle([_envelope(1)])])
+    with pytest.raises(DecodeError, match="must be a map"):
+        decode_reply([bundle([encode_reply(1, {})[0]])])
+    with pytest.raises(ValueError, match="1 to 65535"):
+        bundle([])
+
+
+def test_replies_bundle_as_requests_do() -> None:
+    out_tensor = torch.arange(6, dtype=torch.float16).reshape(2, 3)
+    ok = encode_outputs_reply(1, {"out": out_tensor}, {"bucket": 2})
+    error = encode_error(2, Busy("full"))
+    assert len(ok) == 1 and len(error) == 1  # small tensors travel inline
+    replies = decode_replies([bundle([bytes(ok[0]), bytes(error[0])])])
+    first, second = replies
+    assert isinstance(first, Reply) and first.ok and first.body["bucket"] == 2
+    assert torch.equal(first.body["outputs"]["out"], out_tensor)
+    assert isinstance(second, Reply) and second.error is not None
+    assert second.error.code == ErrorCode.BUSY
+
+
+def test_the_outputs_reply_is_what_the_general_encoder_makes() -> None:
+    t = torch.randn(4, 64)  # 1 KiB and over: a data frame
+    small = torch.ones(3, dtype=torch.int32)
+    fields = {"bucket": 4, "slot": 1, "patched": 2, "server_us": 12.5}
+    fast = encode_outputs_reply(7, {"out": t, "lse": small}, fields)
+    general = encode_reply(7, {"outputs": {"out": t, "lse": small}, **fields})
+    assert [bytes(f) for f in fast] == [bytes(f) for f in general]
+    with pytest.raises(ValueError, match=r"body\.outputs\.out: must be a tensor"):
+        encode_outputs_reply(7, {"out": [1, 2]}, {})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="complex64"):
+        encode_outputs_reply(7, {"out": torch.zeros(1, dtype=torch.complex64)}, {})
