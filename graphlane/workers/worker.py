@@ -128,7 +128,7 @@ class Worker:
         self.sock.bind(spec.endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
-        self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0}
+        self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0, "bundles": 0}
         self.metrics = WorkerMetrics()
         self._dropped_log = Throttled(log)
         # Accepted requests not answered yet (waiting + on the device), oldest first.
@@ -148,6 +148,9 @@ class Worker:
         os.set_blocking(self._wake_w, False)
         self._woken = False  # a byte is (or is about to be) in the wake-up pipe
         self._main = threading.get_ident()
+        # Replies to bundled requests waiting to go back as one bundle per sender:
+        # id(ident) -> (ident, envelopes); None when no outbox is open.
+        self._outbox: dict[int, tuple[Any, list[bytes]]] | None = None
 
     @property
     def inflight(self) -> int:
@@ -283,8 +286,16 @@ class Worker:
         self._woken = False
         while self._commands:
             self._run_safely(self._commands.popleft())
-        while self._finished:
-            self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
+        if not self._finished:
+            return
+        # Steps that finished together go back together to senders that take bundles.
+        opened = self._open_outbox()
+        try:
+            while self._finished:
+                self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
+        finally:
+            if opened:
+                self._run_safely(self._flush_outbox)
 
     @staticmethod
     def _run_safely(work: Callable[[], None]) -> None:
@@ -295,53 +306,98 @@ class Worker:
             log.exception("worker loop: %r failed", work)
 
     # ------------------------------------------------------------ requests
-    def _send(self, ident: Any, frames: list[Any]) -> None:
+    def _send(self, ident: Any, frames: list[Any], bundled: bool = False) -> None:
+        """Send a reply; one to a bundle's request (``bundled``) waits in the outbox, when
+        one is open, for the other replies to the same sender (see _open_outbox)."""
+        if bundled and self._outbox is not None and len(frames) == 1:
+            entry = self._outbox.get(id(ident))
+            if entry is None:
+                self._outbox[id(ident)] = (ident, [frames[0]])
+            else:
+                entry[1].append(frames[0])
+            return
         self.metrics.bytes_out += sum(map(_nbytes, frames))
         self.sock.send_multipart([ident, *frames], copy=False)
 
-    def _reply_error(self, ident: Any, request_id: int, error: GraphlaneError) -> None:
+    def _open_outbox(self) -> bool:
+        """Collect the replies to bundled requests until _flush_outbox; False if one is
+        open already (its opener flushes it)."""
+        if self._outbox is not None:
+            return False
+        self._outbox = {}
+        return True
+
+    def _flush_outbox(self) -> None:
+        """Send each sender's collected replies: one alone, several as one bundle."""
+        outbox, self._outbox = self._outbox, None
+        for ident, envelopes in (outbox or {}).values():
+            payload = envelopes[0] if len(envelopes) == 1 else codec.bundle(envelopes)
+            self.metrics.bytes_out += len(payload)
+            self.sock.send_multipart([ident, payload], copy=False)
+
+    def _reply_error(
+        self, ident: Any, request_id: int, error: GraphlaneError, bundled: bool = False
+    ) -> None:
         self.counters["errors"] += 1
         self.metrics.errors[str(error.code)] += 1
-        self._send(ident, codec.encode_error(request_id, error))
+        self._send(ident, codec.encode_error(request_id, error), bundled)
 
     def _handle(self, frames: list[Any]) -> None:
+        """One message: a request, or a bundle of them whose replies go back together."""
         received = time.perf_counter()
-        self.counters["requests"] += 1
         self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
         ident = frames[0]
         try:
-            req = codec.decode_request(frames[1:], self.spec.limits)
+            reqs = codec.decode_requests(frames[1:], self.spec.limits)
         except codec.DecodeError as exc:
-            if exc.request_id is None:
-                self.counters["undecodable"] += 1
-                self._dropped_log.warning("dropped an undecodable message: %s", exc.message)
-                return
-            self._reply_error(ident, exc.request_id, exc.to_error())
+            reqs = [exc]
+        if len(reqs) == 1:
+            self._request(ident, reqs[0], received, False)
             return
+        self.counters["bundles"] += 1
+        opened = self._open_outbox()
         try:
-            self._dispatch(ident, req, received)
+            for req in reqs:
+                self._request(ident, req, received, True)
+        finally:
+            if opened:
+                self._flush_outbox()
+
+    def _request(
+        self, ident: Any, req: codec.Request | codec.DecodeError, received: float, bundled: bool
+    ) -> None:
+        self.counters["requests"] += 1
+        if type(req) is codec.DecodeError:
+            if req.request_id is None:
+                self.counters["undecodable"] += 1
+                self._dropped_log.warning("dropped an undecodable message: %s", req.message)
+                return
+            self._reply_error(ident, req.request_id, req.to_error(), bundled)
+            return
+        assert type(req) is codec.Request
+        try:
+            self._dispatch(ident, req, received, bundled)
         except GraphlaneError as exc:
-            self._reply_error(ident, req.id, exc)
+            self._reply_error(ident, req.id, exc, bundled)
         except Exception as exc:  # never let one request take the worker down
             log.exception("request %s (%s) failed", req.id, req.op)
-            self._reply_error(ident, req.id, InternalError(f"{type(exc).__name__}: {exc}"))
+            self._reply_error(
+                ident, req.id, InternalError(f"{type(exc).__name__}: {exc}"), bundled
+            )
 
-    def _dispatch(self, ident: Any, req: codec.Request, received: float) -> None:
+    def _dispatch(self, ident: Any, req: codec.Request, received: float, bundled: bool) -> None:
         msg = messages.parse_body(req.op, req.body)
         if isinstance(msg, messages.Hello):
-            self._send(
-                ident,
-                codec.encode_reply(req.id, {"version": codec.PROTOCOL_VERSION, **self.info()}),
-            )
+            hello = {"version": codec.PROTOCOL_VERSION, **self.info()}
+            self._send(ident, codec.encode_reply(req.id, hello), bundled)
             return
         if isinstance(msg, messages.StatusRequest):
-            self._send(ident, codec.encode_reply(req.id, self.status()))
+            self._send(ident, codec.encode_reply(req.id, self.status()), bundled)
             return
         if isinstance(msg, messages.DrainRequest):
             self.draining = True
-            self._send(
-                ident, codec.encode_reply(req.id, {"state": "draining", "inflight": self.inflight})
-            )
+            drained = {"state": "draining", "inflight": self.inflight}
+            self._send(ident, codec.encode_reply(req.id, drained), bundled)
             return
         if isinstance(msg, messages.ShutdownRequest):
             raise BadRequest(
@@ -358,7 +414,7 @@ class Worker:
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
         kind, plan, outputs = self._plan(msg)
-        call = _Call(ident, req.id, req.op, kind, plan, outputs, received)
+        call = _Call(ident, req.id, req.op, kind, plan, outputs, received, bundled)
         if self._waiting or not self.engine.reserve(blocking=False):
             if len(self._waiting) >= self.spec.max_queued:
                 raise Busy(f"{self.spec.max_queued} requests are queued already")
@@ -411,7 +467,7 @@ class Worker:
                 if isinstance(exc, GraphlaneError)
                 else InternalError(f"{type(exc).__name__}: {exc}")
             )
-            self._reply_error(call.ident, call.request_id, error)
+            self._reply_error(call.ident, call.request_id, error, call.bundled)
         else:
             now = time.perf_counter()
             self.metrics.observe_step(call.plan.program, call.op, now - call.received)
@@ -419,8 +475,7 @@ class Worker:
                 self.metrics.dispatch_seconds.observe(r.dispatch_s)
             if r.replay_at:
                 self.metrics.replay_seconds.observe(max(0.0, r.done_at - r.replay_at))
-            body = {
-                "outputs": r.outputs,
+            fields = {
                 "bucket": r.key.bucket,
                 "slot": r.key.slot,
                 "patched": r.patched_groups,
@@ -428,13 +483,15 @@ class Worker:
                 "server_us": round((now - call.received) * 1e6, 1),
             }
             try:
-                frames = codec.encode_reply(call.request_id, body)
+                frames = codec.encode_outputs_reply(call.request_id, r.outputs, fields)
             except Exception as exc:  # a program's outputs that cannot be sent: say so
                 log.exception("reply to request %s cannot be encoded", call.request_id)
-                self._reply_error(call.ident, call.request_id, InternalError(str(exc)))
+                self._reply_error(
+                    call.ident, call.request_id, InternalError(str(exc)), call.bundled
+                )
             else:
                 self.counters["replies"] += 1
-                self._send(call.ident, frames)
+                self._send(call.ident, frames, call.bundled)
         if self.engine.failure is not None and not self._stopping:
             # A device fault: this process cannot serve again. Answer what waits,
             # then exit; the orchestrator restarts the worker, which captures afresh.
@@ -443,7 +500,7 @@ class Worker:
             while self._waiting:
                 waiting = self._waiting.popleft()
                 self._open.pop(waiting, None)
-                self._reply_error(waiting.ident, waiting.request_id, failed)
+                self._reply_error(waiting.ident, waiting.request_id, failed, waiting.bundled)
             self.exit_code = 5
             self._stopping = True
             return
@@ -468,6 +525,7 @@ class _Call:
     plan: StepPlan
     outputs: tuple[str, ...]
     received: float
+    bundled: bool  # came in a bundle: its sender takes bundled replies
 
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]

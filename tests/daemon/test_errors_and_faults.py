@@ -189,6 +189,7 @@ def test_malformed_frames_get_answers_when_they_can_and_break_nothing(start_daem
     cases: list[tuple[list[bytes], str | None]] = [
         ([b"\x00garbage\xff"], None),
         ([good_bytes[0][:-3]], "BAD_REQUEST"),  # truncated msgpack: its id is still readable
+        # An array is a bundle (to a worker): three envelopes, none of them a map.
         ([msgpack.packb([1, 2, 3])], None),
         ([msgpack.packb({"v": 1, "id": 6, "op": 7, "body": {}})], "BAD_REQUEST"),
         ([msgpack.packb({"v": 1, "id": 7, "op": "explode", "body": {}})], "BAD_REQUEST"),
@@ -248,7 +249,9 @@ def test_malformed_frames_get_answers_when_they_can_and_break_nothing(start_daem
             r = await c.step("attention", 0, {"actual_seq_lengths_kv": [2, 3]})
             assert r.outputs["out"].shape[0] == 2
             ws = await c.worker_status(0)
-            assert ws["counters"]["undecodable"] == 2
+            # The garbage and the three envelopes of [1, 2, 3]; the daemon, which takes
+            # no bundles, drops [1, 2, 3] as one message.
+            assert ws["counters"]["undecodable"] == 4
 
     asyncio.run(main())
     assert d.worker(0)["restarts"] == 0

@@ -41,9 +41,9 @@ def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
     replies: list[codec.Reply] = []
     send = worker._send
 
-    def capture(ident: Any, frames: list[Any]) -> None:
+    def capture(ident: Any, frames: list[Any], bundled: bool = False) -> None:
         replies.append(codec.decode_reply([bytes(memoryview(f)) for f in frames]))
-        send(ident, frames)
+        send(ident, frames, bundled)
         if len(replies) == 2:
             worker._stopping = True
 
@@ -78,6 +78,49 @@ def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
         assert second.ok and second.body["outputs"]["out"].shape[0] == 1
         assert worker.inflight == 0 and worker.engine.failure is None
     finally:
+        client.close(0)
+        worker.engine.close()
+        worker.sock.close(0)
+        worker.ctx.term()
+        there.close()
+
+
+@pytest.mark.parametrize("backend", ["null", "sim"])
+def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: str) -> None:
+    here, there = Pipe()
+    spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint="inproc://b")
+    worker = Worker(spec, here)
+    bad = codec.encode_request(
+        2, "step", {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": "x"}}
+    )
+    envelopes = [bytes(_request(1)[0]), bytes(bad[0]), bytes(_request(3)[0])]
+    client = worker.ctx.socket(zmq.DEALER)
+
+    def serve() -> None:
+        worker._main = threading.get_ident()  # the loop's thread is the issuer
+        worker._serve()
+
+    loop = threading.Thread(target=serve, daemon=True)
+    try:
+        client.connect("inproc://b")
+        client.send(codec.bundle(envelopes))
+        loop.start()
+        messages: list[list[codec.Reply | codec.DecodeError]] = []
+        while sum(map(len, messages)) < 3:
+            assert client.poll(60_000), "the worker did not answer the whole bundle"
+            messages.append(codec.decode_replies(client.recv_multipart()))
+        replies = {r.id: r for m in messages for r in m if isinstance(r, codec.Reply)}
+        assert sorted(replies) == [1, 2, 3]
+        assert replies[1].ok and replies[1].body["outputs"]["out"].shape[0] == 1
+        assert replies[3].ok and replies[3].body["outputs"]["out"].shape[0] == 1
+        error = replies[2].error
+        assert error is not None and error.code == "BAD_REQUEST"
+        assert "actual_seq_lengths_kv" in error.message
+        assert len(messages) <= 3  # how the replies group depends on when the steps finish
+        assert worker.counters["bundles"] == 1 and worker.counters["requests"] == 3
+    finally:
+        worker._stopping = True
+        loop.join(10)
         client.close(0)
         worker.engine.close()
         worker.sock.close(0)
