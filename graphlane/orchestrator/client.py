@@ -17,6 +17,14 @@ Sockets belong to the event loop that created the client (its thread is their
 only user); a send is a single ``send_multipart``, so frames of concurrent
 calls never interleave.
 
+A call made while others are in flight on the same worker, and whose request
+is one frame (no tensor large enough for a frame of its own), is not sent at
+once: it waits for the end of the event loop's current turn and goes with the
+other calls made in that turn as one bundle (at most 16; a full bundle goes at
+once), when the daemon says its workers take bundles. A call alone on its
+connection is sent at once. Bundling saves a message per call on both sides
+and changes nothing else: each call keeps its own id, deadline and reply.
+
 Failures arrive as :class:`graphlane.GraphlaneError` subclasses whose ``code``
 is the wire code. A worker that dies fails every call in flight on it with
 WORKER_LOST at once (a socket monitor sees the connection drop); calls to a
@@ -40,7 +48,7 @@ import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import zmq
@@ -83,7 +91,12 @@ class Channel:
     """
 
     def __init__(
-        self, ctx: zmq.Context[Any], endpoint: str, name: str, keys: ClientKeys | None = None
+        self,
+        ctx: zmq.Context[Any],
+        endpoint: str,
+        name: str,
+        keys: ClientKeys | None = None,
+        bundle_max: int = 1,
     ) -> None:
         self.endpoint = endpoint
         self.name = name
@@ -105,6 +118,10 @@ class Channel:
         self.lost = False  # connected once, then dropped: the peer went away
         self.late_replies = 0
         self.closed = False
+        # Requests of this turn of the loop waiting to go as one bundle (see call).
+        self.bundle_max = bundle_max
+        self._queued: list[tuple[int, bytes]] = []
+        self._retries: set[asyncio.Task[None]] = set()
         self._fds = [self.sock.FD, self.monitor.FD]
         self._loop.add_reader(self._fds[0], self._readable)
         self._loop.add_reader(self._fds[1], self._watch)
@@ -134,19 +151,26 @@ class Channel:
 
     def _deliver(self, frames: list[Any]) -> None:
         try:
-            reply = codec.decode_reply(frames)
+            replies = codec.decode_replies(frames)
         except codec.DecodeError as exc:
-            fut = self.pending.pop(exc.request_id, None) if exc.request_id is not None else None
-            if fut is not None and not fut.done():
-                fut.set_exception(InternalError(f"undecodable reply: {exc.message}"))
-            else:
-                log.warning("dropped an undecodable reply from %s: %s", self.endpoint, exc.message)
-            return
-        fut = self.pending.pop(reply.id, None)
-        if fut is None or fut.done():
-            self.late_replies += 1  # its call was cancelled or timed out
-            return
-        fut.set_result(reply)
+            replies = [exc]
+        pending = self.pending
+        for reply in replies:
+            if type(reply) is codec.DecodeError:
+                fut = pending.pop(reply.request_id, None) if reply.request_id is not None else None
+                if fut is not None and not fut.done():
+                    fut.set_exception(InternalError(f"undecodable reply: {reply.message}"))
+                else:
+                    log.warning(
+                        "dropped an undecodable reply from %s: %s", self.endpoint, reply.message
+                    )
+                continue
+            assert type(reply) is codec.Reply
+            fut = pending.pop(reply.id, None)
+            if fut is None or fut.done():
+                self.late_replies += 1  # its call was cancelled or timed out
+                continue
+            fut.set_result(reply)
 
     def _watch(self) -> None:
         while not self.closed:
@@ -196,14 +220,20 @@ class Channel:
         # One timer instead of wait_for(shield(...)): the deadline fails the future.
         timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
         try:
-            try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # every peer's queue is full: wait for room
-                await self._send_later(frames, fut)
-            except zmq.ZMQError as exc:  # closed under us
-                raise WorkerLost(f"connection to {self.name} is closed") from exc
-            if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                loop.call_soon(self._readable)  # the send took the edge of a waiting reply
+            if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
+                # Other calls are in flight, so this one need not go at once: it goes
+                # with the others made in this turn of the loop, as one bundle.
+                self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
+            else:
+                if self._queued:
+                    self._flush()  # sends keep the order of the calls
+                try:
+                    self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # every peer's queue is full: wait for room
+                    await self._send_later(frames, [fut])
+                except zmq.ZMQError as exc:  # closed under us
+                    raise WorkerLost(f"connection to {self.name} is closed") from exc
+                self._check_readable()
             reply = await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
@@ -213,11 +243,59 @@ class Channel:
             raise reply.error
         return reply.body
 
-    async def _send_later(self, frames: list[Any], fut: asyncio.Future[codec.Reply]) -> None:
-        """Retry a send the high-water mark refused until it goes, the call ends
+    def _check_readable(self) -> None:
+        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
+
+    def _queue(self, request_id: int, envelope: bytes) -> None:
+        self._queued.append((request_id, envelope))
+        if len(self._queued) >= self.bundle_max:
+            self._flush()
+        elif len(self._queued) == 1:
+            self._loop.call_soon(self._flush)  # after the callbacks of this turn
+
+    def _flush(self) -> None:
+        """Send the queued requests: one alone, several as one bundle."""
+        queued, self._queued = self._queued, []
+        if not queued or self.closed:  # closing failed their calls already
+            return
+        envelopes = [envelope for _, envelope in queued]
+        payload = envelopes[0] if len(envelopes) == 1 else codec.bundle(envelopes)
+        futs = [fut for i, _ in queued if (fut := self.pending.get(i)) is not None]
+        try:
+            self.sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:  # every peer's queue is full: retry in the background
+            task = self._loop.create_task(self._send_bundle_later(payload, futs))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+            return
+        except zmq.ZMQError:  # closed under us
+            lost = WorkerLost(f"connection to {self.name} is closed")
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(lost)
+            return
+        self._check_readable()
+
+    async def _send_bundle_later(
+        self, payload: bytes, futs: list[asyncio.Future[codec.Reply]]
+    ) -> None:
+        try:
+            await self._send_later([payload], futs)
+        except WorkerLost as exc:
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(exc)
+        else:
+            self._check_readable()
+
+    async def _send_later(
+        self, frames: list[Any], futs: list[asyncio.Future[codec.Reply]]
+    ) -> None:
+        """Retry a send the high-water mark refused until it goes, its calls end
         (deadline, WORKER_LOST) or the channel closes."""
         delay = 0.0005
-        while not fut.done():
+        while not all(fut.done() for fut in futs):
             await asyncio.sleep(delay)
             delay = min(2 * delay, 0.02)
             if self.closed:
@@ -232,7 +310,10 @@ class Channel:
         if self.closed:
             return
         self.closed = True
+        self._queued = []
         self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
+        for task in list(self._retries):
+            task.cancel()
         for fd in self._fds:
             self._loop.remove_reader(fd)
         self.sock.disable_monitor()
@@ -241,6 +322,7 @@ class Channel:
 
 
 _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
+_BUNDLE_MAX = 16  # requests per bundle: a full one goes at once, overlapping the worker
 
 
 def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
@@ -420,8 +502,14 @@ class Client:
                     return ch
                 await ch.close()
             assert self._ctx is not None
+            # Workers that take bundles get this turn's requests as one message.
+            takes_bundles = bool(hello.get("capabilities", {}).get("bundles"))
             ch = host.workers[local] = Channel(
-                self._ctx, entry["endpoint"], f"device {local} at {host.endpoint}", self.keys
+                self._ctx,
+                entry["endpoint"],
+                f"device {local} at {host.endpoint}",
+                self.keys,
+                bundle_max=_BUNDLE_MAX if takes_bundles else 1,
             )
             return ch
 

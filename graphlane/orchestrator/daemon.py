@@ -228,6 +228,7 @@ class Daemon:
                 "auth": "curve" if self.config.auth_dir else "none",
                 "backend": self.config.backend,
                 "max_message_bytes": codec.DEFAULT_LIMITS.max_message_bytes,
+                "bundles": True,  # worker sockets take bundles of requests
             },
             "workers": [self._worker_entry(h) for h in self.supervisor.workers.values()],
         }

@@ -302,19 +302,23 @@ def test_a_device_fault_answers_internal_and_the_worker_is_restarted(start_daemo
     assert wait_for(restarted, 120, "the faulted worker to be restarted")["restarts"] == 1
 
 
-def test_calls_past_the_send_queue_limit_wait_for_room_and_time_out_without_hanging() -> None:
-    """A peer that never answers (nothing listens): the first ~1000 requests queue in
-    the socket, the next ones find no room and wait for it; all end at their deadline
-    with TIMEOUT, and the channel closes cleanly."""
+@pytest.mark.parametrize("bundle_max", [1, 16])
+def test_calls_past_the_send_queue_limit_wait_for_room_and_time_out_without_hanging(
+    bundle_max: int,
+) -> None:
+    """A peer that never answers (nothing listens): the first ~1000 messages queue in
+    the socket, the next ones find no room and wait for it; all calls end at their
+    deadline with TIMEOUT, and the channel closes cleanly. With bundles, each message
+    carries up to bundle_max calls."""
 
     async def main() -> None:
         with socket.socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx: zmq.Context[Any] = zmq.Context()
-        ch = Channel(ctx, f"tcp://127.0.0.1:{port}", "nobody")
+        ch = Channel(ctx, f"tcp://127.0.0.1:{port}", "nobody", bundle_max=bundle_max)
         try:
-            n = ch.sock.getsockopt(zmq.SNDHWM) + 100
+            n = (ch.sock.getsockopt(zmq.SNDHWM) + 100) * bundle_max
             calls = [ch.call(i + 1, "status", {}, 0.5) for i in range(n)]
             results = await asyncio.wait_for(
                 asyncio.gather(*calls, return_exceptions=True), timeout=30

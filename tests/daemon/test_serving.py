@@ -72,6 +72,32 @@ def test_concurrent_steps_across_devices_match_the_reference(start_daemon, trans
     assert st["ready"] and all(w["restarts"] == 0 for w in st["workers"])
 
 
+def test_calls_made_together_go_as_bundles_and_each_gets_its_own_answer(start_daemon) -> None:
+    """Steps without data frames made in one turn of the loop travel to the worker as
+    bundles; every call still gets the reply for its own batch, and calls made one
+    after another are not bundled."""
+    d = start_daemon(devices=1)
+
+    async def main() -> None:
+        async with Client(d.endpoint) as c:
+            before = (await c.worker_status(0))["counters"]["bundles"]
+            for _ in range(3):
+                await c.step("attention", 0, {"actual_seq_lengths_kv": [1]})
+            assert (await c.worker_status(0))["counters"]["bundles"] == before
+            batches = [1 + i % 4 for i in range(32)]
+            calls = [
+                c.step("attention", 0, {"actual_seq_lengths_kv": [1 + j % MAXKV for j in range(b)]})
+                for b in batches
+            ]
+            replies = await asyncio.gather(*calls)
+            for r, batch in zip(replies, batches, strict=True):
+                assert r.bucket == min(b for b in SMALL["buckets"] if b >= batch)
+                assert r.outputs["out"].shape == (batch, N, 1, D)
+            assert (await c.worker_status(0))["counters"]["bundles"] > before
+
+    asyncio.run(main())
+
+
 def test_split_update_then_replay_and_status(start_daemon) -> None:
     d = start_daemon(devices=1)
 
