@@ -19,8 +19,11 @@ from graphlane.protocol import (
     Limits,
     Reply,
     Request,
+    bundle,
+    decode_replies,
     decode_reply,
     decode_request,
+    decode_requests,
     encode_error,
     encode_reply,
     encode_request,
@@ -72,21 +75,41 @@ def check_value(value: Any, depth: int, limits: Limits) -> None:
         assert value is None or isinstance(value, bool | int | float | str | bytes)
 
 
+def check_refusal(exc: DecodeError) -> None:
+    assert exc.code in set(ErrorCode)
+    assert exc.request_id is None or 0 <= exc.request_id < 2**64
+
+
+def check_result(result: Request | Reply, limits: Limits) -> None:
+    assert 0 <= result.id < 2**64
+    assert isinstance(result.body, dict)
+    check_value(result.body, 1, limits)
+    if isinstance(result, Request):
+        assert isinstance(result.op, str) and result.op
+    else:
+        assert (result.error is None) == result.ok
+
+
 def decodes_or_refuses(frames: list[Any], limits: Limits = DEFAULT_LIMITS) -> None:
+    """Single envelopes and bundles alike: a value, or DecodeError (for the message,
+    or in place of one envelope of a bundle)."""
     for decode in (decode_request, decode_reply):
         try:
-            result: Request | Reply = decode(frames, limits)
+            check_result(decode(frames, limits), limits)
         except DecodeError as exc:
-            assert exc.code in set(ErrorCode)
-            assert exc.request_id is None or 0 <= exc.request_id < 2**64
+            check_refusal(exc)
+    for decode_each in (decode_requests, decode_replies):
+        try:
+            items: list[Any] = decode_each(frames, limits)
+        except DecodeError as exc:
+            check_refusal(exc)
             continue
-        assert 0 <= result.id < 2**64
-        assert isinstance(result.body, dict)
-        check_value(result.body, 1, limits)
-        if isinstance(result, Request):
-            assert isinstance(result.op, str) and result.op
-        else:
-            assert (result.error is None) == result.ok
+        assert items
+        for item in items:
+            if isinstance(item, DecodeError):
+                check_refusal(item)
+            else:
+                check_result(item, limits)
 
 
 # -------------------------------------------------------------------------- 1: raw bytes
@@ -160,6 +183,12 @@ def test_envelope_like_maps(env: dict[str, Any], extra: list[bytes], limits: Lim
     decodes_or_refuses([msgpack.packb(env, use_bin_type=True), *extra], limits)
 
 
+@FUZZ
+@given(st.lists(envelopes | values, min_size=1, max_size=5), limits_st)
+def test_arrays_of_envelope_like_maps_as_bundles(items: list[Any], limits: Limits) -> None:
+    decodes_or_refuses([msgpack.packb(items, use_bin_type=True)], limits)
+
+
 # ------------------------------------------------------------------ 3: mutated messages
 
 
@@ -182,6 +211,8 @@ def valid_messages() -> list[list[bytes]]:
         encode_request(12345, "step", body),
         encode_reply(12345, {"outputs": {"out": torch.randn(20, 20)}}),
         encode_error(7, Busy("queue full")),
+        [bundle([bytes(encode_request(i, "status", {})[0]) for i in (1, 2, 3)])],
+        [bundle([bytes(encode_error(4, Busy("queue full"))[0]), bytes(encode_reply(5, {})[0])])],
     ]
     return [[bytes(frame) for frame in frames] for frames in messages]
 
