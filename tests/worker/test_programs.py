@@ -24,7 +24,8 @@ from graphlane.workers.programs import (
 
 @pytest.fixture
 def installed_prefill(tmp_path: Path) -> Iterator[None]:
-    """Install a distribution whose entry point registers the docs' example program."""
+    """Install a distribution whose entry points register the docs' example program
+    and a plugin whose module fails to import."""
     dist = tmp_path / "graphlane_prefill_example-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text(
@@ -32,7 +33,9 @@ def installed_prefill(tmp_path: Path) -> Iterator[None]:
     )
     (dist / "entry_points.txt").write_text(
         "[graphlane.programs]\nprefill = prefill_program:PrefillProgram.from_config\n"
+        "broken = graphlane_broken_plugin:Program.from_config\n"
     )
+    (tmp_path / "graphlane_broken_plugin.py").write_text("raise ImportError('no such kernel')\n")
     sys.path.insert(0, str(tmp_path))
     importlib.invalidate_caches()
     try:
@@ -69,6 +72,14 @@ def test_bad_attention_config_names_the_key(config: dict, key: str) -> None:
 def test_unknown_program_kind() -> None:
     with pytest.raises(ProgramConfigError):
         load_program("no-such-program", {})
+
+
+def test_a_plugin_that_fails_to_import_fails_alone(installed_prefill: None) -> None:
+    assert {"attention", "broken", "prefill"} <= set(available_programs())
+    with pytest.raises(ProgramConfigError, match=r"'broken'.*no such kernel") as err:
+        load_program("broken", {})
+    assert err.value.key == "programs.kind"
+    assert isinstance(load_program("attention", {"layers": 1}), AttentionProgram)
 
 
 def test_program_from_an_entry_point_runs_steps(installed_prefill: None) -> None:

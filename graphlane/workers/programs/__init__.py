@@ -29,21 +29,35 @@ ENTRY_POINT_GROUP = "graphlane.programs"
 _BUILTIN: dict[str, ProgramFactory] = {"attention": AttentionProgram.from_config}
 
 
-def available_programs() -> dict[str, ProgramFactory]:
-    """Built-in programs plus those installed under the ``graphlane.programs`` entry points."""
-    found: dict[str, ProgramFactory] = dict(_BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name, ep.load())
-    return found
+def available_programs() -> list[str]:
+    """Names of the built-in programs and of those installed under the
+    ``graphlane.programs`` entry points (nothing is imported to list them)."""
+    names = set(_BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names)
+
+
+def _factory(kind: str) -> ProgramFactory | None:
+    """The factory of ``kind``: a built-in, else its entry point, the only one imported
+    (a broken plugin of another name cannot stop this one from loading)."""
+    if kind in _BUILTIN:
+        return _BUILTIN[kind]
+    for ep in entry_points(group=ENTRY_POINT_GROUP, name=kind):
+        try:
+            factory: ProgramFactory = ep.load()
+        except Exception as exc:
+            raise ProgramConfigError(
+                "programs.kind", f"program {kind!r} ({ep.value}) failed to import: {exc}"
+            ) from exc
+        return factory
+    return None
 
 
 def load_program(kind: str, config: Mapping[str, Any]) -> GraphProgram:
     """Build the program registered as ``kind`` from its configuration mapping."""
-    factories = available_programs()
-    factory = factories.get(kind)
+    factory = _factory(kind)
     if factory is None:
         raise ProgramConfigError(
-            "programs.kind", f"unknown program {kind!r} (available: {sorted(factories)})"
+            "programs.kind", f"unknown program {kind!r} (available: {available_programs()})"
         )
     program = factory(config)
     if not isinstance(program, GraphProgram):
