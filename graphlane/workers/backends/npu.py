@@ -88,11 +88,8 @@ class NpuBackend:
         if self._fused_update is not None:
             self._fused_update(stream, handle, event, **arguments)
             return
-        with self.npu.stream(stream):
-            self.npu.graph_task_update_begin(stream, handle)
-            self._fia_out(**arguments)
-            self.npu.graph_task_update_end(stream)
-            event.record(stream)
+        self.patch_attention(stream, handle, arguments)
+        event.record(stream)
 
     def patch_attention(self, stream: Any, handle: Any, arguments: dict[str, Any]) -> None:
         """Patch one attention task group without releasing its event."""
