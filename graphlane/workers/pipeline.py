@@ -315,10 +315,9 @@ class StepEngine:
     def plan_replay(self, program: str, batch: int, outputs: Sequence[str] = ()) -> StepPlan:
         """Validate a replay of the bucket that serves ``batch``."""
         prog = self._program(program)
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise StepError("batch", f"must be a positive integer, not {batch!r}")
+        bucket = prog.bucket_for(batch)
         self._check_outputs(prog, outputs)
-        return StepPlan(program, batch, prog.bucket_for(batch))
+        return StepPlan(program, batch, bucket)
 
     def submit(self, request: StepRequest) -> Future[StepResult]:
         """Validate and queue a step. Raises StepError, EngineBusy or EngineError at once."""

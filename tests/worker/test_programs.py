@@ -17,6 +17,7 @@ from graphlane.workers.pipeline import StepEngine, StepRequest
 from graphlane.workers.programs import (
     AttentionProgram,
     ProgramConfigError,
+    StepError,
     available_programs,
     load_program,
 )
@@ -100,3 +101,13 @@ def test_program_from_an_entry_point_runs_steps(installed_prefill: None) -> None
             expect = torch.softmax(s, -1) @ v[b, h, :nk].double()
             torch.testing.assert_close(out[b, h, :nq].double(), expect, atol=3e-3, rtol=3e-3)
             assert torch.count_nonzero(out[b, h, nq:]) == 0
+
+
+@pytest.mark.parametrize("batch", [0, -1, True, 2.0, 3])
+def test_every_program_refuses_a_batch_no_bucket_holds(installed_prefill: None, batch) -> None:
+    """The batch check is the base class's (bucket_for): a plugin gets it too."""
+    config = {"name": "prefill", "heads": 2, "seq": 4, "kv": 8, "dim": 8}  # buckets 1, 2
+    program = load_program("prefill", config)
+    with pytest.raises(StepError) as err:
+        program.plan(batch, {"q_len": [1] * 3, "kv_len": [1] * 3}, {})
+    assert err.value.field == "batch"

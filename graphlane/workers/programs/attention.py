@@ -165,8 +165,6 @@ class AttentionProgram(GraphProgram):
         self, batch: int, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]
     ) -> StepPlan:
         c = self.config
-        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-            raise StepError("batch", f"must be a positive integer, not {batch!r}")
         bucket = self.bucket_for(batch)
         for key in params:
             if key != "actual_seq_lengths_kv":

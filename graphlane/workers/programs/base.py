@@ -85,6 +85,10 @@ class GraphProgram(abc.ABC):
         """Task groups per captured graph (each has its own ExternalEvent)."""
 
     def bucket_for(self, batch: int) -> int:
+        """The smallest captured bucket that holds ``batch``; StepError("batch", ...) for a
+        batch that is not a positive int or is larger than every bucket."""
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise StepError("batch", f"must be a positive integer, not {batch!r}")
         for b in self.buckets:
             if b >= batch:
                 return b
