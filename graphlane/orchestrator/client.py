@@ -20,8 +20,9 @@ calls never interleave.
 A call made while others are in flight on the same worker, and whose request
 is one frame (no tensor large enough for a frame of its own), is not sent at
 once: it waits for the end of the event loop's current turn and goes with the
-other calls made in that turn as one bundle (at most 16; a full bundle goes at
-once), when the daemon says its workers take bundles. A call alone on its
+other calls made in that turn as one bundle (at most 16 requests and 64 KiB; a
+full bundle goes at once, a request over 16 KiB goes alone), when the daemon
+says its workers take bundles. A call alone on its
 connection is sent at once. Bundling saves a message per call on both sides
 and changes nothing else: each call keeps its own id, deadline and reply.
 
@@ -121,6 +122,7 @@ class Channel:
         # Requests of this turn of the loop waiting to go as one bundle (see call).
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
+        self._queued_bytes = 0
         self._retries: set[asyncio.Task[None]] = set()
         self._fds = [self.sock.FD, self.monitor.FD]
         self._loop.add_reader(self._fds[0], self._readable)
@@ -220,7 +222,12 @@ class Channel:
         # One timer instead of wait_for(shield(...)): the deadline fails the future.
         timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
         try:
-            if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
+            if (
+                len(frames) == 1
+                and self.bundle_max > 1
+                and (self._queued or len(self.pending) > 1)
+                and len(frames[0]) <= _BUNDLE_ENVELOPE_MAX
+            ):
                 # Other calls are in flight, so this one need not go at once: it goes
                 # with the others made in this turn of the loop, as one bundle.
                 self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
@@ -248,7 +255,10 @@ class Channel:
             self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
 
     def _queue(self, request_id: int, envelope: bytes) -> None:
+        if self._queued and self._queued_bytes + len(envelope) > _BUNDLE_BYTES:
+            self._flush()  # a bundle stays far below the worker's envelope limit
         self._queued.append((request_id, envelope))
+        self._queued_bytes += len(envelope)
         if len(self._queued) >= self.bundle_max:
             self._flush()
         elif len(self._queued) == 1:
@@ -256,7 +266,7 @@ class Channel:
 
     def _flush(self) -> None:
         """Send the queued requests: one alone, several as one bundle."""
-        queued, self._queued = self._queued, []
+        queued, self._queued, self._queued_bytes = self._queued, [], 0
         if not queued or self.closed:  # closing failed their calls already
             return
         envelopes = [envelope for _, envelope in queued]
@@ -310,7 +320,7 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        self._queued = []
+        self._queued, self._queued_bytes = [], 0
         self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
         for task in list(self._retries):
             task.cancel()
@@ -323,6 +333,10 @@ class Channel:
 
 _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
 _BUNDLE_MAX = 16  # requests per bundle: a full one goes at once, overlapping the worker
+# Bytes: an envelope larger than this goes alone; a bundle holds at most _BUNDLE_BYTES
+# (the worker refuses a frame 0 over Limits.max_envelope_bytes, 1 MiB, as a whole).
+_BUNDLE_ENVELOPE_MAX = 16 * 1024
+_BUNDLE_BYTES = 64 * 1024
 
 
 def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:

@@ -43,16 +43,20 @@ Bundles
 =======
 
 A worker's socket also takes a *bundle*: a single-frame message whose frame 0
-is a msgpack array of request envelopes (1 to 65535 of them), none referencing
-data frames. Each envelope is checked and answered on its own, as if it had
-come alone: one bad envelope fails alone, with its id. The replies to a
-bundle's requests may come back bundled the same way (an array of reply
-envelopes); however they group, every request gets exactly one reply.
-Calls that carry tensors as frames never travel in a bundle. A daemon whose
-hello ``capabilities`` say ``"bundles": true`` runs workers that take them;
-the daemon's own socket does not (an array there is undecodable).
-``codec.bundle`` builds one; ``codec.decode_requests`` and
-``codec.decode_replies`` read a message of either kind.
+is a msgpack array of request envelopes (1 to 65535 of them, within
+``Limits.max_items``), none referencing data frames. Each envelope is checked
+and answered on its own, as if it had come alone: one bad envelope fails alone,
+with its id. The replies to a bundle's requests may come back bundled the same
+way (an array of reply envelopes); however they group, each request gets
+exactly one reply. The limits of frame 0 (``Limits.max_envelope_bytes``) apply
+to the bundle as a whole: a bundle over them cannot be read and is dropped
+unanswered, as any message without a readable id, so a sender keeps bundles
+small (the client: at most 16 requests and 64 KiB). Calls that carry tensors
+as frames never travel in a bundle. A daemon whose hello ``capabilities`` say
+``"bundles": true`` runs workers that take them; the daemon's own socket does
+not (an array there is undecodable). ``codec.bundle`` builds one;
+``codec.decode_requests`` and ``codec.decode_replies`` read a message of
+either kind.
 
 Decoding is validation (``codec.decode_request``): sizes and frame count, then
 the envelope, then ``id`` (so every later error can be answered), then ``v``

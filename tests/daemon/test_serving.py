@@ -98,6 +98,28 @@ def test_calls_made_together_go_as_bundles_and_each_gets_its_own_answer(start_da
     asyncio.run(main())
 
 
+def test_large_calls_made_together_are_each_answered(start_daemon) -> None:
+    """Requests of 600 kB made together would make a bundle over the worker's 1 MiB
+    envelope limit, refused whole: large requests go alone, smaller ones in bundles
+    that fit, and each gets its own answer (here BAD_REQUEST: no such parameter)."""
+    d = start_daemon(devices=1)
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=10) as c:
+            for junk in (["x" * 50_000] * 12, "x" * 6_000):  # alone; several to a bundle
+                calls = [
+                    c.step("attention", 0, {"actual_seq_lengths_kv": [1], "junk": junk})
+                    for _ in range(16)
+                ]
+                results = await asyncio.gather(*calls, return_exceptions=True)
+                assert all(
+                    isinstance(r, graphlane.GraphlaneError) and r.code == "BAD_REQUEST"
+                    for r in results
+                ), results
+
+    asyncio.run(main())
+
+
 def test_split_update_then_replay_and_status(start_daemon) -> None:
     d = start_daemon(devices=1)
 
