@@ -328,12 +328,22 @@ class Worker:
         return True
 
     def _flush_outbox(self) -> None:
-        """Send each sender's collected replies: one alone, several as one bundle."""
+        """Send each sender's collected replies: one alone, several as bundles of at
+        most _REPLY_BUNDLE_BYTES (a reader refuses a frame 0 over its envelope limit)."""
         outbox, self._outbox = self._outbox, None
         for ident, envelopes in (outbox or {}).values():
-            payload = envelopes[0] if len(envelopes) == 1 else codec.bundle(envelopes)
-            self.metrics.bytes_out += len(payload)
-            self.sock.send_multipart([ident, payload], copy=False)
+            start, size = 0, 0
+            for i, envelope in enumerate(envelopes):
+                if size + len(envelope) > _REPLY_BUNDLE_BYTES and i > start:
+                    self._send_bundle(ident, envelopes[start:i])
+                    start, size = i, 0
+                size += len(envelope)
+            self._send_bundle(ident, envelopes[start:])
+
+    def _send_bundle(self, ident: Any, envelopes: list[bytes]) -> None:
+        payload = envelopes[0] if len(envelopes) == 1 else codec.bundle(envelopes)
+        self.metrics.bytes_out += len(payload)
+        self.sock.send_multipart([ident, payload], copy=False)
 
     def _reply_error(
         self, ident: Any, request_id: int, error: GraphlaneError, bundled: bool = False
@@ -508,6 +518,7 @@ class Worker:
 
 
 _BATCH = 64  # requests taken from the socket per turn of the loop
+_REPLY_BUNDLE_BYTES = 64 * 1024  # far below any reader's envelope limit (1 MiB)
 
 
 def _nbytes(frame: Any) -> int:

@@ -126,3 +126,43 @@ def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: s
         worker.sock.close(0)
         worker.ctx.term()
         there.close()
+
+
+def test_replies_to_a_large_bundle_come_in_bundles_a_client_can_read() -> None:
+    """Two thousand status requests in one bundle: their replies (about 1.6 MB in all)
+    come back as several bundles, each within the reader's 1 MiB envelope limit."""
+    here, there = Pipe()
+    spec = WorkerSpec(device=0, backend="null", programs=(TINY,), endpoint="inproc://big")
+    worker = Worker(spec, here)
+    n = 2000
+    envelopes = [bytes(codec.encode_request(i + 1, "status", {})[0]) for i in range(n)]
+    client = worker.ctx.socket(zmq.DEALER)
+
+    def serve() -> None:
+        worker._main = threading.get_ident()
+        worker._serve()
+
+    loop = threading.Thread(target=serve, daemon=True)
+    try:
+        client.connect("inproc://big")
+        client.send(codec.bundle(envelopes))
+        loop.start()
+        ids: list[int] = []
+        sizes: list[int] = []
+        while len(ids) < n:
+            assert client.poll(60_000), f"{n - len(ids)} replies never came"
+            frames = client.recv_multipart()
+            sizes.append(len(frames[0]))
+            for r in codec.decode_replies(frames):  # default limits: a client's
+                assert isinstance(r, codec.Reply) and r.ok, r
+                ids.append(r.id)
+        assert sorted(ids) == list(range(1, n + 1))
+        assert sum(sizes) > 2**20 and len(sizes) > 1 and max(sizes) <= 64 * 1024
+    finally:
+        worker._stopping = True
+        loop.join(10)
+        client.close(0)
+        worker.engine.close()
+        worker.sock.close(0)
+        worker.ctx.term()
+        there.close()
