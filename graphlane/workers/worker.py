@@ -149,8 +149,8 @@ class Worker:
         self._woken = False  # a byte is (or is about to be) in the wake-up pipe
         self._main = threading.get_ident()
         # Replies to bundled requests waiting to go back as one bundle per sender:
-        # id(ident) -> (ident, envelopes); None when no outbox is open.
-        self._outbox: dict[int, tuple[Any, list[bytes]]] | None = None
+        # The sender's routing id (bytes) -> (ident, envelopes); None when none is open.
+        self._outbox: dict[bytes, tuple[Any, list[bytes]]] | None = None
 
     @property
     def inflight(self) -> int:
@@ -310,9 +310,10 @@ class Worker:
         """Send a reply; one to a bundle's request (``bundled``) waits in the outbox, when
         one is open, for the other replies to the same sender (see _open_outbox)."""
         if bundled and self._outbox is not None and len(frames) == 1:
-            entry = self._outbox.get(id(ident))
+            key = bytes(ident)  # one sender's replies to several bundles go together
+            entry = self._outbox.get(key)
             if entry is None:
-                self._outbox[id(ident)] = (ident, [frames[0]])
+                self._outbox[key] = (ident, [frames[0]])
             else:
                 entry[1].append(frames[0])
             return
