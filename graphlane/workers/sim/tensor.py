@@ -113,35 +113,65 @@ def _first_npu(args: Any, kwargs: Any) -> NpuTensor | None:
 
 
 # ---------------------------------------------------------------- schema helpers
+class _Schema:
+    """What dispatch needs of an op's schema, read once per op: reading a schema
+    through its bindings costs microseconds per argument, on every issue."""
+
+    __slots__ = ("has_returns", "is_view", "n_returns", "returns_tensors", "written")
+
+    def __init__(self, func: Any) -> None:
+        rets = func._schema.returns
+        self.n_returns = len(rets)
+        self.has_returns = bool(rets)
+        self.is_view = bool(rets) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in rets
+        )
+        self.returns_tensors = any("Tensor" in str(r.type) for r in rets)
+        # (position, name, keyword-only) of each argument the op writes (Tensor(a!)).
+        self.written = tuple(
+            (i, a.name, a.kwarg_only)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+
+
+_SCHEMAS: dict[Any, _Schema] = {}
+
+
+def _schema(func: Any) -> _Schema:
+    info = _SCHEMAS.get(func)
+    if info is None:
+        info = _SCHEMAS[func] = _Schema(func)
+    return info
+
+
 def _is_view(func: Any) -> bool:
-    rets = func._schema.returns
-    return bool(rets) and all(r.alias_info is not None and not r.alias_info.is_write for r in rets)
+    return _schema(func).is_view
 
 
 def _returns_tensors(func: Any) -> bool:
-    return any("Tensor" in str(r.type) for r in func._schema.returns)
+    return _schema(func).returns_tensors
 
 
 def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """The arguments the op writes (``Tensor(a!)``), in schema order."""
     out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = kwargs.get(a.name) if a.kwarg_only or i >= len(args) else args[i]
-            if v is not None:
-                out.append(v)
+    for i, name, kwarg_only in _schema(func).written:
+        v = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+        if v is not None:
+            out.append(v)
     return out
 
 
 def _aliased_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Result of a mutating op: the written inputs, shaped like the schema's returns."""
-    rets = func._schema.returns
-    if not rets:
+    n = _schema(func).n_returns
+    if not n:
         return None
     written = _written_args(func, args, kwargs)
-    if len(rets) == 1:
+    if n == 1:
         return written[0]
-    return tuple(written[: len(rets)])
+    return tuple(written[:n])
 
 
 # ---------------------------------------------------------------- host-side costs
@@ -167,7 +197,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             lambda r: NpuTensor(r, index) if isinstance(r, torch.Tensor) else r, result
         )
     stream = current_stream(index)
-    if not _returns_tensors(func) and func._schema.returns:
+    if not _returns_tensors(func) and _schema(func).has_returns:
         return _host_read(stream, func, args, kwargs)
     return issue(stream, func, args, kwargs, index, started)
 
