@@ -49,9 +49,11 @@ and answered on its own, as if it had come alone: one bad envelope fails alone,
 with its id. The replies to a bundle's requests may come back bundled the same
 way (an array of reply envelopes); however they group, each request gets
 exactly one reply. The limits of frame 0 (``Limits.max_envelope_bytes``) apply
-to the bundle as a whole: a bundle over them cannot be read and is dropped
-unanswered, as any message without a readable id, so a sender keeps bundles
-small (the client: at most 16 requests and 64 KiB). Calls that carry tensors
+to the bundle as a whole: a bundle over them is refused, each of its requests
+whose id can still be read getting the BAD_REQUEST (up to four times the
+limit; a frame 0 larger than that is not read and nobody is answered, for a
+single envelope too), so a sender keeps bundles small (the client: at most 16
+requests and 64 KiB). Calls that carry tensors
 as frames never travel in a bundle. A daemon whose hello ``capabilities`` say
 ``"bundles": true`` runs workers that take them; the daemon's own socket does
 not (an array there is undecodable). ``codec.bundle`` builds one;

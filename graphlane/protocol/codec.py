@@ -393,7 +393,15 @@ def _decode_each(
 ) -> list[_Item | DecodeError]:
     decoder = _Decoder(limits)
     try:
-        top = decoder.open(frames)
+        try:
+            top = decoder.open(frames)
+        except DecodeError as exc:  # a bundle over a limit: answer each id it holds
+            ids = None
+            if decoder.buffers and decoder.request_id is None:
+                ids = _peek_bundle_ids(decoder.buffers[0], limits)
+            if ids is None:
+                raise
+            return [DecodeError(exc.message, code=exc.code, request_id=i) for i in ids]
         if type(top) is not list:
             item = read(decoder, top)
             decoder.check_all_frames_used()
@@ -448,6 +456,8 @@ class _Decoder:
             self.fail("message has no frames")
         envelope_bytes = self.buffers[0].nbytes
         if envelope_bytes > limits.max_envelope_bytes:
+            if envelope_bytes <= _PEEK_FACTOR * limits.max_envelope_bytes:
+                self.request_id = _peek_id(self.buffers[0])
             self.fail(
                 f"envelope is {envelope_bytes} bytes, over the limit of "
                 f"{limits.max_envelope_bytes} (Limits.max_envelope_bytes)"
@@ -708,6 +718,46 @@ def _peek_id(envelope: memoryview) -> int | None:
     except Exception:
         return None
     return None
+
+
+#: A frame 0 over the envelope limit by at most this factor is still read for ids
+#: (one copy of it), so that its sender hears why; a larger one is dropped unread.
+_PEEK_FACTOR = 4
+
+
+def _peek_bundle_ids(frame: memoryview, limits: Limits) -> list[int | None] | None:
+    """The ids of the envelopes of a bundle that failed to unpack as a whole (None
+    for an envelope without a readable id); None when ``frame`` is not a readable
+    array of at most ``limits.max_items``, or too large to read. Never raises."""
+    if frame.nbytes > _PEEK_FACTOR * limits.max_envelope_bytes:
+        return None
+    try:
+        unpacker = msgpack.Unpacker(
+            raw=False, strict_map_key=False, max_buffer_size=max(frame.nbytes, 1)
+        )
+        unpacker.feed(frame)
+        n = unpacker.read_array_header()
+        if not 1 <= n <= limits.max_items:
+            return None
+        ids: list[int | None] = []
+        for _ in range(n):
+            try:
+                pairs = unpacker.read_map_header()
+            except ValueError:  # not a map (nothing read): skip the element
+                unpacker.skip()
+                ids.append(None)
+                continue
+            found: int | None = None
+            for _ in range(pairs):
+                if unpacker.unpack() == "id" and found is None:
+                    value = unpacker.unpack()
+                    found = value if _is_uint64(value) else None
+                else:
+                    unpacker.skip()
+            ids.append(found)
+        return ids
+    except Exception:
+        return None
 
 
 def _is_uint64(value: Any) -> bool:

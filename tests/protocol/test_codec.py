@@ -332,8 +332,12 @@ def test_message_over_the_size_limit_keeps_the_id() -> None:
     rejected(packed(envelope(), bytes(200)), BAD, 42, "bytes", limits=limits)
 
 
-def test_envelope_over_its_limit_is_not_read() -> None:
+def test_envelope_over_its_limit_names_its_id_unless_far_over() -> None:
+    """Just over the limit, the id is still read so the sender hears why; more than
+    four times over, the envelope is not read at all."""
     frames = packed(envelope(body={"s": "x" * 200}))
+    rejected(frames, BAD, 42, "envelope", limits=Limits(max_envelope_bytes=100))
+    frames = packed(envelope(body={"s": "x" * 500}))
     rejected(frames, BAD, None, "envelope", limits=Limits(max_envelope_bytes=100))
 
 
@@ -676,6 +680,25 @@ def test_a_bundle_with_a_frame_no_tensor_uses_fails_every_request_in_it() -> Non
     out = decode_requests([bundle([_envelope(1), _envelope(2)]), b"stray"])
     assert all(isinstance(x, DecodeError) and "extra frames" in x.message for x in out)
     assert [x.request_id for x in out if isinstance(x, DecodeError)] == [1, 2]
+
+
+def test_a_bundle_over_a_limit_as_a_whole_fails_each_request_it_can_name() -> None:
+    """Too large, or a string over its limit: the bundle cannot be unpacked, yet every
+    envelope whose id can be read hears why (so its sender does not wait for nothing)."""
+    limits = Limits(max_envelope_bytes=600, max_str_bytes=100)
+    big = [_envelope(i, {"x": "a" * 90}) for i in (1, 2, 3, 4, 5, 6)]  # ~110 bytes each
+    long_str = [_envelope(7), _envelope(8, {"x": "b" * 200}), msgpack.packb("not a map")]
+    no_id = msgpack.packb({"v": 1, "op": "step", "body": {}, 3: 4})  # an int key, too
+    for envelopes, ids, reason in (
+        (big, [1, 2, 3, 4, 5, 6], "over the limit"),
+        ([*long_str, no_id], [7, 8, None, None], "not valid msgpack or over a limit"),
+    ):
+        out = decode_requests([bundle(envelopes)], limits)
+        assert [x.request_id for x in out if isinstance(x, DecodeError)] == ids
+        assert all(isinstance(x, DecodeError) and reason in x.message for x in out)
+    with pytest.raises(DecodeError) as err:  # not a bundle: the one id, raised
+        decode_requests([_envelope(9, {"x": "c" * 700})], limits)
+    assert err.value.request_id == 9
 
 
 def test_empty_bundles_and_bundles_where_one_message_is_expected_are_refused() -> None:
