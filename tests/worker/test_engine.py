@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from daemons import wait_for
 from reference import decode_stack
 
 from graphlane.workers.backends import create_backend
@@ -265,9 +265,7 @@ def test_a_driven_engine_answers_complete_steps_on_the_spot_and_others_from_its_
         with pytest.raises(EngineError):  # no issue thread: submit is not the way in
             eng.submit(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
         backend.opened.set()
-        until = time.monotonic() + 30
-        while len(done) < 2 and time.monotonic() < until:
-            time.sleep(0.01)
+        wait_for(lambda: len(done) == 2, 30, "both steps to complete")
         assert [exc for _, exc, _ in done] == [None, None]
         assert all(thread != threading.get_ident() for _, _, thread in done)
         assert eng.reserve(blocking=False)  # slots came back
@@ -311,10 +309,8 @@ def test_a_driven_engine_on_the_sim_matches_the_reference(gen: torch.Generator) 
             eng.reserve()
             eng.issue("step", plan, ("out",), on_done)
             cases.append((q, n))
-        until = time.monotonic() + 30
-        while len(done) < len(cases) and time.monotonic() < until:
-            time.sleep(0.01)
-        assert len(done) == len(cases) and all(exc is None for _, exc, _ in done)
+        wait_for(lambda: len(done) == len(cases), 30, "every step to complete")
+        assert all(exc is None for _, exc, _ in done)
         # Answers may come from either thread; match them to their steps by issue time.
         results: list[StepResult] = sorted(
             (r for r, _, _ in done if isinstance(r, StepResult)), key=lambda r: r.issued_at
