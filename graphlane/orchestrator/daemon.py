@@ -30,7 +30,7 @@ import zmq.asyncio
 from graphlane import __version__
 from graphlane.logs import Throttled
 from graphlane.protocol import codec, messages, security
-from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, UnknownDevice
+from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownDevice, as_error
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig
@@ -171,12 +171,11 @@ class Daemon:
             try:
                 body = self._handle(req)
                 reply = codec.encode_reply(req.id, body)
-            except GraphlaneError as exc:
-                self.counters["errors"] += 1
-                reply = codec.encode_error(req.id, exc)
             except Exception as exc:
-                log.exception("request %s (%s) failed", req.id, req.op)
-                reply = codec.encode_error(req.id, InternalError(f"{type(exc).__name__}: {exc}"))
+                if not isinstance(exc, GraphlaneError):
+                    log.exception("request %s (%s) failed", req.id, req.op)
+                self.counters["errors"] += 1
+                reply = codec.encode_error(req.id, as_error(exc))
             await sock.send_multipart([ident, *reply])
 
     def _handle(self, req: codec.Request) -> dict[str, Any]:

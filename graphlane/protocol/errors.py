@@ -49,6 +49,7 @@ __all__ = [
     "UnknownProgram",
     "UnsupportedVersion",
     "WorkerLost",
+    "as_error",
     "error_class",
     "error_from_wire",
 ]
@@ -173,6 +174,14 @@ class InternalError(ServiceError):
     """A bug or an unexpected fault on the server (also: an unreadable error from the peer)."""
 
     code = ErrorCode.INTERNAL
+
+
+def as_error(exc: BaseException) -> GraphlaneError:
+    """What to answer for ``exc``: itself when it is a GraphlaneError, else an INTERNAL
+    error naming it (a server's bug is reported, never raised at the caller)."""
+    if isinstance(exc, GraphlaneError):
+        return exc
+    return InternalError(f"{type(exc).__name__}: {exc}")
 
 
 _CLASSES: dict[ErrorCode, type[GraphlaneError]] = {

@@ -45,6 +45,7 @@ from graphlane.protocol.errors import (
     ShuttingDown,
     UnknownDevice,
     UnknownProgram,
+    as_error,
 )
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.pipeline import StepEngine, StepResult
@@ -388,13 +389,10 @@ class Worker:
         assert type(req) is codec.Request
         try:
             self._dispatch(ident, req, received, bundled)
-        except GraphlaneError as exc:
-            self._reply_error(ident, req.id, exc, bundled)
         except Exception as exc:  # never let one request take the worker down
-            log.exception("request %s (%s) failed", req.id, req.op)
-            self._reply_error(
-                ident, req.id, InternalError(f"{type(exc).__name__}: {exc}"), bundled
-            )
+            if not isinstance(exc, GraphlaneError):
+                log.exception("request %s (%s) failed", req.id, req.op)
+            self._reply_error(ident, req.id, as_error(exc), bundled)
 
     def _dispatch(self, ident: Any, req: codec.Request, received: float, bundled: bool) -> None:
         msg = messages.parse_body(req.op, req.body)
@@ -473,12 +471,8 @@ class Worker:
     def _finish(self, call: _Call, r: StepResult | None, exc: BaseException | None) -> None:
         self._open.pop(call, None)
         if r is None:
-            error = (
-                exc
-                if isinstance(exc, GraphlaneError)
-                else InternalError(f"{type(exc).__name__}: {exc}")
-            )
-            self._reply_error(call.ident, call.request_id, error, call.bundled)
+            assert exc is not None
+            self._reply_error(call.ident, call.request_id, as_error(exc), call.bundled)
         else:
             now = time.perf_counter()
             self.metrics.observe_step(call.plan.program, call.op, now - call.received)
