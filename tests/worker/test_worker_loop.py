@@ -4,7 +4,9 @@ step was answered on the spot (null) or from the completion thread (sim)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from multiprocessing import Pipe
 from typing import Any
 
@@ -85,26 +87,41 @@ def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
         there.close()
 
 
-@pytest.mark.parametrize("backend", ["null", "sim"])
-def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: str) -> None:
+@contextlib.contextmanager
+def _serving(backend: str, endpoint: str) -> Iterator[tuple[Worker, zmq.Socket[Any]]]:
+    """A worker serving ``endpoint`` from a thread (its issuer), and a DEALER to it."""
     here, there = Pipe()
-    spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint="inproc://b")
+    spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint=endpoint)
     worker = Worker(spec, here)
-    bad = codec.encode_request(
-        2, "step", {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": "x"}}
-    )
-    envelopes = [bytes(_request(1)[0]), bytes(bad[0]), bytes(_request(3)[0])]
     client = worker.ctx.socket(zmq.DEALER)
 
     def serve() -> None:
-        worker._main = threading.get_ident()  # the loop's thread is the issuer
+        worker._main = threading.get_ident()
         worker._serve()
 
     loop = threading.Thread(target=serve, daemon=True)
     try:
-        client.connect("inproc://b")
-        client.send(codec.bundle(envelopes))
+        client.connect(endpoint)
         loop.start()
+        yield worker, client
+    finally:
+        worker._stopping = True
+        loop.join(10)
+        client.close(0)
+        worker.engine.close()
+        worker.sock.close(0)
+        worker.ctx.term()
+        there.close()
+
+
+@pytest.mark.parametrize("backend", ["null", "sim"])
+def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: str) -> None:
+    bad = codec.encode_request(
+        2, "step", {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": "x"}}
+    )
+    envelopes = [bytes(_request(1)[0]), bytes(bad[0]), bytes(_request(3)[0])]
+    with _serving(backend, "inproc://b") as (worker, client):
+        client.send(codec.bundle(envelopes))
         messages: list[list[codec.Reply | codec.DecodeError]] = []
         while sum(map(len, messages)) < 3:
             assert client.poll(60_000), "the worker did not answer the whole bundle"
@@ -118,35 +135,15 @@ def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: s
         assert "actual_seq_lengths_kv" in error.message
         assert len(messages) <= 3  # how the replies group depends on when the steps finish
         assert worker.counters["bundles"] == 1 and worker.counters["requests"] == 3
-    finally:
-        worker._stopping = True
-        loop.join(10)
-        client.close(0)
-        worker.engine.close()
-        worker.sock.close(0)
-        worker.ctx.term()
-        there.close()
 
 
 def test_replies_to_a_large_bundle_come_in_bundles_a_client_can_read() -> None:
     """Two thousand status requests in one bundle: their replies (about 1.6 MB in all)
     come back as several bundles, each within the reader's 1 MiB envelope limit."""
-    here, there = Pipe()
-    spec = WorkerSpec(device=0, backend="null", programs=(TINY,), endpoint="inproc://big")
-    worker = Worker(spec, here)
     n = 2000
     envelopes = [bytes(codec.encode_request(i + 1, "status", {})[0]) for i in range(n)]
-    client = worker.ctx.socket(zmq.DEALER)
-
-    def serve() -> None:
-        worker._main = threading.get_ident()
-        worker._serve()
-
-    loop = threading.Thread(target=serve, daemon=True)
-    try:
-        client.connect("inproc://big")
+    with _serving("null", "inproc://big") as (_, client):
         client.send(codec.bundle(envelopes))
-        loop.start()
         ids: list[int] = []
         sizes: list[int] = []
         while len(ids) < n:
@@ -158,11 +155,3 @@ def test_replies_to_a_large_bundle_come_in_bundles_a_client_can_read() -> None:
                 ids.append(r.id)
         assert sorted(ids) == list(range(1, n + 1))
         assert sum(sizes) > 2**20 and len(sizes) > 1 and max(sizes) <= 64 * 1024
-    finally:
-        worker._stopping = True
-        loop.join(10)
-        client.close(0)
-        worker.engine.close()
-        worker.sock.close(0)
-        worker.ctx.term()
-        there.close()
