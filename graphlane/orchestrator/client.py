@@ -20,9 +20,9 @@ calls never interleave.
 A call made while others are in flight on the same worker, and whose request
 is one frame (no tensor large enough for a frame of its own), is not sent at
 once: it waits for the end of the event loop's current turn and goes with the
-other calls made in that turn as one bundle (at most 16 requests and 64 KiB; a
-full bundle goes at once, a request over 16 KiB goes alone), when the daemon
-says its workers take bundles. A call alone on its
+other calls made in that turn as one bundle (at most 16 requests, a full
+bundle going at once, and ``codec.BUNDLE_BYTES``, 64 KiB: a larger request
+goes alone), when the daemon says its workers take bundles. A call alone on its
 connection is sent at once. Bundling saves a message per call on both sides
 and changes nothing else: each call keeps its own id, deadline and reply.
 
@@ -122,7 +122,6 @@ class Channel:
         # Requests of this turn of the loop waiting to go as one bundle (see call).
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
-        self._queued_bytes = 0
         self._retries: set[asyncio.Task[None]] = set()
         self._fds = [self.sock.FD, self.monitor.FD]
         self._loop.add_reader(self._fds[0], self._readable)
@@ -222,12 +221,7 @@ class Channel:
         # One timer instead of wait_for(shield(...)): the deadline fails the future.
         timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
         try:
-            if (
-                len(frames) == 1
-                and self.bundle_max > 1
-                and (self._queued or len(self.pending) > 1)
-                and len(frames[0]) <= _BUNDLE_ENVELOPE_MAX
-            ):
+            if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
                 # Other calls are in flight, so this one need not go at once: it goes
                 # with the others made in this turn of the loop, as one bundle.
                 self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
@@ -255,37 +249,34 @@ class Channel:
             self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
 
     def _queue(self, request_id: int, envelope: bytes) -> None:
-        if self._queued and self._queued_bytes + len(envelope) > _BUNDLE_BYTES:
-            self._flush()  # a bundle stays far below the worker's envelope limit
         self._queued.append((request_id, envelope))
-        self._queued_bytes += len(envelope)
         if len(self._queued) >= self.bundle_max:
             self._flush()
         elif len(self._queued) == 1:
             self._loop.call_soon(self._flush)  # after the callbacks of this turn
 
     def _flush(self) -> None:
-        """Send the queued requests: one alone, several as one bundle."""
-        queued, self._queued, self._queued_bytes = self._queued, [], 0
+        """Send the queued requests: alone, or as bundles of bounded size."""
+        queued, self._queued = self._queued, []
         if not queued or self.closed:  # closing failed their calls already
             return
-        envelopes = [envelope for _, envelope in queued]
-        payload = envelopes[0] if len(envelopes) == 1 else codec.bundle(envelopes)
-        futs = [fut for i, _ in queued if (fut := self.pending.get(i)) is not None]
-        try:
-            self.sock.send(payload, zmq.NOBLOCK)
-        except zmq.Again:  # every peer's queue is full: retry in the background
-            task = self._loop.create_task(self._send_bundle_later(payload, futs))
-            self._retries.add(task)
-            task.add_done_callback(self._retries.discard)
-            return
-        except zmq.ZMQError:  # closed under us
-            lost = WorkerLost(f"connection to {self.name} is closed")
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(lost)
-            return
-        self._check_readable()
+        start, sent = 0, False
+        for count, payload in codec.bundles([envelope for _, envelope in queued]):
+            ids = [i for i, _ in queued[start : start + count]]
+            start += count
+            futs = [fut for i in ids if (fut := self.pending.get(i)) is not None]
+            try:
+                self.sock.send(payload, zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:  # every peer's queue is full: retry in the background
+                task = self._loop.create_task(self._send_bundle_later(payload, futs))
+                self._retries.add(task)
+                task.add_done_callback(self._retries.discard)
+            except zmq.ZMQError:  # closed under us
+                _fail(futs, WorkerLost(f"connection to {self.name} is closed"))
+                return
+        if sent:
+            self._check_readable()
 
     async def _send_bundle_later(
         self, payload: bytes, futs: list[asyncio.Future[codec.Reply]]
@@ -293,9 +284,7 @@ class Channel:
         try:
             await self._send_later([payload], futs)
         except WorkerLost as exc:
-            for fut in futs:
-                if not fut.done():
-                    fut.set_exception(exc)
+            _fail(futs, exc)
         else:
             self._check_readable()
 
@@ -320,7 +309,7 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        self._queued, self._queued_bytes = [], 0
+        self._queued = []
         self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
         for task in list(self._retries):
             task.cancel()
@@ -333,10 +322,12 @@ class Channel:
 
 _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
 _BUNDLE_MAX = 16  # requests per bundle: a full one goes at once, overlapping the worker
-# Bytes: an envelope larger than this goes alone; a bundle holds at most _BUNDLE_BYTES
-# (the worker refuses a frame 0 over Limits.max_envelope_bytes, 1 MiB, as a whole).
-_BUNDLE_ENVELOPE_MAX = 16 * 1024
-_BUNDLE_BYTES = 64 * 1024
+
+
+def _fail(futs: list[asyncio.Future[codec.Reply]], exc: BaseException) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_exception(exc)
 
 
 def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:

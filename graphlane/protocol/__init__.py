@@ -52,13 +52,14 @@ exactly one reply. The limits of frame 0 (``Limits.max_envelope_bytes``) apply
 to the bundle as a whole: a bundle over them is refused, each of its requests
 whose id can still be read getting the BAD_REQUEST (up to four times the
 limit; a frame 0 larger than that is not read and nobody is answered, for a
-single envelope too), so a sender keeps bundles small (the client: at most 16
-requests and 64 KiB). Calls that carry tensors
-as frames never travel in a bundle. A daemon whose hello ``capabilities`` say
-``"bundles": true`` runs workers that take them; the daemon's own socket does
-not (an array there is undecodable). ``codec.bundle`` builds one;
-``codec.decode_requests`` and ``codec.decode_replies`` read a message of
-either kind.
+single envelope too). So a sender keeps bundles small: graphlane's client and
+workers make none over ``codec.BUNDLE_BYTES`` (64 KiB), the client none of
+more than 16 requests. Calls that carry tensors as frames never travel in a
+bundle. A daemon whose hello ``capabilities`` say ``"bundles": true`` runs
+workers that take them; the daemon's own socket does not (an array there is
+undecodable). ``codec.bundle`` builds one, ``codec.bundles`` packs envelopes
+into messages of bounded size; ``codec.decode_requests`` and
+``codec.decode_replies`` read a message of either kind.
 
 Decoding is validation (``codec.decode_request``): sizes and frame count, then
 the envelope, then ``id`` (so every later error can be answered), then ``v``
@@ -151,6 +152,7 @@ from graphlane.protocol.codec import (
     Reply,
     Request,
     bundle,
+    bundles,
     decode_replies,
     decode_reply,
     decode_request,
@@ -232,6 +234,7 @@ __all__ = [
     "UpdateRequestMsg",
     "WorkerLost",
     "bundle",
+    "bundles",
     "decode_replies",
     "decode_reply",
     "decode_request",

@@ -38,6 +38,7 @@ import zmq
 from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_class, error_from_wire
 
 __all__ = [
+    "BUNDLE_BYTES",
     "DEFAULT_LIMITS",
     "DTYPES",
     "INLINE_TENSOR_BYTES",
@@ -49,6 +50,7 @@ __all__ = [
     "Reply",
     "Request",
     "bundle",
+    "bundles",
     "decode_replies",
     "decode_reply",
     "decode_request",
@@ -191,9 +193,7 @@ def encode_reply(request_id: int, body: Mapping[str, Any]) -> list[bytes | memor
     """Frames of an ok reply. Raises ``ValueError`` for a value that cannot be sent."""
     _check_id(request_id)
     frames: list[bytes | memoryview] = []
-    wire_body = _body_to_wire(body, frames)
-    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": wire_body}
-    return [_pack(envelope), *frames]
+    return _ok_reply(request_id, _body_to_wire(body, frames), frames)
 
 
 def encode_outputs_reply(
@@ -208,8 +208,13 @@ def encode_outputs_reply(
         if type(t) is not torch.Tensor:
             raise ValueError(f"body.outputs.{name}: must be a tensor, got {type(t).__name__}")
         wire[name] = tensor_to_wire(t, frames, path="body.outputs")
-    body = {"outputs": wire, **fields}
-    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": body}
+    return _ok_reply(request_id, {"outputs": wire, **fields}, frames)
+
+
+def _ok_reply(
+    request_id: int, wire_body: dict[str, Any], frames: list[bytes | memoryview]
+) -> list[bytes | memoryview]:
+    envelope = {"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": wire_body}
     return [_pack(envelope), *frames]
 
 
@@ -371,6 +376,32 @@ def bundle(envelopes: Sequence[bytes]) -> bytes:
     return header + b"".join(envelopes)
 
 
+#: The largest bundle graphlane's senders make (client requests, worker replies):
+#: far below any reader's ``Limits.max_envelope_bytes``, which a bundle's frame 0
+#: must keep as a whole.
+BUNDLE_BYTES = 64 * 1024
+
+
+def bundles(envelopes: Sequence[bytes], max_bytes: int = BUNDLE_BYTES) -> list[tuple[int, bytes]]:
+    """Frame 0 of each message that carries ``envelopes`` in order, with how many
+    envelopes it carries: several as bundles of at most ``max_bytes``, an envelope
+    that fits with no other (or is larger than ``max_bytes``) alone, as itself."""
+    out: list[tuple[int, bytes]] = []
+    start = size = 0
+    for i, envelope in enumerate(envelopes):
+        if i > start and size + len(envelope) > max_bytes:
+            out.append(_message_of(envelopes[start:i]))
+            start, size = i, 0
+        size += len(envelope)
+    if start < len(envelopes):
+        out.append(_message_of(envelopes[start:]))
+    return out
+
+
+def _message_of(envelopes: Sequence[bytes]) -> tuple[int, bytes]:
+    return len(envelopes), envelopes[0] if len(envelopes) == 1 else bundle(envelopes)
+
+
 _Item = TypeVar("_Item", Request, Reply)
 
 
@@ -401,7 +432,7 @@ def _decode_each(
                 ids = _peek_bundle_ids(decoder.buffers[0], limits)
             if ids is None:
                 raise
-            return [DecodeError(exc.message, code=exc.code, request_id=i) for i in ids]
+            return _for_each_id(exc, ids)
         if type(top) is not list:
             item = read(decoder, top)
             decoder.check_all_frames_used()
@@ -421,13 +452,19 @@ def _decode_each(
         try:
             decoder.check_all_frames_used()
         except DecodeError as exc:  # the whole message is wrong: every readable id hears it
-            ids = [x.request_id if isinstance(x, DecodeError) else x.id for x in out]
-            return [DecodeError(exc.message, code=exc.code, request_id=i) for i in ids]
+            return _for_each_id(
+                exc, [x.request_id if isinstance(x, DecodeError) else x.id for x in out]
+            )
         return out
     except DecodeError:
         raise
     except Exception as exc:
         raise decoder.unexpected(exc) from exc
+
+
+def _for_each_id(exc: DecodeError, ids: list[int | None]) -> list[Any]:
+    """``exc``, a failure of a whole bundle, as the answer to each of its requests."""
+    return [DecodeError(exc.message, code=exc.code, request_id=i) for i in ids]
 
 
 class _Decoder:
@@ -706,18 +743,9 @@ def _as_buffers(frames: Sequence[FrameLike]) -> list[memoryview]:
 def _peek_id(envelope: memoryview) -> int | None:
     """The id of an envelope that failed a check, if it can be read cheaply; never raises."""
     try:
-        unpacker = msgpack.Unpacker(
-            raw=False, strict_map_key=True, max_buffer_size=max(envelope.nbytes, 1)
-        )
-        unpacker.feed(envelope)
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == "id":
-                value = unpacker.unpack()
-                return value if _is_uint64(value) else None
-            unpacker.skip()
+        return _id_of_map(_unpacker(envelope), whole=False)
     except Exception:
         return None
-    return None
 
 
 #: A frame 0 over the envelope limit by at most this factor is still read for ids
@@ -732,32 +760,44 @@ def _peek_bundle_ids(frame: memoryview, limits: Limits) -> list[int | None] | No
     if frame.nbytes > _PEEK_FACTOR * limits.max_envelope_bytes:
         return None
     try:
-        unpacker = msgpack.Unpacker(
-            raw=False, strict_map_key=False, max_buffer_size=max(frame.nbytes, 1)
-        )
-        unpacker.feed(frame)
+        unpacker = _unpacker(frame)
         n = unpacker.read_array_header()
         if not 1 <= n <= limits.max_items:
             return None
         ids: list[int | None] = []
         for _ in range(n):
             try:
-                pairs = unpacker.read_map_header()
+                ids.append(_id_of_map(unpacker, whole=True))
             except ValueError:  # not a map (nothing read): skip the element
                 unpacker.skip()
                 ids.append(None)
-                continue
-            found: int | None = None
-            for _ in range(pairs):
-                if unpacker.unpack() == "id" and found is None:
-                    value = unpacker.unpack()
-                    found = value if _is_uint64(value) else None
-                else:
-                    unpacker.skip()
-            ids.append(found)
         return ids
     except Exception:
         return None
+
+
+def _unpacker(frame: memoryview) -> msgpack.Unpacker:
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=False, max_buffer_size=max(frame.nbytes, 1)
+    )
+    unpacker.feed(frame)
+    return unpacker
+
+
+def _id_of_map(unpacker: msgpack.Unpacker, *, whole: bool) -> int | None:
+    """The "id" of the next value, a map, when that is a uint64; reads up to the id
+    (the rest may be truncated) or, ``whole``, the whole map. Raises ValueError,
+    having read nothing, when the next value is not a map."""
+    found: int | None = None
+    for _ in range(unpacker.read_map_header()):
+        if unpacker.unpack() == "id" and found is None:
+            value = unpacker.unpack()
+            found = value if _is_uint64(value) else None
+            if not whole:
+                return found
+        else:
+            unpacker.skip()
+    return found
 
 
 def _is_uint64(value: Any) -> bool:

@@ -28,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -290,13 +290,9 @@ class Worker:
         if not self._finished:
             return
         # Steps that finished together go back together to senders that take bundles.
-        opened = self._open_outbox()
-        try:
+        with self._replies_together():
             while self._finished:
                 self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
-        finally:
-            if opened:
-                self._run_safely(self._flush_outbox)
 
     @staticmethod
     def _run_safely(work: Callable[[], None]) -> None:
@@ -309,7 +305,7 @@ class Worker:
     # ------------------------------------------------------------ requests
     def _send(self, ident: Any, frames: list[Any], bundled: bool = False) -> None:
         """Send a reply; one to a bundle's request (``bundled``) waits in the outbox, when
-        one is open, for the other replies to the same sender (see _open_outbox)."""
+        one is open, for the other replies to the same sender (see _replies_together)."""
         if bundled and self._outbox is not None and len(frames) == 1:
             key = bytes(ident)  # one sender's replies to several bundles go together
             entry = self._outbox.get(key)
@@ -321,31 +317,26 @@ class Worker:
         self.metrics.bytes_out += sum(map(_nbytes, frames))
         self.sock.send_multipart([ident, *frames], copy=False)
 
-    def _open_outbox(self) -> bool:
-        """Collect the replies to bundled requests until _flush_outbox; False if one is
-        open already (its opener flushes it)."""
+    @contextlib.contextmanager
+    def _replies_together(self) -> Iterator[None]:
+        """Within it, replies to bundled requests wait in the outbox; at its end each
+        sender's go out as bundles of bounded size (codec.bundles). Nested, the
+        outermost one sends."""
         if self._outbox is not None:
-            return False
+            yield
+            return
         self._outbox = {}
-        return True
+        try:
+            yield
+        finally:
+            self._run_safely(self._flush_outbox)
 
     def _flush_outbox(self) -> None:
-        """Send each sender's collected replies: one alone, several as bundles of at
-        most _REPLY_BUNDLE_BYTES (a reader refuses a frame 0 over its envelope limit)."""
         outbox, self._outbox = self._outbox, None
         for ident, envelopes in (outbox or {}).values():
-            start, size = 0, 0
-            for i, envelope in enumerate(envelopes):
-                if size + len(envelope) > _REPLY_BUNDLE_BYTES and i > start:
-                    self._send_bundle(ident, envelopes[start:i])
-                    start, size = i, 0
-                size += len(envelope)
-            self._send_bundle(ident, envelopes[start:])
-
-    def _send_bundle(self, ident: Any, envelopes: list[bytes]) -> None:
-        payload = envelopes[0] if len(envelopes) == 1 else codec.bundle(envelopes)
-        self.metrics.bytes_out += len(payload)
-        self.sock.send_multipart([ident, payload], copy=False)
+            for _, payload in codec.bundles(envelopes):
+                self.metrics.bytes_out += len(payload)
+                self.sock.send_multipart([ident, payload], copy=False)
 
     def _reply_error(
         self, ident: Any, request_id: int, error: GraphlaneError, bundled: bool = False
@@ -367,13 +358,9 @@ class Worker:
             self._request(ident, reqs[0], received, False)
             return
         self.counters["bundles"] += 1
-        opened = self._open_outbox()
-        try:
+        with self._replies_together():
             for req in reqs:
                 self._request(ident, req, received, True)
-        finally:
-            if opened:
-                self._flush_outbox()
 
     def _request(
         self, ident: Any, req: codec.Request | codec.DecodeError, received: float, bundled: bool
@@ -513,7 +500,6 @@ class Worker:
 
 
 _BATCH = 64  # requests taken from the socket per turn of the loop
-_REPLY_BUNDLE_BYTES = 64 * 1024  # far below any reader's envelope limit (1 MiB)
 
 
 def _nbytes(frame: Any) -> int:

@@ -37,6 +37,7 @@ from graphlane.protocol import (
     UnsupportedVersion,
     WorkerLost,
     bundle,
+    bundles,
     decode_replies,
     decode_reply,
     decode_request,
@@ -656,6 +657,18 @@ def test_a_bundle_carries_requests_that_decode_as_if_sent_alone(n: int) -> None:
     decoded = decode_requests([bundle(envelopes)])
     assert [r.id for r in decoded if isinstance(r, Request)] == list(range(1, n + 1))
     assert decoded == [decode_request([e]) for e in envelopes]
+
+
+def test_bundles_packs_envelopes_in_order_into_messages_of_bounded_size() -> None:
+    small = [_envelope(i, {"x": "a" * 40}) for i in range(1, 8)]  # ~60 bytes each
+    large = _envelope(8, {"x": "b" * 500})
+    messages = bundles([*small[:3], large, *small[3:]], max_bytes=200)
+    assert [count for count, _ in messages] == [3, 1, 3, 1]
+    assert messages[1][1] == large  # larger than max_bytes: alone, as itself
+    assert all(len(m) <= 200 for i, (_, m) in enumerate(messages) if i != 1)
+    ids = [r.id for _, m in messages for r in decode_requests([m]) if isinstance(r, Request)]
+    assert ids == [1, 2, 3, 8, 4, 5, 6, 7]
+    assert bundles([small[0]]) == [(1, small[0])]
 
 
 def test_a_bad_envelope_in_a_bundle_fails_alone_with_its_id_when_it_can_be_read() -> None:

@@ -117,12 +117,11 @@ class _Schema:
     """What dispatch needs of an op's schema, read once per op: reading a schema
     through its bindings costs microseconds per argument, on every issue."""
 
-    __slots__ = ("has_returns", "is_view", "n_returns", "returns_tensors", "written")
+    __slots__ = ("is_view", "n_returns", "returns_tensors", "written")
 
     def __init__(self, func: Any) -> None:
         rets = func._schema.returns
         self.n_returns = len(rets)
-        self.has_returns = bool(rets)
         self.is_view = bool(rets) and all(
             r.alias_info is not None and not r.alias_info.is_write for r in rets
         )
@@ -197,7 +196,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             lambda r: NpuTensor(r, index) if isinstance(r, torch.Tensor) else r, result
         )
     stream = current_stream(index)
-    if not _returns_tensors(func) and _schema(func).has_returns:
+    if not _returns_tensors(func) and _schema(func).n_returns:
         return _host_read(stream, func, args, kwargs)
     return issue(stream, func, args, kwargs, index, started)
 
