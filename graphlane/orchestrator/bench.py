@@ -98,15 +98,18 @@ class RawClient:
         msgpack.unpackb((await self.sock.recv_multipart())[0])
 
     async def windowed(self, n: int, window: int) -> float:
-        """n requests with `window` in flight; replies matched by count (one socket)."""
+        """n requests with `window` in flight, each packed with its own id and each
+        reply unpacked, as :meth:`call` does; replies counted, not matched (one socket)."""
         t0 = time.perf_counter()
         sent = received = 0
-        env = msgpack.packb({"v": 1, "id": 1, "op": "step", "body": {"params": {"x": [3]}}})
+        body = {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": [3]}}
         while received < n:
             while sent < n and sent - received < window:
-                await self.sock.send(env)
+                self.ids += 1
+                env = {"v": 1, "id": self.ids, "op": "step", "body": body}
+                await self.sock.send(msgpack.packb(env))
                 sent += 1
-            await self.sock.recv_multipart()
+            msgpack.unpackb((await self.sock.recv_multipart())[0])
             received += 1
         return n / (time.perf_counter() - t0)
 
