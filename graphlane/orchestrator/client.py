@@ -40,6 +40,7 @@ usable.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ipaddress
 import itertools
@@ -123,6 +124,7 @@ class Channel:
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
         self._retries: set[asyncio.Task[None]] = set()
+        self._deadlines = _Deadlines(self._loop, name)
         self._fds = [self.sock.FD, self.monitor.FD]
         self._loop.add_reader(self._fds[0], self._readable)
         self._loop.add_reader(self._fds[1], self._watch)
@@ -218,8 +220,8 @@ class Channel:
         loop = self._loop
         fut: asyncio.Future[codec.Reply] = loop.create_future()
         self.pending[request_id] = fut
-        # One timer instead of wait_for(shield(...)): the deadline fails the future.
-        timer = loop.call_later(timeout, _expire, fut, f"{op} to {self.name}", timeout)
+        # A deadline instead of wait_for(shield(...)): it fails the future.
+        timer = self._deadlines.add(fut, timeout, op)
         try:
             if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
                 # Other calls are in flight, so this one need not go at once: it goes
@@ -238,7 +240,8 @@ class Channel:
             reply = await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self.pending.pop(request_id, None)
         if reply.error is not None:
             raise reply.error
@@ -311,6 +314,7 @@ class Channel:
         self.closed = True
         self._queued = []
         self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
+        self._deadlines.close()
         for task in list(self._retries):
             task.cancel()
         for fd in self._fds:
@@ -333,6 +337,89 @@ def _fail(futs: list[asyncio.Future[codec.Reply]], exc: BaseException) -> None:
 def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
     if not fut.done():
         fut.set_exception(Timeout(f"{what} got no reply within {timeout:g} s"))
+
+
+class _Deadlines:
+    """The deadlines of one channel's calls, with one loop timer, armed for the earliest.
+
+    A loop timer per call costs a handle, a heap push and the pop of the cancelled
+    handle, several microseconds a call. Calls with the same timeout expire in the
+    order they were made, so a queue per timeout value stays sorted for the cost of
+    an append. An entry whose call ended stays in its queue until the timer passes
+    it or ended entries crowd the queue (then it is compacted: bounded memory). A
+    call with an unusual timeout (more than ``_TIMEOUT_QUEUES`` distinct values in
+    use) gets a loop timer of its own, as before.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        self._loop = loop
+        self._name = name
+        # timeout -> [queue of (deadline, future, op), length that triggers compaction]
+        self._queues: dict[float, list[Any]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    def add(
+        self, fut: asyncio.Future[Any], timeout: float, op: str
+    ) -> asyncio.TimerHandle | None:
+        """Fail ``fut`` with TIMEOUT after ``timeout`` s unless it is done by then; a
+        loop timer to cancel when the call ends, or None when nothing needs doing."""
+        entry = self._queues.get(timeout)
+        if entry is None:
+            if len(self._queues) >= _TIMEOUT_QUEUES:
+                what = f"{op} to {self._name}"
+                return self._loop.call_later(timeout, _expire, fut, what, timeout)
+            entry = self._queues[timeout] = [collections.deque(), _COMPACT_AT]
+        when = self._loop.time() + timeout
+        queue: collections.deque[tuple[float, asyncio.Future[Any], str]] = entry[0]
+        queue.append((when, fut, op))
+        if len(queue) >= entry[1]:  # mostly ended calls: keep the live ones
+            entry[0] = queue = collections.deque(e for e in queue if not e[1].done())
+            entry[1] = max(_COMPACT_AT, 2 * len(queue))
+        if when < self._timer_at:
+            self._arm(when)
+        return None
+
+    def close(self) -> None:
+        """Forget every deadline (the channel failed its calls already)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, float("inf")
+        self._queues.clear()
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._expire)
+        self._timer_at = when
+
+    def _expire(self) -> None:
+        """Fail the calls whose deadline passed; drop ended calls from the queues'
+        fronts (so that the next wake-up is for a live call); re-arm."""
+        self._timer, self._timer_at = None, float("inf")
+        now = self._loop.time() + _CLOCK_RESOLUTION  # the loop runs a timer that early
+        earliest = float("inf")
+        for timeout, entry in list(self._queues.items()):
+            queue = entry[0]
+            while queue:
+                when, fut, op = queue[0]
+                if not fut.done():
+                    if when > now:
+                        earliest = min(earliest, when)
+                        break
+                    fut.set_exception(
+                        Timeout(f"{op} to {self._name} got no reply within {timeout:g} s")
+                    )
+                queue.popleft()
+            if not queue:
+                del self._queues[timeout]
+        if earliest < float("inf"):
+            self._arm(earliest)
+
+
+_TIMEOUT_QUEUES = 8  # distinct timeout values with a queue of their own, per channel
+_COMPACT_AT = 1024  # the least queue length at which ended calls are dropped
+_CLOCK_RESOLUTION = time.get_clock_info("monotonic").resolution
 
 
 Device = int | tuple[int | str, int]
