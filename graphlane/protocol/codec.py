@@ -280,11 +280,47 @@ def _pack(envelope: dict[str, Any]) -> bytes:
 
 
 def _body_to_wire(body: Mapping[str, Any], frames: list[bytes | memoryview]) -> dict[str, Any]:
+    if type(body) is dict and _as_is(body, 1):
+        return body  # msgpack packs it as it is: no copy
     if not isinstance(body, Mapping):
         raise ValueError(f"body must be a mapping, got {type(body).__name__}")
     wire = _to_wire(body, "body", frames, 1)
     assert isinstance(wire, dict)
     return wire
+
+
+def _as_is(value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> bool:
+    """Whether msgpack packs ``value`` exactly as :func:`_to_wire` would convert it:
+    only exact dicts (str keys, not the tensor key), lists, tuples and scalars, ints
+    in range, within the nesting bound. It allocates nothing; on False the walk in
+    :func:`_to_wire` converts the value or names what cannot be sent."""
+    if depth > _MAX_ENCODE_DEPTH:
+        return False
+    if type(value) is dict:
+        if TENSOR_KEY in value:
+            return False
+        for key, item in value.items():
+            if type(key) is not str:
+                return False
+            kind = type(item)
+            if kind in _PLAIN_TYPES:
+                continue
+            if kind is int:
+                if not _INT_MIN <= item <= _UINT64_MAX:
+                    return False
+            elif not ((kind is dict or kind is list or kind is tuple) and _as_is(item, depth + 1)):
+                return False
+        return True
+    for item in value:
+        kind = type(item)
+        if kind in _PLAIN_TYPES:
+            continue
+        if kind is int:
+            if not _INT_MIN <= item <= _UINT64_MAX:
+                return False
+        elif not ((kind is dict or kind is list or kind is tuple) and _as_is(item, depth + 1)):
+            return False
+    return True
 
 
 def _to_wire(value: Any, path: str, frames: list[bytes | memoryview], depth: int) -> Any:

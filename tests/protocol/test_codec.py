@@ -259,6 +259,37 @@ def test_tensor_to_wire_appends_frames_and_numbers_them_from_one() -> None:
     assert len(frames) == 2
 
 
+def test_bodies_msgpack_takes_as_they_are_encode_as_the_walk_converts_them() -> None:
+    """The fast check (_as_is) and the converting walk (_to_wire) agree: a plain body
+    is packed as it is, and anything else (tuples, int subclasses, byte buffers,
+    non-dict mappings, tensors) is converted first; both decode to the same body."""
+    import enum
+    import types
+
+    from graphlane.protocol import codec as codec_mod
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    plain = {"a": [1, -(2**63), 2**64 - 1, 1.5, None, True, "s", b"b"], "m": {"k": (1, [2])}}
+    assert codec_mod._as_is(plain, 1)
+    walked = codec_mod._to_wire(plain, "body", [], 1)
+    assert encode_request(1, "step", plain)[0] == msgpack.packb(
+        {"v": 1, "id": 1, "op": "step", "body": walked}, use_bin_type=True
+    )
+    converted = {
+        "level": Level.HIGH,
+        "buf": bytearray(b"xy"),
+        "view": types.MappingProxyType({"k": memoryview(b"z")}),
+        "t": torch.arange(3, dtype=torch.int32),
+    }
+    assert not codec_mod._as_is(converted, 1)
+    body = decode_request(encode_request(2, "step", converted)).body
+    assert body["level"] == 3 and type(body["level"]) is int
+    assert body["buf"] == b"xy" and body["view"] == {"k": b"z"}
+    assert body["t"].tolist() == [0, 1, 2]
+
+
 # ----------------------------------------------------------------------- encoding errors
 
 
