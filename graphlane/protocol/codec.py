@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 from typing import Any, NoReturn, TypeAlias, TypeVar
 
 import msgpack
+import numpy as np
 import torch
 import zmq
 
@@ -634,114 +635,136 @@ class _Decoder:
     # -- body
 
     def body(self, body: Any) -> dict[str, Any]:
-        if not isinstance(body, dict):
+        if type(body) is not dict:
             self.fail(f"body: must be a map, got {_describe(body)}")
-        decoded = self.container(body, "body", 1)
-        if not isinstance(decoded, dict):
+        try:
+            decoded = self.container(body, 1)
+        except _Fault as fault:
+            self.fail(f"body{fault.path()}: {fault.message}")
+        if type(decoded) is not dict:
             self.fail("body: must be a map of fields, not a tensor")
         return decoded
 
     # The walk replaces tensor maps in place: the containers are fresh from msgpack
     # and nobody else holds them. Scalars (exact msgpack types) are skipped without a
-    # call, and a child's path is only formatted when the child is a container.
+    # call. Paths are not tracked on the way down: a _Fault collects the path of the
+    # bad value on its way up, so only a failure pays for formatting one.
 
-    def container(self, value: dict[Any, Any] | list[Any], path: str, depth: int) -> Any:
-        if depth > self.limits.max_depth:
-            self.fail(f"{path}: nested deeper than {self.limits.max_depth} levels")
-        if len(value) > self.limits.max_items:  # msgpack bounds this too; kept for clarity
-            self.fail(f"{path}: {len(value)} items, over the limit of {self.limits.max_items}")
-        if isinstance(value, list):
+    def container(self, value: dict[Any, Any] | list[Any], depth: int) -> Any:
+        limits = self.limits
+        if depth > limits.max_depth:
+            raise _Fault(f"nested deeper than {limits.max_depth} levels")
+        if len(value) > limits.max_items:  # msgpack bounds this too; kept for clarity
+            raise _Fault(f"{len(value)} items, over the limit of {limits.max_items}")
+        if type(value) is list:
             for i, item in enumerate(value):
                 if type(item) not in _SCALAR_TYPES:
-                    value[i] = self.child(item, f"{path}[{i}]", depth + 1)
+                    try:
+                        value[i] = self.child(item, depth + 1)
+                    except _Fault as fault:
+                        fault.under(f"[{i}]")
+                        raise
             return value
         if TENSOR_KEY in value:
-            return self.tensor(value, path)
+            return self.tensor(value)
         for key, item in value.items():
             if type(key) is not str:
-                self.fail(f"{path}: map keys must be str, got {type(key).__name__}")
+                raise _Fault(f"map keys must be str, got {type(key).__name__}")
             if type(item) not in _SCALAR_TYPES:
-                value[key] = self.child(item, f"{path}.{_key_text(key)}", depth + 1)
+                try:
+                    value[key] = self.child(item, depth + 1)
+                except _Fault as fault:
+                    fault.under(f".{_key_text(key)}")
+                    raise
         return value
 
-    def child(self, item: Any, path: str, depth: int) -> Any:
-        if isinstance(item, dict | list):
-            return self.container(item, path, depth)
-        self.fail(f"{path}: values of type {type(item).__name__} are not accepted")
+    def child(self, item: Any, depth: int) -> Any:
+        kind = type(item)
+        if kind is dict or kind is list:
+            return self.container(item, depth)
+        raise _Fault(f"values of type {kind.__name__} are not accepted")
 
-    def tensor(self, wrapper: dict[Any, Any], path: str) -> torch.Tensor:
+    def tensor(self, wrapper: dict[Any, Any]) -> torch.Tensor:
         if len(wrapper) != 1:
-            self.fail(f"{path}: a {TENSOR_KEY} map must have no other keys")
+            raise _Fault(f"a {TENSOR_KEY} map must have no other keys")
         spec = wrapper[TENSOR_KEY]
-        if not isinstance(spec, dict):
-            self.fail(f"{path}.{TENSOR_KEY}: must be a map, got {_describe(spec)}")
+        if type(spec) is not dict:
+            raise _Fault(f"must be a map, got {_describe(spec)}", f".{TENSOR_KEY}")
         if not spec.keys() <= _TENSOR_FIELDS:
             for key in spec:
                 if key not in _TENSOR_FIELDS:
-                    self.fail(f"{path}.{_key_text(key)}: unknown tensor field")
-        dtype = self._dtype(spec, path)
-        shape = self._shape(spec, path)
+                    raise _Fault("unknown tensor field", f".{_key_text(key)}")
+        dtype = self._dtype(spec)
+        shape = self._shape(spec)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.limits.max_tensor_bytes:
-            self.fail(
-                f"{path}.shape: {shape} of {dtype} is {nbytes} bytes, over the limit of "
-                f"{self.limits.max_tensor_bytes}"
+            raise _Fault(
+                f"{shape} of {dtype} is {nbytes} bytes, over the limit of "
+                f"{self.limits.max_tensor_bytes}",
+                ".shape",
             )
         if ("frame" in spec) == ("data" in spec):
-            self.fail(f"{path}: needs exactly one of 'frame' and 'data'")
+            raise _Fault("needs exactly one of 'frame' and 'data'")
         if "frame" not in spec:  # inline: a small copy of its own, writable and aligned
             data = spec["data"]
-            if not isinstance(data, bytes):
-                self.fail(f"{path}.data: must be bin, got {_describe(data)}")
+            if type(data) is not bytes:
+                raise _Fault(f"must be bin, got {_describe(data)}", ".data")
             if len(data) != nbytes:
-                self.fail(
-                    f"{path}.data: has {len(data)} bytes, shape {shape} of {dtype} needs {nbytes}"
+                raise _Fault(
+                    f"has {len(data)} bytes, shape {shape} of {dtype} needs {nbytes}", ".data"
                 )
             if not nbytes:
                 return torch.empty(shape, dtype=dtype)
-            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            if dtype == torch.bool and bool((flat > 1).any()):
-                self.fail(f"{path}.data: bool tensor bytes must be 0 or 1")
-            return flat.view(dtype).reshape(shape)
-        field, buf = "frame", self._frame(spec["frame"], path)
+            np_dtype = _NUMPY_DTYPES.get(dtype)
+            if np_dtype is None:  # bfloat16: numpy has none, torch reads the bytes
+                flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                return flat.view(dtype).reshape(shape)
+            # numpy's view of a fresh copy: the cheapest way to a small tensor
+            array = np.frombuffer(bytearray(data), dtype=np_dtype)
+            if dtype is torch.bool and bool((array.view(np.uint8) > 1).any()):
+                raise _Fault("bool tensor bytes must be 0 or 1", ".data")
+            return torch.from_numpy(array.reshape(shape))
+        buf = self._frame(spec["frame"])
         if buf.nbytes != nbytes:
-            self.fail(
-                f"{path}.{field}: has {buf.nbytes} bytes, shape {shape} of {dtype} needs {nbytes}"
+            raise _Fault(
+                f"has {buf.nbytes} bytes, shape {shape} of {dtype} needs {nbytes}", ".frame"
             )
-        return self._view(buf, dtype, shape, f"{path}.{field}")
+        return self._view(buf, dtype, shape)
 
-    def _dtype(self, spec: dict[Any, Any], path: str) -> torch.dtype:
+    @staticmethod
+    def _dtype(spec: dict[Any, Any]) -> torch.dtype:
         name = spec.get("dtype")
-        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        dtype = DTYPES.get(name) if type(name) is str else None
         if dtype is None:
-            self.fail(f"{path}.dtype: must be one of {sorted(DTYPES)}, got {_describe(name)}")
+            raise _Fault(f"must be one of {sorted(DTYPES)}, got {_describe(name)}", ".dtype")
         return dtype
 
-    def _shape(self, spec: dict[Any, Any], path: str) -> list[int]:
+    def _shape(self, spec: dict[Any, Any]) -> list[int]:
         shape = spec.get("shape")
-        if not isinstance(shape, list):
-            self.fail(f"{path}.shape: must be a list of ints, got {_describe(shape)}")
+        if type(shape) is not list:
+            raise _Fault(f"must be a list of ints, got {_describe(shape)}", ".shape")
         if len(shape) > self.limits.max_tensor_dims:
-            self.fail(
-                f"{path}.shape: {len(shape)} dims, over the limit of {self.limits.max_tensor_dims}"
+            raise _Fault(
+                f"{len(shape)} dims, over the limit of {self.limits.max_tensor_dims}", ".shape"
             )
         for i, dim in enumerate(shape):
             if type(dim) is not int or dim < 0:  # msgpack gives exact ints (never bools)
-                self.fail(f"{path}.shape[{i}]: must be an int >= 0, got {_describe(dim)}")
+                raise _Fault(f"must be an int >= 0, got {_describe(dim)}", f".shape[{i}]")
         return shape
 
-    def _frame(self, index: Any, path: str) -> memoryview:
+    def _frame(self, index: Any) -> memoryview:
         last = len(self.buffers) - 1
-        if isinstance(index, bool) or not isinstance(index, int) or not 1 <= index <= last:
-            self.fail(f"{path}.frame: must be a frame index in 1..{last}, got {_describe(index)}")
+        if type(index) is not int or not 1 <= index <= last:
+            raise _Fault(
+                f"must be a frame index in 1..{last}, got {_describe(index)}", ".frame"
+            )
         if index in self.used:
-            self.fail(f"{path}.frame: frame {index} is referenced by another tensor")
+            raise _Fault(f"frame {index} is referenced by another tensor", ".frame")
         self.used.add(index)
         return self.buffers[index]
 
-    def _view(
-        self, buf: memoryview, dtype: torch.dtype, shape: list[int], path: str
-    ) -> torch.Tensor:
+    @staticmethod
+    def _view(buf: memoryview, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
         if buf.nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         if buf.readonly:
@@ -755,8 +778,38 @@ class _Decoder:
         if flat.data_ptr() % dtype.itemsize:
             flat = flat.clone()  # misaligned buffer: an aligned copy is the only safe view
         if dtype == torch.bool and bool((flat > 1).any()):
-            self.fail(f"{path}: bool tensor bytes must be 0 or 1")
+            raise _Fault("bool tensor bytes must be 0 or 1", ".frame")
         return flat.view(dtype).reshape(shape)
+
+
+class _Fault(Exception):
+    """A bad value found by the body walk: ``message`` about the value at ``where``
+    under the container the walk was in; each container on the way up adds its
+    step to the path (``under``), and :meth:`_Decoder.body` reports the whole."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.steps = [where]
+
+    def under(self, step: str) -> None:
+        self.steps.append(step)
+
+    def path(self) -> str:
+        return "".join(reversed(self.steps))
+
+
+_NUMPY_DTYPES: dict[torch.dtype, Any] = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.bool: np.bool_,
+}
 
 
 def _as_buffers(frames: Sequence[FrameLike]) -> list[memoryview]:
