@@ -650,7 +650,7 @@ class _Decoder:
     # call. Paths are not tracked on the way down: a _Fault collects the path of the
     # bad value on its way up, so only a failure pays for formatting one.
 
-    def container(self, value: dict[Any, Any] | list[Any], depth: int) -> Any:
+    def container(self, value: Any, depth: int) -> Any:  # a dict or a list
         limits = self.limits
         if depth > limits.max_depth:
             raise _Fault(f"nested deeper than {limits.max_depth} levels")
