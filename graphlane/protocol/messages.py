@@ -97,7 +97,8 @@ def _names(value: Any, name: str) -> tuple[str, ...]:
     if len(value) > MAX_OUTPUTS:
         raise BadRequest(f"body.{name}: {len(value)} names, at most {MAX_OUTPUTS} allowed")
     for i, item in enumerate(value):
-        _str(item, f"{name}[{i}]", non_empty=True)
+        if type(item) is not str or not item:  # the path is only formatted for a bad one
+            _str(item, f"{name}[{i}]", non_empty=True)
     if len(set(value)) != len(value):
         raise BadRequest(f"body.{name}: names must be unique, got {list(value)}")
     return tuple(value)

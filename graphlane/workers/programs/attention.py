@@ -178,11 +178,20 @@ class AttentionProgram(GraphProgram):
                 f"must be a list of {batch} lengths (one per batch entry)",
             )
         for i, n in enumerate(lengths):
+            if type(n) is int and 1 <= n <= c.max_kv_len:  # the common case first
+                continue
             if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= c.max_kv_len:
                 raise StepError(
                     f"params.actual_seq_lengths_kv[{i}]",
                     f"{n!r} is not a length in 1..{c.max_kv_len} (max_kv_len)",
                 )
+        if inputs:
+            self._check_inputs(batch, inputs)
+        padded = tuple(lengths) + (1,) * (bucket - batch)
+        return StepPlan(self.name, batch, bucket, {"lengths": padded}, dict(inputs))
+
+    def _check_inputs(self, batch: int, inputs: Mapping[str, torch.Tensor]) -> None:
+        c = self.config
         expected = {
             "query": (batch, c.num_heads, 1, c.head_dim),
             "key": (c.layers, batch, c.num_kv_heads, c.max_kv_len, c.head_dim),
@@ -199,8 +208,6 @@ class AttentionProgram(GraphProgram):
                 )
             if t.dtype != self.dtype:
                 raise StepError(f"inputs.{name}", f"dtype {t.dtype} instead of {self.dtype}")
-        padded = tuple(lengths) + (1,) * (bucket - batch)
-        return StepPlan(self.name, batch, bucket, {"lengths": padded}, dict(inputs))
 
     def group_signature(self, plan: StepPlan, group: int) -> Any:
         return plan.values["lengths"]
@@ -226,5 +233,7 @@ class AttentionProgram(GraphProgram):
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
     ) -> dict[str, torch.Tensor]:
         # The engine checked the names against ``outputs`` when it planned the step.
-        out = buffers[f"out_{self.config.layers - 1}"][: plan.batch]
+        out = buffers[f"out_{self.config.layers - 1}"]
+        if plan.batch != out.shape[0]:  # a full bucket is the buffer itself: no view to make
+            out = out[: plan.batch]
         return {name: out for name in names}
