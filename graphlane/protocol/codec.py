@@ -539,7 +539,7 @@ class _Decoder:
         if len(self.buffers) > limits.max_frames:
             self.request_id = _peek_id(self.buffers[0])
             self.fail(f"{len(self.buffers)} frames, over the limit of {limits.max_frames}")
-        total = sum(buf.nbytes for buf in self.buffers)
+        total = envelope_bytes if len(self.buffers) == 1 else sum(b.nbytes for b in self.buffers)
         if total > limits.max_message_bytes:
             self.request_id = _peek_id(self.buffers[0])
             self.fail(f"message is {total} bytes, over the limit of {limits.max_message_bytes}")
@@ -813,12 +813,17 @@ _NUMPY_DTYPES: dict[torch.dtype, Any] = {
 
 
 def _as_buffers(frames: Sequence[FrameLike]) -> list[memoryview]:
-    if isinstance(frames, bytes | bytearray | memoryview | str) or not isinstance(frames, Sequence):
+    if type(frames) is not list and (  # a list (what zmq gives) needs no more checks
+        isinstance(frames, bytes | bytearray | memoryview | str) or not isinstance(frames, Sequence)
+    ):
         raise DecodeError(f"frames must be a sequence of buffers, got {type(frames).__name__}")
     buffers = []
     for i, frame in enumerate(frames):
         try:
-            view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+            view = frame.buffer if type(frame) is zmq.Frame else memoryview(frame)
+            if type(frame) is zmq.Frame or type(frame) is bytes:  # flat bytes already
+                buffers.append(view)
+                continue
             if not view.c_contiguous:
                 view = memoryview(view.tobytes())
             if view.ndim != 1 or view.format != "B":

@@ -307,10 +307,10 @@ class Worker:
         """Send a reply; one to a bundle's request (``bundled``) waits in the outbox, when
         one is open, for the other replies to the same sender (see _replies_together)."""
         if bundled and self._outbox is not None and len(frames) == 1:
-            key = bytes(ident)  # one sender's replies to several bundles go together
-            entry = self._outbox.get(key)
+            # One sender's replies to several bundles go together (ident is bytes).
+            entry = self._outbox.get(ident)
             if entry is None:
-                self._outbox[key] = (ident, [frames[0]])
+                self._outbox[ident] = (ident, [frames[0]])
             else:
                 entry[1].append(frames[0])
             return
@@ -349,7 +349,8 @@ class Worker:
         """One message: a request, or a bundle of them whose replies go back together."""
         received = time.perf_counter()
         self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
-        ident = frames[0]
+        # The routing id as bytes, once: the outbox groups replies by it (see _send).
+        ident = frames[0].bytes if type(frames[0]) is zmq.Frame else bytes(frames[0])
         try:
             reqs = codec.decode_requests(frames[1:], self.spec.limits)
         except codec.DecodeError as exc:
@@ -381,24 +382,10 @@ class Worker:
                 log.exception("request %s (%s) failed", req.id, req.op)
             self._reply_error(ident, req.id, as_error(exc), bundled)
 
-    def _dispatch(self, ident: Any, req: codec.Request, received: float, bundled: bool) -> None:
+    def _dispatch(self, ident: bytes, req: codec.Request, received: float, bundled: bool) -> None:
         msg = messages.parse_body(req.op, req.body)
-        if isinstance(msg, messages.Hello):
-            hello = {"version": codec.PROTOCOL_VERSION, **self.info()}
-            self._send(ident, codec.encode_reply(req.id, hello), bundled)
+        if type(msg) is not messages.StepRequestMsg and self._control(ident, req, msg, bundled):
             return
-        if isinstance(msg, messages.StatusRequest):
-            self._send(ident, codec.encode_reply(req.id, self.status()), bundled)
-            return
-        if isinstance(msg, messages.DrainRequest):
-            self.draining = True
-            drained = {"state": "draining", "inflight": self.inflight}
-            self._send(ident, codec.encode_reply(req.id, drained), bundled)
-            return
-        if isinstance(msg, messages.ShutdownRequest):
-            raise BadRequest(
-                "shutdown is an orchestrator operation; send it to the daemon's endpoint"
-            )
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
         if msg.device != self.spec.device:
@@ -419,6 +406,26 @@ class Worker:
             return
         self._accept(call)
         self._issue(call)
+
+    def _control(self, ident: bytes, req: codec.Request, msg: Any, bundled: bool) -> bool:
+        """Answer a request that is not device work; False for an update or a replay."""
+        if isinstance(msg, messages.Hello):
+            hello = {"version": codec.PROTOCOL_VERSION, **self.info()}
+            self._send(ident, codec.encode_reply(req.id, hello), bundled)
+            return True
+        if isinstance(msg, messages.StatusRequest):
+            self._send(ident, codec.encode_reply(req.id, self.status()), bundled)
+            return True
+        if isinstance(msg, messages.DrainRequest):
+            self.draining = True
+            drained = {"state": "draining", "inflight": self.inflight}
+            self._send(ident, codec.encode_reply(req.id, drained), bundled)
+            return True
+        if isinstance(msg, messages.ShutdownRequest):
+            raise BadRequest(
+                "shutdown is an orchestrator operation; send it to the daemon's endpoint"
+            )
+        return False  # an update or a replay: device work, as a step
 
     def _plan(self, msg: Any) -> tuple[str, StepPlan, tuple[str, ...]]:
         try:
