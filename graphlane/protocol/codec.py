@@ -820,8 +820,11 @@ def _as_buffers(frames: Sequence[FrameLike]) -> list[memoryview]:
     buffers = []
     for i, frame in enumerate(frames):
         try:
-            view = frame.buffer if type(frame) is zmq.Frame else memoryview(frame)
-            if type(frame) is zmq.Frame or type(frame) is bytes:  # flat bytes already
+            if isinstance(frame, zmq.Frame):  # flat bytes already
+                buffers.append(frame.buffer)
+                continue
+            view = memoryview(frame)
+            if type(frame) is bytes:  # flat bytes already
                 buffers.append(view)
                 continue
             if not view.c_contiguous:

@@ -383,9 +383,12 @@ class Worker:
             self._reply_error(ident, req.id, as_error(exc), bundled)
 
     def _dispatch(self, ident: bytes, req: codec.Request, received: float, bundled: bool) -> None:
-        msg = messages.parse_body(req.op, req.body)
-        if type(msg) is not messages.StepRequestMsg and self._control(ident, req, msg, bundled):
+        parsed = messages.parse_body(req.op, req.body)
+        if type(parsed) is not messages.StepRequestMsg and self._control(
+            ident, req, parsed, bundled
+        ):
             return
+        msg = cast(_DeviceWork, parsed)
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
         if msg.device != self.spec.device:
@@ -506,6 +509,7 @@ class Worker:
         self._maybe_stop()
 
 
+_DeviceWork = messages.StepRequestMsg | messages.UpdateRequestMsg | messages.ReplayRequestMsg
 _BATCH = 64  # requests taken from the socket per turn of the loop
 
 
