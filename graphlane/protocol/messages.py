@@ -275,10 +275,81 @@ class StepRequestMsg(_Message):
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
+        fast = _step_fields(body)  # a plain, valid step body: the common case, checked flat
+        if fast is not None:
+            return _validated(cls, fast)
         r = _Body(cls, body)
         values = _checked_patch_fields(_patch_fields_of(r))
         values["outputs"] = _names(r.optional("outputs", ("out",)), "outputs")
         return _validated(cls, values)
+
+
+_STEP_FIELDS = frozenset(
+    {"program", "device", "batch", "params", "inputs", "outputs", "timeout_ms"}
+)
+
+
+def _step_fields(body: Any) -> dict[str, Any] | None:
+    """A step body's validated fields, when the body is a decoded map of exact types
+    that passes every check of the full path (from_body's _Body, _checked_patch_fields
+    and _names) and needs no conversion; None otherwise, and the full path then gives
+    the same fields or names the bad one. Flat: a step is the request that comes by
+    the thousand."""
+    if type(body) is not dict or not body.keys() <= _STEP_FIELDS:
+        return None
+    program = body.get("program")
+    device = body.get("device")
+    params = body.get("params")
+    if not (
+        type(program) is str
+        and program
+        and type(device) is int
+        and device >= 0
+        and type(params) is dict
+    ):
+        return None
+    for key in params:
+        if type(key) is not str:
+            return None
+    if "batch" in body:
+        batch = body["batch"]
+        if type(batch) is not int or batch < 1:
+            return None
+    else:
+        lengths = params.get(BATCH_PARAM)
+        if type(lengths) is not list:
+            return None
+        batch = len(lengths)
+        if batch < 1:
+            return None
+    inputs = body.get("inputs", {})
+    if type(inputs) is not dict:
+        return None
+    for key, item in inputs.items():
+        if type(key) is not str or not isinstance(item, torch.Tensor):
+            return None
+    timeout_ms = body.get("timeout_ms")
+    if timeout_ms is not None and (type(timeout_ms) is not int or timeout_ms < 1):
+        return None
+    outputs = body.get("outputs", ("out",))
+    if type(outputs) is not list and type(outputs) is not tuple:
+        return None
+    if len(outputs) > MAX_OUTPUTS:
+        return None
+    for name in outputs:
+        if type(name) is not str or not name:
+            return None
+    if len(outputs) > 1 and len(set(outputs)) != len(outputs):
+        return None
+    return {
+        "program": program,
+        "device": device,
+        "batch": batch,
+        "params": dict(params),
+        "inputs": dict(inputs),
+        "timeout_ms": timeout_ms,
+        "outputs": tuple(outputs),
+    }
 
 
 @dataclass(frozen=True)

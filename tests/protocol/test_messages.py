@@ -235,3 +235,74 @@ def test_unknown_op() -> None:
         with pytest.raises(BadRequest) as info:
             parse_body(op, {})  # type: ignore[arg-type]
         assert info.value.code == ErrorCode.BAD_REQUEST and "op" in info.value.message
+
+
+_STEP_VARIANTS: dict[str, list[Any]] = {
+    "program": ["attention", "", 3, None, MISSING],
+    "device": [0, 2, -1, True, 1.0, MISSING],
+    "batch": [MISSING, 1, 3, 0, True, "3", None],
+    "params": [
+        LENGTHS,
+        {},
+        {"actual_seq_lengths_kv": []},
+        {"actual_seq_lengths_kv": (1, 2)},
+        {"actual_seq_lengths_kv": 7},
+        {1: 2},
+        [],
+        None,
+        MISSING,
+    ],
+    "outputs": [
+        MISSING,
+        [],
+        ["out"],
+        ("out", "lse"),
+        ["out", "out"],
+        ["out", ""],
+        [["x"]],
+        [{"a": 1}, {"a": 1}],
+        ["o"] * (MAX_OUTPUTS + 1),
+        "out",
+        None,
+    ],
+    "inputs": [MISSING, {}, {"query": QUERY}, {"query": 1}, {1: QUERY}, [], None],
+    "timeout_ms": [MISSING, None, 0, 5, True, 2.5],
+    "extra": [MISSING, 1],
+}
+
+
+def _step_bodies() -> list[dict[str, Any]]:
+    """A valid step body, and each field varied alone through valid and invalid values."""
+    base = {"program": "attention", "device": 0, "params": LENGTHS}
+    bodies = []
+    for name, values in _STEP_VARIANTS.items():
+        for value in values:
+            body = {k: v for k, v in base.items() if k != name}
+            if value is not MISSING:
+                body[name] = value
+            bodies.append(body)
+    return bodies
+
+
+@pytest.mark.parametrize("body", _step_bodies(), ids=repr)
+def test_the_flat_step_check_agrees_with_the_full_one(
+    body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """StepRequestMsg.from_body takes plain valid bodies through a flat check
+    (_step_fields); whatever it is given, the outcome is the full path's."""
+    from graphlane.protocol import messages
+
+    def outcome() -> Any:
+        try:
+            return StepRequestMsg.from_body(dict(body))
+        except BadRequest as exc:
+            return str(exc)
+
+    fast = outcome()
+    monkeypatch.setattr(messages, "_step_fields", lambda body: None)
+    full = outcome()
+    if isinstance(full, str):
+        assert fast == full
+    else:
+        assert isinstance(fast, StepRequestMsg)
+        assert same(fast.to_body(), full.to_body()) and fast == full
