@@ -93,7 +93,7 @@ class StepFields(Protocol):
     def inputs(self) -> Mapping[str, torch.Tensor]: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     outputs: dict[str, torch.Tensor]
     key: GraphKey
@@ -117,7 +117,7 @@ class _Pending:
     submitted: float
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _InFlight:
     done: Any
     on_done: OnDone
@@ -445,7 +445,7 @@ class StepEngine:
             done = b.new_event()
             b.record(done, self.update_stream)
             return _InFlight(done, on_done, result)
-        staged = self._staged.pop(ring_key, None)
+        staged = self._staged.pop(ring_key, None) if self._staged else None
         g = staged if staged is not None else self._next_graph(plan)
         patched = 0
         dispatch = 0.0
@@ -475,8 +475,7 @@ class StepEngine:
             patched = self._release_groups(program, g, plan)
             dispatch = time.perf_counter() - t0
         outs, done = self._collect(program, g, plan, outputs)
-        result = StepResult(outs, g.key, patched, submitted)
-        result.dispatch_s, result.replay_at = dispatch, replay_at
+        result = StepResult(outs, g.key, patched, submitted, 0.0, dispatch, replay_at)
         return _InFlight(done, on_done, result)
 
     def _collect(
