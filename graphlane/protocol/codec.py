@@ -570,6 +570,18 @@ class _Decoder:
         return env
 
     def request(self, env: Any) -> Request:
+        if (  # a valid envelope of exact types, checked flat; anything else as below
+            type(env) is dict
+            and env.keys() == _REQUEST_KEYS
+            and type(request_id := env["id"]) is int
+            and 0 <= request_id <= _UINT64_MAX
+            and type(env["v"]) is int
+            and env["v"] == PROTOCOL_VERSION
+            and type(op := env["op"]) is str
+            and op
+        ):
+            self.request_id = request_id
+            return Request(id=request_id, op=op, body=self.body(env["body"]))
         env = self.envelope(env)
         request_id = self.request_id
         assert request_id is not None
@@ -581,6 +593,17 @@ class _Decoder:
         return Request(id=request_id, op=op, body=self.body(body))
 
     def reply(self, env: Any) -> Reply:
+        if (  # an ok reply of exact types, checked flat; anything else as below
+            type(env) is dict
+            and env.keys() == _REPLY_OK_KEYS
+            and type(request_id := env["id"]) is int
+            and 0 <= request_id <= _UINT64_MAX
+            and type(env["v"]) is int
+            and env["v"] == PROTOCOL_VERSION
+            and env["ok"] is True
+        ):
+            self.request_id = request_id
+            return Reply(id=request_id, ok=True, body=self.body(env["body"]), error=None)
         env = self.envelope(env)
         request_id = self.request_id
         assert request_id is not None
@@ -672,7 +695,11 @@ class _Decoder:
                 raise _Fault(f"map keys must be str, got {type(key).__name__}")
             if type(item) not in _SCALAR_TYPES:
                 try:
-                    value[key] = self.child(item, depth + 1)
+                    # A tensor map within the depth bound goes straight to tensor().
+                    if type(item) is dict and TENSOR_KEY in item and depth < limits.max_depth:
+                        value[key] = self.tensor(item)
+                    else:
+                        value[key] = self.child(item, depth + 1)
                 except _Fault as fault:
                     fault.under(f".{_key_text(key)}")
                     raise
