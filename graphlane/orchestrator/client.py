@@ -755,15 +755,17 @@ def _step_body(
 
 
 def _reply(host: str, device: int, body: Mapping[str, Any]) -> StepReply:
-    return StepReply(
-        host=host,
+    reply = object.__new__(StepReply)  # the frozen class's fields, set once (as its __init__)
+    reply.__dict__.update(
         outputs=dict(body.get("outputs", {})),
         bucket=int(body.get("bucket", 0)),
         slot=int(body.get("slot", 0)),
         patched=int(body.get("patched", 0)),
         device=device,
         server_us=float(body.get("server_us", 0.0)),
+        host=host,
     )
+    return reply
 
 
 class SyncClient:

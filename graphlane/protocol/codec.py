@@ -747,10 +747,10 @@ class _Decoder:
                 flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 return flat.view(dtype).reshape(shape)
             # numpy's view of a fresh copy: the cheapest way to a small tensor
-            array = np.frombuffer(bytearray(data), dtype=np_dtype)
+            array = np.ndarray(shape, np_dtype, bytearray(data))
             if dtype is torch.bool and bool((array.view(np.uint8) > 1).any()):
                 raise _Fault("bool tensor bytes must be 0 or 1", ".data")
-            return torch.from_numpy(array.reshape(shape))
+            return torch.from_numpy(array)
         buf = self._frame(spec["frame"])
         if buf.nbytes != nbytes:
             raise _Fault(
