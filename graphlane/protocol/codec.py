@@ -442,6 +442,14 @@ def _message_of(envelopes: Sequence[bytes]) -> tuple[int, bytes]:
 _Item = TypeVar("_Item", Request, Reply)
 
 
+def _frozen(cls: type[_Item], **values: Any) -> _Item:
+    """An instance of frozen dataclass ``cls`` with ``values`` (every field, checked
+    by the caller) set at once: its __init__ sets each through object.__setattr__."""
+    item: _Item = object.__new__(cls)
+    item.__dict__.update(values)
+    return item
+
+
 def _decode_one(
     frames: Sequence[FrameLike], limits: Limits, read: Callable[[_Decoder, Any], _Item]
 ) -> _Item:
@@ -581,7 +589,7 @@ class _Decoder:
             and op
         ):
             self.request_id = request_id
-            return Request(id=request_id, op=op, body=self.body(env["body"]))
+            return _frozen(Request, id=request_id, op=op, body=self.body(env["body"]))
         env = self.envelope(env)
         request_id = self.request_id
         assert request_id is not None
@@ -603,7 +611,8 @@ class _Decoder:
             and env["ok"] is True
         ):
             self.request_id = request_id
-            return Reply(id=request_id, ok=True, body=self.body(env["body"]), error=None)
+            body = self.body(env["body"])
+            return _frozen(Reply, id=request_id, ok=True, body=body, error=None)
         env = self.envelope(env)
         request_id = self.request_id
         assert request_id is not None
@@ -721,8 +730,16 @@ class _Decoder:
             for key in spec:
                 if key not in _TENSOR_FIELDS:
                     raise _Fault("unknown tensor field", f".{_key_text(key)}")
-        dtype = self._dtype(spec)
-        shape = self._shape(spec)
+        name = spec.get("dtype")
+        dtype = DTYPES.get(name) if type(name) is str else None
+        if dtype is None:
+            dtype = self._dtype(spec)  # raises, naming the field
+        shape = spec.get("shape")
+        if type(shape) is not list or len(shape) > self.limits.max_tensor_dims:
+            shape = self._shape(spec)  # raises, naming the field
+        for dim in shape:
+            if type(dim) is not int or dim < 0:  # msgpack gives exact ints (never bools)
+                self._shape(spec)  # raises, naming the dim
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.limits.max_tensor_bytes:
             raise _Fault(

@@ -463,12 +463,14 @@ def bad_tensor(
     rejected(packed(envelope(body=body), *frames), BAD, 42, fragment, limits=limits)
 
 
-@pytest.mark.parametrize("dtype", ["complex64", "uint16", 5, None, MISSING])
+@pytest.mark.parametrize("dtype", ["complex64", "uint16", 5, None, MISSING, ["float32"], {"a": 1}])
 def test_tensor_dtype_must_be_known(dtype: Any) -> None:
     bad_tensor(tspec(dtype=dtype, data=bytes(8)), fragment="body.inputs.query.dtype")
 
 
-@pytest.mark.parametrize("shape", [MISSING, "2", [2, -1], [2, True], [2.0], [1] * 9])
+@pytest.mark.parametrize(
+    "shape", [MISSING, "2", [2, -1], [2, True], [2.0], [1] * 9, {"a": 1}, [[2]], None]
+)
 def test_tensor_shape_must_be_small_list_of_naturals(shape: Any) -> None:
     bad_tensor(tspec(shape=shape, data=bytes(8)), fragment="body.inputs.query.shape")
 
