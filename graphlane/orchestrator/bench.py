@@ -232,9 +232,12 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         raw_rtt, step_rtt, status_rtt = await _alternating(
             n, raw.call, step, lambda: c.worker_status(0)
         )
+        # Runs long enough (tens of ms at least) that one scheduling hiccup of the two
+        # cores does not decide a run, and five of them for the median.
         raw_rate, step_rate = await _alternating_rates(
-            lambda: raw.windowed(2 * n, WINDOW),
-            lambda: _windowed_steps(c, 2 * n, WINDOW, params),
+            lambda: raw.windowed(8 * n, WINDOW),
+            lambda: _windowed_steps(c, 8 * n, WINDOW, params),
+            rounds=5,
         )
         await raw.stop()
     overhead = [r - s for r, s in zip(step_rtt, server, strict=True)]
