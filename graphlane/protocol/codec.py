@@ -714,6 +714,12 @@ class _Decoder:
             if type(key) is not str:
                 raise _Fault(f"map keys must be str, got {type(key).__name__}")
             if type(item) not in _SCALAR_TYPES:
+                if type(item) is list and depth < limits.max_depth:
+                    for x in item:  # a flat list of scalars (lengths, names): nothing to do
+                        if type(x) not in _SCALAR_TYPES:
+                            break
+                    else:  # (msgpack bounded its length already)
+                        continue
                 try:
                     # A tensor map within the depth bound goes straight to tensor().
                     if type(item) is dict and TENSOR_KEY in item and depth < limits.max_depth:
