@@ -320,7 +320,16 @@ def _as_is(value: dict[Any, Any] | list[Any] | tuple[Any, ...], depth: int) -> b
             if kind is int:
                 if not _INT_MIN <= item <= _UINT64_MAX:
                     return False
-            elif not ((kind is dict or kind is list or kind is tuple) and _as_is(item, depth + 1)):
+                continue
+            if (kind is list or kind is tuple) and depth < _MAX_ENCODE_DEPTH:
+                for x in item:  # a flat list of scalars (lengths, names): checked in place
+                    if type(x) not in _PLAIN_TYPES and not (
+                        type(x) is int and _INT_MIN <= x <= _UINT64_MAX
+                    ):
+                        break
+                else:
+                    continue
+            if not ((kind is dict or kind is list or kind is tuple) and _as_is(item, depth + 1)):
                 return False
         return True
     for item in value:
