@@ -254,7 +254,7 @@ def tensor_to_wire(
     if not t.is_contiguous():
         t = t.contiguous()
     spec: dict[str, Any] = {"dtype": name, "shape": list(t.shape)}
-    if t.numel() * dtype.itemsize <= INLINE_TENSOR_BYTES:
+    if t.nbytes <= INLINE_TENSOR_BYTES:
         # numpy has no bfloat16: that one goes through a byte view.
         spec["data"] = (_byte_view(t) if dtype is torch.bfloat16 else t.numpy()).tobytes()
     else:
