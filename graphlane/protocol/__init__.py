@@ -54,7 +54,7 @@ whose id can still be read getting the BAD_REQUEST (up to four times the
 limit; a frame 0 larger than that is not read and nobody is answered, for a
 single envelope too). So a sender keeps bundles small: graphlane's client and
 workers make none over ``codec.BUNDLE_BYTES`` (64 KiB), the client none of
-more than 16 requests. Calls that carry tensors as frames never travel in a
+more than 32 requests. Calls that carry tensors as frames never travel in a
 bundle. A daemon whose hello ``capabilities`` say ``"bundles": true`` runs
 workers that take them; the daemon's own socket does not (an array there is
 undecodable). ``codec.bundle`` builds one, ``codec.bundles`` packs envelopes
