@@ -47,6 +47,7 @@ from graphlane.protocol.errors import (
     UnknownProgram,
     as_error,
 )
+from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.pipeline import StepEngine, StepResult
 from graphlane.workers.programs import StepError
@@ -81,6 +82,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawn)."""
     setup_logging(spec.log_level, spec.log_format, f"worker[{spec.device}]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
+    keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)
     try:
         worker = Worker(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit

@@ -272,3 +272,35 @@ def test_an_idle_worker_sleeps_after_serving(start_daemon) -> None:
     time.sleep(1.0)  # an observation window, not a wait for something to happen
     used = (_cpu_seconds(pid) - before) / (time.monotonic() - t0)
     assert used < 0.3, f"the idle worker used {used:.0%} of a core"
+
+
+def _minor_faults(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_large_inputs_do_not_page_fault_the_worker_step_after_step(start_daemon) -> None:
+    """Two 8 MiB input frames per step: the worker reuses the pages of the last
+    step's frames (its malloc keeps them, see workers/memory.py) instead of
+    mapping 4 000 fresh pages every other step."""
+    wide = {"name": "attention", "layers": 2, "num_heads": 2, "num_kv_heads": 1,
+            "head_dim": 64, "max_kv_len": 8192, "buckets": [4]}  # fmt: skip
+    d = start_daemon(devices=1, backend="null", programs=[wide])
+    pid = d.worker(0)["pid"]
+    shape = (2, 4, 1, 8192, 64)
+    inputs = {"key": torch.ones(shape, dtype=torch.float16),
+              "value": torch.ones(shape, dtype=torch.float16)}  # fmt: skip
+
+    async def steps() -> list[int]:
+        faults = []
+        async with Client(d.endpoint, timeout=60) as c:
+            for i in range(8):
+                before = _minor_faults(pid)
+                await c.step("attention", 0, {"actual_seq_lengths_kv": [3] * 4}, inputs)
+                if i >= 2:  # the first steps map the pages
+                    faults.append(_minor_faults(pid) - before)
+        return faults
+
+    faults = asyncio.run(steps())
+    assert max(faults) < 500, faults  # without the malloc settings: ~4 000 every other step
