@@ -411,9 +411,7 @@ class _Deadlines:
                     if when > now:
                         earliest = min(earliest, when)
                         break
-                    fut.set_exception(
-                        Timeout(f"{op} to {self._name} got no reply within {timeout:g} s")
-                    )
+                    _expire(fut, f"{op} to {self._name}", timeout)
                 queue.popleft()
             if not queue:
                 del self._queues[timeout]

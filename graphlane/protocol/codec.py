@@ -598,16 +598,8 @@ class _Decoder:
         return env
 
     def request(self, env: Any) -> Request:
-        if (  # a valid envelope of exact types, checked flat; anything else as below
-            type(env) is dict
-            and env.keys() == _REQUEST_KEYS
-            and type(request_id := env["id"]) is int
-            and 0 <= request_id <= _UINT64_MAX
-            and type(env["v"]) is int
-            and env["v"] == PROTOCOL_VERSION
-            and type(op := env["op"]) is str
-            and op
-        ):
+        request_id = _plain_id(env, _REQUEST_KEYS)  # checked flat; anything else as below
+        if request_id is not None and type(op := env["op"]) is str and op:
             self.request_id = request_id
             return _frozen(Request, id=request_id, op=op, body=self.body(env["body"]))
         env = self.envelope(env)
@@ -621,15 +613,8 @@ class _Decoder:
         return Request(id=request_id, op=op, body=self.body(body))
 
     def reply(self, env: Any) -> Reply:
-        if (  # an ok reply of exact types, checked flat; anything else as below
-            type(env) is dict
-            and env.keys() == _REPLY_OK_KEYS
-            and type(request_id := env["id"]) is int
-            and 0 <= request_id <= _UINT64_MAX
-            and type(env["v"]) is int
-            and env["v"] == PROTOCOL_VERSION
-            and env["ok"] is True
-        ):
+        request_id = _plain_id(env, _REPLY_OK_KEYS)  # checked flat; anything else as below
+        if request_id is not None and env["ok"] is True:
             self.request_id = request_id
             body = self.body(env["body"])
             return _frozen(Reply, id=request_id, ok=True, body=body, error=None)
@@ -850,6 +835,22 @@ class _Decoder:
         if dtype == torch.bool and bool((flat > 1).any()):
             raise _Fault("bool tensor bytes must be 0 or 1", ".frame")
         return flat.view(dtype).reshape(shape)
+
+
+def _plain_id(env: Any, keys: frozenset[str]) -> int | None:
+    """The id of ``env`` when it is a map of exactly ``keys`` whose id and version are
+    valid exact ints (the common case, checked in one expression); None for anything
+    else, which the full checks of _Decoder.envelope then report."""
+    if (
+        type(env) is dict
+        and env.keys() == keys
+        and type(request_id := env["id"]) is int
+        and 0 <= request_id <= _UINT64_MAX
+        and type(env["v"]) is int
+        and env["v"] == PROTOCOL_VERSION
+    ):
+        return request_id
+    return None
 
 
 class _Fault(Exception):

@@ -152,8 +152,8 @@ class Worker:
         self._woken = False  # a byte is (or is about to be) in the wake-up pipe
         self._main = threading.get_ident()
         # Replies to bundled requests waiting to go back as one bundle per sender:
-        # The sender's routing id (bytes) -> (ident, envelopes); None when none is open.
-        self._outbox: dict[bytes, tuple[Any, list[bytes]]] | None = None
+        # the sender's routing id -> its reply envelopes; None when none is open.
+        self._outbox: dict[bytes, list[bytes]] | None = None
 
     @property
     def inflight(self) -> int:
@@ -310,11 +310,11 @@ class Worker:
         one is open, for the other replies to the same sender (see _replies_together)."""
         if bundled and self._outbox is not None and len(frames) == 1:
             # One sender's replies to several bundles go together (ident is bytes).
-            entry = self._outbox.get(ident)
-            if entry is None:
-                self._outbox[ident] = (ident, [frames[0]])
+            envelopes = self._outbox.get(ident)
+            if envelopes is None:
+                self._outbox[ident] = [frames[0]]
             else:
-                entry[1].append(frames[0])
+                envelopes.append(frames[0])
             return
         self.metrics.bytes_out += sum(map(_nbytes, frames))
         self.sock.send_multipart([ident, *frames], copy=False)
@@ -335,7 +335,7 @@ class Worker:
 
     def _flush_outbox(self) -> None:
         outbox, self._outbox = self._outbox, None
-        for ident, envelopes in (outbox or {}).values():
+        for ident, envelopes in (outbox or {}).items():
             for _, payload in codec.bundles(envelopes):
                 self.metrics.bytes_out += len(payload)
                 self.sock.send_multipart([ident, payload], copy=False)

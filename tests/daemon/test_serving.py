@@ -279,7 +279,9 @@ def _minor_faults(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[7])
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/stat"), reason="counts page faults in Linux's /proc"
+)
 def test_large_inputs_do_not_page_fault_the_worker_step_after_step(start_daemon) -> None:
     """Two 8 MiB input frames per step: the worker reuses the pages of the last
     step's frames (its malloc keeps them, see workers/memory.py) instead of
