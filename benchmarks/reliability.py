@@ -135,7 +135,7 @@ async def hostile() -> dict[str, Any]:
                 await sock.recv_multipart()
                 replies += 1
             sock.close(0)
-            ctx.term()
+            ctx.destroy(linger=0)
             r = await c.step("attention", 0, {"actual_seq_lengths_kv": [3] * 4})
             st = await c.status()
             return {

@@ -79,7 +79,7 @@ def _echo_server(endpoint: str) -> None:
         if req.get("op") == "stop":
             break
     sock.close(0)
-    ctx.term()
+    ctx.destroy(linger=0)
 
 
 class RawClient:
@@ -117,7 +117,7 @@ class RawClient:
         await self.sock.send(msgpack.packb({"v": 1, "id": 0, "op": "stop", "body": {}}))
         await self.sock.recv_multipart()
         self.sock.close(0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 async def _windowed_steps(c: Client, n: int, window: int, params: dict[str, Any]) -> float:

@@ -45,9 +45,11 @@ import contextlib
 import ipaddress
 import itertools
 import logging
+import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -57,6 +59,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from graphlane.protocol import codec
+from graphlane.protocol.endpoints import check_endpoint
 from graphlane.protocol.errors import (
     GraphlaneError,
     InternalError,
@@ -94,7 +97,7 @@ class Channel:
 
     def __init__(
         self,
-        ctx: zmq.Context[Any],
+        sockets: Sockets,
         endpoint: str,
         name: str,
         keys: ClientKeys | None = None,
@@ -103,34 +106,51 @@ class Channel:
         self.endpoint = endpoint
         self.name = name
         self._loop = asyncio.get_running_loop()
-        self.sock = ctx.socket(zmq.DEALER)
-        if keys is not None:
-            keys.apply(self.sock)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )  # fmt: skip
+        self._sockets = sockets
+        self.closed = False
+        self.sock = sockets.open(zmq.DEALER)
+        try:
+            self.monitor = self._setup(endpoint, keys)
+        except BaseException:
+            # A socket left open here would outlive the channel: close it on every path.
+            self.closed = True
+            sockets.close(self.sock)
+            raise
         self.refused: str | None = None  # why the server refused our handshake
-        self.sock.connect(endpoint)
         self.pending: dict[int, asyncio.Future[codec.Reply]] = {}
         self.lost = False  # connected once, then dropped: the peer went away
         self.late_replies = 0
-        self.closed = False
         # Requests of this turn of the loop waiting to go as one bundle (see call).
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
         self._retries: set[asyncio.Task[None]] = set()
         self._deadlines = _Deadlines(self._loop, name)
         self._fds = [self.sock.FD, self.monitor.FD]
-        self._loop.add_reader(self._fds[0], self._readable)
-        self._loop.add_reader(self._fds[1], self._watch)
+        sockets.watch(self._loop, self._fds[0], self._readable)
+        sockets.watch(self._loop, self._fds[1], self._watch)
         # Whatever arrived before the loop watched the descriptors raised no edge.
         self._loop.call_soon(self._readable)
         self._loop.call_soon(self._watch)
+
+    def _setup(self, endpoint: str, keys: ClientKeys | None) -> zmq.Socket[bytes]:
+        """Options, monitor and connect of the new socket; the monitor socket."""
+        if keys is not None:
+            keys.apply(self.sock)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = self._sockets.adopt(
+            self.sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            )
+        )
+        try:
+            self.sock.connect(endpoint)
+        except BaseException:
+            self._sockets.close(monitor)
+            raise
+        return monitor
 
     def _readable(self) -> None:
         if not self.closed and self._drain(_DRAIN_PER_TURN):
@@ -143,7 +163,7 @@ class Channel:
         while limit is None or n < limit:
             try:
                 # Asking first is cheaper than the exception of an empty receive.
-                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return False
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.ZMQError:  # closed under us
@@ -248,7 +268,7 @@ class Channel:
         return reply.body
 
     def _check_readable(self) -> None:
-        if self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
 
     def _queue(self, request_id: int, envelope: bytes) -> None:
@@ -309,6 +329,10 @@ class Channel:
                 continue
 
     async def close(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Fail the pending calls and close both sockets (linger 0); idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -318,10 +342,84 @@ class Channel:
         for task in list(self._retries):
             task.cancel()
         for fd in self._fds:
-            self._loop.remove_reader(fd)
-        self.sock.disable_monitor()
-        self.monitor.close(0)
-        self.sock.close(0)
+            self._sockets.unwatch(self._loop, fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self._sockets.close(self.monitor)
+        self._sockets.close(self.sock)
+
+
+def shared_context() -> zmq.Context[Any]:
+    """The process's one client context: made once per process, never terminated.
+
+    ``term()`` blocks until every socket of its context is closed, and a context
+    collected by the garbage collector terms itself after the weak references to
+    its sockets are already gone (a reference cycle), so it can wait forever for a
+    socket nobody can reach. Clients therefore never terminate a context: they
+    close each socket they made, with linger 0, and share this one. A forked
+    child gets a context of its own.
+    """
+    global _CONTEXT, _CONTEXT_PID
+    with _CONTEXT_LOCK:
+        if _CONTEXT is None or os.getpid() != _CONTEXT_PID:
+            _CONTEXT, _CONTEXT_PID = zmq.Context(), os.getpid()
+        return _CONTEXT
+
+
+_CONTEXT: zmq.Context[Any] | None = None
+_CONTEXT_PID = 0
+_CONTEXT_LOCK = threading.Lock()
+
+
+class Sockets:
+    """Every socket one client made and every descriptor its loop watches for it.
+
+    A client closes all of them on every path (close, a failed or cancelled
+    connect, the client being collected, interpreter exit through
+    :func:`weakref.finalize`); a socket is recorded the moment it exists, so no
+    failure between making and recording it can leave it open.
+    """
+
+    def __init__(self) -> None:
+        self._open: set[zmq.Socket[bytes]] = set()
+        self._watched: set[tuple[asyncio.AbstractEventLoop, int]] = set()
+
+    def open(self, kind: int) -> zmq.Socket[bytes]:
+        return self.adopt(shared_context().socket(kind))
+
+    def adopt(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+        self._open.add(sock)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+        except BaseException:
+            self.close(sock)
+            raise
+        return sock
+
+    def close(self, sock: zmq.Socket[bytes]) -> None:
+        self._open.discard(sock)
+        sock.close(linger=0)
+
+    def watch(self, loop: asyncio.AbstractEventLoop, fd: int, callback: Any) -> None:
+        loop.add_reader(fd, callback)
+        self._watched.add((loop, fd))
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self._watched.discard((loop, fd))
+        if not loop.is_closed():
+            loop.remove_reader(fd)
+
+    def close_all(self) -> None:
+        """Stop watching and close every socket; never blocks (no context term)."""
+        for loop, fd in list(self._watched):
+            with contextlib.suppress(Exception):  # a loop of another thread, or closing
+                self.unwatch(loop, fd)
+        self._watched.clear()
+        for sock in list(self._open):
+            self.close(sock)
+
+    def __len__(self) -> int:
+        return len(self._open)
 
 
 _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
@@ -469,57 +567,61 @@ class Client:
         self.requested = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         if not self.requested:
             raise ValueError("Client needs at least one endpoint")
+        for ep in self.requested:
+            check_endpoint(ep)  # before any socket exists: a typo is one line, at once
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.endpoint = self.requested[0]
         self.timeout = timeout
         self.name = name
-        self._ctx: zmq.Context[Any] | None = None
+        self._sockets = Sockets()
+        # Closes whatever is still open when the client is collected unclosed, or at
+        # interpreter exit; it holds the sockets, never the client.
+        self._finalizer = weakref.finalize(self, self._sockets.close_all)
         self._hosts: list[_Host] = []
         self._ids = itertools.count(1)
         self._closing = False
 
     # ------------------------------------------------------------ lifecycle
     async def connect(self) -> dict[str, Any]:
+        """Open the daemons' channels and say hello. On any failure or cancellation
+        everything opened is closed again, and connect may be called once more."""
         self._closing = False
-        if self._ctx is None:
-            self._ctx = zmq.Context()
-            endpoints: list[str] = []
-            for ep in self.requested:
-                for resolved in await _expand(ep):
-                    if resolved not in endpoints:
-                        endpoints.append(resolved)
-            for ep in endpoints:
-                host = _Host(ep)
-                host.daemon = Channel(self._ctx, ep, f"daemon at {ep}", self.keys)
-                self._hosts.append(host)
-        return await self.hello()
+        try:
+            if not self._hosts:
+                endpoints: list[str] = []
+                for ep in self.requested:
+                    for resolved in await _expand(ep):
+                        if resolved not in endpoints:
+                            endpoints.append(resolved)
+                for ep in endpoints:
+                    host = _Host(ep)
+                    self._hosts.append(host)
+                    host.daemon = Channel(self._sockets, ep, f"daemon at {ep}", self.keys)
+            return await self.hello()
+        except BaseException:
+            self._close_now()
+            raise
 
     async def close(self) -> None:
-        # Calls still resolving a worker may add a channel while we close: refuse new
-        # channels first, then close until none is left (a socket left open would
-        # make the context's term() wait forever).
+        """Fail calls in flight with WORKER_LOST and close every socket; idempotent,
+        never blocks."""
+        self._close_now()
+
+    def _close_now(self) -> None:
         self._closing = True
-        while True:
-            channels = [
-                ch
-                for host in self._hosts
-                for ch in [*host.workers.values(), *([host.daemon] if host.daemon else [])]
-                if not ch.closed
-            ]
-            if not channels:
-                break
-            for ch in channels:
-                await ch.close()
+        for host in self._hosts:
+            for ch in [*host.workers.values(), *([host.daemon] if host.daemon else [])]:
+                ch.close_now()
         self._hosts = []
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
+        self._sockets.close_all()
 
     async def __aenter__(self) -> Client:
         await self.connect()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
+        self._close_now()
 
     @property
     def hosts(self) -> list[str]:
@@ -594,12 +696,11 @@ class Client:
                 if ch.endpoint == entry["endpoint"]:
                     ch.lost = False  # same endpoint: the socket reconnects by itself
                     return ch
-                await ch.close()
-            assert self._ctx is not None
+                ch.close_now()
             # Workers that take bundles get this turn's requests as one message.
             takes_bundles = bool(hello.get("capabilities", {}).get("bundles"))
             ch = host.workers[local] = Channel(
-                self._ctx,
+                self._sockets,
                 entry["endpoint"],
                 f"device {local} at {host.endpoint}",
                 self.keys,
@@ -777,13 +878,18 @@ class SyncClient:
     (the methods are generated from Client's, not written twice).
     """
 
-    def __init__(self, endpoint: str, **kwargs: Any) -> None:
+    def __init__(self, endpoint: str | Sequence[str], **kwargs: Any) -> None:
+        self._client = Client(endpoint, **kwargs)  # checks its arguments: no thread yet
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="graphlane-sync-client", daemon=True
         )
         self._thread.start()
-        self._client = Client(endpoint, **kwargs)
+        # Stops the loop thread and closes the sockets when the SyncClient is closed,
+        # collected unclosed, or alive at interpreter exit.
+        self._finalizer = weakref.finalize(
+            self, _stop_loop, self._loop, self._thread, self._client
+        )
         try:
             self._run(self._client.connect())
         except BaseException:
@@ -791,23 +897,57 @@ class SyncClient:
             raise
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._finalizer.alive:
+            coro.close()
+            raise WorkerLost("the client was closed")
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a SyncClient cannot be called from its own event-loop thread")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                self._run(self._client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
+        """Close the connection and stop the loop thread; idempotent, from any thread."""
+        self._finalizer()
 
     def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _stop_loop(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, client: Client
+) -> None:
+    """Close ``client`` on its loop, stop the loop and join its thread (bounded)."""
+    if loop.is_closed():
+        return
+    own = threading.current_thread() is thread
+    if thread.is_alive():
+        done = threading.Event()
+
+        def stop() -> None:
+            try:
+                client._close_now()
+            finally:
+                loop.stop()
+                done.set()
+
+        try:
+            loop.call_soon_threadsafe(stop)
+        except RuntimeError:  # closed meanwhile
+            return
+        if own:
+            return  # the loop stops after this callback; nobody is left to join it
+        done.wait(_STOP_WAIT_S)
+        thread.join(_STOP_WAIT_S)
+    if not thread.is_alive():
+        loop.close()
+    else:
+        log.warning("the SyncClient's loop thread did not stop; leaving it (daemon thread)")
+
+
+_STOP_WAIT_S = 5.0
 
 
 def _sync_method(name: str) -> Any:

@@ -136,7 +136,7 @@ class Daemon:
             sock.close(linger=1000)  # the shutdown reply and others still queued go out
             if auth is not None:
                 auth.stop()
-            ctx.term()
+            ctx.destroy(linger=0)
             if self.metrics_server is not None:
                 self.metrics_server.shutdown()
             log.info("daemon stopped")

@@ -208,7 +208,7 @@ class Worker:
             self.sock.close(linger=2000)
             if self.auth is not None:
                 self.auth.stop()
-            self.ctx.term()
+            self.ctx.destroy(linger=0)
             os.close(self._wake_r)
             os.close(self._wake_w)
         return self.exit_code

@@ -44,7 +44,7 @@ async def raw_call(endpoint: str, frames: list[bytes], wait_s: float = 10) -> li
         return None
     finally:
         sock.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_request_errors_carry_their_codes(start_daemon) -> None:
@@ -327,6 +327,6 @@ def test_calls_past_the_send_queue_limit_wait_for_room_and_time_out_without_hang
             assert ch.pending == {}
         finally:
             await ch.close()
-            ctx.term()
+            ctx.destroy(linger=0)
 
     asyncio.run(main())

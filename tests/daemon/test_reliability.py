@@ -174,7 +174,7 @@ def test_a_flood_of_hostile_frames_leaves_the_daemon_serving(start_daemon) -> No
             codec.decode_reply(await sock.recv_multipart())
             replies += 1
         sock.close(0)
-        ctx.term()
+        ctx.destroy(linger=0)
         async with Client(d.endpoint) as c:
             r = await c.step("attention", 0, {"actual_seq_lengths_kv": [4, 5]})
             assert r.outputs["out"].shape[0] == 2

@@ -201,7 +201,7 @@ def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
     finally:
         a.close(linger=0)
         b.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def test_over_a_real_socket(pair: tuple[zmq.Socket[bytes], zmq.Socket[bytes]]) -> None:

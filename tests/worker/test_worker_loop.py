@@ -83,7 +83,7 @@ def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
         client.close(0)
         worker.engine.close()
         worker.sock.close(0)
-        worker.ctx.term()
+        worker.ctx.destroy(linger=0)
         there.close()
 
 
@@ -110,7 +110,7 @@ def _serving(backend: str, endpoint: str) -> Iterator[tuple[Worker, zmq.Socket[A
         client.close(0)
         worker.engine.close()
         worker.sock.close(0)
-        worker.ctx.term()
+        worker.ctx.destroy(linger=0)
         there.close()
 
 
