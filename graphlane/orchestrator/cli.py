@@ -127,6 +127,13 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--concurrency", type=int, default=8, help="calls in flight (default 8)")
     d.add_argument("--verify", type=float, default=0.25, help="share of outputs checked (0.25)")
     d.add_argument("--report", metavar="DIR", help="report directory (default reports/demo-TIME)")
+    d.add_argument(
+        "--deadline",
+        type=float,
+        metavar="S",
+        help="give up after S seconds in all, saying what the demo waited for, stop the "
+        "daemon and exit 3 (default: the duration plus 300)",
+    )
     return p
 
 
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             concurrency=args.concurrency,
             verify=args.verify,
             report_dir=args.report,
+            deadline_s=args.deadline,
         )
     return 2
 

@@ -1,0 +1,79 @@
+"""The README's main job cannot hang and leaves nothing behind.
+
+``graphlane demo`` runs in a child process; the tests interrupt it (SIGINT,
+SIGTERM, SIGHUP) or give it a deadline it cannot meet, and check that it exits
+at once with the documented code and that its daemon and workers are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from daemons import pid_alive, wait_for
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _descendants(pid: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().split(")")[-1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _demo(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "demo", "--devices", "1",
+           "--report", str(tmp_path / "report"), *args]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_an_interrupted_demo_stops_its_daemon_and_workers(tmp_path: Path, sig: int) -> None:
+    demo = _demo(tmp_path, "--duration", "60")
+    assert demo.stdout is not None
+    for line in demo.stdout:  # the workers are up once the load test starts
+        if line.startswith("load test:"):
+            break
+    else:
+        pytest.fail(f"the demo ended before its load test: exit {demo.wait()}")
+    family = _descendants(demo.pid)
+    assert len(family) >= 2, family  # the daemon and its worker (at least)
+    demo.send_signal(sig)
+    try:
+        code = demo.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        demo.kill()
+        pytest.fail(f"the demo did not exit after {sig!r}")
+    demo.stdout.close()
+    assert code == 128 + sig, code
+    wait_for(lambda: not any(map(pid_alive, family)), 30, f"{family} to exit after {sig!r}")
+
+
+def test_a_demo_past_its_deadline_says_what_it_waited_for_and_exits(tmp_path: Path) -> None:
+    demo = _demo(tmp_path, "--duration", "60", "--deadline", "1.5")
+    family: set[int] = set()
+    try:
+        wait_for(lambda: (family.update(_descendants(demo.pid)), demo.poll() is not None)[1],
+                 60, "the demo to give up at its deadline")
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    out, _ = demo.communicate()
+    assert demo.returncode == 3, out
+    assert "gave up after 1.5 s" in out and "still waiting for" in out, out
+    assert family, "the demo started no daemon"
+    wait_for(lambda: not any(map(pid_alive, family)), 30, f"{family} to exit")
