@@ -1,0 +1,60 @@
+"""Every operation of the wire: its name, its request body and its reply body.
+
+One module per family (:mod:`.control`, :mod:`.steps`); the same Structs are
+encoded by the client and decoded by the server, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
+from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
+from graphlane.protocol.wire import body_decoder
+
+__all__ = [
+    "MAX_OUTPUTS",
+    "OPS",
+    "Drain",
+    "Hello",
+    "Info",
+    "Op",
+    "Replay",
+    "Shutdown",
+    "Status",
+    "Step",
+    "StepDone",
+    "Update",
+]
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    request: type[Any]
+    reply: Any
+    device: bool  # answered by a worker (True) or by the daemon (False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "request_decoder", body_decoder(self.request))
+        object.__setattr__(self, "reply_decoder", body_decoder(self.reply))
+
+    request_decoder: msgspec.msgpack.Decoder[Any] = None  # type: ignore[assignment]
+    reply_decoder: msgspec.msgpack.Decoder[Any] = None  # type: ignore[assignment]
+
+
+OPS: dict[str, Op] = {
+    op.name: op
+    for op in (
+        Op("hello", Hello, Info, device=False),
+        Op("status", Status, Info, device=False),
+        Op("drain", Drain, Info, device=False),
+        Op("shutdown", Shutdown, Info, device=False),
+        Op("step", Step, StepDone, device=True),
+        Op("update", Update, StepDone, device=True),
+        Op("replay", Replay, StepDone, device=True),
+    )
+}

@@ -1,0 +1,70 @@
+"""Device operations, answered by the device's worker: ``step``, ``update``, ``replay``.
+
+A step patches a program's captured graph with ``params``, copies ``inputs``
+into its static buffers, replays it and returns the requested ``outputs``.
+``update`` patches the next replay only; ``replay`` replays as last patched.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import torch
+from msgspec import Meta, Struct
+
+from graphlane.protocol.wire import MAX_ITEMS, Count, Name, Positive
+
+MAX_OUTPUTS = 16
+MAX_PARAMS = 64
+
+Number = int | float
+Param = None | bool | int | float | str | Annotated[list[Number], Meta(max_length=MAX_ITEMS)]
+Params = Annotated[dict[Name, Param], Meta(max_length=MAX_PARAMS)]
+Tensors = Annotated[dict[Name, torch.Tensor], Meta(max_length=MAX_PARAMS)]
+Outputs = Annotated[list[Name], Meta(max_length=MAX_OUTPUTS)]
+Deadline = Annotated[int, Meta(ge=1)]
+
+
+class Step(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Patch, copy inputs, replay, answer outputs. ``batch`` defaults to what the
+    program reads from its params; ``timeout_ms``: a step still unissued that long
+    after the worker received it is answered TIMEOUT without running."""
+
+    program: Name
+    device: Count
+    params: Params = {}
+    inputs: Tensors = {}
+    outputs: Outputs = []
+    batch: Positive | None = None
+    timeout_ms: Deadline | None = None
+
+
+class Update(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Patch the next replay of the batch's bucket (no replay, no outputs)."""
+
+    program: Name
+    device: Count
+    params: Params = {}
+    inputs: Tensors = {}
+    batch: Positive | None = None
+    timeout_ms: Deadline | None = None
+
+
+class Replay(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Replay the bucket's graph instance as last patched."""
+
+    program: Name
+    device: Count
+    batch: Positive
+    outputs: Outputs = []
+    timeout_ms: Deadline | None = None
+
+
+class StepDone(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The reply body of step, update and replay."""
+
+    outputs: dict[Name, torch.Tensor] = {}
+    bucket: Count = 0
+    instance: Count = 0  # which graph instance of the bucket's ring ran it
+    patched: Count = 0  # task groups patched
+    server_us: float = 0.0  # time the worker held the request, device work included

@@ -1,0 +1,502 @@
+"""Frames, envelopes and tensors: the typed wire (the layout is in the package docstring).
+
+Every envelope and every body is a :class:`msgspec.Struct`: decoding is typed
+validation in one pass of C (an unknown field, a wrong type, a value out of its
+bounds fails naming the field), and encoding packs the same Structs the
+decoder reads, so sender and receiver share one definition of each message.
+
+Before any byte is decoded, the message's frame count and sizes are checked
+against :class:`Limits`. An envelope is read in two steps: the envelope itself
+(``v``, ``id``, ``op``, the body kept as raw bytes), then the body with the
+type of its op; so every body error can be answered with the request's id.
+When the envelope itself cannot be read, a lenient second look finds the id
+if it can (then the sender gets its BAD_REQUEST), else the message is dropped.
+
+Tensors are ``{"$tensor": {"dtype", "shape", "frame" | "data"}}``: a frame of
+their own (a view of the received buffer, no copy) or inline bytes for small
+ones. :func:`tensor_ref` makes one for sending, :func:`Frames.tensor` turns one
+back into a ``torch.Tensor`` (checking the frame index, that each frame is used
+once, and the byte count).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Annotated, Any, Literal, TypeAlias, TypeVar
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+from msgspec import Meta, Raw, Struct
+
+from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_class, error_from_wire
+
+PROTOCOL_VERSION = 1
+INLINE_TENSOR_BYTES = 1024
+"""Tensors of at most this many bytes travel inside the envelope, larger ones as frames."""
+TENSOR_KEY = "$tensor"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+DType = Literal[
+    "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"
+]
+
+T = TypeVar("T")
+FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
+Frame: TypeAlias = bytes | memoryview
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a receiver accepts. Frame counts and sizes are checked before decoding;
+    the others are bounds of the typed decode itself."""
+
+    max_message_bytes: int = 256 * 2**20  # sum of all frames
+    max_frames: int = 64  # envelope included
+    max_envelope_bytes: int = 1 * 2**20  # frame 0
+    max_tensor_bytes: int = 256 * 2**20
+    max_tensor_dims: int = 8
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{f.name} must be an int >= 1, got {value!r}")
+
+
+DEFAULT_LIMITS = Limits()
+
+# Bounds every body type uses (msgspec checks them while decoding).
+MAX_ITEMS = 4096
+MAX_NAME = 128
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME)]
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+RequestId = Annotated[int, Meta(ge=0)]
+
+
+class DecodeError(Exception):
+    """A message that cannot be accepted: ``request_id`` is set when the id could
+    be read (the sender then gets ``code``), else the message is only counted."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: ErrorCode = ErrorCode.BAD_REQUEST,
+        request_id: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.request_id = request_id
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+    def to_error(self) -> GraphlaneError:
+        return error_class(self.code)(self.message)
+
+
+# ------------------------------------------------------------------ tensors
+class TensorSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    dtype: DType
+    shape: Annotated[list[Count], Meta(max_length=8)]
+    frame: Positive | None = None
+    data: bytes | None = None
+
+
+class TensorRef(Struct, frozen=True, forbid_unknown_fields=True):
+    """A tensor in a body: ``{"$tensor": {...}}``."""
+
+    spec: TensorSpec = msgspec.field(name=TENSOR_KEY)
+
+
+def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -> TensorRef:
+    """The reference of a CPU tensor to send; a large one's bytes are appended to
+    ``frames`` as a view of its memory (a non-contiguous tensor is copied first)."""
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+        raise ValueError(f"{path}: must be a tensor, got {type(t).__name__}")
+    if not t.is_cpu:
+        raise ValueError(f"{path}: tensor is on {t.device}; copy it to the CPU before sending")
+    if t.layout != torch.strided:
+        raise ValueError(f"{path}: {t.layout} tensors cannot be sent, only strided ones")
+    name = DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        raise ValueError(f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(DTYPES)})")
+    if t.requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    shape = list(t.shape)
+    if t.nbytes <= INLINE_TENSOR_BYTES:
+        return TensorRef(TensorSpec(name, shape, data=bytes(_byte_view(t))))  # type: ignore[arg-type]
+    frames.append(_byte_view(t))
+    return TensorRef(TensorSpec(name, shape, frame=len(frames)))  # type: ignore[arg-type]
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """A flat byte memoryview over a contiguous CPU tensor's memory (shares it)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+class Frames:
+    """The data frames of one received message; hands each out once, as a tensor."""
+
+    __slots__ = ("_frames", "_used", "limits")
+
+    def __init__(self, frames: Sequence[memoryview], limits: Limits) -> None:
+        self._frames = frames
+        self._used = 0
+        self.limits = limits
+
+    def tensor(self, ref: TensorRef, path: str) -> torch.Tensor:
+        spec = ref.spec
+        shape = spec.shape
+        if len(shape) > self.limits.max_tensor_dims:
+            raise ValueError(
+                f"{path}: {len(shape)} dimensions, at most {self.limits.max_tensor_dims}"
+            )
+        dtype = DTYPES[spec.dtype]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self.limits.max_tensor_bytes:
+            raise ValueError(f"{path}: {nbytes} bytes, at most {self.limits.max_tensor_bytes}")
+        if (spec.frame is None) == (spec.data is None):
+            raise ValueError(f"{path}: exactly one of $tensor.frame and $tensor.data")
+        if spec.data is not None:
+            buf: Any = spec.data
+        else:
+            index = spec.frame
+            assert index is not None
+            if index > len(self._frames):
+                raise ValueError(f"{path}: frame {index} does not exist ({len(self._frames)} sent)")
+            bit = 1 << index
+            if self._used & bit:
+                raise ValueError(f"{path}: frame {index} is referenced twice")
+            self._used |= bit
+            buf = self._frames[index - 1]
+        if len(buf) != nbytes:
+            raise ValueError(f"{path}: {len(buf)} bytes for shape {shape} of {spec.dtype}")
+        return _tensor_of(buf, dtype, shape, path, inline=spec.data is not None)
+
+    def check_all_used(self) -> None:
+        if self._used != (1 << (len(self._frames) + 1)) - 2:
+            unused = [i + 1 for i in range(len(self._frames)) if not self._used & (1 << (i + 1))]
+            raise ValueError(f"frames {unused} are referenced by no tensor")
+
+
+def _tensor_of(
+    buf: Any, dtype: torch.dtype, shape: list[int], path: str, *, inline: bool
+) -> torch.Tensor:
+    """A tensor over ``buf``: a view of a received frame, a small copy of inline bytes."""
+    if not len(buf):
+        return torch.empty(shape, dtype=dtype)
+    if inline:  # a small copy of its own: writable and aligned
+        flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+    elif memoryview(buf).readonly:
+        with warnings.catch_warnings():
+            # frombuffer warns that a read-only buffer gives a writable tensor; tensors
+            # that view received frames are read-only by contract.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+    else:
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    if flat.data_ptr() % dtype.itemsize:
+        flat = flat.clone()  # a misaligned frame: an aligned copy is the only safe view
+    if dtype is torch.bool and bool((flat > 1).any()):
+        raise ValueError(f"{path}: bool tensor bytes must be 0 or 1")
+    return flat.view(dtype).reshape(shape)
+
+
+# ------------------------------------------------------------------ frame context
+# Bodies hold torch tensors directly; the hooks below turn them into and out of
+# ``$tensor`` references, with the frames of the message being encoded or decoded.
+_local = threading.local()
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return tensor_ref(obj, _local.out, path="tensor")
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"{type(obj).__name__} cannot be sent")
+
+
+def _dec_hook(kind: type, obj: Any) -> Any:
+    if kind is torch.Tensor:
+        frames: Frames = _local.received
+        ref = msgspec.convert(obj, TensorRef)  # a ValidationError names the field
+        return frames.tensor(ref, "tensor")
+    raise NotImplementedError(f"cannot decode {kind}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return _encoder
+
+
+def body_decoder(kind: type[T]) -> msgspec.msgpack.Decoder[T]:
+    """The decoder of one body type (bodies may hold ``torch.Tensor`` fields)."""
+    return msgspec.msgpack.Decoder(kind, dec_hook=_dec_hook)
+
+
+# ------------------------------------------------------------------ envelopes
+class WireError(Struct, frozen=True, forbid_unknown_fields=True):
+    code: str
+    message: str
+    retryable: bool
+
+
+class _RequestEnvelope(Struct, frozen=True, forbid_unknown_fields=True):
+    v: int
+    id: RequestId
+    op: Name
+    body: Raw = Raw(b"\x80")  # an empty map
+
+
+class _ReplyEnvelope(Struct, frozen=True, forbid_unknown_fields=True):
+    v: int
+    id: RequestId
+    ok: bool
+    body: Raw | None = None
+    error: WireError | None = None
+
+
+class _AnyId(Struct):
+    """What a lenient second look reads of an envelope that failed its checks."""
+
+    id: RequestId
+
+
+_request_envelope = msgspec.msgpack.Decoder(_RequestEnvelope)
+_reply_envelope = msgspec.msgpack.Decoder(_ReplyEnvelope)
+_any_id = msgspec.msgpack.Decoder(_AnyId)
+_raw_list = msgspec.msgpack.Decoder(list[Raw])
+
+
+class Request(Struct, frozen=True):
+    """A decoded request envelope whose body is still bytes (see :meth:`body`)."""
+
+    id: int
+    op: str
+    raw: Raw
+    frames: Frames
+
+    def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
+        """The body, typed; :class:`DecodeError` (with this id) if it does not fit."""
+        return decode_body(decoder, self.raw, self.frames, self.id)
+
+
+class Reply(Struct, frozen=True):
+    """A decoded reply: ``error`` set, or the body's bytes (see :meth:`body`)."""
+
+    id: int
+    raw: Raw | None
+    error: GraphlaneError | None
+    frames: Frames
+
+    def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
+        if self.error is not None:
+            raise self.error
+        return decode_body(decoder, self.raw or Raw(b"\x80"), self.frames, self.id)
+
+
+def decode_body(
+    decoder: msgspec.msgpack.Decoder[T], raw: Raw, frames: Frames, request_id: int | None
+) -> T:
+    _local.received = frames
+    try:
+        body = decoder.decode(raw)
+        frames.check_all_used()
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+        raise DecodeError(_body_message(exc), request_id=request_id) from None
+    finally:
+        _local.received = None
+    return body
+
+
+def _body_message(exc: Exception) -> str:
+    text = str(exc)
+    # msgspec: "Expected `int` >= 0 - at `$.device`" -> "body.device: expected `int` >= 0"
+    what, sep, where = text.rpartition(" - at `")
+    if sep:
+        path = "body" + where.rstrip("`").removeprefix("$")
+        return f"{path}: {what[:1].lower()}{what[1:]}"
+    return f"body: {text[:1].lower()}{text[1:]}"
+
+
+def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
+    """The frames of a request (``body`` a Struct of ``op``). Raises ``ValueError``
+    for a value that cannot be sent."""
+    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, "body": body})
+
+
+def encode_reply(request_id: int, body: Any) -> list[Frame]:
+    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": body})
+
+
+def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
+    """The single frame of an error reply."""
+    wire = WireError(str(error.code), error.message, error.retryable)
+    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": wire})
+
+
+def _encode(envelope: dict[str, Any]) -> list[Frame]:
+    frames: list[Frame] = []
+    _local.out = frames
+    try:
+        head = _encoder.encode(envelope)
+    except (TypeError, OverflowError, NotImplementedError) as exc:
+        raise ValueError(f"cannot encode: {exc}") from None
+    finally:
+        _local.out = None
+    return [head, *frames] if frames else [head]
+
+
+# ------------------------------------------------------------------ messages
+def decode_requests(
+    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
+) -> list[Request | DecodeError]:
+    """The requests of a message, one or a bundle's: each a :class:`Request` or a
+    :class:`DecodeError` in its place. Raises DecodeError when the message as a whole
+    cannot be read (with no id to answer)."""
+    return [
+        _request(raw, data) if type(raw) is not DecodeError else raw
+        for raw, data in _envelopes(frames, limits)
+    ]
+
+
+def decode_replies(
+    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
+) -> list[Reply | DecodeError]:
+    return [
+        _reply(raw, data) if type(raw) is not DecodeError else raw
+        for raw, data in _envelopes(frames, limits)
+    ]
+
+
+def _envelopes(frames: Sequence[FrameLike], limits: Limits) -> list[tuple[Any, Frames]]:
+    buffers = _check_sizes(frames, limits)
+    head = buffers[0]
+    data = Frames(buffers[1:], limits)
+    if (head and 0x90 <= head[0] <= 0x9F) or head[:1] in (b"\xdc", b"\xdd"):
+        if len(buffers) > 1:
+            raise DecodeError("a bundle carries no data frames")
+        try:
+            items = _raw_list.decode(head)
+        except msgspec.DecodeError as exc:
+            raise DecodeError(f"unreadable bundle: {exc}") from None
+        if not items:
+            raise DecodeError("an empty bundle")
+        return [(item, Frames((), limits)) for item in items]
+    return [(head, data)]
+
+
+def _check_sizes(frames: Sequence[FrameLike], limits: Limits) -> list[memoryview]:
+    if not frames:
+        raise DecodeError("no frames")
+    if len(frames) > limits.max_frames:
+        raise DecodeError(f"{len(frames)} frames, at most {limits.max_frames}")
+    buffers = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
+    if buffers[0].nbytes > limits.max_envelope_bytes:
+        raise DecodeError(
+            f"envelope of {buffers[0].nbytes} bytes, at most {limits.max_envelope_bytes}"
+        )
+    if len(buffers) > 1 and sum(b.nbytes for b in buffers) > limits.max_message_bytes:
+        raise DecodeError(f"message over {limits.max_message_bytes} bytes")
+    return buffers
+
+
+def _request(raw: Any, frames: Frames) -> Request | DecodeError:
+    try:
+        env = _request_envelope.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return DecodeError(_envelope_message(exc), request_id=_lenient_id(raw))
+    if env.v != PROTOCOL_VERSION:
+        return DecodeError(
+            f"protocol version {env.v} is not spoken here (this side speaks {PROTOCOL_VERSION})",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+            request_id=env.id,
+        )
+    return Request(env.id, env.op, env.body, frames)
+
+
+def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
+    try:
+        env = _reply_envelope.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return DecodeError(_envelope_message(exc), request_id=_lenient_id(raw))
+    if env.v != PROTOCOL_VERSION or env.ok != (env.error is None):
+        problem = "version" if env.v != PROTOCOL_VERSION else "ok and error disagree"
+        return DecodeError(f"reply envelope: {problem}", request_id=env.id)
+    error = None
+    if env.error is not None:
+        error = error_from_wire(msgspec.structs.asdict(env.error))
+    return Reply(env.id, env.body, error, frames)
+
+
+def _lenient_id(raw: Any) -> int | None:
+    try:
+        return _any_id.decode(raw).id
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+
+
+def _envelope_message(exc: Exception) -> str:
+    return "envelope" + _body_message(exc).removeprefix("body")
+
+
+# ------------------------------------------------------------------ bundles
+BUNDLE_BYTES = 64 * 1024
+"""The largest bundle graphlane's senders make, far below any reader's envelope limit."""
+
+
+def bundle(envelopes: Sequence[bytes]) -> bytes:
+    """Frame 0 of a bundle: the msgpack array of one-frame envelopes packed already."""
+    n = len(envelopes)
+    if not 1 <= n < 2**16:
+        raise ValueError(f"a bundle holds 1 to 65535 envelopes, not {n}")
+    header = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+    return header + b"".join(envelopes)
+
+
+def bundles(envelopes: Sequence[bytes], max_bytes: int = BUNDLE_BYTES) -> list[tuple[int, bytes]]:
+    """Frame 0 of each message carrying ``envelopes`` in order, with how many each
+    carries: bundles of at most ``max_bytes``; an envelope alone goes as itself."""
+    out: list[tuple[int, bytes]] = []
+    start = size = 0
+    for i, envelope in enumerate(envelopes):
+        if i > start and size + len(envelope) > max_bytes:
+            out.append(_message_of(envelopes[start:i]))
+            start, size = i, 0
+        size += len(envelope)
+    if start < len(envelopes):
+        out.append(_message_of(envelopes[start:]))
+    return out
+
+
+def _message_of(envelopes: Sequence[bytes]) -> tuple[int, bytes]:
+    return len(envelopes), envelopes[0] if len(envelopes) == 1 else bundle(envelopes)
