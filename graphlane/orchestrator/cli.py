@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return _status(args)
     if args.command == "example":
-        from graphlane.workers.sim.example import run
+        from graphlane.tools.example import run
 
         return run(steps=args.steps, layers=args.layers)
     if args.command == "keys":

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from graphlane.workers.sim.runtime import SimConfig
+from graphlane.sim.runtime import SimConfig
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7450"
 

@@ -109,7 +109,7 @@ def reference(
     lengths: Sequence[int],
 ) -> torch.Tensor:
     """Eager attention of the program: layer l+1 attends from layer l's output."""
-    from graphlane.workers.sim.attention_kernel import fused_infer_attention
+    from graphlane.sim.attention_kernel import fused_infer_attention
 
     x = query
     for layer in range(shape.layers):

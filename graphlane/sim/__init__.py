@@ -1,7 +1,7 @@
 """The simulated NPU: a CPU device named "npu" with the NPU's stream, event and
 graph semantics, and a torch_npu-shaped namespace over it.
 
-    from graphlane.workers.sim import torch_npu   # sets the device up
+    from graphlane.sim import torch_npu   # sets the device up
     x = torch.randn(4, 4).npu()
 
 Errors: :class:`SimError` and its subclasses; :func:`reset_device` clears a

@@ -7,7 +7,7 @@ a task group, a lost ExternalEvent release) or ``DeadlockError`` (a wait that
 nothing will satisfy). Those two are asynchronous, like a device fault: they
 make the device faulted: work issued after that is dropped, and every later
 synchronize or query (stream, event or device; host reads synchronize) raises
-the same error until :func:`graphlane.workers.sim.reset_device`.
+the same error until :func:`graphlane.sim.reset_device`.
 """
 
 from __future__ import annotations

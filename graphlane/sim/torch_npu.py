@@ -1,6 +1,6 @@
 """A ``torch_npu``-shaped namespace over the simulated NPU.
 
-``from graphlane.workers.sim import torch_npu`` sets the device up; code written
+``from graphlane.sim import torch_npu`` sets the device up; code written
 for torch_npu then runs on the CPU with only its ``import torch_npu`` line
 changed: ``torch_npu.npu`` is ``torch.npu`` (streams, events, graphs, the
 task-group update API), and the op functions live at the top level.

@@ -19,10 +19,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from graphlane.sim import SimConfig, configure
 from graphlane.workers.backends.sim import SimBackend
 from graphlane.workers.pipeline import StepEngine, StepRequest
 from graphlane.workers.programs import AttentionConfig, AttentionProgram
-from graphlane.workers.sim import SimConfig, configure
 
 PROFILES: dict[str, tuple[float, float]] = {
     # name: (patch_us, task_us); the 910B3 field figures are ~185 us per layer of

@@ -427,7 +427,7 @@ class StepEngine:
     ) -> _InFlight:
         self._issued += 1
         if self.fault_device_after is not None and self._issued > self.fault_device_after:
-            from graphlane.workers.sim import DeviceFaultError
+            from graphlane.sim import DeviceFaultError
 
             raise DeviceFaultError("fault injection: the device failed (device_fault_after)")
         b = self.backend

@@ -62,7 +62,7 @@ class WorkerSpec:
 
     device: int
     backend: str = "sim"
-    sim: Any = None  # graphlane.workers.sim.SimConfig for backend "sim"
+    sim: Any = None  # graphlane.sim.SimConfig for backend "sim"
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     depth: int = 1
     pipeline: bool = True

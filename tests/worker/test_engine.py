@@ -13,12 +13,12 @@ import torch
 from daemons import wait_for
 from reference import decode_stack
 
+from graphlane.sim import DeviceFaultError, HazardError, torch_npu
 from graphlane.workers.backends import create_backend
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.backends.null import NullBackend
 from graphlane.workers.pipeline import EngineError, StepEngine, StepRequest, StepResult
 from graphlane.workers.programs import AttentionConfig, AttentionProgram, GraphKey, StepError
-from graphlane.workers.sim import DeviceFaultError, HazardError, torch_npu
 
 CFG = AttentionConfig(
     layers=3, num_heads=4, num_kv_heads=2, head_dim=16, max_kv_len=24, buckets=(1, 2, 4)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from graphlane.workers.sim import SimConfig, configure
+from graphlane.sim import SimConfig, configure
 
 from .npu import NpuBackend
 
@@ -22,7 +22,7 @@ class SimBackend(NpuBackend):
         config: SimConfig | None = None,
         use_fused_update: bool = True,
     ) -> None:
-        from graphlane.workers.sim import torch_npu
+        from graphlane.sim import torch_npu
 
         if config is not None:
             configure(**asdict(config))
