@@ -7,6 +7,11 @@ import sys
 import threading
 
 import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+from . import npu, ops
+from .runtime import RUNTIME
+from .tensor import factory_fallback
 
 _lock = threading.Lock()
 _done = False
@@ -20,24 +25,12 @@ def setup() -> None:
     with _lock:
         if _done:
             return
-        if hasattr(torch, "npu") and not getattr(torch.npu, "__graphlane_sim__", False):
-            raise RuntimeError(
-                "torch.npu already exists (is the real torch_npu imported?); the simulated "
-                "NPU cannot be set up in the same process"
-            )
-        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-        from . import npu
-        from .tensor import factory_fallback
-
+        ops.refuse_real_torch_npu()
         npu.__graphlane_sim__ = True  # type: ignore[attr-defined]
         _setup_privateuseone_for_python_backend("npu", backend_module=npu)
         lib = torch.library.Library("_", "IMPL")
         lib.fallback(factory_fallback, dispatch_key="PrivateUse1")
         _keep.append(lib)
-        from . import ops  # noqa: F401  (registers torch.ops.npu.*)
-        from .runtime import RUNTIME
-
         atexit.register(RUNTIME.shutdown)
         # Stream threads stand in for independent hardware queues: hand the GIL
         # over quickly (the default 5 ms lets one busy thread stall a device

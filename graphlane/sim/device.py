@@ -1,14 +1,34 @@
-"""Device indices and device-wide operations of the simulated NPU."""
+"""Device indices, the current device and device-wide operations of the simulated NPU.
+
+The current device is per host thread, as with torch_npu; the current stream of
+each device is in :mod:`.streams`.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from .errors import SimUsageError
 from .runtime import RUNTIME
-from .streams import current_device, set_current_device
+
+
+class _CurrentDevice(threading.local):
+    def __init__(self) -> None:
+        self.index = 0
+
+
+_current = _CurrentDevice()
+
+
+def current_device() -> int:
+    return _current.index
+
+
+def set_current_device(index: int) -> None:
+    _current.index = index
 
 
 def device_index(device: Any = None) -> int:

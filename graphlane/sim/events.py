@@ -1,8 +1,4 @@
-"""Events of the simulated NPU.
-
-``Event`` has CUDA/NPU semantics: ``record`` marks the work issued to a stream
-so far; ``wait`` makes a stream wait for the latest record issued before the
-call; waiting on a never-recorded event does nothing.
+"""The ExternalEvent of the simulated NPU (``Event`` is in :mod:`.streams`).
 
 ``ExternalEvent`` has the semantics of torch_npu 2.14 on current CANN: a binary
 flag. ``record`` sets it; a ``wait`` blocks until it is set and then clears it
@@ -16,172 +12,18 @@ be ordered (happen-before) after the wait that consumed the previous record.
 
 from __future__ import annotations
 
-import itertools
-import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import HazardError, SimUsageError
-from .runtime import RUNTIME, Clock, clock_join, clock_leq
+from .runtime import RUNTIME, Clock, clock_join, clock_leq, new_event_id
 from .streams import Stream, current_stream
 
 if TYPE_CHECKING:
     from .graphs import Launch
 
-_event_ids = itertools.count(1)
-
 
 def _stream_of(stream: Stream | None) -> Stream:
     return stream if stream is not None else current_stream()
-
-
-# =================================================================== Event
-class Event:
-    """``torch_npu.npu.Event(enable_timing=False, blocking=False, interprocess=False)``."""
-
-    def __init__(
-        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
-    ) -> None:
-        self.enable_timing = enable_timing
-        self.name = f"Event#{next(_event_ids)}"
-        self._issued = 0  # records issued (host side)
-        self._done = 0  # records that ran
-        self._clocks: dict[int, Clock] = {}
-        self._providers: dict[int, Stream] = {}
-        self._times: dict[int, float] = {}
-        self._captured_in: Any = None  # graph whose capture holds the latest record
-
-    def __repr__(self) -> str:
-        return f"<graphlane sim {self.name}>"
-
-    @property
-    def npu_event(self) -> int:
-        return id(self)
-
-    # -------------------------------------------------------------- host API
-    def record(self, stream: Stream | None = None) -> None:
-        s = _stream_of(stream)
-        with RUNTIME.cond:
-            if s.capturing is not None:
-                self._captured_in = s.capturing.graph
-                s.capturing.add_node(EventRecordWork(self, None))
-                return
-            self._captured_in = None
-            seq = self.issue_record_locked(s)
-            s.issue_locked(EventRecordWork(self, seq))
-
-    def issue_record_locked(self, provider: Stream) -> int:
-        self._issued += 1
-        self._providers[self._issued] = provider
-        return self._issued
-
-    def wait(self, stream: Stream | None = None) -> None:
-        s = _stream_of(stream)
-        with RUNTIME.cond:
-            if s.capturing is not None:
-                if self._captured_in is not s.capturing.graph:
-                    raise SimUsageError(
-                        f"{self.name}.wait() on {s.name} while it captures: the event was not "
-                        "recorded in the same capture (capture isolation; record it on the "
-                        "capturing stream first)"
-                    )
-                # Same stream, same capture: already ordered by the stream.
-                return
-            seq = self._issued
-            if seq == 0:
-                return  # waiting on a never-recorded event is a no-op
-            s.issue_locked(EventWaitWork(self, seq))
-
-    def query(self) -> bool:
-        with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
-            seq = self._issued
-            if self._done >= seq:
-                if seq:
-                    RUNTIME.host_join(self._clocks[seq])
-                return True
-            return False
-
-    def synchronize(self) -> None:
-        with RUNTIME.cond:
-            RUNTIME.raise_if_faulted()
-            seq = self._issued
-            if seq == 0:
-                return
-            RUNTIME.wait_until(lambda: self._done >= seq, f"{self.name} to complete")
-            RUNTIME.host_join(self._clocks[seq])
-
-    def elapsed_time(self, end_event: Event) -> float:
-        if not (self.enable_timing and end_event.enable_timing):
-            raise SimUsageError("elapsed_time needs both events created with enable_timing=True")
-        with RUNTIME.cond:
-            a, b = self._issued, end_event._issued
-            if a == 0 or b == 0 or self._done < a or end_event._done < b:
-                raise SimUsageError("elapsed_time needs both events recorded and completed")
-            return (end_event._times[b] - self._times[a]) * 1000.0
-
-    # -------------------------------------------------------------- device side
-    def complete_locked(self, seq: int, clock: Clock) -> None:
-        self._clocks[seq] = dict(clock)
-        self._times[seq] = time.perf_counter()
-        self._providers.pop(seq, None)
-        if seq > self._done:
-            self._done = seq
-        # Older clocks are no longer needed once a later record completed.
-        for old in [k for k in self._clocks if k < seq - 4]:
-            del self._clocks[old]
-        RUNTIME.cond.notify_all()
-
-
-class EventRecordWork:
-    """Record of an Event: eager (``seq`` given) or a graph node (seq per launch)."""
-
-    def __init__(self, event: Event, seq: int | None) -> None:
-        self.event = event
-        self.seq = seq
-        self.label = f"record {event.name}"
-
-    def launch_locked(self, launch: Launch, stream: Stream) -> None:
-        launch.seqs[self] = self.event.issue_record_locked(stream)
-
-    def run(self, ex: Stream, launch: Launch | None = None) -> None:
-        seq = self.seq if launch is None else launch.seqs[self]
-        assert seq is not None
-        ex.tick()
-        with RUNTIME.cond:
-            self.event.complete_locked(seq, ex.clock)
-
-
-class _EventWait:
-    def __init__(self, event: Event, seq: int) -> None:
-        self.event, self.seq = event, seq
-
-    def providers(self) -> list[Stream]:
-        p = self.event._providers.get(self.seq)
-        return [p] if p is not None else []
-
-    def ready(self) -> bool:
-        return self.event._done >= self.seq
-
-    def describe(self) -> str:
-        p = self.providers()
-        by = f" (queued on {p[0].name})" if p else ""
-        return f"record #{self.seq} of {self.event.name}{by}"
-
-
-class EventWaitWork:
-    def __init__(self, event: Event, seq: int) -> None:
-        self.event = event
-        self.seq = seq
-        self.label = f"wait {event.name}"
-
-    def run(self, ex: Stream, launch: Launch | None = None) -> None:
-        ev, seq = self.event, self.seq
-        with RUNTIME.cond:
-            ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), RUNTIME.epoch)
-            clock = ev._clocks.get(seq)
-            if clock is not None:
-                clock_join(ex.clock, clock)
-        ex.tick()
 
 
 # =================================================================== ExternalEvent
@@ -189,7 +31,7 @@ class ExternalEvent:
     """``torch_npu.npu.ExternalEvent()``: a binary flag that graph waits consume."""
 
     def __init__(self) -> None:
-        self.name = f"ExternalEvent#{next(_event_ids)}"
+        self.name = f"ExternalEvent#{new_event_id()}"
         self.flag = False
         self.pending: dict[Stream, int] = {}  # records issued, not yet run, per stream
         self._record_clock: Clock = {}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from .graphs import graph_task_update_begin, graph_task_update_end
+from .ops import fused_infer_attention_score
 from .streams import Stream
 from .streams import stream as stream_ctx
 
@@ -18,8 +19,6 @@ from .streams import stream as stream_ctx
 def fused_update_out_graph(
     update_stream: Stream, handle: Any, event: Any, *args: Any, **kwargs: Any
 ) -> None:
-    from .ops import fused_infer_attention_score
-
     with stream_ctx(update_stream):
         graph_task_update_begin(update_stream, handle)
         try:

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import HazardError, SimUsageError
-from .opcall import OpCall
+from .events import ExternalEvent, ExtWaitWork
+from .opcall import PATCHABLE_OPS, OpCall
 from .runtime import RUNTIME, Clock, clock_leq
 from .streams import Stream, current_stream
+from .streams import stream as stream_ctx
 
 _graph_ids = itertools.count(1)
 
@@ -269,8 +271,6 @@ class NPUGraph:
             RUNTIME.check_deadlock()
 
     def reset(self) -> None:
-        from .events import ExtWaitWork
-
         with RUNTIME.cond:
             for node in self.nodes:
                 if isinstance(node, ExtWaitWork):
@@ -292,8 +292,6 @@ class NPUGraph:
                 "The current graph configuration does not support update; capture with "
                 "auto_dispatch_capture=True"
             )
-        from .autodispatch import update_records
-
         update_records(self, cpu_update_input)
 
     def debug_dump(self, debug_path: str) -> None:
@@ -409,8 +407,6 @@ def captured_group_of_locked(call: OpCall) -> TaskGroup | None:
 
 
 def _register_group_locked(group: TaskGroup) -> None:
-    from .tensor import PATCHABLE_OPS
-
     for task in group.tasks:
         if task.call.op in PATCHABLE_OPS:
             refs = _CAPTURED.setdefault(_task_key(task.call), [])
@@ -435,50 +431,47 @@ def graph_pool_handle() -> tuple[int, int]:
     return (0, next(_graph_ids))
 
 
-# =================================================================== graph context
-class graph:
-    """``torch.npu.graph(g, pool=None, stream=None, auto_dispatch_capture=False)``."""
+# =================================================================== NPUGraph.update
+# As torch_npu 2.14 does it: ``NPUGraph.update(cpu_update_input)`` re-issues every op
+# that an ``auto_dispatch_capture`` capture recorded (:mod:`.autodispatch`) with the
+# given arguments, on one process-wide update stream, between
+# ``graph_task_update_begin/end``, and records its event. A single entry in
+# ``cpu_update_input`` is applied to every recorded op.
+_update_stream: Stream | None = None  # one per process, as in torch_npu
 
-    default_capture_stream: Stream | None = None
 
-    def __init__(
-        self,
-        npu_graph: NPUGraph,
-        pool: Any = None,
-        stream: Stream | None = None,
-        auto_dispatch_capture: bool = False,
-        capture_error_mode: str = "global",
-    ) -> None:
-        if stream is None:
-            if graph.default_capture_stream is None:
-                graph.default_capture_stream = Stream()
-            stream = graph.default_capture_stream
-        self.capture_stream = stream
-        self.npu_graph = npu_graph
-        self.pool = pool
-        self.capture_error_mode = capture_error_mode
-        npu_graph.auto_dispatch_capture = auto_dispatch_capture
-        self._stream_ctx: Any = None
-        self._mode: Any = None
+@dataclass
+class DispatchRecord:
+    event: ExternalEvent
+    handle: TaskGroupHandle
+    func: Any
+    arguments: dict[str, Any]
 
-    def __enter__(self) -> None:
-        from . import device
-        from .streams import stream as stream_ctx
 
-        device.synchronize(self.capture_stream.device_index)
-        self._stream_ctx = stream_ctx(self.capture_stream)
-        self._stream_ctx.__enter__()
-        if self.npu_graph.auto_dispatch_capture:
-            from .autodispatch import GraphDispatchMode
-
-            self._mode = GraphDispatchMode(self.npu_graph)
-            self._mode.__enter__()
-        self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self.npu_graph.capture_end()
-        finally:
-            if self._mode is not None:
-                self._mode.__exit__(*exc)
-            self._stream_ctx.__exit__(*exc)
+def update_records(graph: NPUGraph, cpu_update_input: list[dict[str, Any]]) -> None:
+    records = graph.dispatch_records
+    updates = list(cpu_update_input)
+    if len(updates) == 1:
+        updates = [dict(updates[0]) for _ in records]
+    if len(updates) != len(records):
+        raise SimUsageError(
+            f"Currently, there are {len(records)} operators that need to be updated by capture, "
+            f"and there are only {len(updates)} elements in the incoming cpu_update_input list"
+        )
+    global _update_stream
+    if _update_stream is None:
+        _update_stream = Stream()
+    u = _update_stream
+    with stream_ctx(u):
+        for record, update in zip(records, updates, strict=True):
+            for key in update:
+                if key not in record.arguments or key in ("out", "query", "key", "value"):
+                    raise SimUsageError(
+                        f"NPUGraph.update: {key!r} is not an updatable argument of "
+                        f"{record.func.__name__}"
+                    )
+            graph_task_update_begin(u, record.handle)
+            record.arguments.update(update)
+            record.func(**record.arguments)
+            graph_task_update_end(u)
+            record.event.record(u)

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from .device import device, device_count, set_device, synchronize
-from .events import Event, ExternalEvent
+from .capture import graph
+from .device import current_device, device, device_count, set_device, synchronize
+from .events import ExternalEvent
 from .graphs import (
     NPUGraph,
-    graph,
     graph_pool_handle,
     graph_task_group_begin,
     graph_task_group_end,
@@ -22,7 +22,7 @@ from .graphs import (
     graph_task_update_end,
     is_current_stream_capturing,
 )
-from .streams import Stream, current_device, current_stream, default_stream, set_stream, stream
+from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 
 def is_available() -> bool:

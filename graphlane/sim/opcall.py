@@ -7,6 +7,10 @@ from typing import Any
 
 import torch
 
+# Custom device ops that graph updates re-issue (registered by ops.py): a task of
+# one of these re-issued eagerly with its captured tensors was meant as an update.
+PATCHABLE_OPS: set[Any] = set()
+
 # Op arguments are values or lists/tuples of values (a schema's Tensor[] or int[]);
 # these one-level walks replace torch's pytree, which costs ~10x more per call.
 

@@ -19,7 +19,7 @@ import torch
 
 from . import attention_kernel as K
 from .errors import SimUsageError
-from .tensor import PATCHABLE_OPS
+from .opcall import PATCHABLE_OPS
 
 _TENSOR_OPTIONALS = [
     "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
@@ -143,6 +143,16 @@ def _check_out(b: dict[str, Any]) -> list[torch.Tensor]:
     return list(out)
 
 
+def refuse_real_torch_npu() -> None:
+    """The real torch_npu owns ``torch.npu`` and the ``npu`` op namespace: the simulated
+    NPU cannot share a process with it."""
+    if hasattr(torch, "npu") and not getattr(torch.npu, "__graphlane_sim__", False):
+        raise RuntimeError(
+            "torch.npu already exists (is the real torch_npu imported?); the simulated "
+            "NPU cannot be set up in the same process"
+        )
+
+
 # ---------------------------------------------------------------- kernels
 def _fia_cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     b = bind(args, kwargs)
@@ -177,6 +187,7 @@ def _fia_out_meta(*args: Any, **kwargs: Any) -> None:
     _check_out(b)
 
 
+refuse_real_torch_npu()  # before defining torch.ops.npu.*, which it would own
 _lib = torch.library.Library("npu", "DEF")
 _ARGS = _schema_args()
 _lib.define(f"npu_fused_infer_attention_score({_ARGS}) -> (Tensor, Tensor)")

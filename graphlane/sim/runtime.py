@@ -34,10 +34,16 @@ if TYPE_CHECKING:
 Clock = dict[int, int]
 
 _actor_ids = itertools.count(1)
+_event_ids = itertools.count(1)
 
 
 def new_actor_id() -> int:
     return next(_actor_ids)
+
+
+def new_event_id() -> int:
+    """The number in an event's name (Event and ExternalEvent count together)."""
+    return next(_event_ids)
 
 
 def clock_leq(a: Clock, b: Clock) -> bool:

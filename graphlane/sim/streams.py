@@ -1,24 +1,34 @@
-"""Streams of the simulated NPU.
+"""Streams and events of the simulated NPU.
 
 A stream is an in-order queue executed by its own thread, asynchronously to
 the host and to the other streams. Work is issued by host threads; while a
 stream captures a graph, work issued to it is recorded into the graph instead.
 The current stream is per host thread and per device, as with torch_npu.
+
+``Event`` has CUDA/NPU semantics: ``record`` marks the work issued to a stream
+so far; ``wait`` makes a stream wait for the latest record issued before the
+call; waiting on a never-recorded event does nothing. It lives here, with the
+streams, because a stream makes one (``record_event``, ``wait_stream``);
+``ExternalEvent``, the graph's binary flag, is in :mod:`.events`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import DeviceFaultError, SimError, SimUsageError
-from .runtime import RUNTIME, Clock, CostClock, new_actor_id
+import torch
+
+from .device import current_device, device_index, set_current_device
+from .errors import DeadlockError, DeviceFaultError, SimError, SimUsageError
+from .runtime import RUNTIME, Clock, CostClock, clock_join, new_actor_id, new_event_id
 
 if TYPE_CHECKING:
-    from .graphs import CaptureState, UpdateState
+    from .graphs import CaptureState, Launch, UpdateState
 
 
 class Dropped(Exception):
@@ -77,8 +87,6 @@ class Stream:
     _count = 0
 
     def __init__(self, device: Any = None, priority: int = 0, *, _default: bool = False) -> None:
-        from .device import device_index
-
         self.device_index = device_index(device)
         self.priority = priority
         self.is_default = _default
@@ -106,8 +114,6 @@ class Stream:
 
     @property
     def device(self) -> Any:
-        import torch
-
         return torch.device("npu", self.device_index)
 
     @property
@@ -195,10 +201,6 @@ class Stream:
         Runs the deadlock analysis when it blocks; waits with no pending
         provider (only the host can release them) are bounded by the watchdog.
         """
-        import time
-
-        from .errors import DeadlockError
-
         since = time.monotonic()
         while not ready():
             if RUNTIME.fault is not None or RUNTIME.epoch != epoch:
@@ -253,8 +255,6 @@ class Stream:
         self.wait_event(stream.record_event())
 
     def record_event(self, event: Any = None) -> Any:
-        from .events import Event
-
         if event is None:
             event = Event()
         event.record(self)
@@ -287,7 +287,6 @@ class Stream:
 # ---------------------------------------------------------------- current stream
 class _Current(threading.local):
     def __init__(self) -> None:
-        self.device = 0
         self.streams: dict[int, Stream] = {}
 
 
@@ -297,8 +296,6 @@ _defaults_lock = threading.Lock()
 
 
 def default_stream(device: Any = None) -> Stream:
-    from .device import device_index
-
     idx = device_index(device)
     with _defaults_lock:
         s = _defaults.get(idx)
@@ -308,8 +305,6 @@ def default_stream(device: Any = None) -> Stream:
 
 
 def current_stream(device: Any = None) -> Stream:
-    from .device import device_index
-
     idx = device_index(device)
     s = _current.streams.get(idx)
     return s if s is not None else default_stream(idx)
@@ -317,15 +312,7 @@ def current_stream(device: Any = None) -> Stream:
 
 def set_stream(stream: Stream) -> None:
     _current.streams[stream.device_index] = stream
-    _current.device = stream.device_index
-
-
-def current_device() -> int:
-    return _current.device
-
-
-def set_current_device(index: int) -> None:
-    _current.device = index
+    set_current_device(stream.device_index)
 
 
 @contextmanager
@@ -334,7 +321,7 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
     if s is None:
         yield None
         return
-    prev_device = _current.device
+    prev_device = current_device()
     prev = _current.streams.get(s.device_index)
     set_stream(s)
     try:
@@ -344,4 +331,158 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
             _current.streams.pop(s.device_index, None)
         else:
             _current.streams[s.device_index] = prev
-        _current.device = prev_device
+        set_current_device(prev_device)
+
+
+# =================================================================== Event
+def _stream_of(stream: Stream | None) -> Stream:
+    return stream if stream is not None else current_stream()
+
+
+class Event:
+    """``torch_npu.npu.Event(enable_timing=False, blocking=False, interprocess=False)``."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        self.enable_timing = enable_timing
+        self.name = f"Event#{new_event_id()}"
+        self._issued = 0  # records issued (host side)
+        self._done = 0  # records that ran
+        self._clocks: dict[int, Clock] = {}
+        self._providers: dict[int, Stream] = {}
+        self._times: dict[int, float] = {}
+        self._captured_in: Any = None  # graph whose capture holds the latest record
+
+    def __repr__(self) -> str:
+        return f"<graphlane sim {self.name}>"
+
+    @property
+    def npu_event(self) -> int:
+        return id(self)
+
+    # -------------------------------------------------------------- host API
+    def record(self, stream: Stream | None = None) -> None:
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            if s.capturing is not None:
+                self._captured_in = s.capturing.graph
+                s.capturing.add_node(EventRecordWork(self, None))
+                return
+            self._captured_in = None
+            seq = self.issue_record_locked(s)
+            s.issue_locked(EventRecordWork(self, seq))
+
+    def issue_record_locked(self, provider: Stream) -> int:
+        self._issued += 1
+        self._providers[self._issued] = provider
+        return self._issued
+
+    def wait(self, stream: Stream | None = None) -> None:
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            if s.capturing is not None:
+                if self._captured_in is not s.capturing.graph:
+                    raise SimUsageError(
+                        f"{self.name}.wait() on {s.name} while it captures: the event was not "
+                        "recorded in the same capture (capture isolation; record it on the "
+                        "capturing stream first)"
+                    )
+                # Same stream, same capture: already ordered by the stream.
+                return
+            seq = self._issued
+            if seq == 0:
+                return  # waiting on a never-recorded event is a no-op
+            s.issue_locked(EventWaitWork(self, seq))
+
+    def query(self) -> bool:
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            seq = self._issued
+            if self._done >= seq:
+                if seq:
+                    RUNTIME.host_join(self._clocks[seq])
+                return True
+            return False
+
+    def synchronize(self) -> None:
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            seq = self._issued
+            if seq == 0:
+                return
+            RUNTIME.wait_until(lambda: self._done >= seq, f"{self.name} to complete")
+            RUNTIME.host_join(self._clocks[seq])
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise SimUsageError("elapsed_time needs both events created with enable_timing=True")
+        with RUNTIME.cond:
+            a, b = self._issued, end_event._issued
+            if a == 0 or b == 0 or self._done < a or end_event._done < b:
+                raise SimUsageError("elapsed_time needs both events recorded and completed")
+            return (end_event._times[b] - self._times[a]) * 1000.0
+
+    # -------------------------------------------------------------- device side
+    def complete_locked(self, seq: int, clock: Clock) -> None:
+        self._clocks[seq] = dict(clock)
+        self._times[seq] = time.perf_counter()
+        self._providers.pop(seq, None)
+        if seq > self._done:
+            self._done = seq
+        # Older clocks are no longer needed once a later record completed.
+        for old in [k for k in self._clocks if k < seq - 4]:
+            del self._clocks[old]
+        RUNTIME.cond.notify_all()
+
+
+class EventRecordWork:
+    """Record of an Event: eager (``seq`` given) or a graph node (seq per launch)."""
+
+    def __init__(self, event: Event, seq: int | None) -> None:
+        self.event = event
+        self.seq = seq
+        self.label = f"record {event.name}"
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        launch.seqs[self] = self.event.issue_record_locked(stream)
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        seq = self.seq if launch is None else launch.seqs[self]
+        assert seq is not None
+        ex.tick()
+        with RUNTIME.cond:
+            self.event.complete_locked(seq, ex.clock)
+
+
+class _EventWait:
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event, self.seq = event, seq
+
+    def providers(self) -> list[Stream]:
+        p = self.event._providers.get(self.seq)
+        return [p] if p is not None else []
+
+    def ready(self) -> bool:
+        return self.event._done >= self.seq
+
+    def describe(self) -> str:
+        p = self.providers()
+        by = f" (queued on {p[0].name})" if p else ""
+        return f"record #{self.seq} of {self.event.name}{by}"
+
+
+class EventWaitWork:
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event = event
+        self.seq = seq
+        self.label = f"wait {event.name}"
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        ev, seq = self.event, self.seq
+        with RUNTIME.cond:
+            ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), RUNTIME.epoch)
+            clock = ev._clocks.get(seq)
+            if clock is not None:
+                clock_join(ex.clock, clock)
+        ex.tick()

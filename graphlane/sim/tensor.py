@@ -24,14 +24,12 @@ from typing import Any
 import torch
 
 from .errors import SimUsageError
-from .opcall import OpCall, flat, map_args, map_kwargs, map_value
+from .graphs import TaskNode, captured_group_of_locked
+from .opcall import PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
 
 aten = torch.ops.aten
-
-# Custom device ops that graph updates re-issue; registered by ops.py.
-PATCHABLE_OPS: set[Any] = set()
 
 
 class NpuTensor(torch.Tensor):
@@ -236,8 +234,6 @@ def issue(
 
 
 def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
-    from .graphs import TaskNode
-
     with RUNTIME.cond:
         if stream.updating is not None:
             patch = stream.updating.patch_for(call, stream)
@@ -258,8 +254,6 @@ def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> No
 
 def _check_not_a_missed_update(stream: Stream, call: OpCall) -> None:
     """An eager re-issue of a captured op, with its captured tensors, without update_begin."""
-    from .graphs import captured_group_of_locked
-
     group = captured_group_of_locked(call)
     if group is not None:
         raise SimUsageError(

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from . import npu
+from . import ops as _ops
 from .backend import setup
+from .fused import fused_update_out_graph
 
 setup()
-
-from . import npu  # noqa: E402
-from . import ops as _ops  # noqa: E402
-from .fused import fused_update_out_graph  # noqa: E402
 
 npu_fused_infer_attention_score = _ops.fused_infer_attention_score
 _npu_fused_infer_attention_score_get_max_workspace = _ops.get_max_workspace
