@@ -62,7 +62,7 @@ class WorkerSpec:
 
     device: int
     backend: str = "sim"
-    sim: Any = None  # graphlane.sim.SimConfig for backend "sim"
+    sim: dict[str, Any] | None = None  # backend "sim": the fields of graphlane.sim.SimConfig
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     depth: int = 1
     pipeline: bool = True
