@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from graphlane import GraphlaneError
+from graphlane.client import Client
 from graphlane.orchestrator.bench import SCALE, BenchDaemon
-from graphlane.orchestrator.client import Client
 
 SLOW = {"mode": "timed", "task_us": 5000.0, "patch_us": 200.0}
 

@@ -97,7 +97,7 @@ class RunningDaemon:
     worker_pids_seen: set[int] = field(default_factory=set)
 
     def status(self) -> dict[str, Any]:
-        from graphlane.orchestrator.client import Client
+        from graphlane.client import Client
 
         async def get() -> dict[str, Any]:
             async with Client(self.endpoint, timeout=10, **self.client_keys) as c:

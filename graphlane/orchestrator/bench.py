@@ -35,7 +35,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from .client import Client
+from graphlane.client import Client
 
 TINY = {
     "layers": 1,

@@ -212,9 +212,8 @@ def _serve(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import asyncio
 
+    from graphlane.client import Client
     from graphlane.protocol.errors import GraphlaneError
-
-    from .client import Client
 
     async def fetch() -> dict[str, Any]:
         client = Client(

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .client import Client
+from graphlane.client import Client
+
 from .loadtest import LoadConfig, run_load
 from .loadtest_cli import print_summary
 

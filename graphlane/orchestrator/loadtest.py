@@ -80,11 +80,11 @@ from typing import Any
 import torch
 
 from graphlane import __version__
+from graphlane.client import Client, StepReply
 from graphlane.protocol.errors import RETRYABLE, GraphlaneError
 from graphlane.workers.programs.attention import AttentionConfig
 from graphlane.workers.programs.base import ProgramConfigError
 
-from .client import Client, StepReply
 from .loadtest_record import DeviceStats, Recorder, summary, window_for
 from .loadtest_workload import (
     SHAPE_KEYS,

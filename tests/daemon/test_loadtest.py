@@ -16,7 +16,7 @@ import torch
 from daemons import SMALL
 from reference import decode_stack
 
-from graphlane.orchestrator.client import Client
+from graphlane.client import Client
 from graphlane.orchestrator.loadtest import LoadConfig, assess, build_report, run_load
 from graphlane.orchestrator.loadtest_cli import add_parser, main
 from graphlane.orchestrator.loadtest_record import Recorder

@@ -21,7 +21,7 @@ import zmq.asyncio
 from daemons import RunningDaemon, free_port, wait_for
 
 from graphlane import GraphlaneError
-from graphlane.orchestrator.client import Client
+from graphlane.client import Client
 from graphlane.protocol import codec
 
 STEP = {"actual_seq_lengths_kv": [3]}

@@ -18,7 +18,7 @@ from daemons import SMALL, RunningDaemon, until
 from reference import decode_stack
 
 import graphlane
-from graphlane.orchestrator.client import Client, SyncClient
+from graphlane.client import Client, SyncClient
 
 L, N, NKV, D, MAXKV = (
     SMALL["layers"],
