@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from graphlane.client import client as client_mod
-from graphlane.client.client import _Deadlines
+from graphlane.client import transport as client_mod
+from graphlane.client.transport import _Deadlines
 from graphlane.protocol.errors import Timeout
 
 
