@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
-from .client import Client, StepReply, SyncClient
+from .client import Client, StepReply
+from .sync import SyncClient
 
 __all__ = ["Client", "StepReply", "SyncClient"]

@@ -28,7 +28,7 @@ until it is back. Every call has a deadline (TIMEOUT). Cancelling a call loses
 nothing: a reply that arrives afterwards is dropped and the connection stays
 usable.
 
-:class:`SyncClient` is the same client driven from a private event loop thread.
+:class:`~.sync.SyncClient` is the same client driven from a private event loop thread.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import zmq
@@ -49,8 +48,6 @@ from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
 from graphlane.protocol.security import ClientKeys
 
 from .transport import _BUNDLE_MAX, Channel, _expand
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -384,68 +381,3 @@ def _reply(host: str, device: int, body: Mapping[str, Any]) -> StepReply:
         host=host,
     )
     return reply
-
-
-class SyncClient:
-    """The async :class:`Client`, driven from a private event-loop thread.
-
-    Every public coroutine of Client is available here as a blocking method
-    (the methods are generated from Client's, not written twice).
-    """
-
-    def __init__(self, endpoint: str, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="graphlane-sync-client", daemon=True
-        )
-        self._thread.start()
-        self._client = Client(endpoint, **kwargs)
-        try:
-            self._run(self._client.connect())
-        except BaseException:
-            self.close()
-            raise
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        if self._thread.is_alive():
-            with contextlib.suppress(Exception):
-                self._run(self._client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-        self._loop.close()
-
-    def __enter__(self) -> SyncClient:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def _sync_method(name: str) -> Any:
-    async_method = getattr(Client, name)
-
-    def method(self: SyncClient, *args: Any, **kwargs: Any) -> Any:
-        return self._run(getattr(self._client, name)(*args, **kwargs))
-
-    method.__name__ = name
-    method.__doc__ = async_method.__doc__
-    return method
-
-
-for _name in (
-    "hello",
-    "status",
-    "drain",
-    "shutdown",
-    "worker_status",
-    "step",
-    "update",
-    "replay",
-    "wait_ready",
-):
-    setattr(SyncClient, _name, _sync_method(_name))
