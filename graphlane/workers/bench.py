@@ -21,7 +21,7 @@ from typing import Any
 
 from graphlane.sim import SimConfig, configure
 from graphlane.workers.backends.sim import SimBackend
-from graphlane.workers.pipeline import StepEngine, StepRequest
+from graphlane.workers.engine import StepEngine, StepRequest
 from graphlane.workers.programs import AttentionConfig, AttentionProgram
 
 PROFILES: dict[str, tuple[float, float]] = {

@@ -47,9 +47,9 @@ from graphlane.protocol.errors import (
     UnknownProgram,
     as_error,
 )
+from graphlane.workers.engine import StepEngine, StepResult
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
-from graphlane.workers.pipeline import StepEngine, StepResult
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import StepPlan
 

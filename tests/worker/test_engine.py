@@ -17,7 +17,7 @@ from graphlane.sim import DeviceFaultError, HazardError, torch_npu
 from graphlane.workers.backends import create_backend
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.backends.null import NullBackend
-from graphlane.workers.pipeline import EngineError, StepEngine, StepRequest, StepResult
+from graphlane.workers.engine import EngineError, StepEngine, StepRequest, StepResult
 from graphlane.workers.programs import AttentionConfig, AttentionProgram, GraphKey, StepError
 
 CFG = AttentionConfig(

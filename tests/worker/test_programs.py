@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graphlane.workers.backends import create_backend
-from graphlane.workers.pipeline import StepEngine, StepRequest
+from graphlane.workers.engine import StepEngine, StepRequest
 from graphlane.workers.programs import (
     AttentionProgram,
     ProgramConfigError,
