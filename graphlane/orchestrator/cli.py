@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
 
-    from .loadtest_cli import add_parser as add_loadtest_parser
+    from graphlane.tools.loadtest_cli import add_parser as add_loadtest_parser
 
     add_loadtest_parser(sub)
 
@@ -156,11 +156,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {public} (public) and {secret} (secret, owner-only)")
         return 0
     if args.command == "loadtest":
-        from .loadtest_cli import main as loadtest_main
+        from graphlane.tools.loadtest_cli import main as loadtest_main
 
         return loadtest_main(args)
     if args.command == "bench":
-        from .bench import format_report, run_all
+        from graphlane.tools.bench import format_report, run_all
 
         report = run_all(quick=args.quick)
         if args.json:
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_report(report))
         return 0
     if args.command == "demo":
-        from .demo import run as run_demo
+        from graphlane.tools.demo import run as run_demo
 
         return run_demo(
             devices=args.devices,

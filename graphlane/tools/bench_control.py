@@ -1,7 +1,5 @@
-"""``graphlane bench``: everything measured side by side in one run, printed as ratios.
+"""The control-plane and scaling figures of ``graphlane bench`` (see :mod:`.bench`).
 
-- pipeline: the step engine on the timed sim, serial vs pipelined vs the limit,
-  latency vs the floor (see :mod:`graphlane.workers.bench`);
 - control plane: a raw pyzmq+msgpack round trip between two processes (a
   ROUTER echo server in a child process, an asyncio DEALER here) against the
   daemon, in the same run: sequential round trips, windowed throughput, and
@@ -354,62 +352,3 @@ def scaling(device_counts: tuple[int, ...] = (1, 2, 4), steps: int = 200) -> dic
         "vs_one_device": {str(k): v / base for k, v in rates.items()},
         "cpu_cores": os.cpu_count(),
     }
-
-
-def run_all(quick: bool = False) -> dict[str, Any]:
-    from graphlane.workers import bench as pipeline_bench
-
-    steps = 20 if quick else 40
-    pipe = pipeline_bench.run(steps=steps)
-    return {
-        "pipeline": [r.as_dict() for r in pipe],
-        "pipeline_table": pipeline_bench.table(pipe),
-        "control_plane": control_plane(200 if quick else 500),
-        "bandwidth": bandwidth(10 if quick else 30),
-        "scaling": scaling(steps=100 if quick else 200),
-    }
-
-
-def format_report(r: dict[str, Any]) -> str:
-    cp, bw, sc = r["control_plane"], r["bandwidth"], r["scaling"]
-    lines = ["pipeline (timed sim, 8 layers):", r["pipeline_table"], ""]
-    lines.append("control plane (ms; ratio to the raw round trip measured beside it):")
-    lines.append(f"  {'':34} {'null device':>20} {'timed sim':>20}")
-
-    def row(label: str, key: str, ratio: str | None = None) -> str:
-        cells = []
-        for b in ("null", "sim"):
-            f = cp[b]
-            cell = f"{f[key]:.3f}"
-            if ratio:
-                cell += f" ({f[ratio]:.2f}x)"
-            cells.append(f"{cell:>20}")
-        return f"  {label:<34} {' '.join(cells)}"
-
-    lines += [
-        row("raw pyzmq+msgpack round trip", "raw_rtt_ms"),
-        row("step round trip", "step_rtt_ms", "step_rtt_vs_raw"),
-        row("  of which the worker held it", "step_server_ms"),
-        row("  outside the worker", "step_outside_worker_ms", "outside_worker_vs_raw"),
-        row("worker status round trip", "worker_status_rtt_ms"),
-        f"  {'windowed steps/s (raw msgs/s)':<34} "
-        + " ".join(
-            f"{cp[b]['windowed_steps_s']:>9.0f} ({cp[b]['raw_windowed_msgs_s']:.0f}, "
-            f"{cp[b]['windowed_vs_raw']:.2f}x)"
-            for b in ("null", "sim")
-        ),
-        f"  {'tensor inputs MB/s (raw MB/s)':<34} "
-        + " ".join(
-            f"{bw[b]['step_inputs_mb_s']:>9.0f} ({bw[b]['raw_mb_s']:.0f}, "
-            f"{bw[b]['bandwidth_vs_raw']:.2f}x)"
-            for b in ("null", "sim")
-        ),
-        f"  ({bw['null']['bytes_per_request'] / 2**20:.0f} MiB of inputs per request)",
-        "",
-        f"scaling (timed sim 1000/1000 us, 4 layers, {sc['cpu_cores']} CPU cores):",
-    ]
-    for n, rate in sc["steps_s"].items():
-        lines.append(
-            f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
-        )
-    return "\n".join(lines)

@@ -26,7 +26,8 @@ import zmq.asyncio
 
 from graphlane import GraphlaneError
 from graphlane.client import Client
-from graphlane.orchestrator.bench import SCALE, BenchDaemon
+
+from .bench_control import SCALE, BenchDaemon
 
 SLOW = {"mode": "timed", "task_us": 5000.0, "patch_us": 200.0}
 

@@ -1,7 +1,7 @@
 """The command line of ``graphlane loadtest``: its flags, the live progress view, the
 summary table and :func:`main`.
 
-See :mod:`graphlane.orchestrator.loadtest`.
+See :mod:`graphlane.tools.loadtest`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from graphlane.orchestrator.config import DEFAULT_LISTEN
 from graphlane.protocol.errors import GraphlaneError
 
-from .config import DEFAULT_LISTEN
 from .loadtest import LoadConfig, LoadTestError, Run, run_load
 from .loadtest_workload import SHAPE_KEYS
 

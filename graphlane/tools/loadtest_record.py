@@ -1,7 +1,7 @@
 """The recording of ``graphlane loadtest``: counts, HDR histograms and the time series of
 a run.
 
-See :mod:`graphlane.orchestrator.loadtest`.
+See :mod:`graphlane.tools.loadtest`.
 """
 
 from __future__ import annotations

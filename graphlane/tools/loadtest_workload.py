@@ -1,7 +1,7 @@
 """The plan and workload of ``graphlane loadtest``: what a run sends, resolved against the
 daemon's ``hello``, its verified cases and the eager attention they are checked against.
 
-See :mod:`graphlane.orchestrator.loadtest`.
+See :mod:`graphlane.tools.loadtest`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The files of a load test report: ``report.json``, ``report.html`` and its PNG plots.
 
-:func:`write_report` takes the dict :func:`graphlane.orchestrator.loadtest.run_load`
+:func:`write_report` takes the dict :func:`graphlane.tools.loadtest.run_load`
 returns and writes, into one directory:
 
 * ``report.json``: that dict, plus ``plots`` (the PNG file names);
