@@ -29,8 +29,9 @@ What a step sends (the program must be attention-shaped: parameter
   device: the worker computes on whatever key/value its buffers hold;
 * a **verified** step (a ``--verify`` fraction of steps) sends query, key and
   value for every batch row, so its output depends on nothing the daemon kept,
-  and is compared with eager attention computed in this process (the sim's
-  ``fused_infer_attention``, layer after layer). The cases (lengths, inputs and
+  and is compared with eager attention computed in this process (torch's
+  ``scaled_dot_product_attention``, layer after layer, written independently of
+  the device's kernel: ``loadtest_workload.reference``). The cases (lengths, inputs and
   their reference output) are made before the run, a few per batch size, and
   used in turn per (device, batch size), so consecutive verified steps on one
   graph differ; the client does no attention math while it measures. A

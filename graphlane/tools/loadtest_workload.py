@@ -1,5 +1,6 @@
 """The plan and workload of ``graphlane loadtest``: what a run sends, resolved against the
-daemon's ``hello``, its verified cases and the eager attention they are checked against.
+daemon's ``hello``, its verified cases and the eager attention they are checked against
+(:func:`reference`, written here with torch, not taken from the simulator).
 
 See :mod:`graphlane.tools.loadtest`.
 """
@@ -108,22 +109,40 @@ def reference(
     value: torch.Tensor,
     lengths: Sequence[int],
 ) -> torch.Tensor:
-    """Eager attention of the program: layer l+1 attends from layer l's output."""
-    from graphlane.sim.attention_kernel import fused_infer_attention
+    """Eager attention of the program: layer l+1 attends from layer l's output.
 
+    Written here, independently of the device's kernel, so that verification checks
+    the device rather than agreeing with it: torch's scaled_dot_product_attention
+    over the program's layout (see graphlane.workers.programs.attention): BNSD, query
+    [B, N, 1, D], key/value [layers, B, Nkv, S, D], scale 1/sqrt(D), GQA (query head h
+    uses key/value head h // (N / Nkv)), keys at positions >= actual_seq_lengths_kv[b]
+    left out of the softmax. The program does not ask for softmax_lse.
+    """
     x = query
     for layer in range(shape.layers):
-        x, _ = fused_infer_attention(
-            x,
-            key[layer],
-            value[layer],
-            actual_seq_lengths_kv=list(lengths),
-            num_heads=shape.num_heads,
-            num_key_value_heads=shape.num_kv_heads,
-            input_layout="BNSD",
-            scale=1.0 / math.sqrt(shape.head_dim),
-        )
+        x = _attention_layer(x, key[layer], value[layer], lengths)
     return x
+
+
+def _attention_layer(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: Sequence[int]
+) -> torch.Tensor:
+    """One BNSD layer, computed in float32 and stored in the query's dtype (as the
+    next layer reads it from the device buffer)."""
+    heads, kv_heads, seq = query.shape[1], key.shape[1], key.shape[2]
+    k = key.float().repeat_interleave(heads // kv_heads, dim=1)  # GQA: one copy per head
+    v = value.float().repeat_interleave(heads // kv_heads, dim=1)
+    valid = torch.arange(seq)[None, :] < torch.tensor(list(lengths))[:, None]  # [B, S]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.float(),
+        k,
+        v,
+        attn_mask=valid[:, None, None, :],  # True: attend
+        scale=1.0 / math.sqrt(query.shape[-1]),
+    )
+    # A row with no key to attend to is zeros (the op's rule), not SDPA's NaN.
+    out = out.masked_fill(~valid.any(dim=1)[:, None, None, None], 0.0)
+    return out.to(query.dtype)
 
 
 @dataclass(frozen=True)
