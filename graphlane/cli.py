@@ -1,4 +1,6 @@
-"""The ``graphlane`` command line."""
+"""The ``graphlane`` command line (also ``python -m graphlane``): ``serve`` and ``status``
+run the daemon and ask it (graphlane.orchestrator, graphlane.client), the other commands
+are tools (graphlane.tools)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from .config import DEFAULT_LISTEN
+from graphlane.orchestrator.config import DEFAULT_LISTEN
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,9 +186,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from graphlane.logs import setup_logging
-
-    from . import config as cfg
-    from .daemon import serve
+    from graphlane.orchestrator import config as cfg
+    from graphlane.orchestrator.daemon import serve
 
     try:
         conf = cfg.load(

@@ -195,7 +195,7 @@ class BenchDaemon:
         cfg = Path(self.tmp.name, "bench.toml")
         cfg.write_text("\n".join(lines) + "\n")
         ready = Path(self.tmp.name, "ready")
-        cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "serve", "--config", str(cfg),
+        cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(cfg),
                "--ready-file", str(ready), "--log-level", "WARNING"]  # fmt: skip
         self.proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + 180

@@ -54,7 +54,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="graphlane-demo-") as tmp:
         endpoint = f"ipc://{tmp}/daemon.sock"
         serve_args = ["--listen", endpoint, "--devices", str(devices), "--log-level", "WARNING"]
-        cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "serve", *serve_args]
+        cmd = [sys.executable, "-m", "graphlane", "serve", *serve_args]
         print(f"starting: graphlane serve --listen {endpoint} --devices {devices} (simulated NPUs)")
         daemon = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:

@@ -94,7 +94,7 @@ def cli_flags() -> dict[str, set[str]]:
     flags = {}
     for command in ("serve", "status"):
         out = subprocess.run(
-            [sys.executable, "-m", "graphlane.orchestrator.cli", command, "--help"],
+            [sys.executable, "-m", "graphlane", command, "--help"],
             capture_output=True,
             text=True,
             timeout=60,
