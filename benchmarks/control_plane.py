@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from graphlane.orchestrator import bench
+from graphlane.tools import bench_control as bench
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from graphlane.workers import bench
+from graphlane.tools import bench_pipeline as bench
 
 
 def main() -> None:

@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from graphlane.orchestrator.client import Client, StepReply, SyncClient
+    from graphlane.client import Client, StepReply, SyncClient
     from graphlane.protocol.errors import ErrorCode, GraphlaneError
 
 _EXPORTS = {
-    "Client": "graphlane.orchestrator.client",
-    "SyncClient": "graphlane.orchestrator.client",
-    "StepReply": "graphlane.orchestrator.client",
+    "Client": "graphlane.client",
+    "SyncClient": "graphlane.client",
+    "StepReply": "graphlane.client",
     "GraphlaneError": "graphlane.protocol.errors",
     "ErrorCode": "graphlane.protocol.errors",
 }

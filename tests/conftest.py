@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from graphlane.workers.sim import reset_device, torch_npu  # noqa: F401  (sets the device up)
+from graphlane.sim import reset_device, torch_npu  # noqa: F401  (sets the device up)
 
 torch.set_num_threads(1)
 

@@ -97,7 +97,7 @@ class RunningDaemon:
     worker_pids_seen: set[int] = field(default_factory=set)
 
     def status(self) -> dict[str, Any]:
-        from graphlane.orchestrator.client import Client
+        from graphlane.client import Client
 
         async def get() -> dict[str, Any]:
             async with Client(self.endpoint, timeout=10, **self.client_keys) as c:
@@ -151,7 +151,7 @@ def start_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
         path = write_config(tmp_path / f"daemon{n}.toml", cfg)
         ready = tmp_path / f"ready{n}"
         log_path = tmp_path / f"daemon{n}.log"
-        cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "serve", "--config", str(path),
+        cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(path),
                "--ready-file", str(ready)]  # fmt: skip
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

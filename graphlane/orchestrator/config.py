@@ -27,8 +27,6 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from graphlane.workers.sim.runtime import SimConfig
-
 DEFAULT_LISTEN = "tcp://127.0.0.1:7450"
 
 
@@ -41,13 +39,27 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class SimSettings:
+    """The ``[sim]`` table: how the simulated NPU of each worker behaves (backend "sim").
+
+    The daemon does not import the simulator: the worker's sim provider turns these
+    settings into the sim's own config (graphlane.sim.SimConfig, same fields).
+    """
+
+    mode: str = "compute"  # or "timed": a cost model instead of compute
+    task_us: float = 0.0  # timed: device time per replayed task
+    patch_us: float = 0.0  # timed: host time per task-group patch
+    watchdog_s: float = 30.0  # a device wait nothing can satisfy is a deadlock after this
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     listen: str = DEFAULT_LISTEN
     backend: str = "sim"
     devices: tuple[int, ...] = (0, 1)
     depth: int = 1
     pipeline: bool = True
-    sim: SimConfig = field(default_factory=SimConfig)
+    sim: SimSettings = field(default_factory=SimSettings)
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     max_queued: int = 256
     startup_timeout_s: float = 120.0
@@ -129,7 +141,7 @@ def _listen(key: str, v: Any) -> str:
     return v
 
 
-def _sim(raw: Any) -> SimConfig:
+def _sim(raw: Any) -> SimSettings:
     if not isinstance(raw, Mapping):
         raise ConfigError("sim", "must be a table")
     for k in raw:
@@ -140,7 +152,7 @@ def _sim(raw: Any) -> SimConfig:
     mode = raw.get("mode", "compute")
     if mode not in ("compute", "timed"):
         raise ConfigError("sim.mode", f"must be 'compute' or 'timed', not {mode!r}")
-    return SimConfig(
+    return SimSettings(
         mode=mode,
         task_us=_number("sim.task_us", raw.get("task_us", 0.0)),
         patch_us=_number("sim.patch_us", raw.get("patch_us", 0.0)),

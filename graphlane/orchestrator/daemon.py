@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ class Daemon:
             WorkerSpec(
                 device=d,
                 backend=config.backend,
-                sim=config.sim if config.backend == "sim" else None,
+                sim=asdict(config.sim) if config.backend == "sim" else None,
                 programs=config.programs,
                 depth=config.depth,
                 pipeline=config.pipeline,

@@ -47,9 +47,9 @@ from graphlane.protocol.errors import (
     UnknownProgram,
     as_error,
 )
+from graphlane.workers.engine import StepEngine, StepResult
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
-from graphlane.workers.pipeline import StepEngine, StepResult
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import StepPlan
 
@@ -62,7 +62,7 @@ class WorkerSpec:
 
     device: int
     backend: str = "sim"
-    sim: Any = None  # graphlane.workers.sim.SimConfig for backend "sim"
+    sim: dict[str, Any] | None = None  # backend "sim": the fields of graphlane.sim.SimConfig
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     depth: int = 1
     pipeline: bool = True

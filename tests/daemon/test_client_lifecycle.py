@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from daemons import RunningDaemon, wait_for
 
-from graphlane.orchestrator.client import Client
+from graphlane.client import Client
 
 DEADLINE_S = 30.0
 NOBODY = "tcp://127.0.0.1:1"  # nothing listens there: every hello times out
@@ -136,7 +136,7 @@ def test_an_endpoint_without_its_form_is_an_immediate_error(endpoint: str) -> No
 def test_the_cli_answers_a_malformed_endpoint_in_one_line(endpoint: str) -> None:
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "graphlane.orchestrator.cli", "status", "--connect", endpoint],
+        [sys.executable, "-m", "graphlane.cli", "status", "--connect", endpoint],
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,

@@ -36,7 +36,7 @@ def _descendants(pid: int) -> set[int]:
 
 
 def _demo(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "demo", "--devices", "1",
+    cmd = [sys.executable, "-m", "graphlane.cli", "demo", "--devices", "1",
            "--report", str(tmp_path / "report"), *args]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -17,7 +17,8 @@ import zmq.asyncio
 from daemons import RunningDaemon, pid_alive, until, wait_for
 
 from graphlane import GraphlaneError
-from graphlane.orchestrator.client import Channel, Client
+from graphlane.client import Client
+from graphlane.client.transport import Channel
 from graphlane.protocol import codec
 
 STEP = {"actual_seq_lengths_kv": [3]}

@@ -21,7 +21,7 @@ import zmq.asyncio
 from daemons import RunningDaemon, free_port, wait_for
 
 from graphlane import GraphlaneError
-from graphlane.orchestrator.client import Client
+from graphlane.client import Client
 from graphlane.protocol import codec
 
 STEP = {"actual_seq_lengths_kv": [3]}
@@ -76,7 +76,7 @@ def test_a_worker_failing_at_start_is_retried_then_marked_failed(start_daemon, t
         },
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "graphlane.orchestrator.cli", "serve", "--config", str(cfg)],
+        [sys.executable, "-m", "graphlane", "serve", "--config", str(cfg)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -220,7 +220,7 @@ def test_overload_gets_busy_at_once_with_bounded_latency_and_flat_memory(start_d
 
 def test_curve_admits_known_keys_and_refuses_others(start_daemon, tmp_path) -> None:
     keys = tmp_path / "keys"
-    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "keys", "generate"]
+    cli = [sys.executable, "-m", "graphlane", "keys", "generate"]
     for where, name in ((keys, "server"), (keys / "clients", "sched"), (tmp_path, "stranger")):
         assert (
             subprocess.run([*cli, str(where), "--name", name], capture_output=True).returncode == 0
@@ -257,7 +257,7 @@ def test_open_tcp_bind_is_refused_without_auth(tmp_path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "graphlane.orchestrator.cli",
+        "graphlane",
         "serve",
         "--listen",
         f"tcp://0.0.0.0:{free_port()}",

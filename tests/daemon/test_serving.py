@@ -18,7 +18,7 @@ from daemons import SMALL, RunningDaemon, until
 from reference import decode_stack
 
 import graphlane
-from graphlane.orchestrator.client import Client, SyncClient
+from graphlane.client import Client, SyncClient
 
 L, N, NKV, D, MAXKV = (
     SMALL["layers"],
@@ -173,7 +173,7 @@ def test_sync_client_is_the_async_client(start_daemon) -> None:
 
 def test_status_cli(start_daemon) -> None:
     d = start_daemon(devices=2)
-    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "status", "--connect", d.endpoint]
+    cli = [sys.executable, "-m", "graphlane", "status", "--connect", d.endpoint]
     out = subprocess.run(
         [*cli, "--json", "--wait", "30"], capture_output=True, text=True, timeout=60
     )
@@ -189,7 +189,7 @@ def test_status_cli(start_daemon) -> None:
 
 def test_status_wait_fails_at_the_deadline_when_nothing_answers(tmp_path) -> None:
     nobody = f"ipc://{tmp_path}/nobody.sock"
-    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "status", "--connect", nobody]
+    cli = [sys.executable, "-m", "graphlane", "status", "--connect", nobody]
     cli += ["--wait", "0.5", "--timeout", "0.2"]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
@@ -214,7 +214,7 @@ def test_one_client_across_two_daemons_acting_as_two_hosts(start_daemon) -> None
             assert st["ready"] and [len(h["workers"]) for h in st["hosts"]] == [1, 2]
 
     asyncio.run(main())
-    cli = [sys.executable, "-m", "graphlane.orchestrator.cli", "status"]
+    cli = [sys.executable, "-m", "graphlane", "status"]
     out = subprocess.run(
         [*cli, "--connect", f"{a.endpoint},{b.endpoint}"],
         capture_output=True,

@@ -94,7 +94,7 @@ def cli_flags() -> dict[str, set[str]]:
     flags = {}
     for command in ("serve", "status"):
         out = subprocess.run(
-            [sys.executable, "-m", "graphlane.orchestrator.cli", command, "--help"],
+            [sys.executable, "-m", "graphlane", command, "--help"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -183,7 +183,7 @@ def output(p: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_launch_sh_lifecycle_on_sim(launch: Launch, tmp_path: Path) -> None:
-    from graphlane.orchestrator.client import SyncClient
+    from graphlane.client import SyncClient
 
     args = start_args(tmp_path, devices=4)
     run_dir = tmp_path / "run"

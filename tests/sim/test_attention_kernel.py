@@ -1,4 +1,4 @@
-"""Tests for graphlane.workers.sim.attention_kernel against a loop-based float64 reference."""
+"""Tests for graphlane.sim.attention_kernel against a loop-based float64 reference."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphlane.workers.sim.attention_kernel import (
+from graphlane.sim.attention_kernel import (
     AttentionArgumentError,
     check_arguments,
     fused_infer_attention,

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from graphlane.workers.sim import SimUsageError, torch_npu
+from graphlane.sim import SimUsageError, torch_npu
 
 
 def test_result_dtype_follows_the_scalar_type_in_any_order() -> None:
@@ -78,7 +78,7 @@ def test_interpreter_exits_cleanly_with_device_work_still_queued() -> None:
     code = textwrap.dedent(
         """
         import torch
-        from graphlane.workers.sim import torch_npu
+        from graphlane.sim import torch_npu
         x = torch.randn(192, 192).npu()
         for _ in range(30):
             x = x @ x / 16

@@ -12,14 +12,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from graphlane.workers.sim import (
+from graphlane.sim import (
     DeadlockError,
     DeviceFaultError,
     HazardError,
     SimUsageError,
     configure,
 )
-from graphlane.workers.sim.streams import Stream
+from graphlane.sim.streams import Stream
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from graphlane.workers.sim import DeadlockError, HazardError, SimUsageError, configure, torch_npu
+from graphlane.sim import DeadlockError, HazardError, SimUsageError, configure, torch_npu
 
 B, N, NKV, D, MAXKV, LAYERS, STEPS = 3, 4, 2, 16, 32, 3, 20
 

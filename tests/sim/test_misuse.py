@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from graphlane.workers.sim import SimUsageError, torch_npu
-from graphlane.workers.sim.graphs import NPUGraph, TaskGroupHandle
-from graphlane.workers.sim.streams import Stream
+from graphlane.sim import SimUsageError, torch_npu
+from graphlane.sim.graphs import NPUGraph, TaskGroupHandle
+from graphlane.sim.streams import Stream
 
 BATCH, HEADS, S_KV, HEAD_DIM = 1, 2, 16, 8
 FIA_KW: dict[str, object] = {

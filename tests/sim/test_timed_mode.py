@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from graphlane.workers.sim import SimConfig, configure, torch_npu
+from graphlane.sim import SimConfig, configure, torch_npu
 
 
 @pytest.fixture

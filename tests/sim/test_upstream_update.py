@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from graphlane.workers.sim import torch_npu
+from graphlane.sim import torch_npu
 
 LENGTH = [29]
 LENGTH_NEW = [100]

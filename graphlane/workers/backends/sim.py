@@ -6,9 +6,11 @@ device reset after a fault.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
+from typing import Any
 
-from graphlane.workers.sim import SimConfig, configure
+from graphlane.sim import SimConfig, configure
 
 from .npu import NpuBackend
 
@@ -19,11 +21,14 @@ class SimBackend(NpuBackend):
     def __init__(
         self,
         device_index: int = 0,
-        config: SimConfig | None = None,
+        config: SimConfig | Mapping[str, Any] | None = None,
         use_fused_update: bool = True,
     ) -> None:
-        from graphlane.workers.sim import torch_npu
+        """``config``: a SimConfig, or its fields as the daemon sends them (``[sim]``)."""
+        from graphlane.sim import torch_npu
 
+        if isinstance(config, Mapping):
+            config = SimConfig(**config)
         if config is not None:
             configure(**asdict(config))
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)

@@ -4,7 +4,7 @@ A program is captured once per batch-size bucket (``depth`` times with a slot
 ring). Its captured graph consists of *task groups*, each preceded by its own
 ExternalEvent wait; a step patches each group whose parameters changed and
 releases every group's event exactly once per replay. The step engine
-(:mod:`graphlane.workers.pipeline`) owns the ordering; a program only says
+(:mod:`graphlane.workers.engine`) owns the ordering; a program only says
 which buffers exist, what is captured, how a step's parameters and inputs are
 validated, and what each group's update arguments are.
 """

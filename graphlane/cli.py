@@ -1,0 +1,265 @@
+"""The ``graphlane`` command line (also ``python -m graphlane``): ``serve`` and ``status``
+run the daemon and ask it (graphlane.orchestrator, graphlane.client), the other commands
+are tools (graphlane.tools)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from graphlane.orchestrator.config import DEFAULT_LISTEN
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="graphlane",
+        description="Keep captured NPU graphs hot and patch their parameters between replays.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser(
+        "serve",
+        help="run the daemon: one worker process per device",
+        description="Run the graphlane daemon: an orchestrator on --listen and one worker "
+        "process per device, each with its programs captured. Settings come from --config "
+        "(TOML), then these flags. Without any, it serves the 'attention' program on 2 "
+        "simulated devices on " + DEFAULT_LISTEN + ". SIGTERM/SIGINT drain and stop it.",
+    )
+    s.add_argument("--config", metavar="FILE", help="TOML configuration file")
+    s.add_argument(
+        "--backend",
+        choices=["sim", "npu", "null"],
+        help="device backend: sim (default), npu (torch_npu), null (no device: for measuring "
+        "graphlane itself)",
+    )
+    s.add_argument("--devices", metavar="N|LIST", help="device count (2) or ids (0,3)")
+    s.add_argument(
+        "--listen", metavar="ENDPOINT", help=f"tcp:// or ipc:// (default {DEFAULT_LISTEN})"
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port (0: any free port)",
+    )
+    s.add_argument(
+        "--auth-dir",
+        metavar="DIR",
+        help="CurveZMQ: serve with DIR/server.key_secret, admit the keys in DIR/clients/",
+    )
+    s.add_argument(
+        "--advertise-host",
+        metavar="HOST",
+        help="host clients should use to reach the workers (with a wildcard --listen)",
+    )
+    s.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback tcp --listen without --auth-dir",
+    )
+    s.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    s.add_argument("--log-format", choices=["text", "json"], help="log lines as text or JSON")
+    s.add_argument("--ready-file", metavar="PATH", help=argparse.SUPPRESS)
+
+    st = sub.add_parser(
+        "status",
+        help="show the daemon's workers",
+        description="Ask a running daemon for its status. With --wait, wait until every "
+        "worker is ready: exit 0 then, 1 at the deadline.",
+    )
+    st.add_argument(
+        "--connect",
+        metavar="ENDPOINT[,ENDPOINT...]",
+        default=DEFAULT_LISTEN,
+        help="the daemon, or several (one per host), or a DNS name of several",
+    )
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.add_argument("--wait", type=float, metavar="SECONDS", help="wait for readiness")
+    st.add_argument("--timeout", type=float, default=5.0, help="per-request timeout (5 s)")
+    _add_key_flags(st)
+
+    k = sub.add_parser(
+        "keys",
+        help="generate CurveZMQ keypairs",
+        description="Generate a CurveZMQ keypair: DIR/NAME.key (public) and DIR/NAME.key_secret. "
+        "For the daemon, use --name server in its --auth-dir; for a client, copy its "
+        "NAME.key into the daemon's DIR/clients/ to admit it.",
+    )
+    ksub = k.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    kg = ksub.add_parser("generate", help="write DIR/NAME.key and DIR/NAME.key_secret")
+    kg.add_argument("directory", metavar="DIR")
+    kg.add_argument("--name", required=True, help="key name, e.g. server or scheduler-1")
+
+    ex = sub.add_parser(
+        "example",
+        help="capture, patch and replay a layered attention graph on the simulated NPU",
+        description="Capture a decode-attention graph once on the simulated NPU, then patch "
+        "its sequence lengths between replays and check each result against eager compute.",
+    )
+    ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
+    ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
+
+    from graphlane.tools.loadtest_cli import add_parser as add_loadtest_parser
+
+    add_loadtest_parser(sub)
+
+    b = sub.add_parser(
+        "bench",
+        help="measure pipelining, the control plane and scaling side by side",
+        description="Measure, side by side in one run, and print as ratios: the step "
+        "pipeline on the timed sim (serial vs pipelined vs the limit, latency vs the floor), "
+        "the control plane (step round trip, windowed throughput and tensor bandwidth "
+        "against a raw pyzmq+msgpack baseline between two processes), and scaling over 1, 2 "
+        "and 4 simulated devices.",
+    )
+    b.add_argument("--json", action="store_true", help="print the figures as JSON")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions (noisier)")
+
+    d = sub.add_parser(
+        "demo",
+        help="start a daemon on simulated NPUs, load-test it with verification, stop it",
+        description="Start the daemon on simulated NPUs, run a short closed-loop load test "
+        "against every device with a share of the outputs checked against eager attention, "
+        "print the summary and where the HTML report is, stop the daemon and exit.",
+    )
+    d.add_argument("--devices", type=int, default=2, help="simulated devices (default 2)")
+    d.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")
+    d.add_argument("--concurrency", type=int, default=8, help="calls in flight (default 8)")
+    d.add_argument("--verify", type=float, default=0.25, help="share of outputs checked (0.25)")
+    d.add_argument("--report", metavar="DIR", help="report directory (default reports/demo-TIME)")
+    d.add_argument(
+        "--deadline",
+        type=float,
+        metavar="S",
+        help="give up after S seconds in all, saying what the demo waited for, stop the "
+        "daemon and exit 3 (default: the duration plus 300)",
+    )
+    return p
+
+
+def _add_key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-key", metavar="FILE", help="the daemon's public key (server.key)")
+    p.add_argument("--client-key", metavar="FILE", help="this client's NAME.key_secret")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "example":
+        from graphlane.tools.example import run
+
+        return run(steps=args.steps, layers=args.layers)
+    if args.command == "keys":
+        from graphlane.protocol.security import SecurityError, generate
+
+        try:
+            public, secret = generate(args.directory, args.name)
+        except SecurityError as exc:
+            print(f"graphlane keys: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {public} (public) and {secret} (secret, owner-only)")
+        return 0
+    if args.command == "loadtest":
+        from graphlane.tools.loadtest_cli import main as loadtest_main
+
+        return loadtest_main(args)
+    if args.command == "bench":
+        from graphlane.tools.bench import format_report, run_all
+
+        report = run_all(quick=args.quick)
+        if args.json:
+            report.pop("pipeline_table")
+            print(json.dumps(report, indent=2))
+        else:
+            print(format_report(report))
+        return 0
+    if args.command == "demo":
+        from graphlane.tools.demo import run as run_demo
+
+        return run_demo(
+            devices=args.devices,
+            duration_s=args.duration,
+            concurrency=args.concurrency,
+            verify=args.verify,
+            report_dir=args.report,
+            deadline_s=args.deadline,
+        )
+    return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from graphlane.logs import setup_logging
+    from graphlane.orchestrator import config as cfg
+    from graphlane.orchestrator.daemon import serve
+
+    try:
+        conf = cfg.load(
+            args.config,
+            {
+                "backend": args.backend,
+                "devices": args.devices,
+                "listen": args.listen,
+                "metrics_port": args.metrics_port,
+                "log_format": args.log_format,
+                "auth_dir": args.auth_dir,
+                "insecure": True if args.insecure else None,
+                "advertise_host": args.advertise_host,
+            },
+        )
+    except cfg.ConfigError as exc:
+        print(f"graphlane serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(args.log_level.upper(), conf.log_format, "daemon")
+    return serve(conf, ready_file=args.ready_file)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from graphlane.client import Client
+    from graphlane.protocol.errors import GraphlaneError
+
+    async def fetch() -> dict[str, Any]:
+        client = Client(
+            [e for e in args.connect.split(",") if e],
+            timeout=args.timeout,
+            server_key=args.server_key,
+            client_key=args.client_key,
+        )
+        try:
+            await client.connect()
+            if args.wait is not None:
+                return await client.wait_ready(args.wait)
+            return await client.status()
+        finally:
+            await client.close()
+
+    try:
+        st = asyncio.run(fetch())
+    except GraphlaneError as exc:
+        print(f"graphlane status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    for host in st.get("hosts", [st]):
+        print(
+            f"daemon {host['state']} at {host['endpoint']} (pid {host['pid']}), "
+            f"ready={host['ready']}"
+        )
+        for w in host["workers"]:
+            programs = ", ".join(sorted(w.get("programs") or {}))
+            print(
+                f"  device {w['device']}: {w['state']:<8} pid {w['pid']} restarts {w['restarts']} "
+                f"endpoint {w['endpoint']} programs [{programs}]"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

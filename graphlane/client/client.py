@@ -1,0 +1,389 @@
+"""The client library that scheduler processes use.
+
+```python
+async with graphlane.Client("tcp://127.0.0.1:7450") as c:
+    r = await c.step("attention", device=0,
+                     params={"actual_seq_lengths_kv": [100, 7]},
+                     inputs={"query": q}, outputs=["out"], timeout=5.0)
+    r.outputs["out"]          # torch.Tensor
+    await c.status()
+```
+
+The client asks the daemon (``hello``) where each device's worker listens and
+sends steps straight to that worker: one DEALER socket per endpoint, many
+calls in flight on each, replies matched by request id by the event loop's
+reader callback for that socket (:class:`~.transport.Channel`).
+Sockets belong to the event loop that created the client (its thread is their
+only user); a send is a single ``send_multipart``, so frames of concurrent
+calls never interleave.
+
+Calls made together to one worker may travel together as one bundle; each
+keeps its own id, deadline and reply (:mod:`.transport`).
+
+Failures arrive as :class:`graphlane.GraphlaneError` subclasses whose ``code``
+is the wire code. A worker that dies fails every call in flight on it with
+WORKER_LOST at once (a socket monitor sees the connection drop); calls to a
+device whose worker is restarting fail fast with WORKER_LOST (retryable)
+until it is back. Every call has a deadline (TIMEOUT). Cancelling a call loses
+nothing: a reply that arrives afterwards is dropped and the connection stays
+usable.
+
+:class:`~.sync.SyncClient` is the same client driven from a private event loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+import weakref
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphlane.protocol.endpoints import check_endpoint
+from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
+from graphlane.protocol.security import ClientKeys
+
+from .transport import _BUNDLE_MAX, Channel, Sockets, _expand
+
+
+@dataclass(frozen=True)
+class StepReply:
+    outputs: dict[str, torch.Tensor]
+    bucket: int
+    slot: int
+    patched: int
+    device: int
+    server_us: float = 0.0  # time the worker held the request, device work included
+    host: str = ""  # the daemon's endpoint
+
+
+Device = int | tuple[int | str, int]
+
+
+class _Host:
+    """One daemon: its control channel and its workers' channels."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.daemon: Channel | None = None
+        self.workers: dict[int, Channel] = {}
+        self.hello: dict[str, Any] = {}
+        self.lock = asyncio.Lock()
+
+
+class Client:
+    """Async client of one or several graphlane daemons (see the module docstring).
+
+    ``endpoints`` is one endpoint, a list (one daemon per host), or a tcp endpoint
+    whose DNS name resolves to several addresses (e.g. a Kubernetes headless
+    Service): each address is a host. With one host, devices are plain ints; with
+    several, a device is ``(host, device)`` where host is the host's index or
+    endpoint.
+    """
+
+    def __init__(
+        self,
+        endpoints: str | Sequence[str],
+        *,
+        timeout: float = 10.0,
+        name: str = "graphlane-client",
+        server_key: str | bytes | None = None,
+        client_key: str | bytes | None = None,
+    ) -> None:
+        """``server_key`` (the server's NAME.key, or its Z85 public key) and ``client_key``
+        (this client's NAME.key_secret) turn on CurveZMQ; both or neither."""
+        if (server_key is None) != (client_key is None):
+            raise ValueError("server_key and client_key go together (CurveZMQ needs both)")
+        self.keys = (
+            ClientKeys.load(server_key, client_key)
+            if server_key is not None and client_key is not None
+            else None
+        )
+        self.requested = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        if not self.requested:
+            raise ValueError("Client needs at least one endpoint")
+        for ep in self.requested:
+            check_endpoint(ep)  # before any socket exists: a typo is one line, at once
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.endpoint = self.requested[0]
+        self.timeout = timeout
+        self.name = name
+        self._sockets = Sockets()
+        # Closes whatever is still open when the client is collected unclosed, or at
+        # interpreter exit; it holds the sockets, never the client.
+        self._finalizer = weakref.finalize(self, self._sockets.close_all)
+        self._hosts: list[_Host] = []
+        self._ids = itertools.count(1)
+        self._closing = False
+
+    # ------------------------------------------------------------ lifecycle
+    async def connect(self) -> dict[str, Any]:
+        """Open the daemons' channels and say hello. On any failure or cancellation
+        everything opened is closed again, and connect may be called once more."""
+        self._closing = False
+        try:
+            if not self._hosts:
+                endpoints: list[str] = []
+                for ep in self.requested:
+                    for resolved in await _expand(ep):
+                        if resolved not in endpoints:
+                            endpoints.append(resolved)
+                for ep in endpoints:
+                    host = _Host(ep)
+                    self._hosts.append(host)
+                    host.daemon = Channel(self._sockets, ep, f"daemon at {ep}", self.keys)
+            return await self.hello()
+        except BaseException:
+            self._close_now()
+            raise
+
+    async def close(self) -> None:
+        """Fail calls in flight with WORKER_LOST and close every socket; idempotent,
+        never blocks."""
+        self._close_now()
+
+    def _close_now(self) -> None:
+        self._closing = True
+        for host in self._hosts:
+            for ch in [*host.workers.values(), *([host.daemon] if host.daemon else [])]:
+                ch.close_now()
+        self._hosts = []
+        self._sockets.close_all()
+
+    async def __aenter__(self) -> Client:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._close_now()
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h.endpoint for h in self._hosts]
+
+    @property
+    def _workers(self) -> dict[int, Channel]:
+        """The first host's worker channels (single-host clients and tests)."""
+        return self._hosts[0].workers if self._hosts else {}
+
+    # ------------------------------------------------------------ plumbing
+    def _call(
+        self, ch: Channel, op: str, body: Mapping[str, Any], timeout: float | None
+    ) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The call's coroutine (the reply's body; its error raised)."""
+        return ch.call(next(self._ids), op, body, self.timeout if timeout is None else timeout)
+
+    def _channel(self, host: _Host | None = None) -> Channel:
+        if self._closing:
+            raise WorkerLost("the client was closed")
+        if not self._hosts:
+            raise RuntimeError(
+                "the client is not connected: use 'async with Client(...)' or connect()"
+            )
+        ch = (host or self._hosts[0]).daemon
+        assert ch is not None
+        return ch
+
+    def _resolve(self, device: Device) -> tuple[_Host, int]:
+        if self._closing or not self._hosts:
+            self._channel()  # raises: not connected
+        if isinstance(device, tuple):
+            which, local = device
+            if isinstance(which, int) and 0 <= which < len(self._hosts):
+                return self._hosts[which], local
+            for h in self._hosts:
+                if h.endpoint == which:
+                    return h, local
+            raise UnknownDevice(f"host {which!r} is not one of {self.hosts}")
+        if len(self._hosts) > 1:
+            raise UnknownDevice(
+                f"this client has {len(self._hosts)} hosts: address devices as (host, device)"
+            )
+        return self._hosts[0], device
+
+    async def _worker(self, device: Device) -> Channel:
+        return await self._worker_at(*self._resolve(device))
+
+    async def _worker_at(self, host: _Host, local: int) -> Channel:
+        ch = host.workers.get(local)
+        if ch is not None and not ch.lost:
+            return ch
+        async with host.lock:  # one hello for many callers after a restart
+            ch = host.workers.get(local)
+            if ch is not None and not ch.lost:
+                return ch
+            hello = await self._hello_on(host)
+            entry = next((w for w in hello.get("workers", []) if w.get("device") == local), None)
+            if entry is None:
+                served = [w.get("device") for w in hello.get("workers", [])]
+                raise UnknownDevice(
+                    f"device {local} is not served at {host.endpoint} (serving {served})"
+                )
+            if entry.get("state") != "ready" or not entry.get("endpoint"):
+                raise WorkerLost(
+                    f"device {local} at {host.endpoint} is {entry.get('state')}, not ready",
+                    retryable=True,
+                )
+            if self._closing:
+                raise WorkerLost("the client is closing")
+            if ch is not None:
+                if ch.endpoint == entry["endpoint"]:
+                    ch.lost = False  # same endpoint: the socket reconnects by itself
+                    return ch
+                ch.close_now()
+            # Workers that take bundles get this turn's requests as one message.
+            takes_bundles = bool(hello.get("capabilities", {}).get("bundles"))
+            ch = host.workers[local] = Channel(
+                self._sockets,
+                entry["endpoint"],
+                f"device {local} at {host.endpoint}",
+                self.keys,
+                bundle_max=_BUNDLE_MAX if takes_bundles else 1,
+            )
+            return ch
+
+    async def _hello_on(self, host: _Host, timeout: float | None = None) -> dict[str, Any]:
+        host.hello = await self._call(self._channel(host), "hello", {"client": self.name}, timeout)
+        return host.hello
+
+    async def _each(self, op: str, body: Mapping[str, Any], timeout: float | None) -> Any:
+        """``op`` on every host: the reply, or {"hosts": [...]} with several hosts."""
+        replies = await asyncio.gather(
+            *(self._call(self._channel(h), op, body, timeout) for h in self._hosts)
+        )
+        if len(replies) == 1:
+            return replies[0]
+        hosts = [{"host": h.endpoint, **r} for h, r in zip(self._hosts, replies, strict=True)]
+        return {"hosts": hosts, "ready": all(r.get("ready", True) for r in replies)}
+
+    # ------------------------------------------------------------ operations
+    async def hello(self, timeout: float | None = None) -> dict[str, Any]:
+        if len(self._hosts) <= 1:
+            return await self._hello_on(self._hosts[0] if self._hosts else _no_host(), timeout)
+        replies = await asyncio.gather(*(self._hello_on(h, timeout) for h in self._hosts))
+        return {
+            "hosts": [{"host": h.endpoint, **r} for h, r in zip(self._hosts, replies, strict=True)]
+        }
+
+    async def status(self, timeout: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._each("status", {}, timeout)
+        return result
+
+    async def drain(
+        self, device: Device | None = None, timeout: float | None = None
+    ) -> dict[str, Any]:
+        if device is None:
+            result: dict[str, Any] = await self._each("drain", {}, timeout)
+            return result
+        host, local = self._resolve(device)
+        return await self._call(self._channel(host), "drain", {"device": local}, timeout)
+
+    async def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = await self._each("shutdown", {}, timeout)
+        return result
+
+    async def worker_status(self, device: Device, timeout: float | None = None) -> dict[str, Any]:
+        return await self._call(await self._worker(device), "status", {}, timeout)
+
+    async def step(
+        self,
+        program: str,
+        device: Device,
+        params: Mapping[str, Any],
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        outputs: Sequence[str] = ("out",),
+        *,
+        batch: int | None = None,
+        timeout: float | None = None,
+    ) -> StepReply:
+        """Patch and replay ``program`` on ``device``; returns the requested outputs."""
+        host, local = self._resolve(device)
+        body = _step_body(program, local, params, inputs, batch)
+        body["outputs"] = list(outputs)
+        ch = host.workers.get(local)
+        if ch is None or ch.lost:
+            ch = await self._worker_at(host, local)
+        return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
+
+    async def update(
+        self,
+        program: str,
+        device: Device,
+        params: Mapping[str, Any],
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        *,
+        batch: int | None = None,
+        timeout: float | None = None,
+    ) -> StepReply:
+        """Patch the next replay of the bucket (no replay)."""
+        host, local = self._resolve(device)
+        body = _step_body(program, local, params, inputs, batch)
+        ch = await self._worker_at(host, local)
+        return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
+
+    async def replay(
+        self,
+        program: str,
+        device: Device,
+        batch: int,
+        outputs: Sequence[str] = ("out",),
+        *,
+        timeout: float | None = None,
+    ) -> StepReply:
+        """Replay the bucket's updated (or next) graph instance."""
+        host, local = self._resolve(device)
+        body = {"program": program, "device": local, "batch": batch, "outputs": list(outputs)}
+        ch = await self._worker_at(host, local)
+        return _reply(host.endpoint, local, await self._call(ch, "replay", body, timeout))
+
+    async def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait until every worker is ready (polling status); TIMEOUT at the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            with contextlib.suppress(Timeout):
+                st = await self.status(timeout=max(0.1, min(2.0, left)))
+                if st.get("ready"):
+                    return st
+            if time.monotonic() >= deadline:
+                raise Timeout(f"workers not ready within {timeout:g} s")
+            await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _no_host() -> _Host:
+    raise RuntimeError("the client is not connected: use 'async with Client(...)' or connect()")
+
+
+def _step_body(
+    program: str,
+    device: int,
+    params: Mapping[str, Any],
+    inputs: Mapping[str, torch.Tensor] | None,
+    batch: int | None,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"program": program, "device": device, "params": dict(params)}
+    if inputs:
+        body["inputs"] = dict(inputs)
+    if batch is not None:
+        body["batch"] = batch
+    return body
+
+
+def _reply(host: str, device: int, body: Mapping[str, Any]) -> StepReply:
+    reply = object.__new__(StepReply)  # the frozen class's fields, set once (as its __init__)
+    reply.__dict__.update(
+        outputs=dict(body.get("outputs", {})),
+        bucket=int(body.get("bucket", 0)),
+        slot=int(body.get("slot", 0)),
+        patched=int(body.get("patched", 0)),
+        device=device,
+        server_us=float(body.get("server_us", 0.0)),
+        host=host,
+    )
+    return reply

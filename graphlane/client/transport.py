@@ -1,0 +1,507 @@
+"""The client's transport: one DEALER connection to a daemon or a worker (:class:`Channel`).
+
+One socket per endpoint, many calls in flight on each, replies matched by request
+id by the event loop's reader callback for that socket. Sockets belong to the
+event loop that created them (its thread is their only user); a send is a single
+``send_multipart``, so frames of concurrent calls never interleave. Every call has
+a deadline (:class:`_Deadlines`, one loop timer per channel).
+
+A call made while others are in flight on the same worker, and whose request
+is one frame (no tensor large enough for a frame of its own), is not sent at
+once: it waits for the end of the event loop's current turn and goes with the
+other calls made in that turn as one bundle (at most 32 requests, a full
+bundle going at once, and ``codec.BUNDLE_BYTES``, 64 KiB: a larger request
+goes alone), when the daemon says its workers take bundles. A call alone on its
+connection is sent at once. Bundling saves a message per call on both sides
+and changes nothing else: each call keeps its own id, deadline and reply.
+
+:func:`_expand` turns a tcp endpoint whose name resolves to several addresses
+into one endpoint per address (one daemon per host).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, cast
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from graphlane.protocol import codec
+from graphlane.protocol.errors import (
+    GraphlaneError,
+    InternalError,
+    Timeout,
+    Unauthorized,
+    WorkerLost,
+)
+from graphlane.protocol.security import ClientKeys
+
+log = logging.getLogger("graphlane.client")
+
+
+class Channel:
+    """One DEALER connection: its pending calls, fed by the event loop's reader callbacks.
+
+    The sockets are plain (not ``zmq.asyncio``) sockets whose file descriptors the
+    loop watches: a reply costs one ``recv`` and a ``set_result``, and a call one
+    non-blocking ``send``. A zmq descriptor signals edges, not levels, so every
+    wake-up drains the socket until it is empty, and a send (which may swallow
+    the edge of a reply that arrived meanwhile) looks whether a reply waits.
+    """
+
+    def __init__(
+        self,
+        sockets: Sockets,
+        endpoint: str,
+        name: str,
+        keys: ClientKeys | None = None,
+        bundle_max: int = 1,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self._loop = asyncio.get_running_loop()
+        self._sockets = sockets
+        self.closed = False
+        self.sock = sockets.open(zmq.DEALER)
+        try:
+            self.monitor = self._setup(endpoint, keys)
+        except BaseException:
+            # A socket left open here would outlive the channel: close it on every path.
+            self.closed = True
+            sockets.close(self.sock)
+            raise
+        self.refused: str | None = None  # why the server refused our handshake
+        self.pending: dict[int, asyncio.Future[codec.Reply]] = {}
+        self.lost = False  # connected once, then dropped: the peer went away
+        self.late_replies = 0
+        # Requests of this turn of the loop waiting to go as one bundle (see call).
+        self.bundle_max = bundle_max
+        self._queued: list[tuple[int, bytes]] = []
+        self._retries: set[asyncio.Task[None]] = set()
+        self._deadlines = _Deadlines(self._loop, name)
+        self._fds = [self.sock.FD, self.monitor.FD]
+        sockets.watch(self._loop, self._fds[0], self._readable)
+        sockets.watch(self._loop, self._fds[1], self._watch)
+        # Whatever arrived before the loop watched the descriptors raised no edge.
+        self._loop.call_soon(self._readable)
+        self._loop.call_soon(self._watch)
+
+    def _setup(self, endpoint: str, keys: ClientKeys | None) -> zmq.Socket[bytes]:
+        """Options, monitor and connect of the new socket; the monitor socket."""
+        if keys is not None:
+            keys.apply(self.sock)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = self._sockets.adopt(
+            self.sock.get_monitor_socket(
+                zmq.EVENT_CONNECTED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            )
+        )
+        try:
+            self.sock.connect(endpoint)
+        except BaseException:
+            self._sockets.close(monitor)
+            raise
+        return monitor
+
+    def _readable(self) -> None:
+        if not self.closed and self._drain(_DRAIN_PER_TURN):
+            self._loop.call_soon(self._readable)  # more: after other callbacks had a turn
+
+    def _drain(self, limit: int | None) -> bool:
+        """Deliver received replies, at most ``limit``; True if more may wait."""
+        n = 0
+        sock = self.sock
+        while limit is None or n < limit:
+            try:
+                # Asking first is cheaper than the exception of an empty receive.
+                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return False
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:  # closed under us
+                return False
+            self._deliver(frames)
+            n += 1
+        return True
+
+    def _deliver(self, frames: list[Any]) -> None:
+        try:
+            replies = codec.decode_replies(frames)
+        except codec.DecodeError as exc:
+            replies = [exc]
+        pending = self.pending
+        for reply in replies:
+            if type(reply) is codec.DecodeError:
+                fut = pending.pop(reply.request_id, None) if reply.request_id is not None else None
+                if fut is not None and not fut.done():
+                    fut.set_exception(InternalError(f"undecodable reply: {reply.message}"))
+                else:
+                    log.warning(
+                        "dropped an undecodable reply from %s: %s", self.endpoint, reply.message
+                    )
+                continue
+            assert type(reply) is codec.Reply
+            fut = pending.pop(reply.id, None)
+            if fut is None or fut.done():
+                self.late_replies += 1  # its call was cancelled or timed out
+                continue
+            fut.set_result(reply)
+
+    def _watch(self) -> None:
+        while not self.closed:
+            try:
+                msg = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.ZMQError:
+                return
+            event = msg["event"]
+            if event in (
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+            ):
+                self.refused = f"{self.endpoint} refused the security handshake (key not admitted?)"
+                self.fail_all(Unauthorized(self.refused))
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
+            elif event == zmq.EVENT_CONNECTED:
+                self.lost = False
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.lost = True
+                # A worker's last answers come before its socket closes: they are
+                # answers, not WORKER_LOST.
+                self._drain(None)
+                self.fail_all(WorkerLost(f"connection to {self.name} at {self.endpoint} was lost"))
+
+    def fail_all(self, error: GraphlaneError) -> None:
+        pending, self.pending = self.pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def call(
+        self, request_id: int, op: str, body: Mapping[str, Any], timeout: float
+    ) -> dict[str, Any]:
+        """One request; its reply's body, or its error raised."""
+        if self.closed:
+            raise WorkerLost(f"connection to {self.name} is closed")
+        if self.refused is not None:
+            raise Unauthorized(self.refused)
+        if self.lost:
+            raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
+        frames = codec.encode_request(request_id, op, body)
+        loop = self._loop
+        fut: asyncio.Future[codec.Reply] = loop.create_future()
+        self.pending[request_id] = fut
+        # A deadline instead of wait_for(shield(...)): it fails the future.
+        timer = self._deadlines.add(fut, timeout, op)
+        try:
+            if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
+                # Other calls are in flight, so this one need not go at once: it goes
+                # with the others made in this turn of the loop, as one bundle.
+                self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
+            else:
+                if self._queued:
+                    self._flush()  # sends keep the order of the calls
+                try:
+                    self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                except zmq.Again:  # every peer's queue is full: wait for room
+                    await self._send_later(frames, [fut])
+                except zmq.ZMQError as exc:  # closed under us
+                    raise WorkerLost(f"connection to {self.name} is closed") from exc
+                self._check_readable()
+            reply = await fut
+        finally:
+            # A cancelled or timed-out call forgets its id; a late reply is dropped.
+            if timer is not None:
+                timer.cancel()
+            self.pending.pop(request_id, None)
+        if reply.error is not None:
+            raise reply.error
+        return reply.body
+
+    def _check_readable(self) -> None:
+        if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
+
+    def _queue(self, request_id: int, envelope: bytes) -> None:
+        self._queued.append((request_id, envelope))
+        if len(self._queued) >= self.bundle_max:
+            self._flush()
+        elif len(self._queued) == 1:
+            self._loop.call_soon(self._flush)  # after the callbacks of this turn
+
+    def _flush(self) -> None:
+        """Send the queued requests: alone, or as bundles of bounded size."""
+        queued, self._queued = self._queued, []
+        if not queued or self.closed:  # closing failed their calls already
+            return
+        start, sent = 0, False
+        for count, payload in codec.bundles([envelope for _, envelope in queued]):
+            ids = [i for i, _ in queued[start : start + count]]
+            start += count
+            futs = [fut for i in ids if (fut := self.pending.get(i)) is not None]
+            try:
+                self.sock.send(payload, zmq.NOBLOCK)
+                sent = True
+            except zmq.Again:  # every peer's queue is full: retry in the background
+                task = self._loop.create_task(self._send_bundle_later(payload, futs))
+                self._retries.add(task)
+                task.add_done_callback(self._retries.discard)
+            except zmq.ZMQError:  # closed under us
+                _fail(futs, WorkerLost(f"connection to {self.name} is closed"))
+                return
+        if sent:
+            self._check_readable()
+
+    async def _send_bundle_later(
+        self, payload: bytes, futs: list[asyncio.Future[codec.Reply]]
+    ) -> None:
+        try:
+            await self._send_later([payload], futs)
+        except WorkerLost as exc:
+            _fail(futs, exc)
+        else:
+            self._check_readable()
+
+    async def _send_later(self, frames: list[Any], futs: list[asyncio.Future[codec.Reply]]) -> None:
+        """Retry a send the high-water mark refused until it goes, its calls end
+        (deadline, WORKER_LOST) or the channel closes."""
+        delay = 0.0005
+        while not all(fut.done() for fut in futs):
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.02)
+            if self.closed:
+                raise WorkerLost(f"connection to {self.name} is closed")
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                continue
+
+    async def close(self) -> None:
+        self.close_now()
+
+    def close_now(self) -> None:
+        """Fail the pending calls and close both sockets (linger 0); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self._queued = []
+        self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
+        self._deadlines.close()
+        for task in list(self._retries):
+            task.cancel()
+        for fd in self._fds:
+            self._sockets.unwatch(self._loop, fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self._sockets.close(self.monitor)
+        self._sockets.close(self.sock)
+
+
+def shared_context() -> zmq.Context[Any]:
+    """The process's one client context: made once per process, never terminated.
+
+    ``term()`` blocks until every socket of its context is closed, and a context
+    collected by the garbage collector terms itself after the weak references to
+    its sockets are already gone (a reference cycle), so it can wait forever for a
+    socket nobody can reach. Clients therefore never terminate a context: they
+    close each socket they made, with linger 0, and share this one. A forked
+    child gets a context of its own.
+    """
+    global _CONTEXT, _CONTEXT_PID
+    with _CONTEXT_LOCK:
+        if _CONTEXT is None or os.getpid() != _CONTEXT_PID:
+            _CONTEXT, _CONTEXT_PID = zmq.Context(), os.getpid()
+        return _CONTEXT
+
+
+_CONTEXT: zmq.Context[Any] | None = None
+_CONTEXT_PID = 0
+_CONTEXT_LOCK = threading.Lock()
+
+
+class Sockets:
+    """Every socket one client made and every descriptor its loop watches for it.
+
+    A client closes all of them on every path (close, a failed or cancelled
+    connect, the client being collected, interpreter exit through
+    :func:`weakref.finalize`); a socket is recorded the moment it exists, so no
+    failure between making and recording it can leave it open.
+    """
+
+    def __init__(self) -> None:
+        self._open: set[zmq.Socket[bytes]] = set()
+        self._watched: set[tuple[asyncio.AbstractEventLoop, int]] = set()
+
+    def open(self, kind: int) -> zmq.Socket[bytes]:
+        return self.adopt(shared_context().socket(kind))
+
+    def adopt(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+        self._open.add(sock)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+        except BaseException:
+            self.close(sock)
+            raise
+        return sock
+
+    def close(self, sock: zmq.Socket[bytes]) -> None:
+        self._open.discard(sock)
+        sock.close(linger=0)
+
+    def watch(self, loop: asyncio.AbstractEventLoop, fd: int, callback: Any) -> None:
+        loop.add_reader(fd, callback)
+        self._watched.add((loop, fd))
+
+    def unwatch(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self._watched.discard((loop, fd))
+        if not loop.is_closed():
+            loop.remove_reader(fd)
+
+    def close_all(self) -> None:
+        """Stop watching and close every socket; never blocks (no context term)."""
+        for loop, fd in list(self._watched):
+            with contextlib.suppress(Exception):  # a loop of another thread, or closing
+                self.unwatch(loop, fd)
+        self._watched.clear()
+        for sock in list(self._open):
+            self.close(sock)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+_DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
+# Requests per bundle: a full one goes at once, overlapping the worker. The worker
+# answers a bundle's requests together, so the first waits for the last; 32 kept
+# two bundles of a 64-call window in flight and gave the most steps/s on null
+# (16: ~10% fewer; 64: no overlap, half).
+_BUNDLE_MAX = 32
+
+
+def _fail(futs: list[asyncio.Future[codec.Reply]], exc: BaseException) -> None:
+    for fut in futs:
+        if not fut.done():
+            fut.set_exception(exc)
+
+
+def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(Timeout(f"{what} got no reply within {timeout:g} s"))
+
+
+class _Deadlines:
+    """The deadlines of one channel's calls, with one loop timer, armed for the earliest.
+
+    A loop timer per call costs a handle, a heap push and the pop of the cancelled
+    handle, several microseconds a call. Calls with the same timeout expire in the
+    order they were made, so a queue per timeout value stays sorted for the cost of
+    an append. An entry whose call ended stays in its queue until the timer passes
+    it or ended entries crowd the queue (then it is compacted: bounded memory). A
+    call with an unusual timeout (more than ``_TIMEOUT_QUEUES`` distinct values in
+    use) gets a loop timer of its own, as before.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
+        self._loop = loop
+        self._name = name
+        # timeout -> [queue of (deadline, future, op), length that triggers compaction]
+        self._queues: dict[float, list[Any]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+
+    def add(self, fut: asyncio.Future[Any], timeout: float, op: str) -> asyncio.TimerHandle | None:
+        """Fail ``fut`` with TIMEOUT after ``timeout`` s unless it is done by then; a
+        loop timer to cancel when the call ends, or None when nothing needs doing."""
+        entry = self._queues.get(timeout)
+        if entry is None:
+            if len(self._queues) >= _TIMEOUT_QUEUES:
+                what = f"{op} to {self._name}"
+                return self._loop.call_later(timeout, _expire, fut, what, timeout)
+            entry = self._queues[timeout] = [collections.deque(), _COMPACT_AT]
+        when = self._loop.time() + timeout
+        queue: collections.deque[tuple[float, asyncio.Future[Any], str]] = entry[0]
+        queue.append((when, fut, op))
+        if len(queue) >= entry[1]:  # mostly ended calls: keep the live ones
+            entry[0] = queue = collections.deque(e for e in queue if not e[1].done())
+            entry[1] = max(_COMPACT_AT, 2 * len(queue))
+        if when < self._timer_at:
+            self._arm(when)
+        return None
+
+    def close(self) -> None:
+        """Forget every deadline (the channel failed its calls already)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = None, float("inf")
+        self._queues.clear()
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._expire)
+        self._timer_at = when
+
+    def _expire(self) -> None:
+        """Fail the calls whose deadline passed; drop ended calls from the queues'
+        fronts (so that the next wake-up is for a live call); re-arm."""
+        self._timer, self._timer_at = None, float("inf")
+        now = self._loop.time() + _CLOCK_RESOLUTION  # the loop runs a timer that early
+        earliest = float("inf")
+        for timeout, entry in list(self._queues.items()):
+            queue = entry[0]
+            while queue:
+                when, fut, op = queue[0]
+                if not fut.done():
+                    if when > now:
+                        earliest = min(earliest, when)
+                        break
+                    _expire(fut, f"{op} to {self._name}", timeout)
+                queue.popleft()
+            if not queue:
+                del self._queues[timeout]
+        if earliest < float("inf"):
+            self._arm(earliest)
+
+
+_TIMEOUT_QUEUES = 8  # distinct timeout values with a queue of their own, per channel
+_COMPACT_AT = 1024  # the least queue length at which ended calls are dropped
+_CLOCK_RESOLUTION = time.get_clock_info("monotonic").resolution
+
+
+async def _expand(endpoint: str) -> list[str]:
+    """A tcp endpoint whose name resolves to several addresses: one endpoint each."""
+    if not endpoint.startswith("tcp://"):
+        return [endpoint]
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return [endpoint]
+    except ValueError:
+        pass
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return [endpoint]  # let the socket report the problem
+    addresses = sorted({str(info[4][0]) for info in infos})
+    # A name for one machine (localhost: 127.0.0.1 and ::1) is one host, not several.
+    if len(addresses) <= 1 or any(ipaddress.ip_address(a).is_loopback for a in addresses):
+        return [endpoint]
+    return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addresses]

@@ -1,0 +1,40 @@
+"""Registers the simulated NPU with PyTorch as the "npu" (PrivateUse1) backend."""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+from . import npu, ops
+from .runtime import RUNTIME
+from .tensor import factory_fallback
+
+_lock = threading.Lock()
+_done = False
+_keep: list[object] = []
+SWITCH_INTERVAL_S = 0.0002
+
+
+def setup() -> None:
+    """Idempotent: rename PrivateUse1 to "npu", install ``torch.npu`` and the op fallback."""
+    global _done
+    with _lock:
+        if _done:
+            return
+        ops.refuse_real_torch_npu()
+        npu.__graphlane_sim__ = True  # type: ignore[attr-defined]
+        _setup_privateuseone_for_python_backend("npu", backend_module=npu)
+        lib = torch.library.Library("_", "IMPL")
+        lib.fallback(factory_fallback, dispatch_key="PrivateUse1")
+        _keep.append(lib)
+        atexit.register(RUNTIME.shutdown)
+        # Stream threads stand in for independent hardware queues: hand the GIL
+        # over quickly (the default 5 ms lets one busy thread stall a device
+        # stream that is ready to run for that long).
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+
+        _done = True

@@ -1,0 +1,175 @@
+"""The ExternalEvent of the simulated NPU (``Event`` is in :mod:`.streams`).
+
+``ExternalEvent`` has the semantics of torch_npu 2.14 on current CANN: a binary
+flag. ``record`` sets it; a ``wait`` blocks until it is set and then clears it
+(auto-reset), so a wait may be issued before its record. Two records before one
+consuming wait merge into one signal: the second release is lost, and the next
+wait hangs. The simulator reports such a record as a HazardError as soon as it
+runs, whether or not the timing of this run happened to lose it: a record must
+be ordered (happen-before) after the wait that consumed the previous record.
+``reset()`` is accepted and does nothing, as on current CANN.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import HazardError, SimUsageError
+from .runtime import RUNTIME, Clock, clock_join, clock_leq, new_event_id
+from .streams import Stream, current_stream
+
+if TYPE_CHECKING:
+    from .graphs import Launch
+
+
+def _stream_of(stream: Stream | None) -> Stream:
+    return stream if stream is not None else current_stream()
+
+
+# =================================================================== ExternalEvent
+class ExternalEvent:
+    """``torch_npu.npu.ExternalEvent()``: a binary flag that graph waits consume."""
+
+    def __init__(self) -> None:
+        self.name = f"ExternalEvent#{new_event_id()}"
+        self.flag = False
+        self.pending: dict[Stream, int] = {}  # records issued, not yet run, per stream
+        self._record_clock: Clock = {}
+        self._record_by = ""
+        self._consume_clock: Clock | None = None
+        self._consumed_by = ""
+        self._host_waits = 0  # host wait() calls since the last host record()
+        self.label = ""  # set by code that knows what the event guards (for messages)
+
+    def __repr__(self) -> str:
+        return f"<graphlane sim {self.name}>"
+
+    @property
+    def npu_event(self) -> int:
+        return id(self)
+
+    @property
+    def display(self) -> str:
+        return f"{self.name} ({self.label})" if self.label else self.name
+
+    def record(self, stream: Stream | None = None) -> None:
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            self._host_waits = 0
+            if s.capturing is not None:
+                s.capturing.add_node(ExtRecordWork(self))
+                return
+            self.add_pending_locked(s)
+            s.issue_locked(ExtRecordWork(self))
+            RUNTIME.check_deadlock()
+
+    def wait(self, stream: Stream | None = None) -> None:
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            if self._host_waits:
+                raise SimUsageError(
+                    f"{self.display}.wait() called twice without a record() between: an "
+                    "ExternalEvent is a binary flag that each wait consumes, so the second "
+                    "wait could never be released"
+                )
+            self._host_waits += 1
+            if s.capturing is not None:
+                s.capturing.add_node(ExtWaitWork(self))
+                return
+            s.issue_locked(ExtWaitWork(self))
+
+    def reset(self, stream: Stream | None = None) -> None:
+        """Accepted and harmless: current CANN clears the flag in the consuming wait."""
+        _stream_of(stream)
+
+    def forget_capture_locked(self) -> None:
+        """The graph that held this event's wait was reset: a new capture may wait again."""
+        self._host_waits = 0
+
+    def add_pending_locked(self, s: Stream) -> None:
+        self.pending[s] = self.pending.get(s, 0) + 1
+
+    def _done_pending_locked(self, s: Stream) -> None:
+        n = self.pending.get(s, 0) - 1
+        if n > 0:
+            self.pending[s] = n
+        else:
+            self.pending.pop(s, None)
+
+
+class ExtRecordWork:
+    def __init__(self, event: ExternalEvent) -> None:
+        self.event = event
+        self.label = f"record {event.name}"
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        self.event.add_pending_locked(stream)
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        ev = self.event
+        ex.tick()
+        where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph.name}"
+        with RUNTIME.cond:
+            ev._done_pending_locked(ex)
+            if ev.flag:
+                RUNTIME.report(
+                    HazardError(
+                        f"lost release: record of {ev.display} on {where} ran while the previous "
+                        f"record (by {ev._record_by}) was still unconsumed; the two merge into "
+                        "one signal and the next wait on it hangs. Record once per captured "
+                        "wait, after the replay that consumed the previous record.",
+                        kind="lost-release",
+                    )
+                )
+                return
+            if ev._consume_clock is not None and not clock_leq(ev._consume_clock, ex.clock):
+                RUNTIME.report(
+                    HazardError(
+                        f"lost release: record of {ev.display} on {where} is not ordered after "
+                        f"the wait that consumed the previous record ({ev._consumed_by}); "
+                        "whenever it runs first, the two records merge and the next wait hangs. "
+                        "Make the recording stream wait for an event recorded after that replay.",
+                        kind="lost-release",
+                    )
+                )
+                return
+            ev.flag = True
+            ev._record_clock = dict(ex.clock)
+            ev._record_by = where
+            RUNTIME.cond.notify_all()
+
+
+class _ExtWait:
+    def __init__(self, event: ExternalEvent) -> None:
+        self.event = event
+
+    def providers(self) -> list[Stream]:
+        return list(self.event.pending)
+
+    def ready(self) -> bool:
+        return self.event.flag
+
+    def describe(self) -> str:
+        p = self.providers()
+        by = f", pending on {', '.join(s.name for s in p)}" if p else ", none pending"
+        return f"a record of {self.event.display}{by}"
+
+
+class ExtWaitWork:
+    def __init__(self, event: ExternalEvent) -> None:
+        self.event = event
+        self.label = f"wait {event.name}"
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        pass
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        ev = self.event
+        with RUNTIME.cond:
+            ex.block_until(lambda: ev.flag, _ExtWait(ev), RUNTIME.epoch)
+            ev.flag = False
+            clock_join(ex.clock, ev._record_clock)
+            ex.tick()
+            ev._consume_clock = dict(ex.clock)
+            where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph.name}"
+            ev._consumed_by = where

@@ -1,0 +1,477 @@
+"""Graph capture, replay and task-group updates of the simulated NPU.
+
+Capture records the work issued on the capturing stream (ops, event records
+and waits) as the nodes of an ``NPUGraph`` instead of running it; replay runs
+the nodes, in order, on the stream current at replay time, into the same
+storage. ``graph_task_group_begin/end`` bracket nodes into a task group and
+return its handle; between ``graph_task_update_begin(u, handle)`` and
+``graph_task_update_end(u)``, an op issued on stream ``u`` is not run: it is
+checked against the group's next captured op (same op, same tensors) and
+becomes a *patch* of that task's arguments, applied in ``u``'s order.
+
+A patch and a replay that reads the patched task must be ordered
+(happen-before) one way or the other; otherwise the simulator reports a
+HazardError naming the graph, the group and both operations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import HazardError, SimUsageError
+from .events import ExternalEvent, ExtWaitWork
+from .opcall import PATCHABLE_OPS, OpCall
+from .runtime import RUNTIME, Clock, clock_leq
+from .streams import Stream, current_stream
+from .streams import stream as stream_ctx
+
+_graph_ids = itertools.count(1)
+
+
+# =================================================================== nodes
+class TaskNode:
+    """A captured op. Its ``call`` arguments are what patches replace."""
+
+    def __init__(self, call: OpCall) -> None:
+        self.call = call
+        self.group: TaskGroup | None = None
+        self.label = call.label
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        pass
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        assert launch is not None
+        started = time.perf_counter()
+        ex.tick()
+        group = self.group
+        if group is not None:
+            with RUNTIME.cond:
+                group.check_read_locked(ex, launch)
+                call = self.call
+        else:
+            call = self.call
+        if RUNTIME.config.mode == "timed":
+            ex.cost.charge(RUNTIME.config.task_us, started)
+        else:
+            call.execute()
+
+
+@dataclass(eq=False)
+class Access:
+    clock: Clock
+    what: str
+
+
+@dataclass(eq=False)
+class TaskGroup:
+    graph: NPUGraph
+    index: int
+    start: int
+    end: int = -1
+    reads: dict[int, Access] = field(default_factory=dict)  # per stream actor
+    patches: dict[int, Access] = field(default_factory=dict)  # per stream actor
+
+    @property
+    def name(self) -> str:
+        ops = {n.label for n in self.tasks}
+        return f"task group {self.index} ({', '.join(sorted(ops))}) of {self.graph.name}"
+
+    @property
+    def tasks(self) -> list[TaskNode]:
+        return [n for n in self.graph.nodes[self.start : self.end] if isinstance(n, TaskNode)]
+
+    def check_read_locked(self, ex: Stream, launch: Launch) -> None:
+        what = f"replay #{launch.number} of {self.graph.name} on {ex.name}"
+        for acc in self.patches.values():
+            if not clock_leq(acc.clock, ex.clock):
+                RUNTIME.report(
+                    HazardError(
+                        f"race on {self.name}: {what} reads the task group while {acc.what} "
+                        "is not ordered before it (the replay may run with the old or a "
+                        "half-applied patch). Order the patch before the replay, e.g. with the "
+                        "ExternalEvent the graph waits on before this group."
+                    )
+                )
+        self.reads[ex.actor] = Access(dict(ex.clock), what)
+
+    def check_patch_locked(self, ex: Stream, what: str) -> None:
+        for acc in self.reads.values():
+            if not clock_leq(acc.clock, ex.clock):
+                RUNTIME.report(
+                    HazardError(
+                        f"race on {self.name}: {what} is not ordered after {acc.what}, which "
+                        "reads the same tasks; the patch may land while that replay runs them. "
+                        "Make the update stream wait for an event recorded after that replay."
+                    )
+                )
+        for actor, acc in self.patches.items():
+            if actor != ex.actor and not clock_leq(acc.clock, ex.clock):
+                RUNTIME.report(
+                    HazardError(f"race on {self.name}: {what} and {acc.what} are not ordered")
+                )
+        self.patches[ex.actor] = Access(dict(ex.clock), what)
+
+
+class TaskGroupHandle:
+    """Opaque handle returned by ``graph_task_group_end``."""
+
+    def __init__(self, group: TaskGroup, generation: int) -> None:
+        self.group = group
+        self.generation = generation
+
+    def __repr__(self) -> str:
+        return f"<TaskGroupHandle {self.group.name}>"
+
+
+class PatchWork:
+    """Applies re-issued arguments to one captured task, on the update stream."""
+
+    def __init__(self, handle: TaskGroupHandle, task: TaskNode, call: OpCall) -> None:
+        self.handle = handle
+        self.task = task
+        self.call = call
+        self.label = f"patch of {call.label}"
+
+    def run(self, ex: Stream) -> None:
+        ex.tick()
+        group = self.handle.group
+        with RUNTIME.cond:
+            if group.graph.generation != self.handle.generation:
+                return  # the graph was reset meanwhile; nothing to patch
+            group.check_patch_locked(ex, f"the patch of {self.call.label} on {ex.name}")
+            self.task.call = self.call
+
+
+# =================================================================== replay
+@dataclass(eq=False)
+class Launch:
+    graph: NPUGraph
+    number: int
+    seqs: dict[Any, int] = field(default_factory=dict)
+
+
+class ReplayWork:
+    def __init__(self, graph: NPUGraph, launch: Launch) -> None:
+        self.graph = graph
+        self.launch = launch
+        self.nodes = list(graph.nodes)
+        self.label = f"replay #{launch.number} of {graph.name}"
+
+    def run(self, ex: Stream) -> None:
+        for node in self.nodes:
+            node.run(ex, self.launch)
+
+
+# =================================================================== capture/update state
+class CaptureState:
+    def __init__(self, graph: NPUGraph, stream: Stream) -> None:
+        self.graph = graph
+        self.stream = stream
+        self.open_group: TaskGroup | None = None
+
+    def add_node(self, node: Any) -> None:
+        self.graph.nodes.append(node)
+        if isinstance(node, TaskNode) and self.open_group is not None:
+            node.group = self.open_group
+
+
+class UpdateState:
+    def __init__(self, handle: TaskGroupHandle) -> None:
+        self.handle = handle
+        self.tasks = handle.group.tasks
+        self.next = 0
+
+    def patch_for(self, call: OpCall, stream: Stream) -> PatchWork:
+        group = self.handle.group
+        if self.next >= len(self.tasks):
+            raise SimUsageError(
+                f"update of {group.name}: op {call.label} re-issued on {stream.name}, but the "
+                f"group has only {len(self.tasks)} task(s) and all were re-issued already"
+            )
+        task = self.tasks[self.next]
+        problem = task.call.mismatch(call)
+        if problem:
+            raise SimUsageError(
+                f"update of {group.name}: re-issued op does not match captured task "
+                f"{self.next} ({task.call.label}): {problem}"
+            )
+        self.next += 1
+        return PatchWork(self.handle, task, call)
+
+
+# =================================================================== NPUGraph
+class NPUGraph:
+    """``torch_npu.npu.NPUGraph``: capture once, replay many times, patch task groups."""
+
+    def __init__(self) -> None:
+        self.name = f"NPUGraph#{next(_graph_ids)}"
+        self.nodes: list[Any] = []
+        self.groups: list[TaskGroup] = []
+        self.generation = 0
+        self.captured = False
+        self.capture_stream: Stream | None = None
+        self.replays = 0
+        self.auto_dispatch_capture = False
+        self.dispatch_records: list[Any] = []
+        self._pool = (id(self), 0)
+
+    def __repr__(self) -> str:
+        return f"<graphlane sim {self.name}>"
+
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        s = current_stream()
+        with RUNTIME.cond:
+            if s.is_default:
+                raise SimUsageError(
+                    "capture_begin on the default stream is not allowed; capture on a "
+                    "side stream (torch.npu.graph does this for you)"
+                )
+            if s.capturing is not None:
+                raise SimUsageError(f"{s.name} is already capturing {s.capturing.graph.name}")
+            if s.updating is not None:
+                raise SimUsageError(f"{s.name} is between graph_task_update_begin and _end")
+            if self.captured:
+                raise SimUsageError(f"{self.name} was captured already; reset() it first")
+            self.nodes = []
+            self.groups = []
+            self.capture_stream = s
+            s.capturing = CaptureState(self, s)
+
+    def capture_end(self) -> None:
+        s = self.capture_stream
+        with RUNTIME.cond:
+            if s is None or s.capturing is None or s.capturing.graph is not self:
+                raise SimUsageError(f"capture_end on {self.name}, which is not capturing")
+            open_group = s.capturing.open_group
+            s.capturing = None
+            if open_group is not None:
+                raise SimUsageError(
+                    f"capture of {self.name} ended inside task group {open_group.index}: "
+                    "call graph_task_group_end first"
+                )
+            self.captured = True
+
+    def replay(self) -> None:
+        s = current_stream()
+        with RUNTIME.cond:
+            if not self.captured:
+                raise SimUsageError(f"replay of {self.name}, which holds no captured graph")
+            if s.capturing is not None:
+                raise SimUsageError(f"replay of {self.name} on {s.name} while it captures")
+            self.replays += 1
+            launch = Launch(self, self.replays)
+            for node in self.nodes:
+                node.launch_locked(launch, s)
+            s.issue_locked(ReplayWork(self, launch))
+            RUNTIME.check_deadlock()
+
+    def reset(self) -> None:
+        with RUNTIME.cond:
+            for node in self.nodes:
+                if isinstance(node, ExtWaitWork):
+                    node.event.forget_capture_locked()
+            _forget_graph_locked(self)
+            self.nodes = []
+            self.groups = []
+            self.captured = False
+            self.generation += 1
+            self.dispatch_records = []
+
+    def pool(self) -> tuple[int, int]:
+        return self._pool
+
+    def update(self, cpu_update_input: list[dict[str, Any]]) -> None:
+        """Patch every op recorded by an ``auto_dispatch_capture`` capture (torch_npu 2.14)."""
+        if not self.auto_dispatch_capture:
+            raise SimUsageError(
+                "The current graph configuration does not support update; capture with "
+                "auto_dispatch_capture=True"
+            )
+        update_records(self, cpu_update_input)
+
+    def debug_dump(self, debug_path: str) -> None:
+        with open(debug_path, "w") as f:
+            for i, node in enumerate(self.nodes):
+                group = getattr(node, "group", None)
+                tag = f"  [group {group.index}]" if group is not None else ""
+                f.write(f"{i}: {node.label}{tag}\n")
+
+
+# =================================================================== task groups
+def _require_capturing(stream: Stream, what: str) -> CaptureState:
+    cap = stream.capturing
+    if cap is None:
+        raise SimUsageError(f"{what} on {stream.name}, which is not capturing a graph")
+    return cap
+
+
+def graph_task_group_begin(stream: Stream) -> None:
+    with RUNTIME.cond:
+        cap = _require_capturing(stream, "graph_task_group_begin")
+        if cap.open_group is not None:
+            raise SimUsageError(
+                f"graph_task_group_begin on {stream.name}: task group {cap.open_group.index} "
+                "is still open (task groups cannot nest)"
+            )
+        graph = cap.graph
+        cap.open_group = TaskGroup(graph, len(graph.groups), len(graph.nodes))
+
+
+def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
+    with RUNTIME.cond:
+        cap = stream.capturing
+        if cap is None or cap.open_group is None:
+            others = [s.name for s in RUNTIME.streams if s.capturing and s.capturing.open_group]
+            hint = f" (a group is open on {', '.join(others)})" if others else ""
+            raise SimUsageError(
+                f"graph_task_group_end on {stream.name} without a graph_task_group_begin on "
+                f"that stream{hint}: begin and end must use the same capturing stream"
+            )
+        group = cap.open_group
+        group.end = len(cap.graph.nodes)
+        cap.open_group = None
+        if not group.tasks:
+            raise SimUsageError(f"task group {group.index} of {cap.graph.name} holds no op")
+        cap.graph.groups.append(group)
+        _register_group_locked(group)
+        return TaskGroupHandle(group, cap.graph.generation)
+
+
+def graph_task_update_begin(stream: Stream, handle: Any) -> None:
+    with RUNTIME.cond:
+        if not isinstance(handle, TaskGroupHandle):
+            raise SimUsageError(
+                f"graph_task_update_begin needs a task group handle, got {handle!r}"
+            )
+        group = handle.group
+        graph = group.graph
+        if graph.generation != handle.generation or not graph.captured:
+            raise SimUsageError(
+                f"graph_task_update_begin with a handle of {graph.name}, which was reset or "
+                "re-captured since: the handle is stale"
+            )
+        if stream.capturing is not None:
+            raise SimUsageError(
+                f"graph_task_update_begin on {stream.name}, which is capturing "
+                f"{stream.capturing.graph.name}: update on a stream that is not capturing"
+            )
+        if stream is graph.capture_stream:
+            raise SimUsageError(
+                f"graph_task_update_begin on {stream.name}, the stream that captured "
+                f"{graph.name}: updates need a different (update) stream"
+            )
+        if stream.updating is not None:
+            raise SimUsageError(
+                f"graph_task_update_begin on {stream.name} while an update of "
+                f"{stream.updating.handle.group.name} is open (call graph_task_update_end)"
+            )
+        stream.updating = UpdateState(handle)
+
+
+def graph_task_update_end(stream: Stream) -> None:
+    with RUNTIME.cond:
+        state = stream.updating
+        if state is None:
+            raise SimUsageError(
+                f"graph_task_update_end on {stream.name} without graph_task_update_begin"
+            )
+        stream.updating = None
+        if state.next != len(state.tasks):
+            raise SimUsageError(
+                f"update of {state.handle.group.name} ended after {state.next} of its "
+                f"{len(state.tasks)} task(s) were re-issued"
+            )
+
+
+# Captured tasks of patchable ops, by (op, tensors): finds an eager re-issue that
+# was meant as an update (the op then runs eagerly and the graph keeps old values).
+# Weak references: a graph dropped by its owner is forgotten here too.
+_CAPTURED: dict[tuple[Any, ...], list[weakref.ref[TaskGroup]]] = {}
+
+
+def _task_key(call: OpCall) -> tuple[Any, ...]:
+    return (call.op, tuple(call.tensor_keys()))
+
+
+def captured_group_of_locked(call: OpCall) -> TaskGroup | None:
+    for ref in _CAPTURED.get(_task_key(call), ()):
+        group = ref()
+        if group is not None and group.graph.captured:
+            return group
+    return None
+
+
+def _register_group_locked(group: TaskGroup) -> None:
+    for task in group.tasks:
+        if task.call.op in PATCHABLE_OPS:
+            refs = _CAPTURED.setdefault(_task_key(task.call), [])
+            refs[:] = [r for r in refs if r() is not None]
+            refs.append(weakref.ref(group))
+
+
+def _forget_graph_locked(graph: NPUGraph) -> None:
+    for key in list(_CAPTURED):
+        refs = [r for r in _CAPTURED[key] if (g := r()) is not None and g.graph is not graph]
+        if refs:
+            _CAPTURED[key] = refs
+        else:
+            del _CAPTURED[key]
+
+
+def is_current_stream_capturing() -> bool:
+    return current_stream().capturing is not None
+
+
+def graph_pool_handle() -> tuple[int, int]:
+    return (0, next(_graph_ids))
+
+
+# =================================================================== NPUGraph.update
+# As torch_npu 2.14 does it: ``NPUGraph.update(cpu_update_input)`` re-issues every op
+# that an ``auto_dispatch_capture`` capture recorded (:mod:`.autodispatch`) with the
+# given arguments, on one process-wide update stream, between
+# ``graph_task_update_begin/end``, and records its event. A single entry in
+# ``cpu_update_input`` is applied to every recorded op.
+_update_stream: Stream | None = None  # one per process, as in torch_npu
+
+
+@dataclass
+class DispatchRecord:
+    event: ExternalEvent
+    handle: TaskGroupHandle
+    func: Any
+    arguments: dict[str, Any]
+
+
+def update_records(graph: NPUGraph, cpu_update_input: list[dict[str, Any]]) -> None:
+    records = graph.dispatch_records
+    updates = list(cpu_update_input)
+    if len(updates) == 1:
+        updates = [dict(updates[0]) for _ in records]
+    if len(updates) != len(records):
+        raise SimUsageError(
+            f"Currently, there are {len(records)} operators that need to be updated by capture, "
+            f"and there are only {len(updates)} elements in the incoming cpu_update_input list"
+        )
+    global _update_stream
+    if _update_stream is None:
+        _update_stream = Stream()
+    u = _update_stream
+    with stream_ctx(u):
+        for record, update in zip(records, updates, strict=True):
+            for key in update:
+                if key not in record.arguments or key in ("out", "query", "key", "value"):
+                    raise SimUsageError(
+                        f"NPUGraph.update: {key!r} is not an updatable argument of "
+                        f"{record.func.__name__}"
+                    )
+            graph_task_update_begin(u, record.handle)
+            record.arguments.update(update)
+            record.func(**record.arguments)
+            graph_task_update_end(u)
+            record.event.record(u)

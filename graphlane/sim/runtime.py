@@ -1,0 +1,276 @@
+"""Process-wide state of the simulated NPU: configuration, one lock, the fault,
+host-thread clocks and the deadlock analysis.
+
+Happens-before is tracked with vector clocks. Every *actor* (a stream's
+executor thread, or a host thread that issues work) has a clock, a
+``dict[actor_id, int]``. Edges:
+
+- host issue -> the issued work (the work joins the host clock it was issued with);
+- program order on a stream;
+- Event record -> the stream or host that waited for that record;
+- ExternalEvent record -> the wait that consumed it;
+- stream work -> the host thread that synchronized on it.
+
+Hazards are decided by comparing clocks, never by timing, so a missing
+fence is reported on every run, whatever the interleaving was.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .errors import DeadlockError, SimError
+
+if TYPE_CHECKING:
+    from .streams import Stream
+
+Clock = dict[int, int]
+
+_actor_ids = itertools.count(1)
+_event_ids = itertools.count(1)
+
+
+def new_actor_id() -> int:
+    return next(_actor_ids)
+
+
+def new_event_id() -> int:
+    """The number in an event's name (Event and ExternalEvent count together)."""
+    return next(_event_ids)
+
+
+def clock_leq(a: Clock, b: Clock) -> bool:
+    """True when everything ``a`` has seen, ``b`` has seen too (a happens-before b)."""
+    return all(b.get(k, 0) >= v for k, v in a.items())
+
+
+def clock_join(into: Clock, other: Clock) -> None:
+    for k, v in other.items():
+        if into.get(k, 0) < v:
+            into[k] = v
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """How the simulated device behaves.
+
+    mode: "compute" runs every op with torch on the CPU; "timed" replaces the
+        compute of replayed graph tasks with ``task_us`` of device time each and
+        charges ``patch_us`` of host time for every task-group patch dispatch.
+    watchdog_s: how long a device wait that nothing queued can satisfy may
+        block before it is reported as a DeadlockError.
+    """
+
+    mode: str = "compute"
+    task_us: float = 0.0
+    patch_us: float = 0.0
+    watchdog_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("compute", "timed"):
+            raise ValueError(f"sim mode must be 'compute' or 'timed', not {self.mode!r}")
+        for name in ("task_us", "patch_us"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sim {name} must be >= 0")
+        if self.watchdog_s <= 0:
+            raise ValueError("sim watchdog_s must be > 0 (GRAPHLANE_SIM_WATCHDOG_S)")
+
+    @classmethod
+    def from_env(cls) -> SimConfig:
+        raw = os.environ.get("GRAPHLANE_SIM_WATCHDOG_S", "30")
+        try:
+            watchdog = float(raw)
+        except ValueError:
+            raise ValueError(
+                f"GRAPHLANE_SIM_WATCHDOG_S must be a number of seconds, not {raw!r}"
+            ) from None
+        return cls(watchdog_s=watchdog)
+
+
+class Runtime:
+    """The one simulated device runtime of this process (all device indices)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.config = SimConfig.from_env()
+        self.fault: SimError | None = None
+        self.streams: list[Stream] = []
+        self.device_count = 8
+        self._host = threading.local()
+        self.epoch = 0  # bumped by reset(): work of an older epoch is dropped
+        self.closing = False  # set at interpreter exit: stream threads stop
+
+    # ------------------------------------------------------------ host clocks
+    def host_actor(self) -> tuple[int, Clock]:
+        h = self._host
+        if not hasattr(h, "actor"):
+            h.actor = new_actor_id()
+            h.clock = {h.actor: 1}
+        return h.actor, h.clock
+
+    def host_issue_clock(self) -> Clock:
+        """Clock carried by work the calling host thread issues now; ticks the host."""
+        actor, clock = self.host_actor()
+        snap = dict(clock)
+        clock[actor] += 1
+        return snap
+
+    def host_join(self, other: Clock) -> None:
+        _, clock = self.host_actor()
+        clock_join(clock, other)
+
+    # ------------------------------------------------------------ faults
+    def raise_if_faulted(self) -> None:
+        if self.fault is not None:
+            raise copy.copy(self.fault) from self.fault
+
+    def report(self, error: SimError) -> None:
+        """Fault the device with ``error`` (first one wins). Caller holds ``cond``."""
+        if self.fault is None:
+            self.fault = error
+        self.cond.notify_all()
+
+    # ------------------------------------------------------------ waiting
+    def wait_until(self, predicate: Callable[[], bool], what: str) -> None:
+        """Block the host until ``predicate()`` holds; raise the fault instead of hanging.
+
+        Caller holds ``cond``. A host wait on a stream that is stuck on a device
+        wait is covered by the stream's own watchdog, so this only polls.
+        """
+        while not predicate():
+            if self.fault is not None:
+                self.raise_if_faulted()
+            self.cond.wait(0.5)
+        self.raise_if_faulted()
+
+    # ------------------------------------------------------------ deadlocks
+    def check_deadlock(self) -> None:
+        """Report a cycle of blocked streams at once. Caller holds ``cond``.
+
+        A blocked stream can still progress when one of the streams that has a
+        pending record for the event it waits on can progress. Streams that are
+        blocked, have such providers, and none of which can progress, wait on
+        each other: that is a deadlock no host action can break (their pending
+        records are queued behind their own blocked waits). Called when a
+        stream blocks and when a record is issued (which adds a provider).
+        """
+        blocked = {s: s.blocked for s in self.streams if s.blocked is not None}
+        if not blocked:
+            return
+        # Live: running or idle; blocked but already satisfied (about to wake up); or
+        # blocked with nothing queued to release it, which a host thread may still do
+        # (the watchdog covers those).
+        live: set[Stream] = {
+            s
+            for s in self.streams
+            if s.blocked is None or s.blocked.ready() or not s.blocked.providers()
+        }
+        changed = True
+        while changed:
+            changed = False
+            for s, wait in blocked.items():
+                if s not in live and any(p in live for p in wait.providers()):
+                    live.add(s)
+                    changed = True
+        stuck = [s for s, w in blocked.items() if s not in live and w.providers()]
+        if stuck:
+            lines = [f"{s.name} waits for {blocked[s].describe()}" for s in stuck]
+            self.report(
+                DeadlockError(
+                    "deadlock: streams wait on each other, nothing can release them:\n  "
+                    + "\n  ".join(lines)
+                )
+            )
+
+    def watchdog_expired(self, since: float) -> bool:
+        return time.monotonic() - since > self.config.watchdog_s
+
+    # ------------------------------------------------------------ reset
+    def reset(self) -> None:
+        """Clear a fault and drop all pending device work (a device reset)."""
+        with self.cond:
+            self.fault = None
+            self.epoch += 1
+            for s in self.streams:
+                s.drop_pending_locked()
+            self.cond.notify_all()
+        for s in list(self.streams):
+            s.wait_idle_after_reset()
+        with self.cond:
+            for s in self.streams:
+                s.blocked = None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """At interpreter exit: drop pending work and stop the stream threads, so that
+        no torch op is still running while the interpreter tears down."""
+        with self.cond:
+            self.closing = True
+        self.reset()
+        for s in list(self.streams):
+            s.join(timeout)
+
+
+RUNTIME = Runtime()
+
+
+def configure(
+    *,
+    mode: str | None = None,
+    task_us: float | None = None,
+    patch_us: float | None = None,
+    watchdog_s: float | None = None,
+) -> SimConfig:
+    """Change the device's cost model or watchdog; returns the config now in force."""
+    old = RUNTIME.config
+    new = SimConfig(
+        mode=old.mode if mode is None else mode,
+        task_us=old.task_us if task_us is None else task_us,
+        patch_us=old.patch_us if patch_us is None else patch_us,
+        watchdog_s=old.watchdog_s if watchdog_s is None else watchdog_s,
+    )
+    RUNTIME.config = new
+    return new
+
+
+def busy_until(deadline: float) -> None:
+    """Occupy the calling thread until ``deadline`` (monotonic seconds), GIL released."""
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
+class CostClock:
+    """Charges modelled costs so that back-to-back work takes the modelled time.
+
+    A charge for work that began at ``started`` ends at ``start + cost``, where
+    ``start`` is the end of the previous charge when the work followed it
+    closely (within ``SLACK_S``), else ``started``. The simulator's own Python
+    overhead and a sleep's oversleep are thereby counted inside the modelled
+    cost instead of being added to it, as long as they are smaller than it.
+    """
+
+    SLACK_S = 0.0005
+
+    def __init__(self) -> None:
+        self.end = 0.0
+
+    def charge(self, cost_us: float, started: float | None = None) -> None:
+        if cost_us <= 0:
+            return
+        t0 = time.perf_counter() if started is None else started
+        start = self.end if t0 < self.end + self.SLACK_S else t0
+        self.end = start + cost_us * 1e-6
+        busy_until(self.end)
+
+
+def streams_named(streams: Iterable[Stream]) -> str:
+    return ", ".join(s.name for s in streams)

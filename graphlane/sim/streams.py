@@ -1,0 +1,488 @@
+"""Streams and events of the simulated NPU.
+
+A stream is an in-order queue executed by its own thread, asynchronously to
+the host and to the other streams. Work is issued by host threads; while a
+stream captures a graph, work issued to it is recorded into the graph instead.
+The current stream is per host thread and per device, as with torch_npu.
+
+``Event`` has CUDA/NPU semantics: ``record`` marks the work issued to a stream
+so far; ``wait`` makes a stream wait for the latest record issued before the
+call; waiting on a never-recorded event does nothing. It lives here, with the
+streams, because a stream makes one (``record_event``, ``wait_stream``);
+``ExternalEvent``, the graph's binary flag, is in :mod:`.events`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from .device import current_device, device_index, set_current_device
+from .errors import DeadlockError, DeviceFaultError, SimError, SimUsageError
+from .runtime import RUNTIME, Clock, CostClock, clock_join, new_actor_id, new_event_id
+
+if TYPE_CHECKING:
+    from .graphs import CaptureState, Launch, UpdateState
+
+
+class Dropped(Exception):
+    """Raised inside a stream thread when its work is abandoned (fault or reset)."""
+
+
+class Work(Protocol):
+    """Something a stream executes, eagerly or as a node of a replayed graph."""
+
+    label: str
+
+    def run(self, ex: Stream) -> None: ...
+
+
+class WaitInfo(Protocol):
+    """What a blocked stream waits for (for the deadlock analysis and messages)."""
+
+    def providers(self) -> list[Stream]: ...
+
+    def ready(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+class _Entry:
+    __slots__ = ("clock", "done", "done_clock", "epoch", "work")
+
+    def __init__(self, work: Work, clock: Clock, epoch: int) -> None:
+        self.work = work
+        self.clock = clock
+        self.epoch = epoch
+        self.done = False
+        self.done_clock: Clock = {}
+
+
+class OpWork:
+    """One eager device op: ``fn()`` runs on the stream thread."""
+
+    __slots__ = ("fn", "label")
+
+    def __init__(self, label: str, fn: Callable[[], Any]) -> None:
+        self.label = label
+        self.fn = fn
+
+    def run(self, ex: Stream) -> None:
+        ex.tick()
+        self.fn()
+
+
+class Stream:
+    """An in-order device queue with its own executor thread.
+
+    Same constructor as ``torch_npu.npu.Stream(device=None, priority=0)``.
+    """
+
+    _count = 0
+
+    def __init__(self, device: Any = None, priority: int = 0, *, _default: bool = False) -> None:
+        self.device_index = device_index(device)
+        self.priority = priority
+        self.is_default = _default
+        Stream._count += 1
+        self.stream_id = 0 if _default else Stream._count
+        self.actor = new_actor_id()
+        self.clock: Clock = {self.actor: 0}
+        self.cost = CostClock()
+        self._queue: deque[_Entry] = deque()
+        self._last: _Entry | None = None
+        self._wake = threading.Condition(RUNTIME.cond._lock)  # type: ignore[attr-defined]
+        self._thread: threading.Thread | None = None
+        self._idle = True
+        self.blocked: WaitInfo | None = None
+        self.capturing: CaptureState | None = None
+        self.updating: UpdateState | None = None
+        with RUNTIME.cond:
+            RUNTIME.streams.append(self)
+
+    # ------------------------------------------------------------ identity
+    @property
+    def name(self) -> str:
+        kind = "default stream" if self.is_default else f"stream {self.stream_id}"
+        return f"{kind} of npu:{self.device_index}"
+
+    @property
+    def device(self) -> Any:
+        return torch.device("npu", self.device_index)
+
+    @property
+    def npu_stream(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"<graphlane sim Stream {self.name}>"
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    # ------------------------------------------------------------ issue
+    def issue(self, work: Work) -> None:
+        """Queue ``work`` (host side). Caller must not hold the runtime lock."""
+        with RUNTIME.cond:
+            self.issue_locked(work)
+
+    def issue_locked(self, work: Work) -> None:
+        entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch)
+        self._queue.append(entry)
+        self._last = entry
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"sim-{self.name}", daemon=True)
+            self._thread.start()
+        self._wake.notify()
+
+    def run_now(self, label: str, fn: Callable[[], Any]) -> Any:
+        """Queue ``fn`` and block the host until it ran; returns its result (a host read)."""
+        result: list[Any] = []
+        self.issue(OpWork(label, lambda: result.append(fn())))
+        self.synchronize()
+        return result[0]
+
+    # ------------------------------------------------------------ executor thread
+    def tick(self) -> None:
+        self.clock[self.actor] += 1
+
+    def _loop(self) -> None:
+        cond = RUNTIME.cond
+        while True:
+            with cond:
+                while not self._queue:
+                    self._idle = True
+                    cond.notify_all()
+                    if RUNTIME.closing:
+                        return
+                    self._wake.wait()
+                self._idle = False
+                entry = self._queue[0]
+                stale = entry.epoch != RUNTIME.epoch or RUNTIME.fault is not None
+            if not stale:
+                for k, v in entry.clock.items():
+                    if self.clock.get(k, 0) < v:
+                        self.clock[k] = v
+                try:
+                    entry.work.run(self)
+                except Dropped:
+                    pass
+                except SimError as exc:
+                    with cond:
+                        RUNTIME.report(exc)
+                except Exception as exc:
+                    with cond:
+                        RUNTIME.report(
+                            DeviceFaultError(
+                                f"{entry.work.label} failed on {self.name}: "
+                                f"{type(exc).__name__}: {exc}"
+                            )
+                        )
+            with cond:
+                self.blocked = None
+                entry.done = True
+                entry.done_clock = dict(self.clock)
+                if self._queue and self._queue[0] is entry:
+                    self._queue.popleft()
+                cond.notify_all()
+
+    def block_until(self, ready: Callable[[], bool], wait: WaitInfo, epoch: int) -> None:
+        """Stream-thread wait for device state; caller holds the runtime lock.
+
+        Runs the deadlock analysis when it blocks; waits with no pending
+        provider (only the host can release them) are bounded by the watchdog.
+        """
+        since = time.monotonic()
+        while not ready():
+            if RUNTIME.fault is not None or RUNTIME.epoch != epoch:
+                self.blocked = None
+                raise Dropped
+            if self.blocked is None:
+                self.blocked = wait
+                RUNTIME.check_deadlock()
+                continue
+            if not wait.providers() and RUNTIME.watchdog_expired(since):
+                RUNTIME.report(
+                    DeadlockError(
+                        f"deadlock: {self.name} has waited {RUNTIME.config.watchdog_s:g} s for "
+                        f"{wait.describe()}, and no queued work will release it "
+                        "(GRAPHLANE_SIM_WATCHDOG_S sets this limit)",
+                        kind="watchdog",
+                    )
+                )
+                continue
+            RUNTIME.cond.wait(0.25)
+        self.blocked = None
+
+    # ------------------------------------------------------------ host side
+    def synchronize(self) -> None:
+        """Block the host until all work issued to this stream so far ran."""
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            if self.capturing is not None:
+                raise SimUsageError(
+                    f"synchronize() on {self.name} while it captures a graph is not allowed"
+                )
+            target = self._last
+            if target is None:
+                return
+            RUNTIME.wait_until(lambda: target.done, f"{self.name} to finish")
+            RUNTIME.host_join(target.done_clock)
+
+    def query(self) -> bool:
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            target = self._last
+            if target is None:
+                return True
+            if target.done:
+                RUNTIME.host_join(target.done_clock)
+            return target.done
+
+    def wait_event(self, event: Any) -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream: Stream) -> None:
+        self.wait_event(stream.record_event())
+
+    def record_event(self, event: Any = None) -> Any:
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    # ------------------------------------------------------------ reset support
+    def drop_pending_locked(self) -> None:
+        """Forget queued work (device reset); the running entry finishes or drops itself."""
+        running = self._queue[0] if self._queue and not self._idle else None
+        for entry in self._queue:
+            if entry is not running:
+                entry.done = True
+        self._queue = deque([running] if running is not None else [])
+        self.capturing = None
+        self.updating = None
+        self._wake.notify()
+
+    def join(self, timeout: float) -> None:
+        with RUNTIME.cond:
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait_idle_after_reset(self) -> None:
+        with RUNTIME.cond:
+            while self._queue and self._thread is not None:
+                RUNTIME.cond.wait(0.05)
+
+
+# ---------------------------------------------------------------- current stream
+class _Current(threading.local):
+    def __init__(self) -> None:
+        self.streams: dict[int, Stream] = {}
+
+
+_current = _Current()
+_defaults: dict[int, Stream] = {}
+_defaults_lock = threading.Lock()
+
+
+def default_stream(device: Any = None) -> Stream:
+    idx = device_index(device)
+    with _defaults_lock:
+        s = _defaults.get(idx)
+        if s is None:
+            s = _defaults[idx] = Stream(idx, _default=True)
+        return s
+
+
+def current_stream(device: Any = None) -> Stream:
+    idx = device_index(device)
+    s = _current.streams.get(idx)
+    return s if s is not None else default_stream(idx)
+
+
+def set_stream(stream: Stream) -> None:
+    _current.streams[stream.device_index] = stream
+    set_current_device(stream.device_index)
+
+
+@contextmanager
+def stream(s: Stream | None) -> Iterator[Stream | None]:
+    """Make ``s`` the current stream (and its device current) inside the block."""
+    if s is None:
+        yield None
+        return
+    prev_device = current_device()
+    prev = _current.streams.get(s.device_index)
+    set_stream(s)
+    try:
+        yield s
+    finally:
+        if prev is None:
+            _current.streams.pop(s.device_index, None)
+        else:
+            _current.streams[s.device_index] = prev
+        set_current_device(prev_device)
+
+
+# =================================================================== Event
+def _stream_of(stream: Stream | None) -> Stream:
+    return stream if stream is not None else current_stream()
+
+
+class Event:
+    """``torch_npu.npu.Event(enable_timing=False, blocking=False, interprocess=False)``."""
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        self.enable_timing = enable_timing
+        self.name = f"Event#{new_event_id()}"
+        self._issued = 0  # records issued (host side)
+        self._done = 0  # records that ran
+        self._clocks: dict[int, Clock] = {}
+        self._providers: dict[int, Stream] = {}
+        self._times: dict[int, float] = {}
+        self._captured_in: Any = None  # graph whose capture holds the latest record
+
+    def __repr__(self) -> str:
+        return f"<graphlane sim {self.name}>"
+
+    @property
+    def npu_event(self) -> int:
+        return id(self)
+
+    # -------------------------------------------------------------- host API
+    def record(self, stream: Stream | None = None) -> None:
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            if s.capturing is not None:
+                self._captured_in = s.capturing.graph
+                s.capturing.add_node(EventRecordWork(self, None))
+                return
+            self._captured_in = None
+            seq = self.issue_record_locked(s)
+            s.issue_locked(EventRecordWork(self, seq))
+
+    def issue_record_locked(self, provider: Stream) -> int:
+        self._issued += 1
+        self._providers[self._issued] = provider
+        return self._issued
+
+    def wait(self, stream: Stream | None = None) -> None:
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            if s.capturing is not None:
+                if self._captured_in is not s.capturing.graph:
+                    raise SimUsageError(
+                        f"{self.name}.wait() on {s.name} while it captures: the event was not "
+                        "recorded in the same capture (capture isolation; record it on the "
+                        "capturing stream first)"
+                    )
+                # Same stream, same capture: already ordered by the stream.
+                return
+            seq = self._issued
+            if seq == 0:
+                return  # waiting on a never-recorded event is a no-op
+            s.issue_locked(EventWaitWork(self, seq))
+
+    def query(self) -> bool:
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            seq = self._issued
+            if self._done >= seq:
+                if seq:
+                    RUNTIME.host_join(self._clocks[seq])
+                return True
+            return False
+
+    def synchronize(self) -> None:
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            seq = self._issued
+            if seq == 0:
+                return
+            RUNTIME.wait_until(lambda: self._done >= seq, f"{self.name} to complete")
+            RUNTIME.host_join(self._clocks[seq])
+
+    def elapsed_time(self, end_event: Event) -> float:
+        if not (self.enable_timing and end_event.enable_timing):
+            raise SimUsageError("elapsed_time needs both events created with enable_timing=True")
+        with RUNTIME.cond:
+            a, b = self._issued, end_event._issued
+            if a == 0 or b == 0 or self._done < a or end_event._done < b:
+                raise SimUsageError("elapsed_time needs both events recorded and completed")
+            return (end_event._times[b] - self._times[a]) * 1000.0
+
+    # -------------------------------------------------------------- device side
+    def complete_locked(self, seq: int, clock: Clock) -> None:
+        self._clocks[seq] = dict(clock)
+        self._times[seq] = time.perf_counter()
+        self._providers.pop(seq, None)
+        if seq > self._done:
+            self._done = seq
+        # Older clocks are no longer needed once a later record completed.
+        for old in [k for k in self._clocks if k < seq - 4]:
+            del self._clocks[old]
+        RUNTIME.cond.notify_all()
+
+
+class EventRecordWork:
+    """Record of an Event: eager (``seq`` given) or a graph node (seq per launch)."""
+
+    def __init__(self, event: Event, seq: int | None) -> None:
+        self.event = event
+        self.seq = seq
+        self.label = f"record {event.name}"
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        launch.seqs[self] = self.event.issue_record_locked(stream)
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        seq = self.seq if launch is None else launch.seqs[self]
+        assert seq is not None
+        ex.tick()
+        with RUNTIME.cond:
+            self.event.complete_locked(seq, ex.clock)
+
+
+class _EventWait:
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event, self.seq = event, seq
+
+    def providers(self) -> list[Stream]:
+        p = self.event._providers.get(self.seq)
+        return [p] if p is not None else []
+
+    def ready(self) -> bool:
+        return self.event._done >= self.seq
+
+    def describe(self) -> str:
+        p = self.providers()
+        by = f" (queued on {p[0].name})" if p else ""
+        return f"record #{self.seq} of {self.event.name}{by}"
+
+
+class EventWaitWork:
+    def __init__(self, event: Event, seq: int) -> None:
+        self.event = event
+        self.seq = seq
+        self.label = f"wait {event.name}"
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        ev, seq = self.event, self.seq
+        with RUNTIME.cond:
+            ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), RUNTIME.epoch)
+            clock = ev._clocks.get(seq)
+            if clock is not None:
+                clock_join(ex.clock, clock)
+        ex.tick()

@@ -1,0 +1,432 @@
+"""The "npu" tensor: a PyTorch PrivateUse1 backend written in Python.
+
+An ``NpuTensor`` is a wrapper subclass whose ``_data`` is a CPU tensor viewing
+the device storage. Every op on npu tensors comes through :func:`dispatch`
+(``__torch_dispatch__``), and factory ops naming ``device="npu"`` come through
+the PrivateUse1 fallback, so *any* torch op behaves as on a device:
+
+- view ops change metadata only and run on the host at once;
+- other ops are queued on the current stream (or recorded into the graph it
+  captures, or turned into a task patch while it is between
+  ``graph_task_update_begin/end``); their outputs are allocated at issue time
+  (shapes from the op's meta kernel) and filled when the stream runs them;
+- host reads (``.cpu()``, ``.item()``, ``torch.equal``, printing) queue the read
+  on the current stream and wait for it, as a blocking device-to-host copy does;
+  ``non_blocking`` copies do not wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from .errors import SimUsageError
+from .graphs import TaskNode, captured_group_of_locked
+from .opcall import PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
+from .runtime import RUNTIME, CostClock
+from .streams import OpWork, Stream, current_stream
+
+aten = torch.ops.aten
+
+
+class NpuTensor(torch.Tensor):
+    """A tensor on the simulated NPU."""
+
+    _data: torch.Tensor
+    __slots__ = ("_data",)
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, index: int = 0) -> NpuTensor:
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=data.dtype,
+            device=torch.device("npu", index),
+            requires_grad=False,
+        )
+        r._data = data
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return dispatch(func, args, kwargs or {})
+
+    def data_ptr(self) -> int:
+        return self._data.data_ptr()
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        host = self.cpu()
+        text = repr(host)
+        return text[:-1] + f", device='{self.device}')"
+
+    __str__ = __repr__
+
+    def tolist(self) -> Any:
+        return self.cpu().tolist()
+
+    def __format__(self, spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(spec)
+        return repr(self)
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise TypeError("npu tensors cannot be pickled; move them to the CPU first")
+
+
+def _index(t: NpuTensor) -> int:
+    return t.device.index or 0
+
+
+# ---------------------------------------------------------------- conversions
+def _unwrap(x: Any) -> Any:
+    return x._data if isinstance(x, NpuTensor) else x
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    if isinstance(x, torch.device) and x.type == "npu":
+        return torch.device("meta")
+    return x
+
+
+def _cpu_device(x: Any) -> Any:
+    if isinstance(x, torch.device) and x.type == "npu":
+        return torch.device("cpu")
+    return x
+
+
+def _first_npu(args: Any, kwargs: Any) -> NpuTensor | None:
+    for x in flat(args, kwargs):
+        if isinstance(x, NpuTensor):
+            return x
+    return None
+
+
+# ---------------------------------------------------------------- schema helpers
+class _Schema:
+    """What dispatch needs of an op's schema, read once per op: reading a schema
+    through its bindings costs microseconds per argument, on every issue."""
+
+    __slots__ = ("is_view", "n_returns", "returns_tensors", "written")
+
+    def __init__(self, func: Any) -> None:
+        rets = func._schema.returns
+        self.n_returns = len(rets)
+        self.is_view = bool(rets) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in rets
+        )
+        self.returns_tensors = any("Tensor" in str(r.type) for r in rets)
+        # (position, name, keyword-only) of each argument the op writes (Tensor(a!)).
+        self.written = tuple(
+            (i, a.name, a.kwarg_only)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+
+
+_SCHEMAS: dict[Any, _Schema] = {}
+
+
+def _schema(func: Any) -> _Schema:
+    info = _SCHEMAS.get(func)
+    if info is None:
+        info = _SCHEMAS[func] = _Schema(func)
+    return info
+
+
+def _is_view(func: Any) -> bool:
+    return _schema(func).is_view
+
+
+def _returns_tensors(func: Any) -> bool:
+    return _schema(func).returns_tensors
+
+
+def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The arguments the op writes (``Tensor(a!)``), in schema order."""
+    out = []
+    for i, name, kwarg_only in _schema(func).written:
+        v = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
+        if v is not None:
+            out.append(v)
+    return out
+
+
+def _aliased_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Result of a mutating op: the written inputs, shaped like the schema's returns."""
+    n = _schema(func).n_returns
+    if not n:
+        return None
+    written = _written_args(func, args, kwargs)
+    if n == 1:
+        return written[0]
+    return tuple(written[:n])
+
+
+# ---------------------------------------------------------------- host-side costs
+class _HostCost(threading.local):
+    def __init__(self) -> None:
+        self.clock = CostClock()
+
+
+_host_cost = _HostCost()
+
+
+# ---------------------------------------------------------------- dispatch
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    started = time.perf_counter()
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(func, args, kwargs)
+    first = _first_npu(args, kwargs)
+    index = _index(first) if first is not None else 0
+    if _is_view(func):
+        result = func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
+        return map_value(
+            lambda r: NpuTensor(r, index) if isinstance(r, torch.Tensor) else r, result
+        )
+    stream = current_stream(index)
+    if not _returns_tensors(func) and _schema(func).n_returns:
+        return _host_read(stream, func, args, kwargs)
+    return issue(stream, func, args, kwargs, index, started)
+
+
+def issue(
+    stream: Stream,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    index: int,
+    started: float | None = None,
+) -> Any:
+    """Queue, capture or patch one op on ``stream``; return its (future) result."""
+    mutates = bool(_written_args(func, args, kwargs))
+    outs: list[torch.Tensor] | None = None
+    result: Any
+    if mutates:
+        _check_meta(func, args, kwargs)
+        result = _aliased_result(func, args, kwargs)
+    else:
+        meta = _check_meta(func, args, kwargs)
+        allocated: list[torch.Tensor] = []
+
+        def alloc(m: Any) -> Any:
+            if not isinstance(m, torch.Tensor):
+                return m
+            cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+            allocated.append(cpu)
+            return NpuTensor(cpu, index)
+
+        result = map_value(alloc, meta)
+        outs = allocated
+    cpu_kwargs = map_kwargs(lambda v: _cpu_device(_unwrap(v)), kwargs)
+    call = OpCall(func, map_args(_unwrap, args), cpu_kwargs, outs)
+    _route(stream, call, func, started)
+    return result
+
+
+def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
+    with RUNTIME.cond:
+        if stream.updating is not None:
+            patch = stream.updating.patch_for(call, stream)
+        elif stream.capturing is not None:
+            stream.capturing.add_node(TaskNode(call))
+            return
+        else:
+            if func in PATCHABLE_OPS:
+                _check_not_a_missed_update(stream, call)
+            stream.issue_locked(OpWork(call.label, call.execute))
+            return
+    # The host-side dispatch of an update (tiling on the real NPU) costs host time.
+    if RUNTIME.config.mode == "timed":
+        _host_cost.clock.charge(RUNTIME.config.patch_us, started)
+    with RUNTIME.cond:
+        stream.issue_locked(patch)
+
+
+def _check_not_a_missed_update(stream: Stream, call: OpCall) -> None:
+    """An eager re-issue of a captured op, with its captured tensors, without update_begin."""
+    group = captured_group_of_locked(call)
+    if group is not None:
+        raise SimUsageError(
+            f"{call.label} issued on {stream.name} outside graph_task_update_begin/end with "
+            f"exactly the tensors of {group.name}: it runs eagerly and does not patch the "
+            "graph. Call graph_task_update_begin(stream, handle) first."
+        )
+
+
+_META_CACHE: dict[Any, Any] = {}
+_META_CACHE_MAX = 4096
+
+
+def _meta_key_part(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return tuple(_meta_key_part(e) for e in v)
+    if isinstance(v, torch.device):
+        return ("D", v.type)
+    if isinstance(v, (bool, int, float, complex)):
+        return (type(v), v)  # 2, 2.0 and True give different result dtypes
+    return v
+
+
+def _check_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run the op's meta kernel: validates arguments at issue time and gives output shapes.
+
+    Results depend only on shapes, strides, dtypes and the other argument values,
+    so they are cached by those (a meta run costs ~300 us of Python). An op that
+    would resize a tensor it writes is refused: a device tensor's shape is fixed.
+    """
+    try:
+        key = (func, _meta_key_part(args), _meta_key_part(tuple(kwargs.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    hit = _META_CACHE.get(key) if key is not None else None
+    if hit is None:
+        meta_args, meta_kwargs = map_args(_to_meta, args), map_kwargs(_to_meta, kwargs)
+        meta = func(*meta_args, **meta_kwargs)
+        before = _written_tensors(func, args, kwargs)
+        after = _written_tensors(func, meta_args, meta_kwargs)
+        resized = [tuple(m.shape) for t, m in zip(before, after, strict=True) if t.shape != m.shape]
+        hit = (map_value(_meta_like, meta), resized)
+        if key is not None:
+            if len(_META_CACHE) >= _META_CACHE_MAX:
+                _META_CACHE.clear()
+            _META_CACHE[key] = hit
+    result, resized = hit
+    if resized:
+        raise SimUsageError(
+            f"{func} would resize a device tensor it writes to {list(resized[0])}: the "
+            "simulated NPU cannot resize device tensors; allocate the output with its final "
+            "shape, or build the data on the CPU and move it with .npu()"
+        )
+    return map_value(_meta_like, result)
+
+
+def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in _written_args(func, args, kwargs):
+        out.extend(v if isinstance(v, (list, tuple)) else [v])
+    return out
+
+
+def _meta_like(m: Any) -> Any:
+    if isinstance(m, torch.Tensor):
+        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta")
+    return m
+
+
+def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if stream.capturing is not None:
+        raise SimUsageError(
+            f"{func} reads device data on the host while {stream.name} captures a graph"
+        )
+    cargs, ckwargs = map_args(_unwrap, args), map_kwargs(_unwrap, kwargs)
+    return stream.run_now(f"host read {func}", lambda: func(*cargs, **ckwargs))
+
+
+# ---------------------------------------------------------------- copies
+def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dst, src = args[0], args[1]
+    non_blocking = bool(args[2]) if len(args) > 2 else bool(kwargs.get("non_blocking", False))
+    if isinstance(dst, NpuTensor) and isinstance(src, NpuTensor):
+        return issue(current_stream(_index(dst)), func, args, kwargs, _index(dst))
+    if isinstance(dst, NpuTensor):  # host to device
+        if src.device.type != "cpu":
+            raise SimUsageError(f"copy to npu from {src.device} is not supported")
+        stream = current_stream(_index(dst))
+        staged = src
+        if non_blocking and stream.capturing is None:
+            staged = src.clone()  # pageable host memory is staged at issue time
+        _cross_copy(stream, dst._data, staged, non_blocking, "copy host->npu")
+        return dst
+    stream = current_stream(_index(src))  # device to host
+    _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host")
+    return dst
+
+
+def _cross_copy(
+    stream: Stream, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, label: str
+) -> None:
+    """A copy between host and device memory: queued, captured, and waited for if blocking."""
+    if not non_blocking and stream.capturing is not None:
+        raise SimUsageError(
+            f"a blocking {label} on {stream.name} while it captures "
+            f"{stream.capturing.graph.name}; capture non_blocking copies only"
+        )
+    call = OpCall(aten.copy_.default, (dst, src), {})
+    call.label = label
+    _route(stream, call, None, None)
+    if not non_blocking:
+        stream.synchronize()
+
+
+def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x = args[0]
+    device = kwargs.get("device")
+    target = torch.device(device) if device is not None else x.device
+    if target.type == "npu" and isinstance(x, NpuTensor):
+        index = target.index if target.index is not None else _index(x)
+        return issue(current_stream(index), func, args, kwargs, index)
+    dtype = kwargs.get("dtype") or x.dtype
+    non_blocking = bool(kwargs.get("non_blocking", False))
+    if target.type == "npu":  # host to device
+        index = target.index or 0
+        out = NpuTensor(torch.empty(x.shape, dtype=dtype), index)
+        _copy_(aten.copy_.default, (out, x, non_blocking), {})
+        return out
+    if target.type != "cpu":
+        raise SimUsageError(f"copy from npu to {target} is not supported")
+    out_cpu = torch.empty(x.shape, dtype=dtype)
+    _copy_(aten.copy_.default, (out_cpu, x, non_blocking), {})
+    return out_cpu
+
+
+def _resize_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    t, size = args[0], list(args[1])
+    if list(t.shape) != size:
+        raise SimUsageError(
+            f"resizing an npu tensor from {list(t.shape)} to {size} is not supported by the "
+            "simulator; allocate the output with the right shape"
+        )
+    return t
+
+
+def _noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return None
+
+
+_SPECIAL: dict[Any, Any] = {
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten.resize_.default: _resize_,
+    aten.record_stream.default: _noop,
+}
+
+
+# ---------------------------------------------------------------- PrivateUse1 fallback
+def factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Ops that reach the npu backend without an npu tensor argument (factories)."""
+    device = kwargs.get("device")
+    index = 0
+    if isinstance(device, torch.device) and device.type == "npu":
+        index = device.index or 0
+    if op in (aten.empty.memory_format, aten.empty_strided.default):
+        cpu_kwargs = {k: _cpu_device(v) for k, v in kwargs.items()}
+        cpu_kwargs.pop("pin_memory", None)
+        return NpuTensor(op(*args, **cpu_kwargs), index)
+    if op is aten._to_copy.default:
+        return _to_copy(op, args, kwargs)
+    if op is aten.copy_.default:
+        return _copy_(op, args, kwargs)
+    return issue(current_stream(index), op, args, kwargs, index)

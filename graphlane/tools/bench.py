@@ -1,0 +1,76 @@
+"""``graphlane bench``: everything measured side by side in one run, printed as ratios.
+
+- pipeline: the step engine on the timed sim, serial vs pipelined vs the limit,
+  latency vs the floor (:mod:`.bench_pipeline`);
+- control plane: a raw pyzmq+msgpack round trip between two processes against
+  the daemon, in the same run: sequential round trips, windowed throughput, and
+  large-tensor bandwidth (:mod:`.bench_control`);
+- scaling: windowed steps/s over 1, 2 and 4 simulated devices (:mod:`.bench_control`).
+
+The reliability figures (:mod:`.bench_reliability`) are a run of their own:
+``benchmarks/reliability.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import bench_control
+from . import bench_pipeline as pipeline_bench
+
+
+def run_all(quick: bool = False) -> dict[str, Any]:
+    steps = 20 if quick else 40
+    pipe = pipeline_bench.run(steps=steps)
+    return {
+        "pipeline": [r.as_dict() for r in pipe],
+        "pipeline_table": pipeline_bench.table(pipe),
+        "control_plane": bench_control.control_plane(200 if quick else 500),
+        "bandwidth": bench_control.bandwidth(10 if quick else 30),
+        "scaling": bench_control.scaling(steps=100 if quick else 200),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    cp, bw, sc = r["control_plane"], r["bandwidth"], r["scaling"]
+    lines = ["pipeline (timed sim, 8 layers):", r["pipeline_table"], ""]
+    lines.append("control plane (ms; ratio to the raw round trip measured beside it):")
+    lines.append(f"  {'':34} {'null device':>20} {'timed sim':>20}")
+
+    def row(label: str, key: str, ratio: str | None = None) -> str:
+        cells = []
+        for b in ("null", "sim"):
+            f = cp[b]
+            cell = f"{f[key]:.3f}"
+            if ratio:
+                cell += f" ({f[ratio]:.2f}x)"
+            cells.append(f"{cell:>20}")
+        return f"  {label:<34} {' '.join(cells)}"
+
+    lines += [
+        row("raw pyzmq+msgpack round trip", "raw_rtt_ms"),
+        row("step round trip", "step_rtt_ms", "step_rtt_vs_raw"),
+        row("  of which the worker held it", "step_server_ms"),
+        row("  outside the worker", "step_outside_worker_ms", "outside_worker_vs_raw"),
+        row("worker status round trip", "worker_status_rtt_ms"),
+        f"  {'windowed steps/s (raw msgs/s)':<34} "
+        + " ".join(
+            f"{cp[b]['windowed_steps_s']:>9.0f} ({cp[b]['raw_windowed_msgs_s']:.0f}, "
+            f"{cp[b]['windowed_vs_raw']:.2f}x)"
+            for b in ("null", "sim")
+        ),
+        f"  {'tensor inputs MB/s (raw MB/s)':<34} "
+        + " ".join(
+            f"{bw[b]['step_inputs_mb_s']:>9.0f} ({bw[b]['raw_mb_s']:.0f}, "
+            f"{bw[b]['bandwidth_vs_raw']:.2f}x)"
+            for b in ("null", "sim")
+        ),
+        f"  ({bw['null']['bytes_per_request'] / 2**20:.0f} MiB of inputs per request)",
+        "",
+        f"scaling (timed sim 1000/1000 us, 4 layers, {sc['cpu_cores']} CPU cores):",
+    ]
+    for n, rate in sc["steps_s"].items():
+        lines.append(
+            f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
+        )
+    return "\n".join(lines)

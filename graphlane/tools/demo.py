@@ -1,0 +1,207 @@
+"""``graphlane demo``: the daemon on simulated NPUs, driven as a scheduler would.
+
+Starts ``graphlane serve`` as a child process on a private ipc endpoint, waits
+until its workers are ready, runs a closed-loop load test against every device
+(random batch sizes and sequence lengths; a share of the steps carry their own
+query/key/value and their outputs are checked against eager attention),
+prints the summary and where the HTML report is, then stops the daemon with
+SIGTERM and exits: 0 when every verified output was right and the daemon
+stopped cleanly.
+
+The demo cannot hang and leaves nothing behind: the whole run has a deadline
+(``deadline_s``; when it passes, the demo says what it was waiting for, stops
+the daemon and exits 3), and SIGINT, SIGTERM or SIGHUP stop the daemon (SIGTERM,
+then SIGKILL after ``_STOP_GRACE_S``) before the demo exits 128+signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+from graphlane.client import Client
+
+from .loadtest import LoadConfig, run_load
+from .loadtest_cli import print_summary
+
+_STOP_GRACE_S = 10.0  # from the daemon's SIGTERM to its SIGKILL
+EXIT_DEADLINE = 3
+
+
+class _Phase:
+    """What the demo is waiting for now, for the deadline's message."""
+
+    def __init__(self) -> None:
+        self.what = "starting"
+        self.since = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        self.what, self.since = what, time.monotonic()
+
+
+def _stop(daemon: subprocess.Popen[bytes], grace: float = _STOP_GRACE_S) -> int:
+    """SIGTERM the daemon, SIGKILL it after ``grace`` s; its exit code."""
+    if daemon.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            daemon.send_signal(signal.SIGTERM)
+        try:
+            return daemon.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                daemon.kill()
+    return daemon.wait()
+
+
+class _Deadline:
+    """A watchdog thread: past the deadline, report the phase, stop the daemon and
+    end the process, whatever the main thread is blocked in."""
+
+    def __init__(self, seconds: float, phase: _Phase) -> None:
+        self.seconds = seconds
+        self.phase = phase
+        self.daemon: subprocess.Popen[bytes] | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="demo-deadline", daemon=True)
+
+    def __enter__(self) -> _Deadline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        if self._done.wait(self.seconds):
+            return
+        waited = time.monotonic() - self.phase.since
+        print(
+            f"graphlane demo: gave up after {self.seconds:g} s (--deadline): still waiting "
+            f"for {self.phase.what} ({waited:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.daemon is not None:
+            _stop(self.daemon, grace=5.0)
+        os._exit(EXIT_DEADLINE)
+
+
+class _Interrupted(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt does for SIGINT."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_end_the_run() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the run like Ctrl-C does (the exception unwinds through
+    the ``finally`` that stops the daemon); the previous handlers come back afterwards."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Interrupted(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+async def _wait_ready(endpoint: str, daemon: subprocess.Popen[bytes], phase: _Phase) -> None:
+    while True:
+        if daemon.poll() is not None:
+            raise RuntimeError(f"the daemon exited with status {daemon.returncode}")
+        phase("the daemon to answer at " + endpoint)
+        try:
+            async with Client(endpoint, timeout=2) as c:
+                phase("the workers to capture their graphs and report ready")
+                st = await c.wait_ready(60.0)
+                for w in st["workers"]:
+                    print(f"  device {w['device']}: worker pid {w['pid']} ready at {w['endpoint']}")
+                return
+        except Exception:
+            await asyncio.sleep(0.2)
+
+
+def run(
+    devices: int = 2,
+    duration_s: float = 20.0,
+    concurrency: int = 8,
+    verify: float = 0.25,
+    report_dir: str | None = None,
+    deadline_s: float | None = None,
+) -> int:
+    """The demo; its exit code. ``deadline_s`` defaults to the load's duration plus
+    five minutes for start-up (graph capture) and shutdown."""
+    deadline = duration_s + 300.0 if deadline_s is None else deadline_s
+    phase = _Phase()
+    signum = 0
+    try:
+        with _Deadline(deadline, phase) as watchdog, _signals_end_the_run():
+            return _run(devices, duration_s, concurrency, verify, report_dir, phase, watchdog)
+    except KeyboardInterrupt:
+        signum = signal.SIGINT
+    except _Interrupted as exc:
+        signum = exc.signum
+    name = signal.Signals(signum).name
+    print(f"graphlane demo: interrupted by {name}; the daemon was stopped", file=sys.stderr)
+    return 128 + signum
+
+
+def _run(
+    devices: int,
+    duration_s: float,
+    concurrency: int,
+    verify: float,
+    report_dir: str | None,
+    phase: _Phase,
+    watchdog: _Deadline,
+) -> int:
+    report = Path(report_dir or f"reports/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    with tempfile.TemporaryDirectory(prefix="graphlane-demo-") as tmp:
+        endpoint = f"ipc://{tmp}/daemon.sock"
+        serve_args = ["--listen", endpoint, "--devices", str(devices), "--log-level", "WARNING"]
+        cmd = [sys.executable, "-m", "graphlane", "serve", *serve_args]
+        print(f"starting: graphlane serve --listen {endpoint} --devices {devices} (simulated NPUs)")
+        daemon = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        watchdog.daemon = daemon
+        code: int | None = None
+        try:
+            asyncio.run(_wait_ready(endpoint, daemon, phase))
+            print(
+                f"load test: {duration_s:g} s, {concurrency} calls in flight, "
+                f"{verify:.0%} of outputs verified against eager attention"
+            )
+            config = LoadConfig(
+                endpoint=endpoint,
+                duration_s=duration_s,
+                concurrency=concurrency,
+                verify=verify,
+                report_dir=str(report),
+                progress=sys.stderr.isatty(),
+            )
+            phase("the load test to finish")
+            result = asyncio.run(run_load(config))
+            print_summary(result)
+            print(f"report: {report.resolve() / 'report.html'} (and report.json)")
+            phase("the daemon to stop")
+            code = _stop(daemon)
+            print(f"daemon stopped with exit code {code}")
+        finally:
+            if code is None:  # interrupted or failed: the daemon goes too
+                _stop(daemon)
+    verdict = int(result["verdict"]["exit_code"])
+    return 0 if verdict == 0 and code == 0 else 1

@@ -1,0 +1,372 @@
+"""The command line of ``graphlane loadtest``: its flags, the live progress view, the
+summary table and :func:`main`.
+
+See :mod:`graphlane.tools.loadtest`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from graphlane.orchestrator.config import DEFAULT_LISTEN
+from graphlane.protocol.errors import GraphlaneError
+
+from .loadtest import LoadConfig, LoadTestError, Run, run_load
+from .loadtest_workload import SHAPE_KEYS
+
+
+# ---------------------------------------------------------------------------- progress
+class Progress:
+    """A rich Live view on stderr, refreshed 4 times a second by an asyncio task."""
+
+    def __init__(self) -> None:
+        from rich.console import Console, Group
+        from rich.live import Live
+        from rich.text import Text
+
+        self._group, self._text = Group, Text
+        self.console = Console(stderr=True)
+        self.live = Live(console=self.console, auto_refresh=False, transient=False)
+        self.history: deque[tuple[float, int]] = deque(maxlen=5)
+        self.run_: Run | None = None
+        self.finished = False
+
+    def render(self) -> Any:
+        assert self.run_ is not None
+        run, rec, c = self.run_, self.run_.rec, self.run_.config
+        now = time.monotonic()
+        elapsed = now - rec.start
+        self.history.append((now, rec.steps))
+        t0, n0 = self.history[0]
+        recent = (rec.steps - n0) / (now - t0) if now > t0 else 0.0
+        lat = rec.latency
+        n = lat.get_total_count()
+        p50 = f"{lat.get_value_at_percentile(50) / 1000:.2f}" if n else "-"
+        p99 = f"{lat.get_value_at_percentile(99) / 1000:.2f}" if n else "-"
+        how = f"closed loop x{c.concurrency}" if c.mode == "closed" else f"open loop {c.rate:g}/s"
+        phase = (
+            "done"
+            if self.finished
+            else "sending"
+            if run.sent_until is None
+            else "waiting for calls in flight"
+        )
+        errs = ", ".join(f"{k} {v}" for k, v in sorted(rec.errors.items())) or "none"
+        check = f"  verified {rec.verified}, wrong {rec.verify_failures}" if c.verify else ""
+        T = self._text
+        return self._group(
+            T.from_markup(f"[bold]graphlane loadtest[/] {how} -> {c.endpoint}"),
+            T.from_markup(
+                f"elapsed [bold]{min(elapsed, c.duration_s):.1f}[/]/{c.duration_s:g} s "
+                f"({phase})  steps [bold]{rec.steps}[/]  steps/s [bold]{recent:.1f}[/] "
+                f"(avg {rec.steps / max(elapsed, 1e-9):.1f})  in flight {rec.in_flight}"
+            ),
+            T.from_markup(
+                f"latency ms p50 [bold]{p50}[/] p99 [bold]{p99}[/]  errors "
+                f"[{'red' if rec.errors else 'green'}]{errs}[/]{check}"
+            ),
+        )
+
+    async def tick(self, run: Run) -> None:
+        self.run_ = run
+        self.live.start()
+        while True:
+            self.live.update(self.render(), refresh=True)
+            await asyncio.sleep(0.25)
+
+    def close(self) -> None:
+        if self.run_ is None:
+            return
+        self.finished = True
+        self.live.update(self.render(), refresh=True)
+        self.live.stop()
+        if not self.console.is_terminal:
+            self.console.line()
+
+
+# ---------------------------------------------------------------------------- command line
+def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes comma-separated integers, not {text!r}"
+            ) from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{flag} needs at least one value")
+        return values
+
+    return parse
+
+
+def parse_shape(text: str) -> dict[str, Any]:
+    """``layers=2,num_heads=4,dtype=float16`` -> a shape mapping (integers except dtype)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in SHAPE_KEYS:
+            raise argparse.ArgumentTypeError(
+                f"--shape takes KEY=VALUE pairs with KEY in {', '.join(SHAPE_KEYS)}, not {item!r}"
+            )
+        if key == "dtype":
+            out[key] = value.strip()
+            continue
+        try:
+            out[key] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--shape {key} must be an integer") from None
+    return out
+
+
+def _number(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes a number, not {text!r}") from None
+        return v
+
+    return parse
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``loadtest`` subcommand to an ``add_subparsers()`` object."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "loadtest",
+        help="drive a running daemon with steps and report latency and throughput",
+        description=(
+            "Send attention steps to a running graphlane daemon for --duration seconds, either "
+            "closed loop (--concurrency C calls in flight) or open loop (Poisson arrivals at "
+            "--rate R steps/s, latency measured from each arrival's scheduled time, so a "
+            "stalled server shows as latency rather than as fewer arrivals). Shows live "
+            "progress, prints a summary, and writes DIR/report.json and DIR/report.html "
+            "(with PNG plots). With --verify F, a fraction F of the steps carry their own "
+            "query/key/value and their output is checked against eager attention; the other "
+            "steps send lengths and a query only."
+        ),
+        epilog=(
+            "exit status: 0 when steps succeeded, no verified output was wrong and every "
+            "error was retryable (BUSY, TIMEOUT, WORKER_LOST, SHUTTING_DOWN, CLIENT_OVERLOAD, "
+            "CLIENT_DEADLINE); 1 when a verification failed, an error was not retryable or no "
+            "step succeeded; 2 for invalid flags or a run that could not start.\n\n"
+            "example: graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 "
+            "--duration 30 --verify 0.05 --report out/"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--connect",
+        metavar="ENDPOINT",
+        default=DEFAULT_LISTEN,
+        help=f"the daemon's endpoint, tcp://HOST:PORT or ipc://PATH (default {DEFAULT_LISTEN})",
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--concurrency",
+        type=int,
+        metavar="C",
+        help="closed loop: keep C steps in flight, each caller sending its next step when "
+        "the previous one is answered",
+    )
+    mode.add_argument(
+        "--rate",
+        type=_number("--rate"),
+        metavar="R",
+        help="open loop: Poisson arrivals at R steps/s, whatever the server does",
+    )
+    p.add_argument(
+        "--duration",
+        type=_number("--duration"),
+        required=True,
+        metavar="SECONDS",
+        help="how long to send steps; calls in flight then get at most --timeout more",
+    )
+    p.add_argument(
+        "--program", default="attention", metavar="NAME", help="program to step (attention)"
+    )
+    p.add_argument(
+        "--devices",
+        type=_int_list("--devices"),
+        metavar="LIST",
+        help="device ids to send to, e.g. 0,1 (default: every device the daemon serves)",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=_int_list("--batch-sizes"),
+        metavar="LIST",
+        help="batch sizes to draw from uniformly, e.g. 1,3,8 (default: the program's buckets)",
+    )
+    p.add_argument(
+        "--verify",
+        type=_number("--verify"),
+        default=0.0,
+        metavar="FRACTION",
+        help="fraction of steps (0..1) sent with full inputs and checked against eager "
+        "attention computed here (default 0)",
+    )
+    p.add_argument(
+        "--report",
+        metavar="DIR",
+        required=True,
+        help="directory for report.json, report.html and its PNG plots (created if needed)",
+    )
+    p.add_argument(
+        "--shape",
+        type=parse_shape,
+        default={},
+        metavar="KEY=VALUE,...",
+        help="the program's shapes, which hello does not tell: keys "
+        + ", ".join(SHAPE_KEYS)
+        + " (defaults num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256,dtype=float16; "
+        "layers from the daemon)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_number("--timeout"),
+        default=30.0,
+        metavar="SECONDS",
+        help="deadline of each call, and the most the run waits after --duration (default 30)",
+    )
+    p.add_argument(
+        "--max-outstanding",
+        type=int,
+        metavar="N",
+        help="open loop: most calls in flight; arrivals over it count as CLIENT_OVERLOAD "
+        "(default 10 x rate, within 100..10000)",
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of arrivals, draws and inputs (default 0)"
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="live progress on stderr (default: when stderr is a terminal)",
+    )
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> LoadConfig:
+    """The LoadConfig of parsed ``loadtest`` arguments (ValueError names the flag)."""
+    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    return LoadConfig(
+        endpoint=args.connect,
+        duration_s=args.duration,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        program=args.program,
+        devices=args.devices,
+        batch_sizes=args.batch_sizes,
+        verify=args.verify,
+        report_dir=args.report,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        progress=progress,
+        shape=args.shape or {},
+        max_outstanding=args.max_outstanding,
+    )
+
+
+def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
+    """A rich table of the run's results."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    lat = report["latency_ms"]
+    cfg = report["config"]
+    how = (
+        f"closed loop, concurrency {cfg['concurrency']}"
+        if report["mode"] == "closed"
+        else f"open loop, {cfg['rate']:g} arrivals/s"
+    )
+    t = Table(title=f"graphlane loadtest: {how}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    t.add_row("endpoint", str(cfg["endpoint"]))
+    t.add_row("program / devices", f"{cfg['program']} on {cfg['devices']}")
+    sending = (
+        f"interrupted after {report['sending_s']:.2f} s of {report['duration_s']:g} s"
+        if report.get("interrupted")
+        else f"sending for {report['duration_s']:g} s"
+    )
+    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s ({sending})")
+    t.add_row("steps", f"{report['steps']} of {report['sent']} sent")
+    t.add_row("throughput", f"{report['throughput']:.1f} steps/s")
+    t.add_row(
+        f"latency ms ({report['latency_basis']})",
+        "  ".join(f"{k} {ms(lat[k])}" for k in ("p50", "p90", "p99", "p99.9", "max")),
+    )
+    if "send_lag_ms" in report:
+        lag = report["send_lag_ms"]
+        t.add_row("send lag ms", f"p50 {ms(lag['p50'])}  p99 {ms(lag['p99'])}")
+    errors = ", ".join(f"{k}: {v}" for k, v in report["errors"].items()) or "none"
+    t.add_row("errors", f"[red]{errors}[/]" if report["errors"] else errors)
+    if report["verify_fraction"]:
+        t.add_row(
+            "verified",
+            f"{report['verified']} checked, {report['verify_failures']} wrong "
+            f"(max |out - eager| {report['verify_max_abs_error']:.2g})",
+        )
+    verdict = report["verdict"]
+    t.add_row(
+        "result",
+        "[green]ok[/]" if verdict["ok"] else "[red]FAILED[/]: " + "; ".join(verdict["reasons"]),
+    )
+    if "files" in report:
+        t.add_row("report", f"{report['files']['html']}\n{report['files']['json']}")
+    console.print(t)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``graphlane loadtest`` from parsed arguments; returns the exit status."""
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        print(f"graphlane loadtest: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(_run_interruptible(config))
+    except (ValueError, LoadTestError, GraphlaneError) as exc:
+        print(f"graphlane loadtest: {exc}", file=sys.stderr)
+        return 2
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("graphlane loadtest: interrupted", file=sys.stderr)
+        return 130
+    print_summary(report)
+    return int(report["verdict"]["exit_code"])
+
+
+async def _run_interruptible(config: LoadConfig) -> dict[str, Any]:
+    """run_load where the first Ctrl-C ends sending early (the report is still written)
+    and a second one aborts."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+
+    def on_sigint() -> None:
+        if stop.is_set() and me is not None:
+            me.cancel()
+        stop.set()
+
+    try:
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+        return await run_load(config)
+    try:
+        return await run_load(config, stop=stop)
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
