@@ -203,6 +203,18 @@ class UpdateState:
 
 
 # =================================================================== NPUGraph
+class GraphDispatchState:
+    """``NPUGraph.graph_dispatch_mode`` of torch_npu: the records of an
+    ``auto_dispatch_capture`` (``graph_dispatch_records``) and their update."""
+
+    def __init__(self, graph: NPUGraph) -> None:
+        self.graph = graph
+        self.graph_dispatch_records: list[Any] = []
+
+    def update_capture_record(self, cpu_update_input: list[dict[str, Any]]) -> None:
+        self.graph.update(cpu_update_input)
+
+
 class NPUGraph:
     """``torch_npu.npu.NPUGraph``: capture once, replay many times, patch task groups."""
 
@@ -215,7 +227,7 @@ class NPUGraph:
         self.capture_stream: Stream | None = None
         self.replays = 0
         self.auto_dispatch_capture = False
-        self.dispatch_records: list[Any] = []
+        self.graph_dispatch_mode = GraphDispatchState(self)
         self._pool = (id(self), 0)
 
     def __repr__(self) -> str:
@@ -280,7 +292,7 @@ class NPUGraph:
             self.groups = []
             self.captured = False
             self.generation += 1
-            self.dispatch_records = []
+            self.graph_dispatch_mode.graph_dispatch_records = []
 
     def pool(self) -> tuple[int, int]:
         return self._pool
