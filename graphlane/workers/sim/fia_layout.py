@@ -220,8 +220,14 @@ def query_dims(q: torch.Tensor, layout: str, n: int, name: str = "query") -> tup
         if s[2] % n:
             raise fail(name, f"hidden size {s[2]} is not divisible by num_heads ({n})")
         return s[0], s[1], s[2] // n
-    qn, dims = {"BSND": (s[2], (s[0], s[1], s[3])), "BNSD": (s[1], (s[0], s[2], s[3])),
-                "TND": (s[1], (s[0], 0, s[2])), "NTD": (s[0], (s[1], 0, s[2]))}[layout]  # fmt: skip
+    if layout == "BSND":
+        qn, dims = s[2], (s[0], s[1], s[3])
+    elif layout == "BNSD":
+        qn, dims = s[1], (s[0], s[2], s[3])
+    elif layout == "TND":
+        qn, dims = s[1], (s[0], 0, s[2])
+    else:  # NTD
+        qn, dims = s[0], (s[1], 0, s[2])
     if qn != n:
         raise fail("num_heads", f"num_heads ({n}) must equal the N axis of {name} ({qn}) for "
                    f"layout {layout}")  # fmt: skip
