@@ -11,7 +11,14 @@ device fault (HazardError, DeadlockError) and drops pending device work.
 
 from __future__ import annotations
 
-from .errors import DeadlockError, DeviceFaultError, HazardError, SimError, SimUsageError
+from .errors import (
+    DeadlockError,
+    DeviceFaultError,
+    HazardError,
+    SimError,
+    SimUsageError,
+    UpdateKeyIgnoredWarning,
+)
 from .runtime import RUNTIME, SimConfig, configure
 
 
@@ -32,6 +39,7 @@ __all__ = [
     "SimConfig",
     "SimError",
     "SimUsageError",
+    "UpdateKeyIgnoredWarning",
     "configure",
     "fault",
     "reset_device",

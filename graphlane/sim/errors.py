@@ -61,3 +61,11 @@ class DeadlockError(_KindedError):
 
 class DeviceFaultError(SimError):
     """A device operation failed while a stream executed it."""
+
+
+class UpdateKeyIgnoredWarning(UserWarning):
+    """A sim-only diagnostic: an ``NPUGraph.update`` key that patches nothing.
+
+    torch_npu drops such a key silently (the captured call did not pass it), so the
+    replay keeps the captured value; the sim applies the same rule and warns.
+    """

@@ -19,15 +19,15 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import HazardError, SimUsageError
-from .events import ExternalEvent, ExtWaitWork
+from .events import ExtWaitWork
 from .opcall import PATCHABLE_OPS, OpCall
 from .runtime import RUNTIME, Clock, clock_leq
 from .streams import Stream, current_stream
-from .streams import stream as stream_ctx
 
 _graph_ids = itertools.count(1)
 
@@ -205,6 +205,22 @@ class UpdateState:
 
 
 # =================================================================== NPUGraph
+class GraphDispatchState:
+    """``NPUGraph.graph_dispatch_mode`` of torch_npu: the records of an
+    ``auto_dispatch_capture`` (``graph_dispatch_records``) and their update."""
+
+    def __init__(self, graph: NPUGraph) -> None:
+        self.graph = graph
+        self.graph_dispatch_records: list[Any] = []
+
+    #: Re-issues the records with new arguments: set by the auto-dispatch capture
+    #: module when it is imported (it imports this one, not the other way round).
+    updater: Callable[[NPUGraph, list[dict[str, Any]]], None] | None = None
+
+    def update_capture_record(self, cpu_update_input: list[dict[str, Any]]) -> None:
+        self.graph.update(cpu_update_input)
+
+
 class NPUGraph:
     """``torch_npu.npu.NPUGraph``: capture once, replay many times, patch task groups."""
 
@@ -217,7 +233,7 @@ class NPUGraph:
         self.capture_stream: Stream | None = None
         self.replays = 0
         self.auto_dispatch_capture = False
-        self.dispatch_records: list[Any] = []
+        self.graph_dispatch_mode = GraphDispatchState(self)
         self._pool = (id(self), 0)
 
     def __repr__(self) -> str:
@@ -280,7 +296,7 @@ class NPUGraph:
             self.groups = []
             self.captured = False
             self.generation += 1
-            self.dispatch_records = []
+            self.graph_dispatch_mode.graph_dispatch_records = []
 
     def pool(self) -> tuple[int, int]:
         return self._pool
@@ -292,7 +308,10 @@ class NPUGraph:
                 "The current graph configuration does not support update; capture with "
                 "auto_dispatch_capture=True"
             )
-        update_records(self, cpu_update_input)
+        updater = GraphDispatchState.updater
+        if updater is None:
+            raise SimUsageError("NPUGraph.update: nothing was captured with auto_dispatch_capture")
+        updater(self, cpu_update_input)
 
     def debug_dump(self, debug_path: str) -> None:
         with open(debug_path, "w") as f:
@@ -431,47 +450,3 @@ def graph_pool_handle() -> tuple[int, int]:
     return (0, next(_graph_ids))
 
 
-# =================================================================== NPUGraph.update
-# As torch_npu 2.14 does it: ``NPUGraph.update(cpu_update_input)`` re-issues every op
-# that an ``auto_dispatch_capture`` capture recorded (:mod:`.autodispatch`) with the
-# given arguments, on one process-wide update stream, between
-# ``graph_task_update_begin/end``, and records its event. A single entry in
-# ``cpu_update_input`` is applied to every recorded op.
-_update_stream: Stream | None = None  # one per process, as in torch_npu
-
-
-@dataclass
-class DispatchRecord:
-    event: ExternalEvent
-    handle: TaskGroupHandle
-    func: Any
-    arguments: dict[str, Any]
-
-
-def update_records(graph: NPUGraph, cpu_update_input: list[dict[str, Any]]) -> None:
-    records = graph.dispatch_records
-    updates = list(cpu_update_input)
-    if len(updates) == 1:
-        updates = [dict(updates[0]) for _ in records]
-    if len(updates) != len(records):
-        raise SimUsageError(
-            f"Currently, there are {len(records)} operators that need to be updated by capture, "
-            f"and there are only {len(updates)} elements in the incoming cpu_update_input list"
-        )
-    global _update_stream
-    if _update_stream is None:
-        _update_stream = Stream()
-    u = _update_stream
-    with stream_ctx(u):
-        for record, update in zip(records, updates, strict=True):
-            for key in update:
-                if key not in record.arguments or key in ("out", "query", "key", "value"):
-                    raise SimUsageError(
-                        f"NPUGraph.update: {key!r} is not an updatable argument of "
-                        f"{record.func.__name__}"
-                    )
-            graph_task_update_begin(u, record.handle)
-            record.arguments.update(update)
-            record.func(**record.arguments)
-            graph_task_update_end(u)
-            record.event.record(u)

@@ -22,6 +22,12 @@ from .graphs import (
     graph_task_update_end,
     is_current_stream_capturing,
 )
+from .npu_extras import (
+    get_stream_limit,
+    make_graphed_callables,
+    reset_stream_limit,
+    set_stream_limit,
+)
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 
@@ -77,6 +83,7 @@ __all__ = [
     "device_count",
     "empty_cache",
     "get_device_name",
+    "get_stream_limit",
     "graph",
     "graph_pool_handle",
     "graph_task_group_begin",
@@ -86,10 +93,13 @@ __all__ = [
     "host_empty_cache",
     "is_available",
     "is_current_stream_capturing",
+    "make_graphed_callables",
     "manual_seed",
     "manual_seed_all",
+    "reset_stream_limit",
     "set_device",
     "set_stream",
+    "set_stream_limit",
     "stream",
     "synchronize",
 ]

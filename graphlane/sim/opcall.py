@@ -49,7 +49,7 @@ class OpCall:
     tensors handed to the host at issue time receive them.
     """
 
-    __slots__ = ("args", "kwargs", "label", "op", "outs")
+    __slots__ = ("args", "host", "kwargs", "label", "op", "outs")
 
     def __init__(
         self,
@@ -57,11 +57,14 @@ class OpCall:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         outs: list[torch.Tensor] | None = None,
+        host: set[int] | None = None,
     ) -> None:
         self.op = op
         self.args = args
         self.kwargs = kwargs
         self.outs = outs
+        # ids of host tensors among the arguments: values a patch may change, not memory
+        self.host = host or set()
         self.label = str(getattr(op, "__name__", op))
 
     def execute(self) -> Any:
@@ -74,7 +77,11 @@ class OpCall:
         return result
 
     def tensor_keys(self) -> list[tuple[Any, ...]]:
-        keys = [_tensor_key(t) for t in flat(self.args, self.kwargs) if isinstance(t, torch.Tensor)]
+        keys = [
+            _tensor_key(t)
+            for t in flat(self.args, self.kwargs)
+            if isinstance(t, torch.Tensor) and id(t) not in self.host
+        ]
         keys += [_tensor_key(t) for t in self.outs or ()]
         return keys
 

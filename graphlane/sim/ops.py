@@ -1,14 +1,11 @@
-"""Device ops of the simulated NPU, registered as ``torch.ops.npu.*`` like torch_npu's.
+"""``npu_fused_infer_attention_score`` of torch_npu 2.14, registered as ``torch.ops.npu.*``.
 
-``npu_fused_infer_attention_score`` keeps torch_npu's positional order
-(query, key, value, pse_shift, atten_mask, actual_seq_lengths = argument 5,
-actual_seq_lengths_kv = argument 6, ...; the order of the op-plugin document
-``torch_npu-npu_fused_infer_attention_score.md``), so that torch_npu's graph
-handlers, which patch arguments 5 and 6 by position, work unchanged. The
-``.out`` overload adds ``workspace`` and writes ``out=[attention_out,
-softmax_lse]``. Both are single device ops, so a graph captures each call as
-one task that a task-group update can patch. The math is in
-:mod:`attention_kernel`.
+The schemas are torch_npu's (checked against the wheel by tests/sim/test_npu_schemas.py):
+query, key and value are positional, every other argument is keyword-only; the
+``.out`` overload adds ``workspace`` and ``out=[attention_out, softmax_lse]`` and returns
+``(attention_out, softmax_lse)``. Both are single device ops, so a graph captures each call
+as one task that a task-group update can patch. Shapes and lengths are validated by
+:mod:`fia_layout` at issue time; the math is in :mod:`fia_kernel`.
 """
 
 from __future__ import annotations
@@ -17,16 +14,19 @@ from typing import Any
 
 import torch
 
-from . import attention_kernel as K
+from . import fia_kernel
+from .attention_kernel import AttentionArgumentError
 from .errors import SimUsageError
+from .fia_layout import Plan
+from .fia_ops import Signature, check_out, check_workspace, output_shapes, planned, refuse
 from .opcall import PATCHABLE_OPS
+from .tensor import register_host_op
 
 _TENSOR_OPTIONALS = [
     "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
-    "antiquant_scale", "antiquant_offset", "block_table", "query_padding_size",
-    "kv_padding_size", "key_antiquant_scale", "key_antiquant_offset",
-    "value_antiquant_scale", "value_antiquant_offset", "key_shared_prefix",
-    "value_shared_prefix",
+    "antiquant_scale", "antiquant_offset", "key_antiquant_scale", "key_antiquant_offset",
+    "value_antiquant_scale", "value_antiquant_offset", "block_table", "query_padding_size",
+    "kv_padding_size", "key_shared_prefix", "value_shared_prefix",
 ]  # fmt: skip
 _ROPE = ["query_rope", "key_rope", "key_rope_antiquant_scale"]
 _SCALARS: list[tuple[str, str, Any]] = [
@@ -40,25 +40,22 @@ _SCALARS: list[tuple[str, str, Any]] = [
     ("int", "inner_precise", 0),
     ("int", "block_size", 0),
     ("int", "antiquant_mode", 0),
-    ("bool", "softmax_lse_flag", False),
     ("int", "key_antiquant_mode", 0),
     ("int", "value_antiquant_mode", 0),
+    ("bool", "softmax_lse_flag", False),
 ]
-
-# Parameter names in schema order (positional binding of the dispatcher's args).
-PARAMS: list[str] = (
-    ["query", "key", "value", "pse_shift", "atten_mask", "actual_seq_lengths",
-     "actual_seq_lengths_kv"]
-    + _TENSOR_OPTIONALS
-    + ["actual_shared_prefix_len"]
-    + _ROPE
-    + [name for _, name, _ in _SCALARS]
+# Implemented elsewhere or refused: quantisation, left padding, shared prefixes.
+UNSUPPORTED = (
+    *[n for n in _TENSOR_OPTIONALS if n != "block_table"], "actual_shared_prefix_len",
+    "key_rope_antiquant_scale", "antiquant_mode", "key_antiquant_mode", "value_antiquant_mode",
 )  # fmt: skip
-DEFAULTS: dict[str, Any] = {name: d for _, name, d in _SCALARS}
+NAME = "npu_fused_infer_attention_score"
+WORKSPACE_GETTER = "torch_npu._npu_fused_infer_attention_score_get_max_workspace"
 
 
 def _schema_args() -> str:
-    parts = ["Tensor query", "Tensor key", "Tensor value", "Tensor? pse_shift=None",
+    """torch_npu 2.14's argument list: every argument after ``value`` is keyword-only."""
+    parts = ["Tensor query", "Tensor key", "Tensor value", "*", "Tensor? pse_shift=None",
              "Tensor? atten_mask=None", "SymInt[]? actual_seq_lengths=None",
              "SymInt[]? actual_seq_lengths_kv=None"]  # fmt: skip
     parts += [f"Tensor? {n}=None" for n in _TENSOR_OPTIONALS]
@@ -71,76 +68,17 @@ def _schema_args() -> str:
 
 
 def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Name every argument of a call (positional by schema order, then keywords)."""
-    if len(args) > len(PARAMS) + 1:
-        raise SimUsageError("npu_fused_infer_attention_score: too many positional arguments")
-    bound: dict[str, Any] = dict(DEFAULTS)
-    names = [*PARAMS, "workspace"]
-    for name, value in zip(names, args, strict=False):
-        bound[name] = value
-    for name, value in kwargs.items():
-        if name not in names and name != "out":
-            raise SimUsageError(f"npu_fused_infer_attention_score got an unknown argument {name!r}")
-        bound[name] = value
-    return bound
+    """Name every argument of a call (query, key, value positional; the rest keywords)."""
+    return _SIGNATURE.bind(args, kwargs)
 
 
-def _unsupported(b: dict[str, Any]) -> dict[str, Any]:
-    names = [*_TENSOR_OPTIONALS, "actual_shared_prefix_len", *_ROPE, "block_size",
-             "antiquant_mode", "key_antiquant_mode", "value_antiquant_mode"]  # fmt: skip
-    return {n: b.get(n) for n in names}
-
-
-def _check(b: dict[str, Any]) -> None:
-    try:
-        K.check_arguments(
-            b["query"], b["key"], b["value"], b.get("pse_shift"), b.get("atten_mask"),
-            b.get("actual_seq_lengths"), b.get("actual_seq_lengths_kv"),
-            num_heads=b["num_heads"], input_layout=b["input_layout"],
-            num_key_value_heads=b["num_key_value_heads"], sparse_mode=b["sparse_mode"],
-            unsupported=_unsupported(b),
-        )  # fmt: skip
-    except K.AttentionArgumentError as exc:
-        raise SimUsageError(f"npu_fused_infer_attention_score: {exc}") from exc
-
-
-def _shapes(b: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return K.output_shapes(
-        b["query"], b["value"], num_heads=b["num_heads"], input_layout=b["input_layout"],
-        num_key_value_heads=b["num_key_value_heads"], softmax_lse_flag=b["softmax_lse_flag"],
-    )  # fmt: skip
+def _plan(b: dict[str, Any]) -> Plan:
+    refuse(NAME, b, UNSUPPORTED)
+    return planned(NAME, b)
 
 
 def _compute(b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    return K.fused_infer_attention(
-        b["query"], b["key"], b["value"], b.get("pse_shift"), b.get("atten_mask"),
-        b.get("actual_seq_lengths"), b.get("actual_seq_lengths_kv"),
-        num_heads=b["num_heads"], scale=b["scale"], pre_tokens=b["pre_tokens"],
-        next_tokens=b["next_tokens"], input_layout=b["input_layout"],
-        num_key_value_heads=b["num_key_value_heads"], sparse_mode=b["sparse_mode"],
-        inner_precise=b["inner_precise"], softmax_lse_flag=b["softmax_lse_flag"],
-        unsupported=_unsupported(b),
-    )  # fmt: skip
-
-
-def _check_out(b: dict[str, Any]) -> list[torch.Tensor]:
-    out = b.get("out")
-    if not isinstance(out, (list, tuple)) or len(out) != 2:
-        raise SimUsageError(
-            "npu_fused_infer_attention_score.out needs out=[attention_out, softmax_lse]"
-        )
-    o_shape, lse_shape = _shapes(b)
-    if tuple(out[0].shape) != o_shape or out[0].dtype != b["query"].dtype:
-        raise SimUsageError(
-            f"npu_fused_infer_attention_score.out: attention_out must be {list(o_shape)} "
-            f"{b['query'].dtype}, got {list(out[0].shape)} {out[0].dtype}"
-        )
-    if b["softmax_lse_flag"] and tuple(out[1].shape) != lse_shape:
-        raise SimUsageError(
-            f"npu_fused_infer_attention_score.out: softmax_lse must be {list(lse_shape)}, "
-            f"got {list(out[1].shape)}"
-        )
-    return list(out)
+    return fia_kernel.compute(_plan(b), b)
 
 
 def refuse_real_torch_npu() -> None:
@@ -155,22 +93,20 @@ def refuse_real_torch_npu() -> None:
 
 # ---------------------------------------------------------------- kernels
 def _fia_cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = bind(args, kwargs)
-    return _compute(b)
+    return _compute(bind(args, kwargs))
 
 
 def _fia_meta(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     b = bind(args, kwargs)
-    _check(b)
-    o_shape, lse_shape = _shapes(b)
+    p = _plan(b)
     q = b["query"]
     return (
-        torch.empty(o_shape, dtype=q.dtype, device=q.device),
-        torch.empty(lse_shape, dtype=torch.float32, device=q.device),
+        torch.empty(p.out_shape(), dtype=q.dtype, device=q.device),
+        torch.empty(p.lse_shape(), dtype=torch.float32, device=q.device),
     )
 
 
-def _fia_out_cpu(*args: Any, **kwargs: Any) -> None:
+def _fia_out_cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     b = bind(args, kwargs)
     out = b["out"]
     o, lse = _compute(b)
@@ -179,21 +115,33 @@ def _fia_out_cpu(*args: Any, **kwargs: Any) -> None:
         out[1].copy_(lse)
     else:
         out[1].zero_()
+    return out[0], out[1]
 
 
-def _fia_out_meta(*args: Any, **kwargs: Any) -> None:
+def _fia_out_meta(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
     b = bind(args, kwargs)
-    _check(b)
-    _check_out(b)
+    p = _plan(b)
+    check_workspace(NAME + ".out", b.get("workspace"), p.workspace_bytes(), WORKSPACE_GETTER)
+    o, lse = check_out(NAME + ".out", b.get("out"), p, b["query"].dtype)
+    return o, lse
 
 
 refuse_real_torch_npu()  # before defining torch.ops.npu.*, which it would own
 _lib = torch.library.Library("npu", "DEF")
 _ARGS = _schema_args()
 _lib.define(f"npu_fused_infer_attention_score({_ARGS}) -> (Tensor, Tensor)")
+# torch_npu declares ``Tensor[] out`` without a write annotation; the sim needs
+# ``(a!)`` to know what the op writes (see tests/sim/test_npu_schemas.py).
 _lib.define(
-    f"npu_fused_infer_attention_score.out({_ARGS}, Tensor? workspace=None, *, "
-    "Tensor(a!)[] out) -> ()"
+    f"npu_fused_infer_attention_score.out({_ARGS}, Tensor? workspace=None, "
+    "Tensor(a!)[] out) -> (Tensor, Tensor)"
+)
+_lib.define(f"_npu_fused_infer_attention_score_get_max_workspace({_ARGS}) -> Tensor")
+_lib.define(
+    "_npu_fused_infer_attention_score_infer_output(Tensor query, Tensor value, *, "
+    'str input_layout="BSH", Tensor? quant_scale2=None, Tensor? block_table=None, '
+    "int num_heads=1, int num_key_value_heads=0, bool softmax_lse_flag=False, "
+    "Tensor? query_rope=None) -> (Tensor, Tensor)"
 )
 _lib.impl("npu_fused_infer_attention_score", _fia_cpu, "CPU")
 _lib.impl("npu_fused_infer_attention_score", _fia_meta, "Meta")
@@ -201,30 +149,45 @@ _lib.impl("npu_fused_infer_attention_score.out", _fia_out_cpu, "CPU")
 _lib.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
 
 fused_infer_attention_score = torch.ops.npu.npu_fused_infer_attention_score
+_SIGNATURE = Signature(NAME, fused_infer_attention_score.out._schema)
 PATCHABLE_OPS.update({fused_infer_attention_score.default, fused_infer_attention_score.out})
 
 
 # ---------------------------------------------------------------- helpers of torch_npu
 def get_max_workspace(*args: Any, **kwargs: Any) -> torch.Tensor:
-    """``torch_npu._npu_fused_infer_attention_score_get_max_workspace``: a workspace tensor."""
+    """``_npu_fused_infer_attention_score_get_max_workspace``: a uint8 workspace sized for
+    the call's shapes and lengths (a host computation and an allocation: no device work)."""
     b = bind(args, kwargs)
-    _check(b)
-    n = K.workspace_bytes(
-        b["query"], b["key"], num_heads=b["num_heads"], input_layout=b["input_layout"],
-        num_key_value_heads=b["num_key_value_heads"],
-    )  # fmt: skip
+    n = _plan(b).workspace_bytes()
     return torch.empty(n, dtype=torch.uint8, device=b["query"].device)
 
 
-def infer_output(query: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> tuple[Any, Any]:
-    """``torch_npu._npu_fused_infer_attention_score_infer_output``: empty output tensors."""
-    o_shape, lse_shape = K.output_shapes(
-        query, value, num_heads=kwargs.get("num_heads", 1),
-        input_layout=kwargs.get("input_layout", "BSH"),
-        num_key_value_heads=kwargs.get("num_key_value_heads", 0),
-        softmax_lse_flag=kwargs.get("softmax_lse_flag", False),
-    )  # fmt: skip
+_INFER = Signature(
+    "_npu_fused_infer_attention_score_infer_output",
+    torch.ops.npu._npu_fused_infer_attention_score_infer_output.default._schema,
+)
+
+
+def infer_output(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    """``_npu_fused_infer_attention_score_infer_output``: empty (attention_out, softmax_lse)."""
+    b = _INFER.bind(args, kwargs)
+    refuse(_INFER.op_name, b, ("quant_scale2",))
+    q, v = b["query"], b["value"]
+    try:
+        shape, lse = output_shapes(q, v, b)
+    except AttentionArgumentError as exc:
+        raise SimUsageError(f"{_INFER.op_name}: {exc}") from exc
     return (
-        torch.empty(o_shape, dtype=query.dtype, device=query.device),
-        torch.empty(lse_shape, dtype=torch.float32, device=query.device),
+        torch.empty(shape, dtype=q.dtype, device=q.device),
+        torch.empty(lse, dtype=torch.float32, device=q.device),
     )
+
+
+register_host_op(
+    torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default,
+    lambda func, args, kwargs: get_max_workspace(*args, **kwargs),
+)
+register_host_op(
+    torch.ops.npu._npu_fused_infer_attention_score_infer_output.default,
+    lambda func, args, kwargs: infer_output(*args, **kwargs),
+)

@@ -165,7 +165,9 @@ def _aliased_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     n = _schema(func).n_returns
     if not n:
         return None
-    written = _written_args(func, args, kwargs)
+    written: list[Any] = []
+    for v in _written_args(func, args, kwargs):  # a Tensor(a!)[] out gives its tensors
+        written.extend(v if isinstance(v, (list, tuple)) else [v])
     if n == 1:
         return written[0]
     return tuple(written[:n])
@@ -228,9 +230,28 @@ def issue(
         result = map_value(alloc, meta)
         outs = allocated
     cpu_kwargs = map_kwargs(lambda v: _cpu_device(_unwrap(v)), kwargs)
-    call = OpCall(func, map_args(_unwrap, args), cpu_kwargs, outs)
+    cpu_args = map_args(_unwrap, args)
+    host: set[int] = set()
+    if func in PATCHABLE_OPS:
+        # Host tensors (context_lens of paged attention) are parameters the dispatch
+        # reads at issue time, as on the NPU: snapshot them, and let a patch change them.
+        cpu_args, cpu_kwargs = _snapshot_host(args, cpu_args), {
+            k: _snapshot_host((kwargs[k],), (v,))[0] for k, v in cpu_kwargs.items()
+        }
+        host = {id(t) for t in flat(cpu_args, cpu_kwargs) if getattr(t, "_sim_host", False)}
+    call = OpCall(func, cpu_args, cpu_kwargs, outs, host)
     _route(stream, call, func, started)
     return result
+
+
+def _snapshot_host(orig: tuple[Any, ...], cpu: tuple[Any, ...]) -> tuple[Any, ...]:
+    out = []
+    for o, c in zip(orig, cpu, strict=True):
+        if isinstance(o, torch.Tensor) and not isinstance(o, NpuTensor):
+            c = c.clone()
+            c._sim_host = True
+        out.append(c)
+    return tuple(out)
 
 
 def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
@@ -412,6 +433,12 @@ _SPECIAL: dict[Any, Any] = {
     aten.resize_.default: _resize_,
     aten.record_stream.default: _noop,
 }
+
+
+def register_host_op(func: Any, handler: Any) -> None:
+    """An op that runs on the host at issue time, never on a stream (workspace-size and
+    output-shape helpers: on the NPU they compute on the host and allocate)."""
+    _SPECIAL[func] = handler
 
 
 # ---------------------------------------------------------------- PrivateUse1 fallback

@@ -27,7 +27,7 @@ def test_the_old_path_warns_and_gives_the_same_module_objects() -> None:
         assert importlib.import_module(f"{OLD}.{name}") is new, name
         assert getattr(old, name) is new, name
         assert new.__name__ == new.__spec__.name == f"graphlane.sim.{name}"  # kept its own
-    from graphlane.workers.sim import torch_npu
+    from graphlane.sim import torch_npu
 
     assert torch_npu is sys.modules["graphlane.sim.torch_npu"]
     with pytest.raises(ModuleNotFoundError):

@@ -1,0 +1,158 @@
+"""Names of torch_npu that serving stacks touch besides streams, events and graphs.
+
+* ``torch.npu.set_stream_limit / reset_stream_limit / get_stream_limit``: torch_npu caps
+  the AI cores (cube) and vector cores a stream's kernels may use. The cap only changes
+  speed, which the sim does not model: it is stored and read back, and the argument
+  checks are torch_npu's.
+* ``torch_npu.get_npu_format`` and ``torch_npu.Format``: sim tensors are always ND.
+* torchair's tensor-from-storage constructors ``torch_npu._C._construct_storage_from_data_pointer``
+  and ``_construct_NPU_Tensor_From_Storage_And_Metadata``: rebuild a device tensor that
+  views the live device storage holding a data pointer.
+* ``torch.npu.make_graphed_callables``: capture callables into graphs; inference only
+  (sample inputs must not require grad: the sim has no autograd graphs).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from .capture import graph
+from .errors import SimUsageError
+from .graphs import NPUGraph
+from .streams import Stream, current_stream
+from .streams import stream as stream_ctx
+from .tensor import NpuTensor
+
+# A 910B-class device, as get_stream_limit reports when no cap was set.
+DEVICE_CUBE_CORES = 24
+DEVICE_VECTOR_CORES = 48
+_LIMITS: dict[Stream, dict[str, int]] = {}
+
+
+def _check_stream(stream: Any) -> Stream:
+    if stream is None:
+        raise AssertionError("stream cannot be None")
+    if not isinstance(stream, Stream):
+        raise AssertionError(f"stream should be torch_npu.npu.Stream, could not be {type(stream)}")
+    return stream
+
+
+def set_stream_limit(stream: Any, cube_num: int = -1, vector_num: int = -1) -> None:
+    limits = _LIMITS.setdefault(_check_stream(stream), {})
+    if cube_num != -1:
+        limits["cube_core_num"] = int(cube_num)
+    if vector_num != -1:
+        limits["vector_core_num"] = int(vector_num)
+
+
+def reset_stream_limit(stream: Any) -> None:
+    _LIMITS.pop(_check_stream(stream), None)
+
+
+def get_stream_limit(stream: Any) -> dict[str, int]:
+    limits = _LIMITS.get(_check_stream(stream), {})
+    return {
+        "cube_core_num": limits.get("cube_core_num", DEVICE_CUBE_CORES),
+        "vector_core_num": limits.get("vector_core_num", DEVICE_VECTOR_CORES),
+    }
+
+
+class Format(IntEnum):
+    """``torch_npu.Format`` (the NPU storage formats); sim tensors are always ND."""
+
+    UNDEFINED = -1
+    NCHW = 0
+    NHWC = 1
+    ND = 2
+    NC1HWC0 = 3
+    FRACTAL_Z = 4
+    FRACTAL_NZ = 29
+
+
+def get_npu_format(tensor: torch.Tensor) -> Format:
+    if not isinstance(tensor, NpuTensor):
+        raise SimUsageError("get_npu_format needs an npu tensor")
+    return Format.ND
+
+
+class DeviceStorage:
+    """What ``_construct_storage_from_data_pointer`` returns: a live device storage."""
+
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+        self.storage = storage
+        self.device = device
+
+    def nbytes(self) -> int:
+        return self.storage.nbytes()
+
+    def data_ptr(self) -> int:
+        return self.storage.data_ptr()
+
+
+def _construct_storage_from_data_pointer(data_ptr: int, device: Any, nbytes: int) -> DeviceStorage:
+    """The live device storage that holds ``data_ptr`` (a scan of live sim tensors: slow,
+    as this is a recovery path)."""
+    for obj in gc.get_objects():
+        if isinstance(obj, NpuTensor):
+            st = obj._data.untyped_storage()
+            base = st.data_ptr()
+            if base <= data_ptr < base + max(st.nbytes(), 1) and st.nbytes() >= nbytes:
+                return DeviceStorage(st, obj.device)
+    raise SimUsageError(f"no live npu storage holds data pointer {data_ptr:#x}")
+
+
+def _construct_NPU_Tensor_From_Storage_And_Metadata(
+    metadata: dict[str, Any], storage: DeviceStorage
+) -> torch.Tensor:
+    dtype = metadata["dtype"]
+    base = torch.empty(0, dtype=dtype)
+    itemsize = base.element_size()
+    offset = int(metadata.get("storage_offset", 0))
+    offset += (int(metadata.get("data_ptr", storage.data_ptr())) - storage.data_ptr()) // itemsize
+    cpu = base.set_(storage.storage, offset, tuple(metadata["size"]), tuple(metadata["stride"]))
+    return NpuTensor(cpu, storage.device.index or 0)
+
+
+def make_graphed_callables(
+    callables: Any, sample_args: Any, num_warmup_iters: int = 3,
+    allow_unused_input: bool = False, pool: Any = None,
+) -> Any:  # fmt: skip
+    """Capture each callable into a graph over static copies of its sample inputs; the
+    returned callables copy their inputs in, replay, and return the static outputs."""
+    single = callable(callables)
+    fns = (callables,) if single else tuple(callables)
+    samples = (sample_args,) if single else tuple(sample_args)
+    out: list[Callable[..., Any]] = []
+    for fn, args in zip(fns, samples, strict=True):
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise SimUsageError(
+                "make_graphed_callables: the sim captures inference graphs only; sample "
+                "inputs must not require grad"
+            )
+        side = Stream()
+        side.wait_stream(current_stream())
+        with stream_ctx(side):
+            for _ in range(num_warmup_iters):
+                fn(*args)
+        current_stream().wait_stream(side)
+        g = NPUGraph()
+        with graph(g, pool=pool):
+            static_out = fn(*args)
+        out.append(_replayer(g, args, static_out))
+    return out[0] if single else tuple(out)
+
+
+def _replayer(g: NPUGraph, static_in: tuple[Any, ...], static_out: Any) -> Callable[..., Any]:
+    def run(*inputs: Any) -> Any:
+        for dst, src in zip(static_in, inputs, strict=True):
+            if isinstance(dst, torch.Tensor) and src is not dst:
+                dst.copy_(src)
+        g.replay()
+        return static_out
+
+    return run
