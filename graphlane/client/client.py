@@ -42,8 +42,10 @@ from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from graphlane.protocol import ops
 from graphlane.protocol.endpoints import check_endpoint
 from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
 from graphlane.protocol.security import ClientKeys
@@ -51,11 +53,15 @@ from graphlane.protocol.security import ClientKeys
 from .transport import _BUNDLE_MAX, Channel, Sockets, _expand
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepReply:
+    """What a step, update or replay answered: the outputs asked for, the bucket
+    (captured batch size) that ran it, which graph instance of the bucket's ring,
+    how many task groups were patched, and where."""
+
     outputs: dict[str, torch.Tensor]
     bucket: int
-    slot: int
+    instance: int
     patched: int
     device: int
     server_us: float = 0.0  # time the worker held the request, device work included
@@ -174,10 +180,10 @@ class Client:
 
     # ------------------------------------------------------------ plumbing
     def _call(
-        self, ch: Channel, op: str, body: Mapping[str, Any], timeout: float | None
-    ) -> Coroutine[Any, Any, dict[str, Any]]:
-        """The call's coroutine (the reply's body; its error raised)."""
-        return ch.call(next(self._ids), op, body, self.timeout if timeout is None else timeout)
+        self, ch: Channel, op: str, body: Any, timeout: float | None
+    ) -> Coroutine[Any, Any, Any]:
+        """The call's coroutine (the reply's typed body; its error raised)."""
+        return ch.call(next(self._ids), ops.OPS[op], body, _timeout(self.timeout, timeout))
 
     def _channel(self, host: _Host | None = None) -> Channel:
         if self._closing:
@@ -249,10 +255,11 @@ class Client:
             return ch
 
     async def _hello_on(self, host: _Host, timeout: float | None = None) -> dict[str, Any]:
-        host.hello = await self._call(self._channel(host), "hello", {"client": self.name}, timeout)
+        hello = ops.Hello(client=self.name)
+        host.hello = await self._call(self._channel(host), "hello", hello, timeout)
         return host.hello
 
-    async def _each(self, op: str, body: Mapping[str, Any], timeout: float | None) -> Any:
+    async def _each(self, op: str, body: Any, timeout: float | None) -> Any:
         """``op`` on every host: the reply, or {"hosts": [...]} with several hosts."""
         replies = await asyncio.gather(
             *(self._call(self._channel(h), op, body, timeout) for h in self._hosts)
@@ -272,24 +279,24 @@ class Client:
         }
 
     async def status(self, timeout: float | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = await self._each("status", {}, timeout)
+        result: dict[str, Any] = await self._each("status", ops.Status(), timeout)
         return result
 
     async def drain(
         self, device: Device | None = None, timeout: float | None = None
     ) -> dict[str, Any]:
         if device is None:
-            result: dict[str, Any] = await self._each("drain", {}, timeout)
+            result: dict[str, Any] = await self._each("drain", ops.Drain(), timeout)
             return result
         host, local = self._resolve(device)
-        return await self._call(self._channel(host), "drain", {"device": local}, timeout)
+        return await self._call(self._channel(host), "drain", ops.Drain(local), timeout)
 
     async def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
-        result: dict[str, Any] = await self._each("shutdown", {}, timeout)
+        result: dict[str, Any] = await self._each("shutdown", ops.Shutdown(), timeout)
         return result
 
     async def worker_status(self, device: Device, timeout: float | None = None) -> dict[str, Any]:
-        return await self._call(await self._worker(device), "status", {}, timeout)
+        return await self._call(await self._worker(device), "status", ops.Status(), timeout)
 
     async def step(
         self,
@@ -304,8 +311,15 @@ class Client:
     ) -> StepReply:
         """Patch and replay ``program`` on ``device``; returns the requested outputs."""
         host, local = self._resolve(device)
-        body = _step_body(program, local, params, inputs, batch)
-        body["outputs"] = list(outputs)
+        body = ops.Step(
+            program,
+            local,
+            _params(params),
+            _inputs(inputs),
+            list(outputs),
+            batch,
+            _deadline_ms(self.timeout, timeout),
+        )
         ch = host.workers.get(local)
         if ch is None or ch.lost:
             ch = await self._worker_at(host, local)
@@ -323,7 +337,8 @@ class Client:
     ) -> StepReply:
         """Patch the next replay of the bucket (no replay)."""
         host, local = self._resolve(device)
-        body = _step_body(program, local, params, inputs, batch)
+        deadline = _deadline_ms(self.timeout, timeout)
+        body = ops.Update(program, local, _params(params), _inputs(inputs), batch, deadline)
         ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
@@ -338,7 +353,8 @@ class Client:
     ) -> StepReply:
         """Replay the bucket's updated (or next) graph instance."""
         host, local = self._resolve(device)
-        body = {"program": program, "device": local, "batch": batch, "outputs": list(outputs)}
+        deadline = _deadline_ms(self.timeout, timeout)
+        body = ops.Replay(program, local, batch, list(outputs), deadline)
         ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "replay", body, timeout))
 
@@ -360,30 +376,39 @@ def _no_host() -> _Host:
     raise RuntimeError("the client is not connected: use 'async with Client(...)' or connect()")
 
 
-def _step_body(
-    program: str,
-    device: int,
-    params: Mapping[str, Any],
-    inputs: Mapping[str, torch.Tensor] | None,
-    batch: int | None,
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"program": program, "device": device, "params": dict(params)}
-    if inputs:
-        body["inputs"] = dict(inputs)
-    if batch is not None:
-        body["batch"] = batch
-    return body
+def _timeout(default: float, timeout: float | None) -> float:
+    if timeout is None:
+        return default
+    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
 
 
-def _reply(host: str, device: int, body: Mapping[str, Any]) -> StepReply:
-    reply = object.__new__(StepReply)  # the frozen class's fields, set once (as its __init__)
-    reply.__dict__.update(
-        outputs=dict(body.get("outputs", {})),
-        bucket=int(body.get("bucket", 0)),
-        slot=int(body.get("slot", 0)),
-        patched=int(body.get("patched", 0)),
-        device=device,
-        server_us=float(body.get("server_us", 0.0)),
-        host=host,
+def _deadline_ms(default: float, timeout: float | None) -> int:
+    """The call's deadline for the worker: a step not yet issued by then is answered
+    TIMEOUT without running (its caller has given up on it)."""
+    return max(1, int(_timeout(default, timeout) * 1000))
+
+
+def _params(params: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params must be a mapping, got {type(params).__name__}")
+    return dict(params)
+
+
+def _inputs(inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+    """Input tensors (numpy arrays are viewed as tensors, without a copy)."""
+    if not inputs:
+        return {}
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        out[name] = value
+    return out
+
+
+def _reply(host: str, device: int, done: ops.StepDone) -> StepReply:
+    return StepReply(
+        done.outputs, done.bucket, done.instance, done.patched, device, done.server_us, host
     )
-    return reply

@@ -10,7 +10,7 @@ A call made while others are in flight on the same worker, and whose request
 is one frame (no tensor large enough for a frame of its own), is not sent at
 once: it waits for the end of the event loop's current turn and goes with the
 other calls made in that turn as one bundle (at most 32 requests, a full
-bundle going at once, and ``codec.BUNDLE_BYTES``, 64 KiB: a larger request
+bundle going at once, and ``wire.BUNDLE_BYTES``, 64 KiB: a larger request
 goes alone), when the daemon says its workers take bundles. A call alone on its
 connection is sent at once. Bundling saves a message per call on both sides
 and changes nothing else: each call keeps its own id, deadline and reply.
@@ -30,13 +30,12 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
 from typing import Any, cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from graphlane.protocol import codec
+from graphlane.protocol import wire
 from graphlane.protocol.errors import (
     GraphlaneError,
     InternalError,
@@ -44,6 +43,7 @@ from graphlane.protocol.errors import (
     Unauthorized,
     WorkerLost,
 )
+from graphlane.protocol.ops import Op
 from graphlane.protocol.security import ClientKeys
 
 log = logging.getLogger("graphlane.client")
@@ -81,7 +81,7 @@ class Channel:
             sockets.close(self.sock)
             raise
         self.refused: str | None = None  # why the server refused our handshake
-        self.pending: dict[int, asyncio.Future[codec.Reply]] = {}
+        self.pending: dict[int, asyncio.Future[wire.Reply]] = {}
         self.lost = False  # connected once, then dropped: the peer went away
         self.late_replies = 0
         # Requests of this turn of the loop waiting to go as one bundle (see call).
@@ -141,12 +141,12 @@ class Channel:
 
     def _deliver(self, frames: list[Any]) -> None:
         try:
-            replies = codec.decode_replies(frames)
-        except codec.DecodeError as exc:
+            replies = wire.decode_replies(frames)
+        except wire.DecodeError as exc:
             replies = [exc]
         pending = self.pending
         for reply in replies:
-            if type(reply) is codec.DecodeError:
+            if type(reply) is wire.DecodeError:
                 fut = pending.pop(reply.request_id, None) if reply.request_id is not None else None
                 if fut is not None and not fut.done():
                     fut.set_exception(InternalError(f"undecodable reply: {reply.message}"))
@@ -155,7 +155,7 @@ class Channel:
                         "dropped an undecodable reply from %s: %s", self.endpoint, reply.message
                     )
                 continue
-            assert type(reply) is codec.Reply
+            assert type(reply) is wire.Reply
             fut = pending.pop(reply.id, None)
             if fut is None or fut.done():
                 self.late_replies += 1  # its call was cancelled or timed out
@@ -193,22 +193,21 @@ class Channel:
             if not fut.done():
                 fut.set_exception(error)
 
-    async def call(
-        self, request_id: int, op: str, body: Mapping[str, Any], timeout: float
-    ) -> dict[str, Any]:
-        """One request; its reply's body, or its error raised."""
+    async def call(self, request_id: int, op: Op, body: Any, timeout: float) -> Any:
+        """One request (``body`` a Struct of ``op``); its reply's body, typed, or its
+        error raised."""
         if self.closed:
             raise WorkerLost(f"connection to {self.name} is closed")
         if self.refused is not None:
             raise Unauthorized(self.refused)
         if self.lost:
             raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
-        frames = codec.encode_request(request_id, op, body)
+        frames = wire.encode_request(request_id, op.name, body)
         loop = self._loop
-        fut: asyncio.Future[codec.Reply] = loop.create_future()
+        fut: asyncio.Future[wire.Reply] = loop.create_future()
         self.pending[request_id] = fut
         # A deadline instead of wait_for(shield(...)): it fails the future.
-        timer = self._deadlines.add(fut, timeout, op)
+        timer = self._deadlines.add(fut, timeout, op.name)
         try:
             if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
                 # Other calls are in flight, so this one need not go at once: it goes
@@ -230,9 +229,10 @@ class Channel:
             if timer is not None:
                 timer.cancel()
             self.pending.pop(request_id, None)
-        if reply.error is not None:
-            raise reply.error
-        return reply.body
+        try:
+            return reply.body(op.reply_decoder)  # raises the reply's error, if it is one
+        except wire.DecodeError as exc:
+            raise InternalError(f"undecodable reply to {op.name}: {exc.message}") from None
 
     def _check_readable(self) -> None:
         if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
@@ -251,7 +251,7 @@ class Channel:
         if not queued or self.closed:  # closing failed their calls already
             return
         start, sent = 0, False
-        for count, payload in codec.bundles([envelope for _, envelope in queued]):
+        for count, payload in wire.bundles([envelope for _, envelope in queued]):
             ids = [i for i, _ in queued[start : start + count]]
             start += count
             futs = [fut for i in ids if (fut := self.pending.get(i)) is not None]
@@ -269,7 +269,7 @@ class Channel:
             self._check_readable()
 
     async def _send_bundle_later(
-        self, payload: bytes, futs: list[asyncio.Future[codec.Reply]]
+        self, payload: bytes, futs: list[asyncio.Future[wire.Reply]]
     ) -> None:
         try:
             await self._send_later([payload], futs)
@@ -278,7 +278,7 @@ class Channel:
         else:
             self._check_readable()
 
-    async def _send_later(self, frames: list[Any], futs: list[asyncio.Future[codec.Reply]]) -> None:
+    async def _send_later(self, frames: list[Any], futs: list[asyncio.Future[wire.Reply]]) -> None:
         """Retry a send the high-water mark refused until it goes, its calls end
         (deadline, WORKER_LOST) or the channel closes."""
         delay = 0.0005
@@ -395,7 +395,7 @@ _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks ru
 _BUNDLE_MAX = 32
 
 
-def _fail(futs: list[asyncio.Future[codec.Reply]], exc: BaseException) -> None:
+def _fail(futs: list[asyncio.Future[wire.Reply]], exc: BaseException) -> None:
     for fut in futs:
         if not fut.done():
             fut.set_exception(exc)

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from graphlane import __version__
 from graphlane.logs import Throttled
-from graphlane.protocol import codec, messages, security
+from graphlane.protocol import ops, pipe, security, wire
 from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownDevice, as_error
 from graphlane.workers.worker import WorkerSpec
 
@@ -96,7 +96,7 @@ class Daemon:
             auth = security.start_authenticator(ctx, keys)
             keys.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, codec.DEFAULT_LIMITS.max_envelope_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.DEFAULT_LIMITS.max_envelope_bytes)
         _prepare_ipc(self.config.listen)
         sock.bind(self.config.listen)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -157,50 +157,63 @@ class Daemon:
             frames = await sock.recv_multipart(copy=False)
             self.counters["requests"] += 1
             ident, payload = frames[0], frames[1:]
-            reply: list[Any]
             try:
-                req = codec.decode_request(payload)
-            except codec.DecodeError as exc:
-                if exc.request_id is None:
-                    self.counters["undecodable"] += 1
-                    self._dropped_log.warning("dropped an undecodable message: %s", exc.message)
-                    continue
-                reply = codec.encode_error(exc.request_id, exc.to_error())
-                await sock.send_multipart([ident, *reply])
-                continue
-            try:
-                body = self._handle(req)
-                reply = codec.encode_reply(req.id, body)
-            except Exception as exc:
-                if not isinstance(exc, GraphlaneError):
-                    log.exception("request %s (%s) failed", req.id, req.op)
-                self.counters["errors"] += 1
-                reply = codec.encode_error(req.id, as_error(exc))
-            await sock.send_multipart([ident, *reply])
+                reqs = wire.decode_requests(payload, wire.DEFAULT_LIMITS)
+            except wire.DecodeError as exc:
+                reqs = [exc]
+            bundle = len(reqs) > 1
+            for req in reqs:
+                reply = self._answer(req, bundle)
+                if reply is not None:
+                    await sock.send_multipart([ident, *reply])
 
-    def _handle(self, req: codec.Request) -> dict[str, Any]:
-        msg = messages.parse_body(req.op, req.body)
-        if isinstance(msg, messages.Hello):
+    def _answer(self, req: wire.Request | wire.DecodeError, bundle: bool) -> list[Any] | None:
+        """The reply frames to one request; None for one that names no id to answer."""
+        if type(req) is wire.DecodeError:
+            if req.request_id is None:
+                self.counters["undecodable"] += 1
+                self._dropped_log.warning("dropped an undecodable message: %s", req.message)
+                return None
+            return wire.encode_error(req.request_id, req.to_error())
+        assert type(req) is wire.Request
+        try:
+            if bundle:
+                raise BadRequest("the daemon's socket takes no bundles (a worker's does)")
+            return wire.encode_reply(req.id, self._handle(req))
+        except wire.DecodeError as exc:
+            return wire.encode_error(req.id, exc.to_error())
+        except Exception as exc:
+            if not isinstance(exc, GraphlaneError):
+                log.exception("request %s (%s) failed", req.id, req.op)
+            self.counters["errors"] += 1
+            return wire.encode_error(req.id, as_error(exc))
+
+    def _handle(self, req: wire.Request) -> dict[str, Any]:
+        op = ops.OPS.get(req.op)
+        if op is None:
+            raise BadRequest(f"unknown op {req.op!r} (known: {sorted(ops.OPS)})")
+        if op.device:
+            workers = {h.device: h.info.get("endpoint") for h in self.supervisor.workers.values()}
+            raise BadRequest(
+                f"{req.op} is served by the worker's own socket, not the daemon's: "
+                f"device endpoints {workers} (see hello)"
+            )
+        body = req.body(op.request_decoder)
+        if isinstance(body, ops.Hello):
             return self.hello()
-        if isinstance(msg, messages.StatusRequest):
+        if isinstance(body, ops.Status):
             return self.status()
-        if isinstance(msg, messages.DrainRequest):
-            devices = [msg.device] if msg.device is not None else list(self.supervisor.workers)
+        if isinstance(body, ops.Drain):
+            devices = [body.device] if body.device is not None else list(self.supervisor.workers)
             for d in devices:
                 if d not in self.supervisor.workers:
                     raise UnknownDevice(
                         f"device {d} is not served (serving {sorted(self.supervisor.workers)})"
                     )
-                self.supervisor.send(d, "drain")
+                self.supervisor.send(d, pipe.Drain())
             return {"draining": devices}
-        if isinstance(msg, messages.ShutdownRequest):
-            self.request_shutdown("shutdown request")
-            return {"state": self.state}
-        workers = {h.device: h.info.get("endpoint") for h in self.supervisor.workers.values()}
-        raise BadRequest(
-            f"{req.op} is served by the worker's own socket, not the daemon's: "
-            f"device endpoints {workers} (see hello)"
-        )
+        self.request_shutdown("shutdown request")
+        return {"state": self.state}
 
     def _worker_entry(self, h: WorkerHandle) -> dict[str, Any]:
         entry = h.describe()
@@ -219,14 +232,14 @@ class Daemon:
 
     def hello(self) -> dict[str, Any]:
         return {
-            "version": codec.PROTOCOL_VERSION,
+            "version": wire.PROTOCOL_VERSION,
             "server": f"graphlane {__version__}",
             "state": self.state,
             "capabilities": {
-                "ops": sorted(messages.MESSAGES),
+                "ops": sorted(ops.OPS),
                 "auth": "curve" if self.config.auth_dir else "none",
                 "backend": self.config.backend,
-                "max_message_bytes": codec.DEFAULT_LIMITS.max_message_bytes,
+                "max_message_bytes": wire.DEFAULT_LIMITS.max_message_bytes,
                 "bundles": True,  # worker sockets take bundles of requests
             },
             "workers": [self._worker_entry(h) for h in self.supervisor.workers.values()],

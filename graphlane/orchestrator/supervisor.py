@@ -2,21 +2,23 @@
 
 Lifecycle of a worker, explicit:
 
-    spawn (multiprocessing "spawn") -> handshake: ("ready", info) on its pipe within
+    spawn (multiprocessing "spawn") -> handshake: pipe.Ready(info) on its pipe within
     startup_timeout_s -> READY; liveness through the process sentinel (an fd that
     becomes readable when the process ends) -> LOST -> restart after a backoff,
     unless more than max_restarts happened within restart_window_s -> FAILED.
-    stop: "stop" on the pipe (finish in-flight, exit) -> SIGTERM -> SIGKILL,
+    stop: pipe.Drain(stop=True) (finish in-flight, exit) -> SIGTERM -> SIGKILL,
     recording which step ended it.
 
 The pipe is also the worker's lifeline: when the orchestrator dies, the worker
-reads EOF and exits, so no orphan keeps a device.
+reads EOF and exits, so no orphan keeps a device. Only the typed messages of
+:mod:`graphlane.protocol.pipe` cross it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import multiprocessing as mp
 import os
@@ -29,19 +31,29 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from graphlane.protocol import pipe
 from graphlane.workers.worker import WorkerSpec, worker_main
 
 log = logging.getLogger("graphlane.supervisor")
 
-STARTING, READY, LOST, FAILED, STOPPING, STOPPED = (
-    "starting", "ready", "lost", "failed", "stopping", "stopped",
-)  # fmt: skip
+class WorkerState(enum.StrEnum):
+    """Where a worker is in its lifecycle (the value is what status reports)."""
+
+    STARTING = "starting"
+    READY = "ready"
+    LOST = "lost"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+STARTING, READY, LOST, FAILED, STOPPING, STOPPED = WorkerState
 
 
 @dataclass(eq=False)
 class WorkerHandle:
     spec: WorkerSpec
-    state: str = STARTING
+    state: WorkerState = STARTING
     process: BaseProcess | None = None
     conn: Connection | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -132,8 +144,8 @@ class Supervisor:
         msg = await self._handshake(parent)
         if h.process is not proc or h.state != STARTING:
             return  # died (or was stopped) during startup; _on_exit took over
-        if msg is not None and msg[0] == "ready":
-            h.info = dict(msg[1])
+        if isinstance(msg, pipe.Ready):
+            h.info = dict(msg.info)
             h.state = READY
             h.last_error = ""
             log.info(
@@ -145,7 +157,7 @@ class Supervisor:
             self._spawn_task(self._watch(h, proc, parent))
             return
         h.last_error = (
-            msg[1] if msg is not None else f"no handshake within {self.startup_timeout_s:g} s"
+            msg.message if msg is not None else f"no handshake within {self.startup_timeout_s:g} s"
         )
         log.error("worker failed to start device=%s pid=%s: %s", h.device, proc.pid, h.last_error)
         self._kill(proc)
@@ -157,8 +169,8 @@ class Supervisor:
         loop.add_reader(conn.fileno(), readable.set)
         try:
             await asyncio.wait_for(readable.wait(), limit_s)
-            return conn.recv()
-        except (TimeoutError, EOFError, OSError):
+            return pipe.recv(conn)
+        except (TimeoutError, EOFError, OSError, ValueError):
             return None
         finally:
             with contextlib.suppress(OSError, ValueError):
@@ -173,16 +185,16 @@ class Supervisor:
             if h.process is not proc or h.state != READY or h.conn is not conn:
                 return
             try:
-                conn.send("ping")
+                pipe.send(conn, pipe.Ping())
             except OSError:
                 return
             msg = await self._receive(conn, self.hang_timeout_s)
             if h.process is not proc or h.state != READY:
                 return
-            if not (isinstance(msg, tuple) and msg and msg[0] == "pong"):
+            if not isinstance(msg, pipe.Pong):
                 self._hung(h, proc, f"no answer to a health check within {self.hang_timeout_s:g} s")
                 return
-            h.stats = msg[1]
+            h.stats = msg.status
             age = float(h.stats.get("oldest_inflight_s", 0.0))
             if age > self.hang_timeout_s:
                 self._hung(
@@ -195,14 +207,14 @@ class Supervisor:
         log.error("worker hung device=%s pid=%s: %s; killing it", h.device, proc.pid, why)
         self._kill(proc)
 
-    async def _handshake(self, conn: Connection) -> tuple[str, Any] | None:
-        """The worker's ("ready", info) or ("failed", message); None on timeout or EOF."""
+    async def _handshake(self, conn: Connection) -> pipe.Ready | pipe.Failed | None:
+        """The worker's Ready or Failed; None on timeout or EOF."""
         deadline = time.monotonic() + self.startup_timeout_s
         while (left := deadline - time.monotonic()) > 0:
             msg = await self._receive(conn, left)
             if msg is None:
                 return None
-            if isinstance(msg, tuple) and msg and msg[0] in ("ready", "failed"):
+            if isinstance(msg, pipe.Ready | pipe.Failed):
                 return msg
         return None
 
@@ -260,11 +272,11 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
 
-    def send(self, device: int, command: str) -> None:
+    def send(self, device: int, command: pipe.PipeMessage) -> None:
         h = self.workers[device]
         if h.conn is not None:
             with contextlib.suppress(OSError):
-                h.conn.send(command)
+                pipe.send(h.conn, command)
 
     async def stop_all(self, timeout_s: float = 30.0) -> None:
         """Stop every worker: finish in-flight and exit; then SIGTERM; then SIGKILL."""
@@ -281,7 +293,7 @@ class Supervisor:
         capturing = h.state == STARTING  # no in-flight work yet: do not wait for it
         h.state = STOPPING
         steps: list[tuple[str, float, Callable[[], None]]] = [
-            ("message", timeout_s, lambda: self.send(h.device, "stop")),
+            ("message", timeout_s, lambda: self.send(h.device, pipe.Drain(stop=True))),
             ("SIGTERM", 5.0, lambda: proc.terminate()),
             ("SIGKILL", 5.0, lambda: self._kill(proc)),
         ]
@@ -307,4 +319,4 @@ class Supervisor:
 
     def drain(self) -> None:
         for device in self.workers:
-            self.send(device, "drain")
+            self.send(device, pipe.Drain())

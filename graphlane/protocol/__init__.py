@@ -1,8 +1,10 @@
 """The graphlane wire protocol: frames, envelope, tensors, operations, errors.
 
 Transport: ZeroMQ, a scheduler's DEALER to the daemon's ROUTER; every request
-gets exactly one reply carrying the request's id. Encoding: msgpack. No pickle,
-anywhere.
+gets exactly one reply carrying the request's id. Encoding: msgpack, with one
+typed definition per message (:mod:`graphlane.protocol.wire` for envelopes and
+tensors, :mod:`graphlane.protocol.ops` for each operation's body, msgspec
+Structs that the client encodes and the server decodes). No pickle, anywhere.
 
 Frame layout
 ============
@@ -22,7 +24,8 @@ Reply envelope, ok or error (an error reply is always a single frame)::
     {"v": 1, "id": <same id>, "ok": false,
      "error": {"code": <str>, "message": <str>, "retryable": <bool>}}
 
-A tensor anywhere in a body (in maps and lists, at any depth) is a one-key map::
+A tensor (where a body's type has one: a step's ``inputs``, a reply's
+``outputs``) is a one-key map::
 
     {"$tensor": {"dtype": "float16", "shape": [8, 128], "frame": 1}}      bytes in frame 1
     {"$tensor": {"dtype": "int32", "shape": [8], "data": <bin, 32 bytes>}}   inline
@@ -32,8 +35,7 @@ their own frame. The bytes are the tensor's contiguous C-order memory, native
 (little-endian) byte order; ``len(bytes) == prod(shape) * itemsize`` exactly.
 dtypes: float16, bfloat16, float32, float64, int8, uint8, int16, int32,
 int64, bool (one byte, 0 or 1). Each frame is referenced by exactly one tensor;
-a frame referenced twice or not at all is a BAD_REQUEST. ``$tensor`` is a
-reserved key: no other map may use it.
+a frame referenced twice or not at all is a BAD_REQUEST.
 
 Frames are sent and received without copies: the encoder hands zmq a
 memoryview over each contiguous tensor, the decoder returns tensors that view
@@ -44,29 +46,32 @@ Bundles
 
 A worker's socket also takes a *bundle*: a single-frame message whose frame 0
 is a msgpack array of request envelopes (1 to 65535 of them, within
-``Limits.max_items``), none referencing data frames. Each envelope is checked
+``wire.bundle``), none referencing data frames. Each envelope is checked
 and answered on its own, as if it had come alone: one bad envelope fails alone,
 with its id. The replies to a bundle's requests may come back bundled the same
 way (an array of reply envelopes); however they group, each request gets
 exactly one reply. The limits of frame 0 (``Limits.max_envelope_bytes``) apply
-to the bundle as a whole: a bundle over them is refused, each of its requests
-whose id can still be read getting the BAD_REQUEST (up to four times the
-limit; a frame 0 larger than that is not read and nobody is answered, for a
-single envelope too). So a sender keeps bundles small: graphlane's client and
-workers make none over ``codec.BUNDLE_BYTES`` (64 KiB), the client none of
-more than 32 requests. Calls that carry tensors as frames never travel in a
-bundle. A daemon whose hello ``capabilities`` say ``"bundles": true`` runs
-workers that take them; the daemon's own socket does not (an array there is
-undecodable). ``codec.bundle`` builds one, ``codec.bundles`` packs envelopes
-into messages of bounded size; ``codec.decode_requests`` and
-``codec.decode_replies`` read a message of either kind.
+to the bundle as a whole: a bundle over them is refused unread (nobody is
+answered). So a sender keeps bundles small: graphlane's client and workers make
+none over ``wire.BUNDLE_BYTES`` (64 KiB), the client none of more than 32
+requests. Calls that carry tensors as frames never travel in a bundle. A daemon
+whose hello ``capabilities`` say ``"bundles": true`` runs workers that take
+them; the daemon's own socket answers each request of a bundle with
+BAD_REQUEST. ``wire.bundle`` builds one, ``wire.bundles`` packs envelopes into
+messages of bounded size; ``wire.decode_requests`` and ``wire.decode_replies``
+read a message of either kind.
 
-Decoding is validation (``codec.decode_request``): sizes and frame count, then
-the envelope, then ``id`` (so every later error can be answered), then ``v``
-(UNSUPPORTED_VERSION), ``op``, ``body``, unknown envelope keys, and the body
-against ``Limits`` (depth, items, string and tensor sizes). A failure is a
-``DecodeError`` with a code and, when the id was readable, the id to answer.
-Then ``messages.parse_body`` checks the operation's fields.
+Decoding is validation, in this order: frame count and sizes
+(:class:`wire.Limits`), before any byte is decoded; the envelope, typed (``v``,
+``id``, ``op``, the body kept as bytes; an unknown envelope key is refused);
+``v`` (UNSUPPORTED_VERSION); ``op`` (an unknown op is a BAD_REQUEST); then the
+body with its op's type (:data:`ops.OPS`): an unknown field, a missing one, a
+wrong type or a value outside its bounds (lengths of names, lists and maps,
+tensor dimensions and bytes) is a BAD_REQUEST naming the field
+(``body.device: expected `int` >= 0``). An envelope that cannot be read is
+looked at once more, leniently, for its ``id``: if one is found the sender gets
+its BAD_REQUEST, else the message is dropped and counted. Whatever bytes
+arrive give a request or a ``DecodeError``, never another exception.
 
 Operations
 ==========
@@ -100,16 +105,22 @@ are the documented ones, more may appear.
              frame 1: 65536 bytes of float16
     reply    {"v": 1, "id": 3, "ok": true, "body": {
                 "outputs": {"out": {"$tensor": {"dtype": "float16",
-                                                "shape": [8, 32, 1, 128], "frame": 1}}}}}
+                                                "shape": [8, 32, 1, 128], "frame": 1}}},
+                "bucket": 8, "instance": 0, "patched": 4, "server_us": 812.5}}
              frame 1: 65536 bytes of float16
 
-    ``batch`` may be left out: it is then len(params["actual_seq_lengths_kv"]).
+    ``batch`` may be left out when the program can tell it from its params (the
+    attention program: the length of ``actual_seq_lengths_kv``). ``timeout_ms``:
+    a step that has waited in the worker's queue longer than that is answered
+    TIMEOUT without running (its caller has given up; graphlane's client sends
+    each call's timeout). Bounds: ``ops.steps`` (names <= 128 bytes, <= 64
+    params and inputs, <= 4096 items per list, <= 16 outputs).
 
 ``update`` — patch the graph for the next replay only (no ``outputs``)::
 
     request  {"v": 1, "id": 4, "op": "update", "body": {"program": "attention", "device": 0,
               "batch": 2, "params": {"actual_seq_lengths_kv": [5, 9]}}}
-    reply    {"v": 1, "id": 4, "ok": true, "body": {}}
+    reply    {"v": 1, "id": 4, "ok": true, "body": {"bucket": 2, "instance": 0, "patched": 4}}
 
 ``replay`` — replay the graph as last patched::
 
@@ -140,29 +151,6 @@ SHUTTING_DOWN, INTERNAL. Retryable unless the error says otherwise: BUSY,
 WORKER_LOST, TIMEOUT, SHUTTING_DOWN.
 """
 
-from graphlane.protocol.codec import (
-    DEFAULT_LIMITS,
-    DTYPES,
-    INLINE_TENSOR_BYTES,
-    PROTOCOL_VERSION,
-    TENSOR_KEY,
-    DecodeError,
-    FrameLike,
-    Limits,
-    Reply,
-    Request,
-    bundle,
-    bundles,
-    decode_replies,
-    decode_reply,
-    decode_request,
-    decode_requests,
-    encode_error,
-    encode_outputs_reply,
-    encode_reply,
-    encode_request,
-    tensor_to_wire,
-)
 from graphlane.protocol.errors import (
     RETRYABLE,
     BadRequest,
@@ -182,70 +170,85 @@ from graphlane.protocol.errors import (
     error_class,
     error_from_wire,
 )
-from graphlane.protocol.messages import (
-    MAX_OUTPUTS,
-    MESSAGES,
-    DrainRequest,
+from graphlane.protocol.ops import (
+    OPS,
+    Drain,
     Hello,
-    Message,
-    ReplayRequestMsg,
-    ShutdownRequest,
-    StatusRequest,
-    StepRequestMsg,
-    UpdateRequestMsg,
-    encode_message,
-    parse_body,
+    Op,
+    Replay,
+    Shutdown,
+    Status,
+    Step,
+    StepDone,
+    Update,
+)
+from graphlane.protocol.wire import (
+    BUNDLE_BYTES,
+    DEFAULT_LIMITS,
+    DTYPES,
+    INLINE_TENSOR_BYTES,
+    PROTOCOL_VERSION,
+    TENSOR_KEY,
+    DecodeError,
+    FrameLike,
+    Limits,
+    Reply,
+    Request,
+    bundle,
+    bundles,
+    decode_replies,
+    decode_requests,
+    encode_error,
+    encode_reply,
+    encode_request,
+    tensor_ref,
 )
 
 __all__ = [
+    "BUNDLE_BYTES",
     "DEFAULT_LIMITS",
     "DTYPES",
     "INLINE_TENSOR_BYTES",
-    "MAX_OUTPUTS",
-    "MESSAGES",
+    "OPS",
     "PROTOCOL_VERSION",
     "RETRYABLE",
     "TENSOR_KEY",
     "BadRequest",
     "Busy",
     "DecodeError",
-    "DrainRequest",
+    "Drain",
     "ErrorCode",
     "FrameLike",
     "GraphlaneError",
     "Hello",
     "InternalError",
     "Limits",
-    "Message",
-    "ReplayRequestMsg",
+    "Op",
+    "Replay",
     "Reply",
     "Request",
     "RequestError",
     "ServiceError",
-    "ShutdownRequest",
+    "Shutdown",
     "ShuttingDown",
-    "StatusRequest",
-    "StepRequestMsg",
+    "Status",
+    "Step",
+    "StepDone",
     "Timeout",
     "Unauthorized",
     "UnknownDevice",
     "UnknownProgram",
     "UnsupportedVersion",
-    "UpdateRequestMsg",
+    "Update",
     "WorkerLost",
     "bundle",
     "bundles",
     "decode_replies",
-    "decode_reply",
-    "decode_request",
     "decode_requests",
     "encode_error",
-    "encode_message",
-    "encode_outputs_reply",
     "encode_reply",
     "encode_request",
     "error_class",
     "error_from_wire",
-    "parse_body",
-    "tensor_to_wire",
+    "tensor_ref",
 ]

@@ -3,7 +3,7 @@
 Every failed request is answered with one stable code (an :class:`ErrorCode`);
 the message text is for people and may change. Both sides use the same tree:
 the server raises a subclass and sends ``{"code", "message", "retryable"}``
-(:func:`graphlane.protocol.codec.encode_error`); the client turns that map back
+(:func:`graphlane.protocol.wire.encode_error`); the client turns that map back
 into the same subclass with :func:`error_from_wire`.
 
 The tree is split by what the caller should do about it::

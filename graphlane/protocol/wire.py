@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal, TypeAlias, TypeVar
 
+import msgpack
 import msgspec
 import numpy as np
 import torch
@@ -281,7 +282,7 @@ class _ReplyEnvelope(Struct, frozen=True, forbid_unknown_fields=True):
     v: int
     id: RequestId
     ok: bool
-    body: Raw | None = None
+    body: Raw = Raw(b"\x80")  # an error reply has none: an empty map
     error: WireError | None = None
 
 
@@ -314,14 +315,14 @@ class Reply(Struct, frozen=True):
     """A decoded reply: ``error`` set, or the body's bytes (see :meth:`body`)."""
 
     id: int
-    raw: Raw | None
+    raw: Raw
     error: GraphlaneError | None
     frames: Frames
 
     def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
         if self.error is not None:
             raise self.error
-        return decode_body(decoder, self.raw or Raw(b"\x80"), self.frames, self.id)
+        return decode_body(decoder, self.raw, self.frames, self.id)
 
 
 def decode_body(
@@ -459,10 +460,27 @@ def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
 
 
 def _lenient_id(raw: Any) -> int | None:
+    """The id of an envelope that failed its checks, if one can still be read: from
+    the whole map, else from the map's entries before the point where it breaks
+    (a truncated envelope still names its id when the id comes first)."""
     try:
         return _any_id.decode(raw).id
     except (msgspec.ValidationError, msgspec.DecodeError):
+        pass
+    try:
+        unpacker = msgpack.Unpacker(max_buffer_size=len(raw) + 1)
+        unpacker.feed(raw)
+        for _ in range(min(unpacker.read_map_header(), 16)):
+            key = unpacker.unpack()
+            if key != "id":
+                unpacker.skip()
+                continue
+            value = unpacker.unpack()
+            ok = type(value) is int and 0 <= value < 2**64
+            return value if ok else None
+    except Exception:  # anything unreadable: no id
         return None
+    return None
 
 
 def _envelope_message(exc: Exception) -> str:

@@ -86,7 +86,7 @@ class StepFields(Protocol):
     @property
     def program(self) -> str: ...
     @property
-    def batch(self) -> int: ...
+    def batch(self) -> int | None: ...
     @property
     def params(self) -> Mapping[str, Any]: ...
     @property
@@ -306,7 +306,8 @@ class StepEngine:
         """Validate a step or update (a StepRequest or a wire message with its fields;
         ``outputs``: these instead of the request's)."""
         program = self._program(request.program)
-        plan = program.plan(request.batch, request.params, request.inputs)
+        batch = request.batch if request.batch is not None else program.infer_batch(request.params)
+        plan = program.plan(batch, request.params, request.inputs)
         if outputs is None:
             outputs = getattr(request, "outputs", ())
         self._check_outputs(program, outputs)

@@ -15,7 +15,7 @@ Threads and their roles:
   no orphan keeps the device.
 
 Startup handshake: the worker captures its programs, binds its socket, then
-sends ``("ready", info)`` on the pipe (or ``("failed", message)``).
+sends ``pipe.Ready(info)`` on the pipe (or ``pipe.Failed(message)``).
 """
 
 from __future__ import annotations
@@ -36,13 +36,14 @@ from typing import Any, cast
 import zmq
 
 from graphlane.logs import Throttled, setup_logging
-from graphlane.protocol import codec, messages, security
+from graphlane.protocol import ops, pipe, security, wire
 from graphlane.protocol.errors import (
     BadRequest,
     Busy,
     GraphlaneError,
     InternalError,
     ShuttingDown,
+    Timeout,
     UnknownDevice,
     UnknownProgram,
     as_error,
@@ -68,7 +69,7 @@ class WorkerSpec:
     pipeline: bool = True
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
-    limits: codec.Limits = field(default_factory=codec.Limits)
+    limits: wire.Limits = field(default_factory=wire.Limits)
     generation: int = 0
     log_level: int = logging.INFO
     log_format: str = "text"
@@ -87,7 +88,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         worker = Worker(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
-            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+            pipe.send(conn, pipe.Failed(f"{type(exc).__name__}: {exc}"))
         finally:
             os._exit(3)
     code = worker.run()
@@ -198,7 +199,7 @@ class Worker:
     # ------------------------------------------------------------ lifecycle
     def run(self) -> int:
         self._main = threading.get_ident()
-        self.conn.send(("ready", self.info()))
+        pipe.send(self.conn, pipe.Ready(self.info()))
         threading.Thread(target=self._lifeline, name="graphlane-lifeline", daemon=True).start()
         try:
             self._serve()
@@ -217,12 +218,15 @@ class Worker:
         """Commands from the orchestrator; EOF means it died: exit, do not linger as an orphan."""
         while True:
             try:
-                cmd = self.conn.recv()
+                cmd = pipe.recv(self.conn)
             except (EOFError, OSError):
                 os._exit(4)
-            if cmd == "drain" or cmd == "stop":
-                self._post(functools.partial(self._begin_drain, cmd == "stop"))
-            elif cmd == "ping":
+            except ValueError:
+                log.error("ignored an unreadable message from the orchestrator")
+                continue
+            if isinstance(cmd, pipe.Drain):
+                self._post(functools.partial(self._begin_drain, cmd.stop))
+            elif isinstance(cmd, pipe.Ping):
                 # Answered by the main thread: the status is its state, and a loop that
                 # cannot answer is a hung worker.
                 self._post(self._pong)
@@ -241,7 +245,7 @@ class Worker:
 
     def _pong(self) -> None:
         try:
-            self.conn.send(("pong", self.status()))
+            pipe.send(self.conn, pipe.Pong(self.status()))
         except OSError:
             os._exit(4)
 
@@ -322,7 +326,7 @@ class Worker:
     @contextlib.contextmanager
     def _replies_together(self) -> Iterator[None]:
         """Within it, replies to bundled requests wait in the outbox; at its end each
-        sender's go out as bundles of bounded size (codec.bundles). Nested, the
+        sender's go out as bundles of bounded size (wire.bundles). Nested, the
         outermost one sends."""
         if self._outbox is not None:
             yield
@@ -336,7 +340,7 @@ class Worker:
     def _flush_outbox(self) -> None:
         outbox, self._outbox = self._outbox, None
         for ident, envelopes in (outbox or {}).items():
-            for _, payload in codec.bundles(envelopes):
+            for _, payload in wire.bundles(envelopes):
                 self.metrics.bytes_out += len(payload)
                 self.sock.send_multipart([ident, payload], copy=False)
 
@@ -345,7 +349,7 @@ class Worker:
     ) -> None:
         self.counters["errors"] += 1
         self.metrics.errors[str(error.code)] += 1
-        self._send(ident, codec.encode_error(request_id, error), bundled)
+        self._send(ident, wire.encode_error(request_id, error), bundled)
 
     def _handle(self, frames: list[Any]) -> None:
         """One message: a request, or a bundle of them whose replies go back together."""
@@ -354,8 +358,10 @@ class Worker:
         # The routing id as bytes, once: the outbox groups replies by it (see _send).
         ident = frames[0].bytes if type(frames[0]) is zmq.Frame else bytes(frames[0])
         try:
-            reqs = codec.decode_requests(frames[1:], self.spec.limits)
-        except codec.DecodeError as exc:
+            reqs: list[wire.Request | wire.DecodeError] = wire.decode_requests(
+                frames[1:], self.spec.limits
+            )
+        except wire.DecodeError as exc:
             reqs = [exc]
         if len(reqs) == 1:
             self._request(ident, reqs[0], received, False)
@@ -366,43 +372,47 @@ class Worker:
                 self._request(ident, req, received, True)
 
     def _request(
-        self, ident: Any, req: codec.Request | codec.DecodeError, received: float, bundled: bool
+        self, ident: Any, req: wire.Request | wire.DecodeError, received: float, bundled: bool
     ) -> None:
         self.counters["requests"] += 1
-        if type(req) is codec.DecodeError:
+        if type(req) is wire.DecodeError:
             if req.request_id is None:
                 self.counters["undecodable"] += 1
                 self._dropped_log.warning("dropped an undecodable message: %s", req.message)
                 return
             self._reply_error(ident, req.request_id, req.to_error(), bundled)
             return
-        assert type(req) is codec.Request
+        assert type(req) is wire.Request
         try:
             self._dispatch(ident, req, received, bundled)
+        except wire.DecodeError as exc:  # the body did not fit its op's type
+            self._reply_error(ident, req.id, exc.to_error(), bundled)
         except Exception as exc:  # never let one request take the worker down
             if not isinstance(exc, GraphlaneError):
                 log.exception("request %s (%s) failed", req.id, req.op)
             self._reply_error(ident, req.id, as_error(exc), bundled)
 
-    def _dispatch(self, ident: bytes, req: codec.Request, received: float, bundled: bool) -> None:
-        parsed = messages.parse_body(req.op, req.body)
-        if type(parsed) is not messages.StepRequestMsg and self._control(
-            ident, req, parsed, bundled
-        ):
+    def _dispatch(self, ident: bytes, req: wire.Request, received: float, bundled: bool) -> None:
+        op = ops.OPS.get(req.op)
+        if op is None:
+            raise BadRequest(f"unknown op {req.op!r} (known: {sorted(ops.OPS)})")
+        body = req.body(op.request_decoder)
+        if not op.device:
+            self._control(ident, req.id, body, bundled)
             return
-        msg = cast(_DeviceWork, parsed)
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
-        if msg.device != self.spec.device:
-            raise UnknownDevice(f"this worker serves device {self.spec.device}, not {msg.device}")
-        if msg.program not in self.engine.programs:
+        if body.device != self.spec.device:
+            raise UnknownDevice(f"this worker serves device {self.spec.device}, not {body.device}")
+        if body.program not in self.engine.programs:
             raise UnknownProgram(
-                f"{msg.program!r} is not served (serving {sorted(self.engine.programs)})"
+                f"{body.program!r} is not served (serving {sorted(self.engine.programs)})"
             )
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
-        kind, plan, outputs = self._plan(msg)
-        call = _Call(ident, req.id, req.op, kind, plan, outputs, received, bundled)
+        kind, plan, outputs = self._plan(body)
+        deadline = received + body.timeout_ms / 1000 if body.timeout_ms is not None else None
+        call = _Call(ident, req.id, req.op, kind, plan, outputs, received, bundled, deadline)
         if self._waiting or not self.engine.reserve(blocking=False):
             if len(self._waiting) >= self.spec.max_queued:
                 raise Busy(f"{self.spec.max_queued} requests are queued already")
@@ -412,34 +422,31 @@ class Worker:
         self._accept(call)
         self._issue(call)
 
-    def _control(self, ident: bytes, req: codec.Request, msg: Any, bundled: bool) -> bool:
-        """Answer a request that is not device work; False for an update or a replay."""
-        if isinstance(msg, messages.Hello):
-            hello = {"version": codec.PROTOCOL_VERSION, **self.info()}
-            self._send(ident, codec.encode_reply(req.id, hello), bundled)
-            return True
-        if isinstance(msg, messages.StatusRequest):
-            self._send(ident, codec.encode_reply(req.id, self.status()), bundled)
-            return True
-        if isinstance(msg, messages.DrainRequest):
+    def _control(self, ident: bytes, request_id: int, body: Any, bundled: bool) -> None:
+        """Answer a request that is not device work."""
+        if isinstance(body, ops.Hello):
+            hello = {"version": wire.PROTOCOL_VERSION, **self.info()}
+            self._send(ident, wire.encode_reply(request_id, hello), bundled)
+        elif isinstance(body, ops.Status):
+            self._send(ident, wire.encode_reply(request_id, self.status()), bundled)
+        elif isinstance(body, ops.Drain):
             self.draining = True
             drained = {"state": "draining", "inflight": self.inflight}
-            self._send(ident, codec.encode_reply(req.id, drained), bundled)
-            return True
-        if isinstance(msg, messages.ShutdownRequest):
+            self._send(ident, wire.encode_reply(request_id, drained), bundled)
+        else:
             raise BadRequest(
                 "shutdown is an orchestrator operation; send it to the daemon's endpoint"
             )
-        return False  # an update or a replay: device work, as a step
 
-    def _plan(self, msg: Any) -> tuple[str, StepPlan, tuple[str, ...]]:
+    def _plan(self, body: Any) -> tuple[str, StepPlan, tuple[str, ...]]:
         try:
-            if type(msg) is messages.StepRequestMsg:  # the messages' fields are a StepRequest's
-                return "step", self.engine.plan(msg), msg.outputs
-            if type(msg) is messages.UpdateRequestMsg:
-                return "update", self.engine.plan(msg, ()), ()
-            outputs = tuple(msg.outputs)
-            return "replay", self.engine.plan_replay(msg.program, msg.batch, outputs), outputs
+            if type(body) is ops.Step:
+                outputs = tuple(body.outputs)
+                return "step", self.engine.plan(body, outputs), outputs
+            if type(body) is ops.Update:
+                return "update", self.engine.plan(body, ()), ()
+            outputs = tuple(body.outputs)
+            return "replay", self.engine.plan_replay(body.program, body.batch, outputs), outputs
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -456,9 +463,20 @@ class Worker:
         )
 
     def _pump(self) -> None:
-        """Issue waiting steps while the engine has in-flight slots."""
-        while self._waiting and self.engine.reserve(blocking=False):
-            self._issue(self._waiting.popleft())
+        """Issue waiting steps while the engine has in-flight slots; a step whose caller's
+        deadline (``timeout_ms``) passed while it waited is answered TIMEOUT unrun."""
+        waiting = self._waiting
+        while waiting:
+            call = waiting[0]
+            if call.deadline is not None and time.perf_counter() > call.deadline:
+                waiting.popleft()
+                self._open.pop(call, None)
+                late = Timeout(f"{call.op} waited past its deadline; it was not run")
+                self._reply_error(call.ident, call.request_id, late, call.bundled)
+                continue
+            if not self.engine.reserve(blocking=False):
+                return
+            self._issue(waiting.popleft())
 
     def _on_done(self, call: _Call, result: StepResult | None, exc: BaseException | None) -> None:
         if threading.get_ident() == self._main:  # completed on the spot, during its issue
@@ -479,15 +497,16 @@ class Worker:
                 self.metrics.dispatch_seconds.observe(r.dispatch_s)
             if r.replay_at:
                 self.metrics.replay_seconds.observe(max(0.0, r.done_at - r.replay_at))
-            fields = {
-                "bucket": r.key.bucket,
-                "slot": r.key.slot,
-                "patched": r.patched_groups,
+            done = ops.StepDone(
+                r.outputs,
+                r.key.bucket,
+                r.key.slot,
+                r.patched_groups,
                 # Time the worker held the request: decode to reply (device work included).
-                "server_us": round((now - call.received) * 1e6, 1),
-            }
+                round((now - call.received) * 1e6, 1),
+            )
             try:
-                frames = codec.encode_outputs_reply(call.request_id, r.outputs, fields)
+                frames = wire.encode_reply(call.request_id, done)
             except Exception as exc:  # a program's outputs that cannot be sent: say so
                 log.exception("reply to request %s cannot be encoded", call.request_id)
                 self._reply_error(
@@ -511,7 +530,6 @@ class Worker:
         self._maybe_stop()
 
 
-_DeviceWork = messages.StepRequestMsg | messages.UpdateRequestMsg | messages.ReplayRequestMsg
 _BATCH = 64  # requests taken from the socket per turn of the loop
 
 
@@ -531,6 +549,7 @@ class _Call:
     outputs: tuple[str, ...]
     received: float
     bundled: bool  # came in a bundle: its sender takes bundled replies
+    deadline: float | None = None  # perf_counter time after which it is not issued
 
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]

@@ -19,7 +19,7 @@ from daemons import RunningDaemon, pid_alive, until, wait_for
 from graphlane import GraphlaneError
 from graphlane.client import Client
 from graphlane.client.transport import Channel
-from graphlane.protocol import codec
+from graphlane.protocol import ops, wire
 
 STEP = {"actual_seq_lengths_kv": [3]}
 SLOW = {"mode": "timed", "task_us": 20000.0, "patch_us": 200.0}  # 2 layers: ~40 ms a replay
@@ -63,9 +63,7 @@ def test_request_errors_carry_their_codes(start_daemon) -> None:
             await expect_code(c.drain(device=9), "UNKNOWN_DEVICE")
             # A step sent to the daemon's own socket is refused, naming the worker endpoints.
             err = await expect_code(
-                c._call(
-                    c._channel(), "step", {"program": "attention", "device": 0, "params": STEP}, 10
-                ),
+                c._call(c._channel(), "step", ops.Step("attention", 0, STEP), 10),
                 "BAD_REQUEST",
             )
             assert "worker" in err.message
@@ -75,7 +73,8 @@ def test_request_errors_carry_their_codes(start_daemon) -> None:
             assert e.retryable
             assert (await c.step("attention", 0, STEP)).outputs["out"].shape[0] == 1
         bad_version = msgpack.packb({"v": 2, "id": 41, "op": "status", "body": {}})
-        reply = codec.decode_reply(await raw_call(worker0, [bad_version]))
+        (reply,) = wire.decode_replies(await raw_call(worker0, [bad_version]))
+        assert isinstance(reply, wire.Reply)
         assert reply.id == 41 and reply.error is not None
         assert reply.error.code == "UNSUPPORTED_VERSION"
 
@@ -185,7 +184,7 @@ def test_sigterm_under_load_finishes_accepted_calls_and_exits_zero(start_daemon)
 def test_malformed_frames_get_answers_when_they_can_and_break_nothing(start_daemon) -> None:
     d = start_daemon(devices=1)
     worker = d.worker(0)["endpoint"]
-    good = codec.encode_request(5, "step", {"program": "attention", "device": 0, "params": STEP})
+    good = wire.encode_request(5, "step", ops.Step("attention", 0, STEP))
     good_bytes = [bytes(f) for f in good]
     cases: list[tuple[list[bytes], str | None]] = [
         ([b"\x00garbage\xff"], None),
@@ -244,7 +243,8 @@ def test_malformed_frames_get_answers_when_they_can_and_break_nothing(start_daem
                     assert reply is None  # no id could be read: counted, not answered
                 else:
                     assert reply is not None
-                    r = codec.decode_reply(reply)
+                    (r,) = wire.decode_replies(reply)
+                    assert isinstance(r, wire.Reply)
                     assert r.error is not None and r.error.code == code, (frames[:1], r.error)
         async with Client(d.endpoint) as c:
             r = await c.step("attention", 0, {"actual_seq_lengths_kv": [2, 3]})
@@ -268,7 +268,7 @@ def test_workers_exit_when_the_orchestrator_is_killed(start_daemon) -> None:
 def test_step_inputs_travel_as_frames(start_daemon) -> None:
     """A large input is a separate frame sharing the tensor's memory, not msgpack bytes."""
     k = torch.randn(2, 4, 2, 32, 16).half()  # [layers, batch, kv heads, max kv, head dim]
-    frames = codec.encode_request(1, "step", {"inputs": {"key": k}})
+    frames = wire.encode_request(1, "step", ops.Step("attention", 0, inputs={"key": k}))
     assert len(frames) == 2 and memoryview(frames[1]).nbytes == k.numel() * 2
     assert torch.frombuffer(frames[1], dtype=torch.float16).data_ptr() == k.data_ptr()
     d = start_daemon(devices=1)

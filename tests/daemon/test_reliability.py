@@ -22,7 +22,7 @@ from daemons import RunningDaemon, free_port, wait_for
 
 from graphlane import GraphlaneError
 from graphlane.client import Client
-from graphlane.protocol import codec
+from graphlane.protocol import ops, wire
 
 STEP = {"actual_seq_lengths_kv": [3]}
 
@@ -108,9 +108,7 @@ def test_a_flood_of_hostile_frames_leaves_the_daemon_serving(start_daemon) -> No
     rng = random.Random(7)
     good = [
         bytes(f)
-        for f in codec.encode_request(
-            1, "step", {"program": "attention", "device": 0, "params": STEP}
-        )
+        for f in wire.encode_request(1, "step", ops.Step("attention", 0, STEP))
     ]
 
     def hostile(i: int) -> list[bytes]:
@@ -171,7 +169,7 @@ def test_a_flood_of_hostile_frames_leaves_the_daemon_serving(start_daemon) -> No
             sent += 1
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and await sock.poll(1000):
-            codec.decode_reply(await sock.recv_multipart())
+            wire.decode_replies(await sock.recv_multipart())
             replies += 1
         sock.close(0)
         ctx.destroy(linger=0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import zmq
 
-from graphlane.protocol import codec
+from graphlane.protocol import ops, wire
 from graphlane.workers.worker import Worker, WorkerSpec
 
 TINY = {
@@ -29,8 +29,13 @@ TINY = {
 
 
 def _request(request_id: int) -> list[bytes | memoryview]:
-    body = {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": [2]}}
-    return codec.encode_request(request_id, "step", body)
+    body = ops.Step("attention", 0, {"actual_seq_lengths_kv": [2]}, outputs=["out"])
+    return wire.encode_request(request_id, "step", body)
+
+
+def _step_done(reply: wire.Reply) -> ops.StepDone:
+    done: ops.StepDone = reply.body(ops.OPS["step"].reply_decoder)
+    return done
 
 
 @pytest.mark.parametrize("backend", ["null", "sim"])
@@ -40,11 +45,11 @@ def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
     here, there = Pipe()
     spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint="inproc://w")
     worker = Worker(spec, here)
-    replies: list[codec.Reply] = []
+    replies: list[wire.Reply | wire.DecodeError] = []
     send = worker._send
 
     def capture(ident: Any, frames: list[Any], bundled: bool = False) -> None:
-        replies.append(codec.decode_reply([bytes(memoryview(f)) for f in frames]))
+        replies.extend(wire.decode_replies([bytes(memoryview(f)) for f in frames]))
         send(ident, frames, bundled)
         if len(replies) == 2:
             worker._stopping = True
@@ -73,11 +78,12 @@ def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
         loop.start()
         loop.join(60)
         assert not loop.is_alive(), "the worker loop did not answer both requests"
-        assert sorted(r.id for r in replies) == [1, 2]
-        first, second = sorted(replies, key=lambda r: r.id)
+        assert sorted(getattr(r, 'id', None) or 0 for r in replies) == [1, 2]
+        first, second = sorted(replies, key=lambda r: r.id or 0)
+        assert isinstance(first, wire.Reply) and isinstance(second, wire.Reply)
         assert first.error is not None and first.error.code == "INTERNAL"
         assert "complex64" in first.error.message
-        assert second.ok and second.body["outputs"]["out"].shape[0] == 1
+        assert _step_done(second).outputs["out"].shape[0] == 1
         assert worker.inflight == 0 and worker.engine.failure is None
     finally:
         client.close(0)
@@ -116,20 +122,20 @@ def _serving(backend: str, endpoint: str) -> Iterator[tuple[Worker, zmq.Socket[A
 
 @pytest.mark.parametrize("backend", ["null", "sim"])
 def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: str) -> None:
-    bad = codec.encode_request(
-        2, "step", {"program": "attention", "device": 0, "params": {"actual_seq_lengths_kv": "x"}}
+    bad = wire.encode_request(
+        2, "step", ops.Step("attention", 0, {"actual_seq_lengths_kv": "x"}, outputs=["out"])
     )
     envelopes = [bytes(_request(1)[0]), bytes(bad[0]), bytes(_request(3)[0])]
     with _serving(backend, "inproc://b") as (worker, client):
-        client.send(codec.bundle(envelopes))
-        messages: list[list[codec.Reply | codec.DecodeError]] = []
+        client.send(wire.bundle(envelopes))
+        messages: list[list[wire.Reply | wire.DecodeError]] = []
         while sum(map(len, messages)) < 3:
             assert client.poll(60_000), "the worker did not answer the whole bundle"
-            messages.append(codec.decode_replies(client.recv_multipart()))
-        replies = {r.id: r for m in messages for r in m if isinstance(r, codec.Reply)}
+            messages.append(wire.decode_replies(client.recv_multipart()))
+        replies = {r.id: r for m in messages for r in m if isinstance(r, wire.Reply)}
         assert sorted(replies) == [1, 2, 3]
-        assert replies[1].ok and replies[1].body["outputs"]["out"].shape[0] == 1
-        assert replies[3].ok and replies[3].body["outputs"]["out"].shape[0] == 1
+        assert _step_done(replies[1]).outputs["out"].shape[0] == 1
+        assert _step_done(replies[3]).outputs["out"].shape[0] == 1
         error = replies[2].error
         assert error is not None and error.code == "BAD_REQUEST"
         assert "actual_seq_lengths_kv" in error.message
@@ -141,17 +147,17 @@ def test_replies_to_a_large_bundle_come_in_bundles_a_client_can_read() -> None:
     """Two thousand status requests in one bundle: their replies (about 1.6 MB in all)
     come back as several bundles, each within the reader's 1 MiB envelope limit."""
     n = 2000
-    envelopes = [bytes(codec.encode_request(i + 1, "status", {})[0]) for i in range(n)]
+    envelopes = [bytes(wire.encode_request(i + 1, "status", ops.Status())[0]) for i in range(n)]
     with _serving("null", "inproc://big") as (_, client):
-        client.send(codec.bundle(envelopes))
+        client.send(wire.bundle(envelopes))
         ids: list[int] = []
         sizes: list[int] = []
         while len(ids) < n:
             assert client.poll(60_000), f"{n - len(ids)} replies never came"
             frames = client.recv_multipart()
             sizes.append(len(frames[0]))
-            for r in codec.decode_replies(frames):  # default limits: a client's
-                assert isinstance(r, codec.Reply) and r.ok, r
+            for r in wire.decode_replies(frames):  # default limits: a client's
+                assert isinstance(r, wire.Reply) and r.error is None, r
                 ids.append(r.id)
         assert sorted(ids) == list(range(1, n + 1))
         assert sum(sizes) > 2**20 and len(sizes) > 1 and max(sizes) <= 64 * 1024

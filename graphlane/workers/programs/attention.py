@@ -87,6 +87,7 @@ class AttentionConfig:
 
 class AttentionProgram(GraphProgram):
     outputs = ("out",)
+    batch_param = "actual_seq_lengths_kv"
 
     def __init__(self, config: AttentionConfig | None = None, name: str = "attention") -> None:
         self.config = config or AttentionConfig()

@@ -78,6 +78,18 @@ class GraphProgram(abc.ABC):
     buckets: tuple[int, ...] = ()
     #: names of the outputs a step may ask for
     outputs: tuple[str, ...] = ()
+    #: the parameter (a list, one entry per sequence) whose length is the batch of a
+    #: step that does not name its ``batch``; None: every step must name it
+    batch_param: str | None = None
+
+    def infer_batch(self, params: Mapping[str, Any]) -> int:
+        """The batch of a step that did not name one; StepError("batch", ...) if the
+        program cannot tell."""
+        values = params.get(self.batch_param) if self.batch_param else None
+        if isinstance(values, list | tuple) and values:
+            return len(values)
+        hint = f" or give params.{self.batch_param} as a list" if self.batch_param else ""
+        raise StepError("batch", f"is required for program {self.name!r}{hint}")
 
     @property
     @abc.abstractmethod
