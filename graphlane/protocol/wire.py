@@ -261,8 +261,8 @@ def _dec_hook(kind: type, obj: Any) -> Any:
             # Raised as is, it would lose the tensor's own path; as a ValueError,
             # msgspec adds it (see _body_message).
             where, what = _location(exc)
-            raise ValueError(f"{where.removeprefix('.')}: {what}" if where else what) from None
-        return frames.tensor(ref, TENSOR_KEY)
+            raise ValueError(f"{where}: {what}" if where else what) from None
+        return frames.tensor(ref, "." + TENSOR_KEY)
     raise NotImplementedError(f"cannot decode {kind}")
 
 
@@ -364,16 +364,24 @@ def _location(exc: Exception) -> tuple[str, str]:
         what, where = text, "$`"
     _, in_key, where = where.rstrip("`").rpartition("` in `")
     where = where.removeprefix("$") + (" (a key)" if in_key else "")
+    # "Object missing required field `op`" -> (".op", "required field missing")
+    for prefix, problem in _FIELD_PROBLEMS:
+        if what.startswith(prefix) and what.endswith("`"):
+            return f"{where}.{what[len(prefix) : -1]}", problem
     return where, what[:1].lower() + what[1:]
+
+
+_FIELD_PROBLEMS = (
+    ("Object missing required field `", "required field missing"),
+    ("Object contains unknown field `", "unknown field"),
+)
 
 
 def _body_message(exc: Exception) -> str:
     # "Expected `int` >= 0 - at `$.device`" -> "body.device: expected `int` >= 0"; a
-    # tensor's own error ("$tensor.frame: ...", from _dec_hook) continues the path.
+    # tensor's own error (".$tensor.frame: ...", from _dec_hook) continues the path.
     where, what = _location(exc)
-    if what.startswith(TENSOR_KEY):
-        return f"body{where}.{what}"
-    return f"body{where}: {what}"
+    return f"body{where}{what}" if what.startswith(".") else f"body{where}: {what}"
 
 
 def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
