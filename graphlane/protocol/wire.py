@@ -557,11 +557,15 @@ BUNDLE_BYTES = 64 * 1024
 """The largest bundle graphlane's senders make, far below any reader's envelope limit."""
 
 
+_BUNDLE_MAX = 2**16 - 1  # envelopes in one bundle
+_BUNDLE_HEADER = 3  # bytes of the largest array header bundle() writes
+
+
 def bundle(envelopes: Sequence[bytes]) -> bytes:
     """Frame 0 of a bundle: the msgpack array of one-frame envelopes packed already."""
     n = len(envelopes)
-    if not 1 <= n < 2**16:
-        raise ValueError(f"a bundle holds 1 to 65535 envelopes, not {n}")
+    if not 1 <= n <= _BUNDLE_MAX:
+        raise ValueError(f"a bundle holds 1 to {_BUNDLE_MAX} envelopes, not {n}")
     header = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
     return header + b"".join(envelopes)
 
@@ -570,11 +574,11 @@ def bundles(envelopes: Sequence[bytes], max_bytes: int = BUNDLE_BYTES) -> list[t
     """Frame 0 of each message carrying ``envelopes`` in order, with how many each
     carries: bundles of at most ``max_bytes``; an envelope alone goes as itself."""
     out: list[tuple[int, bytes]] = []
-    start = size = 0
+    start, size = 0, _BUNDLE_HEADER
     for i, envelope in enumerate(envelopes):
-        if i > start and size + len(envelope) > max_bytes:
+        if i > start and (size + len(envelope) > max_bytes or i - start == _BUNDLE_MAX):
             out.append(_message_of(envelopes[start:i]))
-            start, size = i, 0
+            start, size = i, _BUNDLE_HEADER
         size += len(envelope)
     if start < len(envelopes):
         out.append(_message_of(envelopes[start:]))
