@@ -64,7 +64,8 @@ read a message of either kind.
 Decoding is validation, in this order: frame count and sizes
 (:class:`wire.Limits`), before any byte is decoded; the envelope, typed (``v``,
 ``id``, ``op``, the body kept as bytes; an unknown envelope key is refused);
-``v`` (UNSUPPORTED_VERSION); ``op`` (an unknown op is a BAD_REQUEST); then the
+``v`` (UNSUPPORTED_VERSION, also for an envelope of another version that does not
+fit this one's); ``op`` (an unknown op is a BAD_REQUEST); then the
 body with its op's type (:data:`ops.OPS`): an unknown field, a missing one, a
 wrong type or a value outside its bounds (lengths of names, lists and maps,
 tensor dimensions and bytes) is a BAD_REQUEST naming the field

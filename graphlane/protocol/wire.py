@@ -179,8 +179,11 @@ class Frames:
             )
         dtype = DTYPES[spec.dtype]
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > self.limits.max_tensor_bytes:
-            raise ValueError(f"{path}: {nbytes} bytes, at most {self.limits.max_tensor_bytes}")
+        # Zero-sized dimensions count as one: an empty tensor whose other dimensions
+        # are huge would overflow torch's stride computation.
+        if math.prod(d or 1 for d in shape) * dtype.itemsize > self.limits.max_tensor_bytes:
+            limit = self.limits.max_tensor_bytes
+            raise ValueError(f"{path}: shape {shape} of {spec.dtype} is over {limit} bytes")
         if (spec.frame is None) == (spec.data is None):
             raise ValueError(f"{path}: exactly one of $tensor.frame and $tensor.data")
         if spec.data is not None:
@@ -198,6 +201,10 @@ class Frames:
         if len(buf) != nbytes:
             raise ValueError(f"{path}: {len(buf)} bytes for shape {shape} of {spec.dtype}")
         return _tensor_of(buf, dtype, shape, path, inline=spec.data is not None)
+
+    @property
+    def count(self) -> int:
+        return len(self._frames)
 
     def check_all_used(self) -> None:
         if self._used != (1 << (len(self._frames) + 1)) - 2:
@@ -247,8 +254,15 @@ def _enc_hook(obj: Any) -> Any:
 def _dec_hook(kind: type, obj: Any) -> Any:
     if kind is torch.Tensor:
         frames: Frames = _local.received
-        ref = msgspec.convert(obj, TensorRef)  # a ValidationError names the field
-        return frames.tensor(ref, "tensor")
+        try:
+            # bytes only: no base64 str for "data"
+            ref = msgspec.convert(obj, TensorRef, builtin_types=(bytes,))
+        except msgspec.ValidationError as exc:
+            # Raised as is, it would lose the tensor's own path; as a ValueError,
+            # msgspec adds it (see _body_message).
+            where, what = _location(exc)
+            raise ValueError(f"{where}: {what}" if where else what) from None
+        return frames.tensor(ref, "." + TENSOR_KEY)
     raise NotImplementedError(f"cannot decode {kind}")
 
 
@@ -290,6 +304,7 @@ class _AnyId(Struct):
     """What a lenient second look reads of an envelope that failed its checks."""
 
     id: RequestId
+    v: Any = msgspec.UNSET
 
 
 _request_envelope = msgspec.msgpack.Decoder(_RequestEnvelope)
@@ -339,14 +354,34 @@ def decode_body(
     return body
 
 
-def _body_message(exc: Exception) -> str:
+def _location(exc: Exception) -> tuple[str, str]:
+    """Where a msgspec error is, below ``$``, and what it is: "Expected `int` >= 0 -
+    at `$.device`" -> (".device", "expected `int` >= 0"); a map's key: "... - at
+    `key` in `$.params`" -> (".params (a key)", ...)."""
     text = str(exc)
-    # msgspec: "Expected `int` >= 0 - at `$.device`" -> "body.device: expected `int` >= 0"
     what, sep, where = text.rpartition(" - at `")
-    if sep:
-        path = "body" + where.rstrip("`").removeprefix("$")
-        return f"{path}: {what[:1].lower()}{what[1:]}"
-    return f"body: {text[:1].lower()}{text[1:]}"
+    if not sep:
+        what, where = text, "$`"
+    _, in_key, where = where.rstrip("`").rpartition("` in `")
+    where = where.removeprefix("$") + (" (a key)" if in_key else "")
+    # "Object missing required field `op`" -> (".op", "required field missing")
+    for prefix, problem in _FIELD_PROBLEMS:
+        if what.startswith(prefix) and what.endswith("`"):
+            return f"{where}.{what[len(prefix) : -1]}", problem
+    return where, what[:1].lower() + what[1:]
+
+
+_FIELD_PROBLEMS = (
+    ("Object missing required field `", "required field missing"),
+    ("Object contains unknown field `", "unknown field"),
+)
+
+
+def _body_message(exc: Exception) -> str:
+    # "Expected `int` >= 0 - at `$.device`" -> "body.device: expected `int` >= 0"; a
+    # tensor's own error (".$tensor.frame: ...", from _dec_hook) continues the path.
+    where, what = _location(exc)
+    return f"body{where}{what}" if what.startswith(".") else f"body{where}: {what}"
 
 
 def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
@@ -370,7 +405,7 @@ def _encode(envelope: dict[str, Any]) -> list[Frame]:
     _local.out = frames
     try:
         head = _encoder.encode(envelope)
-    except (TypeError, OverflowError, NotImplementedError) as exc:
+    except (TypeError, OverflowError, NotImplementedError, RecursionError) as exc:
         raise ValueError(f"cannot encode: {exc}") from None
     finally:
         _local.out = None
@@ -421,7 +456,10 @@ def _check_sizes(frames: Sequence[FrameLike], limits: Limits) -> list[memoryview
         raise DecodeError("no frames")
     if len(frames) > limits.max_frames:
         raise DecodeError(f"{len(frames)} frames, at most {limits.max_frames}")
-    buffers = [f.buffer if isinstance(f, zmq.Frame) else memoryview(f) for f in frames]
+    try:
+        buffers = [_buffer(f) for f in frames]
+    except (TypeError, ValueError) as exc:
+        raise DecodeError(f"a frame is not a contiguous byte buffer: {exc}") from None
     if buffers[0].nbytes > limits.max_envelope_bytes:
         raise DecodeError(
             f"envelope of {buffers[0].nbytes} bytes, at most {limits.max_envelope_bytes}"
@@ -431,56 +469,83 @@ def _check_sizes(frames: Sequence[FrameLike], limits: Limits) -> list[memoryview
     return buffers
 
 
+def _buffer(frame: FrameLike) -> memoryview:
+    view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
+    # A view of bytes, whatever the exporter's format: len() counts bytes.
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def _request(raw: Any, frames: Frames) -> Request | DecodeError:
     try:
         env = _request_envelope.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return DecodeError(_envelope_message(exc), request_id=_lenient_id(raw))
-    if env.v != PROTOCOL_VERSION:
-        return DecodeError(
-            f"protocol version {env.v} is not spoken here (this side speaks {PROTOCOL_VERSION})",
-            code=ErrorCode.UNSUPPORTED_VERSION,
-            request_id=env.id,
-        )
+        request_id, version = _lenient(raw)
+        if version is not msgspec.UNSET and not _spoken(version):
+            # Another version's envelope need not fit this one's: its sender hears
+            # UNSUPPORTED_VERSION, not what it lacks by this version's rules.
+            return _unsupported(version, request_id)
+        return DecodeError(_envelope_message(exc), request_id=request_id)
+    if not _spoken(env.v):
+        return _unsupported(env.v, env.id)
     return Request(env.id, env.op, env.body, frames)
+
+
+def _spoken(version: Any) -> bool:
+    return type(version) is int and version == PROTOCOL_VERSION
+
+
+def _unsupported(version: Any, request_id: int | None) -> DecodeError:
+    return DecodeError(
+        f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION})",
+        code=ErrorCode.UNSUPPORTED_VERSION,
+        request_id=request_id,
+    )
 
 
 def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
     try:
         env = _reply_envelope.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return DecodeError(_envelope_message(exc), request_id=_lenient_id(raw))
+        return DecodeError(_envelope_message(exc), request_id=_lenient(raw)[0])
     if env.v != PROTOCOL_VERSION or env.ok != (env.error is None):
         problem = "version" if env.v != PROTOCOL_VERSION else "ok and error disagree"
         return DecodeError(f"reply envelope: {problem}", request_id=env.id)
     error = None
     if env.error is not None:
+        if frames.count:
+            return DecodeError("an error reply carries no data frames", request_id=env.id)
         error = error_from_wire(msgspec.structs.asdict(env.error))
     return Reply(env.id, env.body, error, frames)
 
 
-def _lenient_id(raw: Any) -> int | None:
-    """The id of an envelope that failed its checks, if one can still be read: from
-    the whole map, else from the map's entries before the point where it breaks
-    (a truncated envelope still names its id when the id comes first)."""
+def _lenient(raw: Any) -> tuple[int | None, Any]:
+    """The id and ``v`` of an envelope that failed its checks, as far as they can
+    still be read (``v`` UNSET when not): from the whole map, else from the map's
+    entries before the point where it breaks (a truncated envelope still names its
+    id when the id comes first)."""
     try:
-        return _any_id.decode(raw).id
+        found = _any_id.decode(raw)
+        return found.id, found.v
     except (msgspec.ValidationError, msgspec.DecodeError):
         pass
+    request_id: int | None = None
+    version: Any = msgspec.UNSET
     try:
         unpacker = msgpack.Unpacker(max_buffer_size=len(raw) + 1)
         unpacker.feed(raw)
         for _ in range(min(unpacker.read_map_header(), 16)):
             key = unpacker.unpack()
-            if key != "id":
+            if key == "id":
+                value = unpacker.unpack()
+                ok = type(value) is int and 0 <= value < 2**64
+                request_id = value if ok else None
+            elif key == "v":
+                version = unpacker.unpack()
+            else:
                 unpacker.skip()
-                continue
-            value = unpacker.unpack()
-            ok = type(value) is int and 0 <= value < 2**64
-            return value if ok else None
-    except Exception:  # anything unreadable: no id
-        return None
-    return None
+    except Exception:  # unreadable from here on: what was found so far
+        pass
+    return request_id, version
 
 
 def _envelope_message(exc: Exception) -> str:
@@ -492,11 +557,15 @@ BUNDLE_BYTES = 64 * 1024
 """The largest bundle graphlane's senders make, far below any reader's envelope limit."""
 
 
+_BUNDLE_MAX = 2**16 - 1  # envelopes in one bundle
+_BUNDLE_HEADER = 3  # bytes of the largest array header bundle() writes
+
+
 def bundle(envelopes: Sequence[bytes]) -> bytes:
     """Frame 0 of a bundle: the msgpack array of one-frame envelopes packed already."""
     n = len(envelopes)
-    if not 1 <= n < 2**16:
-        raise ValueError(f"a bundle holds 1 to 65535 envelopes, not {n}")
+    if not 1 <= n <= _BUNDLE_MAX:
+        raise ValueError(f"a bundle holds 1 to {_BUNDLE_MAX} envelopes, not {n}")
     header = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
     return header + b"".join(envelopes)
 
@@ -505,11 +574,11 @@ def bundles(envelopes: Sequence[bytes], max_bytes: int = BUNDLE_BYTES) -> list[t
     """Frame 0 of each message carrying ``envelopes`` in order, with how many each
     carries: bundles of at most ``max_bytes``; an envelope alone goes as itself."""
     out: list[tuple[int, bytes]] = []
-    start = size = 0
+    start, size = 0, _BUNDLE_HEADER
     for i, envelope in enumerate(envelopes):
-        if i > start and size + len(envelope) > max_bytes:
+        if i > start and (size + len(envelope) > max_bytes or i - start == _BUNDLE_MAX):
             out.append(_message_of(envelopes[start:i]))
-            start, size = i, 0
+            start, size = i, _BUNDLE_HEADER
         size += len(envelope)
     if start < len(envelopes):
         out.append(_message_of(envelopes[start:]))

@@ -60,8 +60,9 @@ class Replay(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     timeout_ms: Deadline | None = None
 
 
-class StepDone(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """The reply body of step, update and replay."""
+class StepDone(Struct, frozen=True, omit_defaults=True):
+    """The reply body of step, update and replay. Fields a newer server adds are
+    skipped, not refused (reply bodies may grow: see the package docstring)."""
 
     outputs: dict[Name, torch.Tensor] = {}
     bucket: Count = 0
