@@ -189,9 +189,7 @@ class Daemon:
             return wire.encode_error(req.id, as_error(exc))
 
     def _handle(self, req: wire.Request) -> dict[str, Any]:
-        op = ops.OPS.get(req.op)
-        if op is None:
-            raise BadRequest(f"unknown op {req.op!r} (known: {sorted(ops.OPS)})")
+        op = ops.op_named(req.op)
         if op.device:
             workers = {h.device: h.info.get("endpoint") for h in self.supervisor.workers.values()}
             raise BadRequest(

@@ -387,6 +387,8 @@ def _body_message(exc: Exception) -> str:
 def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
     """The frames of a request (``body`` a Struct of ``op``). Raises ``ValueError``
     for a value that cannot be sent."""
+    if type(request_id) is not int or not 0 <= request_id < 2**64:
+        raise ValueError(f"request id must be an int in 0..2**64-1, got {request_id!r}")
     return _encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, "body": body})
 
 

@@ -296,6 +296,8 @@ class StepEngine:
 
     @staticmethod
     def _check_outputs(program: GraphProgram, names: Sequence[str]) -> None:
+        if len(set(names)) != len(names):
+            raise StepError("outputs", f"names must be unique, got {list(names)}")
         for name in names:
             if name not in program.outputs:
                 raise StepError(

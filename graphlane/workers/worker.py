@@ -393,9 +393,7 @@ class Worker:
             self._reply_error(ident, req.id, as_error(exc), bundled)
 
     def _dispatch(self, ident: bytes, req: wire.Request, received: float, bundled: bool) -> None:
-        op = ops.OPS.get(req.op)
-        if op is None:
-            raise BadRequest(f"unknown op {req.op!r} (known: {sorted(ops.OPS)})")
+        op = ops.op_named(req.op)
         body = req.body(op.request_decoder)
         if not op.device:
             self._control(ident, req.id, body, bundled)

@@ -111,3 +111,13 @@ def test_every_program_refuses_a_batch_no_bucket_holds(installed_prefill: None, 
     with pytest.raises(StepError) as err:
         program.plan(batch, {"q_len": [1] * 3, "kv_len": [1] * 3}, {})
     assert err.value.field == "batch"
+
+
+def test_a_missing_batch_comes_from_the_programs_own_batch_parameter() -> None:
+    program = load_program("attention", {"name": "attention", "layers": 1, "buckets": [1, 4]})
+    assert program.batch_param == "actual_seq_lengths_kv"
+    assert program.infer_batch({"actual_seq_lengths_kv": [3, 1, 2]}) == 3
+    for params in ({}, {"actual_seq_lengths_kv": []}, {"actual_seq_lengths_kv": 3}):
+        with pytest.raises(StepError) as err:
+            program.infer_batch(params)
+        assert err.value.field == "batch"

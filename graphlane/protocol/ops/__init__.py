@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
 from graphlane.protocol.wire import body_decoder
@@ -28,6 +29,7 @@ __all__ = [
     "Step",
     "StepDone",
     "Update",
+    "op_named",
 ]
 
 
@@ -44,6 +46,14 @@ class Op:
 
     request_decoder: msgspec.msgpack.Decoder[Any] = None  # type: ignore[assignment]
     reply_decoder: msgspec.msgpack.Decoder[Any] = None  # type: ignore[assignment]
+
+
+def op_named(name: str) -> Op:
+    """The op of that name; BAD_REQUEST naming the known ones otherwise."""
+    op = OPS.get(name)
+    if op is None:
+        raise BadRequest(f"unknown op {name!r} (known: {sorted(OPS)})")
+    return op
 
 
 OPS: dict[str, Op] = {
