@@ -166,7 +166,7 @@ class ExtWaitWork:
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event
         with RUNTIME.cond:
-            ex.block_until(lambda: ev.flag, _ExtWait(ev), RUNTIME.epoch)
+            ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
             ev.flag = False
             clock_join(ex.clock, ev._record_clock)
             ex.tick()

@@ -103,6 +103,7 @@ class Stream:
         self.blocked: WaitInfo | None = None
         self.capturing: CaptureState | None = None
         self.updating: UpdateState | None = None
+        self.run_epoch = 0  # the epoch of the entry this stream's thread is running
         with RUNTIME.cond:
             RUNTIME.streams.append(self)
 
@@ -167,6 +168,7 @@ class Stream:
                     self._wake.wait()
                 self._idle = False
                 entry = self._queue[0]
+                self.run_epoch = entry.epoch  # waits inside this entry drop after a reset
                 stale = entry.epoch != RUNTIME.epoch or RUNTIME.fault is not None
             if not stale:
                 for k, v in entry.clock.items():
@@ -481,7 +483,7 @@ class EventWaitWork:
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev, seq = self.event, self.seq
         with RUNTIME.cond:
-            ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), RUNTIME.epoch)
+            ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), ex.run_epoch)
             clock = ev._clocks.get(seq)
             if clock is not None:
                 clock_join(ex.clock, clock)
