@@ -155,8 +155,10 @@ class _Body:
         params = self.body.get("params")
         lengths = params.get(BATCH_PARAM) if isinstance(params, Mapping) else None
         if not isinstance(lengths, list | tuple):
+            given = sorted(map(str, params)) if isinstance(params, Mapping) else []
             raise BadRequest(
-                f"body.batch: missing, and not inferable (body.params.{BATCH_PARAM} is not a list)"
+                f"body.batch: missing, and not inferable (body.params.{BATCH_PARAM} is not a "
+                f"list; params given: {given})"
             )
         return len(lengths)
 

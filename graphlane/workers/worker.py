@@ -167,14 +167,7 @@ class Worker:
             "endpoint": self.endpoint,
             "generation": self.spec.generation,
             "backend": self.spec.backend,
-            "programs": {
-                name: {
-                    "buckets": list(p.buckets),
-                    "outputs": list(p.outputs),
-                    "groups": p.num_groups,
-                }
-                for name, p in self.engine.programs.items()
-            },
+            "programs": {name: p.describe() for name, p in self.engine.programs.items()},
             "depth": self.spec.depth,
             "pipeline": self.spec.pipeline,
         }

@@ -78,6 +78,26 @@ class GraphProgram(abc.ABC):
     buckets: tuple[int, ...] = ()
     #: names of the outputs a step may ask for
     outputs: tuple[str, ...] = ()
+    #: the step parameter whose list has one entry per batch row: a client infers a
+    #: step's batch size from its length (None: callers pass ``batch=``)
+    batch_param: str | None = None
+    #: step parameters by name, with what each means (for ``hello``)
+    parameters: Mapping[str, str] = {}
+    #: True when :meth:`plan` checks the shape and dtype of every input itself; else
+    #: the engine checks each input against the static buffer it is written into
+    checks_inputs: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What ``hello`` tells clients about this program (JSON values). Subclasses
+        may add ``inputs`` (name -> {"shape": [...], "dtype": str}, "batch" standing
+        for the batch size) and ``config``."""
+        return {
+            "buckets": list(self.buckets),
+            "outputs": list(self.outputs),
+            "groups": self.num_groups,
+            "batch_param": self.batch_param,
+            "parameters": dict(self.parameters),
+        }
 
     @property
     @abc.abstractmethod
