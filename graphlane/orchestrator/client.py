@@ -70,6 +70,8 @@ from graphlane.protocol.errors import (
 )
 from graphlane.protocol.security import ClientKeys
 
+from .client_args import BatchParams, check_device, check_timeout, sendable
+
 log = logging.getLogger("graphlane.client")
 T = TypeVar("T")
 
@@ -236,7 +238,10 @@ class Channel:
             raise Unauthorized(self.refused)
         if self.lost:
             raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
-        frames = codec.encode_request(request_id, op, body)
+        try:
+            frames = codec.encode_request(request_id, op, body)
+        except ValueError as exc:  # numpy values, as schedulers have them: made plain
+            frames = codec.encode_request(request_id, op, sendable(body, exc))
         loop = self._loop
         fut: asyncio.Future[codec.Reply] = loop.create_future()
         self.pending[request_id] = fut
@@ -534,6 +539,7 @@ class _Host:
         self.workers: dict[int, Channel] = {}
         self.hello: dict[str, Any] = {}
         self.lock = asyncio.Lock()
+        self.batch_params = BatchParams()
 
 
 class Client:
@@ -637,6 +643,8 @@ class Client:
         self, ch: Channel, op: str, body: Mapping[str, Any], timeout: float | None
     ) -> Coroutine[Any, Any, dict[str, Any]]:
         """The call's coroutine (the reply's body; its error raised)."""
+        if timeout is not None:
+            check_timeout(timeout)  # 0 or negative: refused here, not a retryable TIMEOUT
         return ch.call(next(self._ids), op, body, self.timeout if timeout is None else timeout)
 
     def _channel(self, host: _Host | None = None) -> Channel:
@@ -651,6 +659,10 @@ class Client:
         return ch
 
     def _resolve(self, device: Device) -> tuple[_Host, int]:
+        if type(device) is not int:
+            check_device(device)  # "0" is a type error, not a device that is not served
+            if not isinstance(device, tuple):
+                device = int(device)  # a numpy integer
         if self._closing or not self._hosts:
             self._channel()  # raises: not connected
         if isinstance(device, tuple):
@@ -762,13 +774,22 @@ class Client:
         batch: int | None = None,
         timeout: float | None = None,
     ) -> StepReply:
-        """Patch and replay ``program`` on ``device``; returns the requested outputs."""
+        """Patch and replay ``program`` on ``device``; returns the requested outputs.
+
+        ``batch`` defaults to the length of the program's batch parameter (``hello``
+        names it: ``actual_seq_lengths_kv`` for attention); a program without one
+        needs ``batch=``. numpy arrays and scalars are accepted in ``params`` and
+        ``inputs``."""
         host, local = self._resolve(device)
-        body = _step_body(program, local, params, inputs, batch)
-        body["outputs"] = list(outputs)
+        if timeout is not None:
+            check_timeout(timeout)
         ch = host.workers.get(local)
         if ch is None or ch.lost:
             ch = await self._worker_at(host, local)
+        if batch is None:
+            batch = host.batch_params.infer(host.hello, local, program, params)
+        body = _step_body(program, local, params, inputs, batch)
+        body["outputs"] = list(outputs)
         return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
     async def update(
@@ -781,10 +802,14 @@ class Client:
         batch: int | None = None,
         timeout: float | None = None,
     ) -> StepReply:
-        """Patch the next replay of the bucket (no replay)."""
+        """Patch the next replay of the bucket (no replay); ``batch`` as in :meth:`step`."""
         host, local = self._resolve(device)
-        body = _step_body(program, local, params, inputs, batch)
+        if timeout is not None:
+            check_timeout(timeout)
         ch = await self._worker_at(host, local)
+        if batch is None:
+            batch = host.batch_params.infer(host.hello, local, program, params)
+        body = _step_body(program, local, params, inputs, batch)
         return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
     async def replay(

@@ -4,15 +4,25 @@ clear one-line answer, never a traceback, a hang or a wrong "ok"."""
 from __future__ import annotations
 
 import asyncio
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pytest
+import torch
 from daemons import SMALL, wait_for
 
+from graphlane.orchestrator.client import Client, SyncClient
 from graphlane.orchestrator.loadtest import LoadConfig, run_load
 from graphlane.orchestrator.loadtest_availability import BACKOFF_CAP_S, Backoff, DeviceBackoff
+from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownProgram
 
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {k: SMALL[k] for k in ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len")}
 
 
@@ -76,3 +86,99 @@ def test_a_load_test_against_a_daemon_that_dies_fails_and_backs_off(
     # Bounded by the backoff: a few fast retries per caller, then one per half cap.
     bound = concurrency * (12 + report["unavailable_s"] / (BACKOFF_CAP_S / 2) + 2)
     assert report["errors_total"] <= bound, (report["errors"], report["unavailable_s"])
+
+
+# ---------------------------------------------------------------------------- 4. programs
+def _blocks(path: Path, lang: str) -> list[str]:
+    """The fenced ```lang blocks of a Markdown file."""
+    return re.findall(rf"^```{lang}\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+
+
+def test_the_docs_program_serves_by_module_path_and_bad_inputs_get_bad_request(
+    start_daemon, tmp_path: Path, monkeypatch
+) -> None:
+    program, client_example = _blocks(ROOT / "docs" / "programs.md", "python")
+    (tmp_path / "my_prefill.py").write_text(program)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+    table = {"name": "my_prefill:PrefillProgram", "heads": 2, "seq": 4}
+    d = start_daemon(transport="tcp", devices=1, programs=[table])
+
+    # The page's client example, as written, against this daemon.
+    script = client_example.replace("tcp://127.0.0.1:7450", d.endpoint)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "torch.Size([2, 2, 4, 8])"
+
+    pid = d.worker(0)["pid"]
+
+    async def calls() -> None:
+        async with Client(d.endpoint, timeout=30) as c:
+            hello = (await c.hello())["workers"][0]["programs"]["prefill"]
+            assert hello["batch_param"] == "kv_len"
+            q = torch.randn(2, 2, 4, 8, dtype=torch.float16)
+            params = {"q_len": [4, 2], "kv_len": [8, 5]}
+            bad = {
+                "shape": {"query": q[:, :, :3]},
+                "dtype": {"query": q.float()},
+                "name": {"queries": q},
+            }
+            for why, inputs in bad.items():
+                with pytest.raises(BadRequest) as err:
+                    await c.step("prefill", 0, params, inputs)
+                assert err.value.code == "BAD_REQUEST", why
+                assert "inputs.quer" in str(err.value), (why, str(err.value))
+            r = await c.step("prefill", 0, params, {"query": q})  # batch from kv_len
+            assert tuple(r.outputs["out"].shape) == (2, 2, 4, 8)
+            with pytest.raises(BadRequest, match=r"^BAD_REQUEST: params\.kv_len: missing"):
+                await c.step("prefill", 0, {"q_len": [4]})
+
+    asyncio.run(calls())
+    w = d.worker(0)
+    assert w["pid"] == pid and w["restarts"] == 0  # the worker never died
+
+
+# ---------------------------------------------------------------------------- 7. client API
+def test_client_takes_numpy_and_names_a_caller_s_mistake(start_daemon) -> None:
+    d = start_daemon(devices=1)
+    c = SMALL
+
+    async def calls() -> None:
+        async with Client(d.endpoint, timeout=30) as client:
+            q = np.zeros((2, c["num_heads"], 1, c["head_dim"]), dtype=np.float16)
+            lengths = np.array([3, 5])
+            r = await client.step(
+                "attention", np.int64(0), {"actual_seq_lengths_kv": lengths}, {"query": q}
+            )
+            assert tuple(r.outputs["out"].shape) == (2, c["num_heads"], 1, c["head_dim"])
+            r = await client.step(
+                "attention", 0, {"actual_seq_lengths_kv": [np.int32(4), np.int64(1)]}
+            )
+            assert r.bucket == 2
+
+            with pytest.raises(
+                GraphlaneError, match=r"^BAD_REQUEST: params\.actual_seq_length_kv: unknown"
+            ):
+                await client.step("attention", 0, {"actual_seq_length_kv": [3]})
+            with pytest.raises(TypeError, match="device must be an int"):
+                await client.step("attention", "0", {"actual_seq_lengths_kv": [3]})
+            for timeout in (0, -1.0, float("nan")):
+                with pytest.raises(ValueError, match="timeout must be a positive number"):
+                    await client.step(
+                        "attention", 0, {"actual_seq_lengths_kv": [3]}, timeout=timeout
+                    )
+                with pytest.raises(ValueError, match="timeout must be a positive number"):
+                    await client.status(timeout=timeout)
+            with pytest.raises(UnknownProgram):
+                await client.step("atention", 0, {"actual_seq_lengths_kv": [3]})
+            with pytest.raises(BadRequest, match="cannot send a value of type set"):
+                await client.step("attention", 0, {"actual_seq_lengths_kv": {3}}, batch=1)
+            # Still serving after every refusal.
+            await client.step("attention", 0, {"actual_seq_lengths_kv": [3]})
+
+    asyncio.run(calls())
+    with SyncClient(d.endpoint, timeout=30) as sync:
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            sync.step("attention", 0, {"actual_seq_lengths_kv": [3]}, timeout=0)
+        assert sync.step("attention", 0, {"actual_seq_lengths_kv": np.array([2])}).bucket == 1
