@@ -182,3 +182,16 @@ def test_client_takes_numpy_and_names_a_caller_s_mistake(start_daemon) -> None:
         with pytest.raises(ValueError, match="timeout must be a positive number"):
             sync.step("attention", 0, {"actual_seq_lengths_kv": [3]}, timeout=0)
         assert sync.step("attention", 0, {"actual_seq_lengths_kv": np.array([2])}).bucket == 1
+
+
+# ---------------------------------------------------------------------------- 3. README
+def test_the_readme_client_example_runs_as_written(start_daemon) -> None:
+    (example,) = _blocks(ROOT / "README.md", "python")
+    assert "asyncio.run(main())" in example
+    d = start_daemon(transport="tcp", devices=1, programs=[{"name": "attention"}])
+    script = example.replace("tcp://127.0.0.1:7450", d.endpoint)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["torch.Size([2,", "8,", "1,", "64])", "True"]

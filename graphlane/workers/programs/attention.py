@@ -11,9 +11,11 @@ num_kv_heads < num_heads) behind its own ExternalEvent.
 Step parameters: ``actual_seq_lengths_kv``, one length per batch entry in
 1..max_kv_len. Optional inputs: ``query`` [b, num_heads, 1, head_dim], ``key``
 and ``value`` [layers, b, num_kv_heads, max_kv_len, head_dim], written into the
-static buffers in stream order. Output ``out``: the last layer's output
-[b, num_heads, 1, head_dim]. Padding rows (b < B) run with length 1 and are
-never returned.
+static buffers in stream order; a step without ``key``/``value`` attends over what
+the instance's buffers hold from an earlier step (any client's) or zeros, as a
+decode step over a KV cache kept on the device (see README "Using it"). Output
+``out``: the last layer's output [b, num_heads, 1, head_dim]. Padding rows
+(b < B) run with length 1 and are never returned.
 """
 
 from __future__ import annotations
