@@ -213,8 +213,19 @@ def _serve(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"graphlane serve: configuration error: {exc}", file=sys.stderr)
         return 2
+    from .ports import PortInUse, check_ports
+
+    try:
+        check_ports(conf)  # one line naming the port, before anything starts
+    except PortInUse as exc:
+        print(f"graphlane serve: {exc}", file=sys.stderr)
+        return 1
     setup_logging(args.log_level.upper(), conf.log_format, "daemon")
-    return serve(conf, ready_file=args.ready_file)
+    try:
+        return serve(conf, ready_file=args.ready_file)
+    except PortInUse as exc:  # taken between the check and the bind
+        print(f"graphlane serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -232,9 +243,13 @@ def _status(args: argparse.Namespace) -> int:
             client_key=args.client_key,
         )
         try:
-            await client.connect()
             if args.wait is not None:
-                return await client.wait_ready(args.wait)
+                # The wait covers connecting too: the daemon may not be up yet.
+                from .cli_support import connect_within
+
+                left = await connect_within(client, args.wait, args.timeout)
+                return await client.wait_ready(left)
+            await client.connect()
             return await client.status()
         finally:
             await client.close()

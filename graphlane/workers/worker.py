@@ -128,7 +128,14 @@ class Worker:
             keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, spec.limits.max_message_bytes)
-        self.sock.bind(spec.endpoint)
+        try:
+            self.sock.bind(spec.endpoint)
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            raise RuntimeError(
+                f"cannot listen on {spec.endpoint}: {exc} (device {spec.device}'s worker: "
+                "workers use the daemon's listen port + 1 + device id)"
+            ) from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0, "bundles": 0}

@@ -7,6 +7,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from daemons import SMALL, wait_for
+from daemons import SMALL, free_port, wait_for
 
 from graphlane.orchestrator.client import Client, SyncClient
 from graphlane.orchestrator.loadtest import LoadConfig, run_load
@@ -195,3 +196,68 @@ def test_the_readme_client_example_runs_as_written(start_daemon) -> None:
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["torch.Size([2,", "8,", "1,", "64])", "True"]
+
+
+# ---------------------------------------------------------------------------- 5. waiting, ports
+def _serve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_status_wait_covers_a_daemon_that_is_not_up_yet(start_daemon) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", "status", "--connect", endpoint,
+           "--wait", "120", "--timeout", "1"]  # fmt: skip
+    status = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        # Nothing listens yet: the command keeps waiting past its per-request timeout.
+        wait_for(lambda: time.monotonic() - t0 > 2.0, 10, "two per-request timeouts")
+        assert status.poll() is None, status.communicate()
+        start_daemon(devices=1, listen=endpoint)
+        out, err = status.communicate(timeout=120)
+    finally:
+        if status.poll() is None:
+            status.kill()
+            status.communicate()
+    assert status.returncode == 0, err
+    assert "ready=True" in out
+
+
+def test_a_port_in_use_is_one_line_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # The daemon's own port.
+        run = _serve("--listen", f"tcp://127.0.0.1:{port}", "--devices", "1")
+        assert run.returncode == 1
+        assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+        assert f"port {port}" in run.stderr and "is in use" in run.stderr
+        # A worker's port: listen + 1 + device id.
+        run = _serve("--listen", f"tcp://127.0.0.1:{port - 2}", "--devices", "2")
+        assert run.returncode == 1
+        assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+        assert f"port {port}" in run.stderr and "device 1's worker" in run.stderr
+        assert "listen port + 1 + device id" in run.stderr
+
+
+def test_a_daemon_whose_workers_can_never_start_exits_with_the_reason(tmp_path: Path) -> None:
+    from daemons import write_config
+
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("torch_npu is installed here")
+    cfg = write_config(
+        tmp_path / "npu.toml",
+        {"listen": f"ipc://{tmp_path}/npu/daemon.sock", "backend": "npu", "devices": 2,
+         "max_restarts": 1, "programs": [SMALL]},
+    )  # fmt: skip
+    run = _serve("--config", str(cfg))
+    assert run.returncode == 1, run.stderr[-2000:]
+    last = [line for line in run.stderr.splitlines() if "every worker failed" in line]
+    assert last and "torch_npu" in last[0] and "device 0" in last[0] and "device 1" in last[0]
