@@ -83,11 +83,25 @@ def _parser() -> argparse.ArgumentParser:
         help="generate CurveZMQ keypairs",
         description="Generate a CurveZMQ keypair: DIR/NAME.key (public) and DIR/NAME.key_secret. "
         "For the daemon, use --name server in its --auth-dir; for a client, copy its "
-        "NAME.key into the daemon's DIR/clients/ to admit it.",
+        "NAME.key into the daemon's DIR/clients/ to admit it. Secret keys belong outside "
+        "any repository (default DIR: ~/.config/graphlane/keys); in a repository, ignore "
+        "them ('*.key_secret' in .gitignore).",
     )
     ksub = k.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    kg = ksub.add_parser("generate", help="write DIR/NAME.key and DIR/NAME.key_secret")
-    kg.add_argument("directory", metavar="DIR")
+    kg = ksub.add_parser(
+        "generate",
+        help="write DIR/NAME.key and DIR/NAME.key_secret",
+        description="Write a CurveZMQ keypair: DIR/NAME.key (public, to share) and "
+        "DIR/NAME.key_secret (owner-only). Warns when the secret would land in a git "
+        "repository that does not ignore it.",
+    )
+    kg.add_argument(
+        "directory",
+        metavar="DIR",
+        nargs="?",
+        help="where to write the keys, created if needed (default "
+        "$XDG_CONFIG_HOME/graphlane/keys, else ~/.config/graphlane/keys)",
+    )
     kg.add_argument("--name", required=True, help="key name, e.g. server or scheduler-1")
 
     ex = sub.add_parser(
@@ -155,12 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         from graphlane.protocol.security import SecurityError, generate
 
+        from .cli_support import default_keys_dir, unignored_in_repo
+
         try:
-            public, secret = generate(args.directory, args.name)
+            public, secret = generate(args.directory or default_keys_dir(), args.name)
         except SecurityError as exc:
             print(f"graphlane keys: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {public} (public) and {secret} (secret, owner-only)")
+        repo = unignored_in_repo(secret)
+        if repo is not None:
+            print(
+                f"graphlane keys: warning: {secret} is inside the git repository {repo} and "
+                "not ignored: add '*.key_secret' to its .gitignore, or keep keys outside it "
+                f"(e.g. {default_keys_dir()})",
+                file=sys.stderr,
+            )
         return 0
     if args.command == "loadtest":
         from .loadtest_cli import main as loadtest_main
@@ -233,6 +257,13 @@ def _status(args: argparse.Namespace) -> int:
 
     from graphlane.protocol.errors import GraphlaneError
 
+    from .cli_support import key_flags_problem
+
+    problem = key_flags_problem(args.server_key, args.client_key)
+    if problem is not None:
+        print(f"graphlane status: {problem}", file=sys.stderr)
+        return 2
+
     from .client import Client
 
     async def fetch() -> dict[str, Any]:
@@ -259,6 +290,9 @@ def _status(args: argparse.Namespace) -> int:
     except GraphlaneError as exc:
         print(f"graphlane status: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # keys that cannot be used (a public key as the secret one)
+        print(f"graphlane status: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import time
+from pathlib import Path
 
 from graphlane.protocol.errors import Timeout, WorkerLost
 
@@ -26,3 +29,39 @@ async def connect_within(client: Client, wait_s: float, attempt_s: float) -> flo
                     f"no daemon answered at {', '.join(client.requested)} within {wait_s:g} s"
                 ) from exc
         await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def key_flags_problem(server_key: str | None, client_key: str | None) -> str | None:
+    """Why --server-key/--client-key cannot be used as given, or None."""
+    if (server_key is None) == (client_key is None):
+        return None
+    if client_key is None:
+        return (
+            "--server-key needs --client-key (this client's NAME.key_secret): "
+            "CurveZMQ needs both"
+        )
+    return "--client-key needs --server-key (the daemon's server.key): CurveZMQ needs both"
+
+
+def default_keys_dir() -> Path:
+    """Where ``graphlane keys generate`` writes without a DIR: outside any repository."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "graphlane" / "keys"
+
+
+def unignored_in_repo(secret: Path) -> Path | None:
+    """The git work tree holding ``secret`` when git would not ignore it, else None."""
+    directory = secret.resolve().parent
+    for d in (directory, *directory.parents):
+        if (d / ".git").exists():
+            try:
+                ignored = subprocess.run(
+                    ["git", "-C", str(d), "check-ignore", "-q", str(secret.resolve())],
+                    capture_output=True,
+                    timeout=10,
+                    check=False,
+                )
+            except (OSError, subprocess.SubprocessError):
+                return d  # no git to ask: say so anyway
+            return None if ignored.returncode == 0 else d
+    return None

@@ -148,6 +148,8 @@ class LoadConfig:
     shape: Mapping[str, Any] = field(default_factory=dict)
     max_outstanding: int | None = None
     max_unavailable: float = MAX_UNAVAILABLE
+    server_key: str | None = None  # CurveZMQ: the daemon's server.key
+    client_key: str | None = None  # CurveZMQ: this client's NAME.key_secret
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -182,6 +184,10 @@ class LoadConfig:
             raise ValueError(
                 f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}"
             )
+        if (self.server_key is None) != (self.client_key is None):
+            from .cli_support import key_flags_problem
+
+            raise ValueError(key_flags_problem(self.server_key, self.client_key))
         if not isinstance(self.program, str) or not self.program:
             raise ValueError("--program must name a program")
         if not _is_int(self.seed):
@@ -464,7 +470,13 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
     from .loadtest_cli import Progress
 
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    client = Client(config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest")
+    client = Client(
+        config.endpoint,
+        timeout=config.timeout_s,
+        name="graphlane-loadtest",
+        server_key=config.server_key,
+        client_key=config.client_key,
+    )
     # Every task that calls the client; all are ended before it closes (a call still in
     # flight while the client closes could open a socket that then blocks its shutdown).
     spawned: set[asyncio.Task[Any]] = set()

@@ -263,6 +263,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="open loop: most calls in flight; arrivals over it count as CLIENT_OVERLOAD "
         "(default 10 x rate, within 100..10000)",
     )
+    p.add_argument("--server-key", metavar="FILE", help="CurveZMQ: the daemon's server.key")
+    p.add_argument(
+        "--client-key", metavar="FILE", help="CurveZMQ: this client's NAME.key_secret"
+    )
     p.add_argument(
         "--max-unavailable",
         type=_number("--max-unavailable"),
@@ -302,6 +306,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         shape=args.shape or {},
         max_outstanding=args.max_outstanding,
         max_unavailable=args.max_unavailable,
+        server_key=args.server_key,
+        client_key=args.client_key,
     )
 
 

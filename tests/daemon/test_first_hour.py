@@ -261,3 +261,54 @@ def test_a_daemon_whose_workers_can_never_start_exits_with_the_reason(tmp_path: 
     assert run.returncode == 1, run.stderr[-2000:]
     last = [line for line in run.stderr.splitlines() if "every worker failed" in line]
     assert last and "torch_npu" in last[0] and "device 0" in last[0] and "device 1" in last[0]
+
+
+# ---------------------------------------------------------------------------- 6. authentication
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "graphlane.orchestrator.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _one_line_error(run: subprocess.CompletedProcess[str], code: int = 2) -> str:
+    assert run.returncode == code, run.stderr
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    return run.stderr
+
+
+def test_keys_flags_and_a_curve_load_test(start_daemon, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    for where, name in ((keys, "server"), (keys / "clients", "sched")):
+        assert _cli("keys", "generate", str(where), "--name", name).returncode == 0
+    server, secret = str(keys / "server.key"), str(keys / "clients" / "sched.key_secret")
+
+    err = _one_line_error(_cli("status", "--client-key", secret))
+    assert "--client-key needs --server-key" in err
+    err = _one_line_error(_cli("status", "--server-key", server, "--client-key", server))
+    assert "holds no secret key" in err
+
+    admitted = {"server_key": server, "client_key": secret}
+    d = start_daemon("tcp", devices=1, client_keys=admitted, auth_dir=str(keys))
+    common = ["loadtest", "--connect", d.endpoint, "--concurrency", "2", "--duration", "1",
+              "--no-progress", "--report", str(tmp_path / "report"), "--shape",
+              ",".join(f"{k}={v}" for k, v in SHAPE.items())]  # fmt: skip
+    err = _one_line_error(_cli(*common, "--client-key", secret))
+    assert "--client-key needs --server-key" in err
+    run = _cli(*common, "--server-key", server, "--client-key", secret)
+    assert run.returncode == 0, run.stderr
+    assert "result" in run.stdout and "ok" in run.stdout
+
+
+def test_keys_generate_warns_about_a_secret_in_a_repository(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True, capture_output=True)
+    run = _cli("keys", "generate", str(repo / "keys"), "--name", "server")
+    assert run.returncode == 0
+    assert "warning" in run.stderr and ".gitignore" in run.stderr
+    (repo / ".gitignore").write_text("*.key_secret\n")
+    run = _cli("keys", "generate", str(repo / "keys"), "--name", "client")
+    assert run.returncode == 0 and run.stderr == ""
+    # Without DIR: the per-user config directory, outside any repository.
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    run = _cli("keys", "generate", "--name", "me", env=env)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "config" / "graphlane" / "keys" / "me.key_secret").exists()
