@@ -10,11 +10,23 @@ from typing import Any
 from .config import DEFAULT_LISTEN
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--device 2`` must not mean ``--devices 2``); subcommands'
+    parsers are of the same class, so this holds for every one of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from graphlane import __version__
+
+    p = _Parser(
         prog="graphlane",
         description="Keep captured NPU graphs hot and patch their parameters between replays.",
     )
+    p.add_argument("--version", action="version", version=f"graphlane {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
@@ -113,6 +125,21 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
 
+    cf = sub.add_parser(
+        "config",
+        help="check a configuration file",
+        description="Check a TOML configuration as 'serve --config FILE' would read it, "
+        "without starting anything: every key, the programs and their keys.",
+    )
+    cfsub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    cc = cfsub.add_parser(
+        "check",
+        help="load FILE and print the resolved settings, or the first error",
+        description="Load FILE as the daemon would; print the resolved settings and exit 0, "
+        "or print the setting to change and exit 2.",
+    )
+    cc.add_argument("file", metavar="FILE", help="the TOML configuration to check")
+
     from .loadtest_cli import add_parser as add_loadtest_parser
 
     add_loadtest_parser(sub)
@@ -162,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "config":
+        from .cli_support import check_config
+
+        return check_config(args.file)
     if args.command == "example":
         from graphlane.workers.sim.example import run
 

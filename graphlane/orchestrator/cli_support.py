@@ -65,3 +65,23 @@ def unignored_in_repo(secret: Path) -> Path | None:
                 return d  # no git to ask: say so anyway
             return None if ignored.returncode == 0 else d
     return None
+
+
+def check_config(path: str) -> int:
+    """``graphlane config check FILE``: 0 and the resolved settings, or 2 and the error."""
+    import sys
+
+    from . import config as cfg
+
+    try:
+        conf = cfg.load(path)
+    except cfg.ConfigError as exc:
+        print(f"graphlane config: {path}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{path}: ok")
+    print(f"  listen {conf.listen} (workers: {conf.worker_endpoint(conf.devices[0])} ...)")
+    print(f"  backend {conf.backend}, devices {list(conf.devices)}, depth {conf.depth}")
+    for p in conf.programs:
+        keys = ", ".join(f"{k}={v}" for k, v in p.items() if k != "name")
+        print(f"  program {p['name']}" + (f": {keys}" if keys else ""))
+    return 0
