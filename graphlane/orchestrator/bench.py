@@ -159,13 +159,16 @@ async def _alternating(
 
 
 async def _alternating_rates(
-    *runs: Callable[[], Awaitable[float]], rounds: int = 3
+    *runs: Callable[[], Awaitable[float]], rounds: int = 3, spreads: list[float] | None = None
 ) -> list[float]:
-    """The median of ``rounds`` alternating runs of each rate measurement."""
+    """The median of ``rounds`` alternating runs of each rate measurement; ``spreads``
+    gets each one's (max - min) / median over the rounds (how noisy the machine was)."""
     out: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):
         for rates, run in zip(out, runs, strict=True):
             rates.append(await run())
+    if spreads is not None:
+        spreads += [(max(r) - min(r)) / statistics.median(r) for r in out]
     return [statistics.median(r) for r in out]
 
 
@@ -234,10 +237,12 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         )
         # Runs long enough (tens of ms at least) that one scheduling hiccup of the two
         # cores does not decide a run, and five of them for the median.
+        spreads: list[float] = []
         raw_rate, step_rate = await _alternating_rates(
             lambda: raw.windowed(8 * n, WINDOW),
             lambda: _windowed_steps(c, 8 * n, WINDOW, params),
             rounds=5,
+            spreads=spreads,
         )
         await raw.stop()
     overhead = [r - s for r, s in zip(step_rtt, server, strict=True)]
@@ -252,6 +257,7 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         "raw_windowed_msgs_s": raw_rate,
         "windowed_steps_s": step_rate,
         "windowed_vs_raw": step_rate / raw_rate,
+        "windowed_spread": max(spreads),  # over the 5 repeats, raw or ours
     }
 
 
@@ -359,14 +365,23 @@ def scaling(device_counts: tuple[int, ...] = (1, 2, 4), steps: int = 200) -> dic
 def run_all(quick: bool = False) -> dict[str, Any]:
     from graphlane.workers import bench as pipeline_bench
 
+    from .bench_goals import progress
+
     steps = 20 if quick else 40
-    pipe = pipeline_bench.run(steps=steps)
+    with progress("the step pipeline on the timed sim: 3 profiles, serial and pipelined"):
+        pipe = pipeline_bench.run(steps=steps)
+    with progress("the control plane against raw pyzmq+msgpack, null device then timed sim"):
+        cp = control_plane(200 if quick else 500)
+    with progress("tensor bandwidth against raw pyzmq, null device then timed sim"):
+        bw = bandwidth(10 if quick else 30)
+    with progress("scaling over 1, 2 and 4 simulated devices"):
+        sc = scaling(steps=100 if quick else 200)
     return {
         "pipeline": [r.as_dict() for r in pipe],
         "pipeline_table": pipeline_bench.table(pipe),
-        "control_plane": control_plane(200 if quick else 500),
-        "bandwidth": bandwidth(10 if quick else 30),
-        "scaling": scaling(steps=100 if quick else 200),
+        "control_plane": cp,
+        "bandwidth": bw,
+        "scaling": sc,
     }
 
 
@@ -412,4 +427,6 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
         )
-    return "\n".join(lines)
+    from .bench_goals import format_goals
+
+    return "\n".join([*lines, "", *format_goals(r)])

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
 
         report = run_all(quick=args.quick)
         if args.json:
+            from .bench_goals import goals
+
+            report["goals"] = goals(report)
             report.pop("pipeline_table")
             print(json.dumps(report, indent=2))
         else:
