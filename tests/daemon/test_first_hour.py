@@ -64,8 +64,9 @@ def test_a_load_test_against_a_daemon_that_dies_fails_and_backs_off(
     async def scenario() -> dict:
         t0 = time.monotonic()
         run = asyncio.create_task(run_load(config, stop=stop))
-        # Kill the daemon once it has served steps (the worker reports its count).
-        await asyncio.to_thread(wait_for, lambda: d.worker(0)["steps"] > 0, 60, "steps served")
+        # Kill the daemon once it has served steps of the run (the worker reports its
+        # count about once a second; the preflight's probe is one step).
+        await asyncio.to_thread(wait_for, lambda: d.worker(0)["steps"] >= 5, 60, "steps served")
         t_kill = time.monotonic()
         d.send_signal(signal.SIGINT)
         await asyncio.to_thread(d.proc.wait, 60)
