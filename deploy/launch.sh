@@ -325,18 +325,22 @@ do_start() {
   echo "graphlane starting (pid $pid, endpoint $connect, log $log_file)"
 
   deadline=$(($(now_ms) + ready_timeout * 1000))
+  local answer="" other=""
   while :; do
     if ! alive "$pid"; then
       local code=0
       wait "$pid" || code=$?
       rm -f -- "$pidfile" "$endpoint_file"
       log_tail
+      [[ -z $other ]] ||
+        echo "$PROG: meanwhile another daemon answers at $connect: $other" >&2
       die "graphlane exited with status $code before it was ready"
     fi
     left=$(((deadline - $(now_ms) + 999) / 1000))
     if ((left <= 0)); then
       echo "$PROG: not ready within ${ready_timeout} s: stopping it" >&2
       log_tail
+      [[ -z $other ]] || echo "$PROG: another daemon answers at $connect: $other" >&2
       stop_pid "$pid" || true
       rm -f -- "$pidfile" "$endpoint_file"
       exit 1
@@ -344,11 +348,45 @@ do_start() {
     # Short waits, so that a daemon that dies is noticed at once.
     wait_s=$((left < 10 ? left : 10))
     if "$bin" status --connect "$connect" --wait "$wait_s" --timeout 2 >/dev/null 2>&1; then
-      break
+      # Ready, but whose daemon? Another one may hold the endpoint (ours then fails
+      # to bind and exits, which the check above reports with its log).
+      answer=$("$bin" status --connect "$connect" --timeout 5 2>/dev/null) || answer=""
+      other=$(foreign_daemon "$answer" "$pid") && break
+      sleep 0.2
     fi
   done
-  "$bin" status --connect "$connect" --timeout 5 || true
+  echo "$answer"
   echo "graphlane ready (pid $pid)"
+}
+
+# The number of devices --devices asks for (a count or a list), or nothing.
+expected_devices() {
+  local list
+  if [[ $devices =~ ^[0-9]+$ ]]; then
+    echo "$devices"
+  elif [[ -n $devices ]]; then
+    list=${devices//[^0-9,]/}
+    IFS=, read -ra list <<<"$list"
+    echo "${#list[@]}"
+  fi
+}
+
+# Status 0 when `graphlane status` text $1 is of the daemon with pid $2 (and the
+# device count --devices asks for); else status 1 and what answered instead.
+foreign_daemon() {
+  local text=$1 pid=$2 re='\(pid ([0-9]+)\)' answered count want
+  [[ $text =~ $re ]] || { echo "an unreadable status"; return 1; }
+  answered=${BASH_REMATCH[1]}
+  count=$(grep -c '^  device [0-9]*:' <<<"$text" || true)
+  want=$(expected_devices)
+  if [[ $answered != "$pid" ]]; then
+    echo "pid $answered with $count device(s), not ours (pid $pid)"
+    return 1
+  fi
+  if [[ -n $want && $count != "$want" ]]; then
+    echo "pid $answered with $count device(s), not the $want asked for"
+    return 1
+  fi
 }
 
 # SIGTERM (the daemon drains its workers and exits 0), SIGKILL to its process

@@ -12,11 +12,23 @@ from typing import Any
 from graphlane.orchestrator.config import DEFAULT_LISTEN
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated flags (``--device 2`` must not mean ``--devices 2``); subcommands'
+    parsers are of the same class, so this holds for every one of them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from graphlane import __version__
+
+    p = _Parser(
         prog="graphlane",
         description="Keep captured NPU graphs hot and patch their parameters between replays.",
     )
+    p.add_argument("--version", action="version", version=f"graphlane {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser(
@@ -85,11 +97,25 @@ def _parser() -> argparse.ArgumentParser:
         help="generate CurveZMQ keypairs",
         description="Generate a CurveZMQ keypair: DIR/NAME.key (public) and DIR/NAME.key_secret. "
         "For the daemon, use --name server in its --auth-dir; for a client, copy its "
-        "NAME.key into the daemon's DIR/clients/ to admit it.",
+        "NAME.key into the daemon's DIR/clients/ to admit it. Secret keys belong outside "
+        "any repository (default DIR: ~/.config/graphlane/keys); in a repository, ignore "
+        "them ('*.key_secret' in .gitignore).",
     )
     ksub = k.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    kg = ksub.add_parser("generate", help="write DIR/NAME.key and DIR/NAME.key_secret")
-    kg.add_argument("directory", metavar="DIR")
+    kg = ksub.add_parser(
+        "generate",
+        help="write DIR/NAME.key and DIR/NAME.key_secret",
+        description="Write a CurveZMQ keypair: DIR/NAME.key (public, to share) and "
+        "DIR/NAME.key_secret (owner-only). Warns when the secret would land in a git "
+        "repository that does not ignore it.",
+    )
+    kg.add_argument(
+        "directory",
+        metavar="DIR",
+        nargs="?",
+        help="where to write the keys, created if needed (default "
+        "$XDG_CONFIG_HOME/graphlane/keys, else ~/.config/graphlane/keys)",
+    )
     kg.add_argument("--name", required=True, help="key name, e.g. server or scheduler-1")
 
     ex = sub.add_parser(
@@ -100,6 +126,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     ex.add_argument("--steps", type=int, default=8, help="steps to run (default 8)")
     ex.add_argument("--layers", type=int, default=4, help="attention layers (default 4)")
+
+    cf = sub.add_parser(
+        "config",
+        help="check a configuration file",
+        description="Check a TOML configuration as 'serve --config FILE' would read it, "
+        "without starting anything: every key, the programs and their keys.",
+    )
+    cfsub = cf.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    cc = cfsub.add_parser(
+        "check",
+        help="load FILE and print the resolved settings, or the first error",
+        description="Load FILE as the daemon would; print the resolved settings and exit 0, "
+        "or print the setting to change and exit 2.",
+    )
+    cc.add_argument("file", metavar="FILE", help="the TOML configuration to check")
 
     from graphlane.tools.loadtest_cli import add_parser as add_loadtest_parser
 
@@ -150,19 +191,32 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "config":
+        from graphlane.cli_support import check_config
+
+        return check_config(args.file)
     if args.command == "example":
         from graphlane.tools.example import run
 
         return run(steps=args.steps, layers=args.layers)
     if args.command == "keys":
+        from graphlane.cli_support import default_keys_dir, unignored_in_repo
         from graphlane.protocol.security import SecurityError, generate
 
         try:
-            public, secret = generate(args.directory, args.name)
+            public, secret = generate(args.directory or default_keys_dir(), args.name)
         except SecurityError as exc:
             print(f"graphlane keys: {exc}", file=sys.stderr)
             return 2
         print(f"wrote {public} (public) and {secret} (secret, owner-only)")
+        repo = unignored_in_repo(secret)
+        if repo is not None:
+            print(
+                f"graphlane keys: warning: {secret} is inside the git repository {repo} and "
+                "not ignored: add '*.key_secret' to its .gitignore, or keep keys outside it "
+                f"(e.g. {default_keys_dir()})",
+                file=sys.stderr,
+            )
         return 0
     if args.command == "loadtest":
         from graphlane.tools.loadtest_cli import main as loadtest_main
@@ -173,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 
         report = run_all(quick=args.quick)
         if args.json:
+            from graphlane.tools.bench_goals import goals
+
+            report["goals"] = goals(report)
             report.pop("pipeline_table")
             print(json.dumps(report, indent=2))
         else:
@@ -214,15 +271,33 @@ def _serve(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"graphlane serve: configuration error: {exc}", file=sys.stderr)
         return 2
+    from graphlane.orchestrator.ports import PortInUse, check_ports
+
+    try:
+        check_ports(conf)  # one line naming the port, before anything starts
+    except PortInUse as exc:
+        print(f"graphlane serve: {exc}", file=sys.stderr)
+        return 1
     setup_logging(args.log_level.upper(), conf.log_format, "daemon")
-    return serve(conf, ready_file=args.ready_file)
+    try:
+        return serve(conf, ready_file=args.ready_file)
+    except PortInUse as exc:  # taken between the check and the bind
+        print(f"graphlane serve: {exc}", file=sys.stderr)
+        return 1
 
 
 def _status(args: argparse.Namespace) -> int:
     import asyncio
 
+    from graphlane.cli_support import key_flags_problem
     from graphlane.client import Client
     from graphlane.protocol.errors import GraphlaneError
+
+    problem = key_flags_problem(args.server_key, args.client_key)
+    if problem is not None:
+        print(f"graphlane status: {problem}", file=sys.stderr)
+        return 2
+
 
     async def fetch() -> dict[str, Any]:
         client = Client(
@@ -232,9 +307,13 @@ def _status(args: argparse.Namespace) -> int:
             client_key=args.client_key,
         )
         try:
-            await client.connect()
             if args.wait is not None:
-                return await client.wait_ready(args.wait)
+                # The wait covers connecting too: the daemon may not be up yet.
+                from graphlane.cli_support import connect_within
+
+                left = await connect_within(client, args.wait, args.timeout)
+                return await client.wait_ready(left)
+            await client.connect()
             return await client.status()
         finally:
             await client.close()
@@ -244,6 +323,9 @@ def _status(args: argparse.Namespace) -> int:
     except GraphlaneError as exc:
         print(f"graphlane status: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # keys that cannot be used (a public key as the secret one)
+        print(f"graphlane status: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0

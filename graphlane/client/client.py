@@ -50,6 +50,7 @@ from graphlane.protocol.endpoints import check_endpoint
 from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
 from graphlane.protocol.security import ClientKeys
 
+from .args import BatchParams, InvalidArgument, check_device, check_timeout
 from .transport import _BUNDLE_MAX, Channel, Sockets, _expand
 
 
@@ -80,6 +81,7 @@ class _Host:
         self.workers: dict[int, Channel] = {}
         self.hello: dict[str, Any] = {}
         self.lock = asyncio.Lock()
+        self.batch_params = BatchParams()
 
 
 class Client:
@@ -197,6 +199,10 @@ class Client:
         return ch
 
     def _resolve(self, device: Device) -> tuple[_Host, int]:
+        if type(device) is not int:
+            check_device(device)  # "0" is a type error, not a device that is not served
+            if not isinstance(device, tuple):
+                device = int(device)  # a numpy integer
         if self._closing or not self._hosts:
             self._channel()  # raises: not connected
         if isinstance(device, tuple):
@@ -309,8 +315,18 @@ class Client:
         batch: int | None = None,
         timeout: float | None = None,
     ) -> StepReply:
-        """Patch and replay ``program`` on ``device``; returns the requested outputs."""
+        """Patch and replay ``program`` on ``device``; returns the requested outputs.
+
+        ``batch`` defaults to the length of the program's batch parameter (``hello``
+        names it: ``actual_seq_lengths_kv`` for attention); a program without one
+        needs ``batch=``. numpy arrays and scalars are accepted in ``params`` and
+        ``inputs``."""
         host, local = self._resolve(device)
+        ch = host.workers.get(local)
+        if ch is None or ch.lost:
+            ch = await self._worker_at(host, local)
+        if batch is None:
+            batch = host.batch_params.infer(host.hello, local, program, params)
         body = ops.Step(
             program,
             local,
@@ -320,9 +336,6 @@ class Client:
             batch,
             _deadline_ms(self.timeout, timeout),
         )
-        ch = host.workers.get(local)
-        if ch is None or ch.lost:
-            ch = await self._worker_at(host, local)
         return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
     async def update(
@@ -335,11 +348,13 @@ class Client:
         batch: int | None = None,
         timeout: float | None = None,
     ) -> StepReply:
-        """Patch the next replay of the bucket (no replay)."""
+        """Patch the next replay of the bucket (no replay); ``batch`` as in :meth:`step`."""
         host, local = self._resolve(device)
         deadline = _deadline_ms(self.timeout, timeout)
-        body = ops.Update(program, local, _params(params), _inputs(inputs), batch, deadline)
         ch = await self._worker_at(host, local)
+        if batch is None:
+            batch = host.batch_params.infer(host.hello, local, program, params)
+        body = ops.Update(program, local, _params(params), _inputs(inputs), batch, deadline)
         return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
     async def replay(
@@ -379,8 +394,7 @@ def _no_host() -> _Host:
 def _timeout(default: float, timeout: float | None) -> float:
     if timeout is None:
         return default
-    if not isinstance(timeout, int | float) or isinstance(timeout, bool) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    check_timeout(timeout)  # 0 or negative: refused here, not a retryable TIMEOUT
     return float(timeout)
 
 
@@ -392,7 +406,14 @@ def _deadline_ms(default: float, timeout: float | None) -> int:
 
 def _params(params: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(params, Mapping):
-        raise ValueError(f"params must be a mapping, got {type(params).__name__}")
+        raise InvalidArgument(f"params must be a mapping, got {type(params).__name__}")
+    for name, value in params.items():
+        if isinstance(value, set | frozenset | dict | bytes | bytearray):
+            # msgpack would send a set as a list in no particular order: refuse it here
+            raise InvalidArgument(
+                f"params.{name}: cannot send a value of type {type(value).__name__} "
+                "(a number, a string or a list of numbers)"
+            )
     return dict(params)
 
 

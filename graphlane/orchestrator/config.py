@@ -1,22 +1,54 @@
 """The daemon's configuration: typed and frozen, built once at the edge from the
 TOML file, then CLI flags, validated there, and passed whole.
 
-```toml
-listen = "tcp://127.0.0.1:7450"   # the orchestrator's endpoint (tcp or ipc)
-backend = "sim"                    # "sim" (simulated NPU) or "npu" (torch_npu)
-devices = 2                        # a count (0..N-1) or a list of device ids
-depth = 1                          # graph instances per bucket (slot ring)
-pipeline = true                    # false: serial update, replay, wait
+Every key, with its default (``graphlane config check FILE`` loads a file as
+``serve`` would and prints the settings or the one to change):
 
-[sim]
+```toml
+listen = "tcp://127.0.0.1:7450"   # the daemon's endpoint (tcp or ipc); the worker of
+                                   # device d listens on port + 1 + d (ipc: NAME-worker-d.sock)
+backend = "sim"                    # "sim" (simulated NPU), "npu" (torch_npu) or "null" (no device)
+devices = 2                        # a count (0..N-1) or a list of device ids, e.g. [0, 3]
+depth = 1                          # graph instances per bucket (slot ring)
+pipeline = true                    # false: serial update, replay, wait (the baseline)
+max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
+startup_timeout_s = 120.0          # a worker's capture and handshake must end within this
+max_restarts = 5                   # restarts of a device's worker within restart_window_s,
+restart_window_s = 60.0            #   then it is marked failed (all failed: the daemon exits 1)
+shutdown_timeout_s = 30.0          # drain: in-flight work gets this long, then SIGTERM, SIGKILL
+hang_timeout_s = 30.0              # a request held (or a health check unanswered) this long
+                                   #   means a hung worker: it is killed and restarted
+log_format = "text"                # or "json": one JSON object per line
+metrics_port = 7460                # Prometheus metrics on this port (0: any free port;
+                                   #   default: no metrics server)
+metrics_host = "127.0.0.1"         # the metrics server's address
+auth_dir = "/etc/graphlane/keys"   # CurveZMQ: DIR/server.key_secret, clients in DIR/clients/
+                                   #   (default: none, no authentication)
+insecure = false                   # allow a non-loopback tcp listen without auth_dir
+advertise_host = "node-3"          # the host clients use to reach workers (with a wildcard
+                                   #   listen such as tcp://0.0.0.0:7450; default: none)
+
+[sim]                              # backend "sim" only
 mode = "compute"                   # or "timed": cost model instead of compute
 task_us = 0.0                      # timed: device time per replayed task
 patch_us = 0.0                     # timed: host time per task-group patch
+watchdog_s = 30.0                  # a device wait that nothing satisfies is a deadlock after this
 
-[[programs]]
-name = "attention"                 # plus the program's own keys
-layers = 4
+[faults]                           # for tests only: fail_start = true,
+                                   #   hang_device_after = N, device_fault_after = N
+
+[[programs]]                       # one table per program (default: one "attention")
+name = "attention"                 # a built-in, an entry point, or module:attr (docs/programs.md)
+layers = 4                         # the attention program's keys, with their defaults:
+num_heads = 8                      #   query heads
+num_kv_heads = 2                   #   key/value heads (divides num_heads; GQA when fewer)
+head_dim = 64
+max_kv_len = 256                   #   static key/value length; step lengths are 1..max_kv_len
+buckets = [1, 2, 4, 8]             #   batch sizes captured; a step runs on the smallest that fits
+dtype = "float16"                  #   or "bfloat16", "float32"
 ```
+
+Other programs take the keys their own factory reads (docs/programs.md).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownDevice,
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig
+from .ports import PortInUse, bind_error
 from .supervisor import READY, Supervisor, WorkerHandle
 
 log = logging.getLogger("graphlane.daemon")
@@ -85,6 +86,8 @@ class Daemon:
 
     # ------------------------------------------------------------ run
     async def run(self, ready_file: str | None = None) -> int:
+        """Serve until shutdown; 0 then, 1 when every worker failed for good."""
+        exit_code, failure = 0, ""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_shutdown, sig.name)
@@ -98,7 +101,14 @@ class Daemon:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.DEFAULT_LIMITS.max_envelope_bytes)
         _prepare_ipc(self.config.listen)
-        sock.bind(self.config.listen)
+        try:
+            sock.bind(self.config.listen)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
+            ctx.destroy(linger=0)
+            raise PortInUse(bind_error(self.config.listen, "the daemon's port", exc)) from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info(
             "daemon listening on %s, starting %d worker(s)", self.endpoint, len(self.config.devices)
@@ -121,7 +131,17 @@ class Daemon:
                 starting.result()
                 if ready_file:
                     await asyncio.to_thread(Path(ready_file).write_text, self.endpoint)
-                await stopping
+                failed = asyncio.ensure_future(self.supervisor.all_failed.wait())
+                await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
+                failed.cancel()
+                if self.supervisor.all_failed.is_set() and not self._shutdown.is_set():
+                    exit_code = 1
+                    failure = "every worker failed: " + "; ".join(
+                        f"device {h.device}: {h.last_error}"
+                        for h in self.supervisor.workers.values()
+                    )
+                    log.error("%s; exiting", failure)
+                    self.request_shutdown("every worker failed")
             else:
                 starting.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -139,8 +159,11 @@ class Daemon:
             ctx.destroy(linger=0)
             if self.metrics_server is not None:
                 self.metrics_server.shutdown()
-            log.info("daemon stopped")
-        return 0
+            if exit_code:
+                log.error("daemon stopped, exit 1: %s", failure)
+            else:
+                log.info("daemon stopped")
+        return exit_code
 
     def request_shutdown(self, why: str = "request") -> None:
         if self.state == RUNNING:

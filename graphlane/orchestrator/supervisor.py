@@ -110,6 +110,7 @@ class Supervisor:
         self.poll_s = poll_s
         self.env_for = env_for or (lambda device: {})
         self.stopping = False
+        self.all_failed = asyncio.Event()  # set when every worker is FAILED for good
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ctx = mp.get_context("spawn")
 
@@ -254,6 +255,8 @@ class Supervisor:
                 f"{self.restart_window_s:g} s (max_restarts): not restarting"
             )
             log.error("worker failed device=%s: %s", h.device, h.last_error)
+            if all(w.state == FAILED for w in self.workers.values()):
+                self.all_failed.set()
             return
         lo, hi = self.backoff_s
         delay = min(hi, lo * (2 ** len(h.restart_times)))

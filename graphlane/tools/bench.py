@@ -17,17 +17,25 @@ from typing import Any
 
 from . import bench_control
 from . import bench_pipeline as pipeline_bench
+from .bench_goals import format_goals, progress
 
 
 def run_all(quick: bool = False) -> dict[str, Any]:
     steps = 20 if quick else 40
-    pipe = pipeline_bench.run(steps=steps)
+    with progress("the step pipeline on the timed sim: 3 profiles, serial and pipelined"):
+        pipe = pipeline_bench.run(steps=steps)
+    with progress("the control plane against raw pyzmq+msgpack, null device then timed sim"):
+        cp = bench_control.control_plane(200 if quick else 500)
+    with progress("tensor bandwidth against raw pyzmq, null device then timed sim"):
+        bw = bench_control.bandwidth(10 if quick else 30)
+    with progress("scaling over 1, 2 and 4 simulated devices"):
+        sc = bench_control.scaling(steps=100 if quick else 200)
     return {
         "pipeline": [r.as_dict() for r in pipe],
         "pipeline_table": pipeline_bench.table(pipe),
-        "control_plane": bench_control.control_plane(200 if quick else 500),
-        "bandwidth": bench_control.bandwidth(10 if quick else 30),
-        "scaling": bench_control.scaling(steps=100 if quick else 200),
+        "control_plane": cp,
+        "bandwidth": bw,
+        "scaling": sc,
     }
 
 
@@ -73,4 +81,4 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *format_goals(r)])

@@ -157,13 +157,16 @@ async def _alternating(
 
 
 async def _alternating_rates(
-    *runs: Callable[[], Awaitable[float]], rounds: int = 3
+    *runs: Callable[[], Awaitable[float]], rounds: int = 3, spreads: list[float] | None = None
 ) -> list[float]:
-    """The median of ``rounds`` alternating runs of each rate measurement."""
+    """The median of ``rounds`` alternating runs of each rate measurement; ``spreads``
+    gets each one's (max - min) / median over the rounds (how noisy the machine was)."""
     out: list[list[float]] = [[] for _ in runs]
     for _ in range(rounds):
         for rates, run in zip(out, runs, strict=True):
             rates.append(await run())
+    if spreads is not None:
+        spreads += [(max(r) - min(r)) / statistics.median(r) for r in out]
     return [statistics.median(r) for r in out]
 
 
@@ -232,10 +235,12 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         )
         # Runs long enough (tens of ms at least) that one scheduling hiccup of the two
         # cores does not decide a run, and five of them for the median.
+        spreads: list[float] = []
         raw_rate, step_rate = await _alternating_rates(
             lambda: raw.windowed(8 * n, WINDOW),
             lambda: _windowed_steps(c, 8 * n, WINDOW, params),
             rounds=5,
+            spreads=spreads,
         )
         await raw.stop()
     overhead = [r - s for r, s in zip(step_rtt, server, strict=True)]
@@ -250,6 +255,7 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         "raw_windowed_msgs_s": raw_rate,
         "windowed_steps_s": step_rate,
         "windowed_vs_raw": step_rate / raw_rate,
+        "windowed_spread": max(spreads),  # over the 5 repeats, raw or ours
     }
 
 

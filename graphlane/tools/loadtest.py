@@ -19,7 +19,9 @@ the command line, a first Ctrl-C ends the sending early the same way (the
 report is still written, marked ``interrupted``); a second one aborts.
 Nothing is retried: every error is counted by its wire code (a
 :class:`~graphlane.GraphlaneError`'s ``code``; any other exception by its class
-name) and the caller moves on.
+name) and the caller moves on, in the closed loop after a backoff (exponential
+with jitter, capped; see :mod:`.loadtest_availability`), so that a server that
+fails at once is not hammered.
 
 What a step sends (the program must be attention-shaped: parameter
 ``actual_seq_lengths_kv``, inputs ``query``/``key``/``value``, output ``out``):
@@ -60,9 +62,10 @@ output was wrong and every error was retryable (BUSY, TIMEOUT, WORKER_LOST,
 SHUTTING_DOWN, or the client's own CLIENT_OVERLOAD / CLIENT_DEADLINE: what a
 loaded or restarting server is expected to answer); 1 when a verification
 failed, an error was not retryable (BAD_REQUEST, INTERNAL, a client
-exception...) or no step succeeded; 2 when the flags are invalid or the run
-could not start (daemon unreachable, program not served, shapes differ);
-130 when aborted by a second Ctrl-C.
+exception...), no step succeeded, or the server was unavailable for more than
+``max_unavailable`` of the sending time (see :mod:`.loadtest_availability`);
+2 when the flags are invalid or the run could not start (daemon unreachable,
+program not served, shapes differ); 130 when aborted by a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ from graphlane.protocol.errors import RETRYABLE, GraphlaneError
 from graphlane.workers.programs.attention import AttentionConfig
 from graphlane.workers.programs.base import ProgramConfigError
 
+from .loadtest_availability import MAX_UNAVAILABLE, DeviceBackoff
 from .loadtest_record import DeviceStats, Recorder, summary, window_for
 from .loadtest_workload import (
     SHAPE_KEYS,
@@ -144,6 +148,9 @@ class LoadConfig:
     progress: bool = True
     shape: Mapping[str, Any] = field(default_factory=dict)
     max_outstanding: int | None = None
+    max_unavailable: float = MAX_UNAVAILABLE
+    server_key: str | None = None  # CurveZMQ: the daemon's server.key
+    client_key: str | None = None  # CurveZMQ: this client's NAME.key_secret
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -174,6 +181,14 @@ class LoadConfig:
             raise ValueError(f"--timeout must be > 0 seconds, not {self.timeout_s!r}")
         if not (_is_real(self.verify) and 0.0 <= self.verify <= 1.0):
             raise ValueError(f"--verify must be a fraction in [0, 1], not {self.verify!r}")
+        if not (_is_real(self.max_unavailable) and 0.0 <= self.max_unavailable <= 1.0):
+            raise ValueError(
+                f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}"
+            )
+        if (self.server_key is None) != (self.client_key is None):
+            from graphlane.cli_support import key_flags_problem
+
+            raise ValueError(key_flags_problem(self.server_key, self.client_key))
         if not isinstance(self.program, str) or not self.program:
             raise ValueError("--program must name a program")
         if not _is_int(self.seed):
@@ -337,13 +352,25 @@ async def _closed_loop(run: Run) -> None:
     async def caller(i: int) -> None:
         rng = random.Random(run.config.seed * 1_000_003 + i)
         while time.monotonic() < run.stop_at and run.sending():
+            now = time.monotonic()
+            release = backoff.all_held(run.plan.devices, now)
+            if release is not None:
+                await run.pause(min(release, run.stop_at) - now)
+                continue
             step = run.workload.draw(rng)
+            if backoff.held(step.device, now):
+                continue  # route around a device that just failed: draw again
             run.rec.arrivals += 1
             before = run.rec.errors_total
             await _one(run, step, time.monotonic())
             if run.rec.errors_total != before:
-                await asyncio.sleep(0)  # a failing call may not have yielded: let others run
+                backoff.failure(step.device, time.monotonic())
+            else:
+                backoff.success(step.device)
 
+    # After an error, a device is held for a while (exponential backoff with jitter):
+    # a server that fails at once must not be hammered in a busy loop.
+    backoff = DeviceBackoff(random.Random(run.config.seed ^ 0xB0FF))
     tasks = {asyncio.create_task(caller(i)) for i in range(run.config.concurrency)}
     run.tasks.update(tasks)
     await run.pause(run.stop_at - time.monotonic())
@@ -444,7 +471,13 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
     from .loadtest_cli import Progress
 
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    client = Client(config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest")
+    client = Client(
+        config.endpoint,
+        timeout=config.timeout_s,
+        name="graphlane-loadtest",
+        server_key=config.server_key,
+        client_key=config.client_key,
+    )
     # Every task that calls the client; all are ended before it closes (a call still in
     # flight while the client closes could open a socket that then blocks its shutdown).
     spawned: set[asyncio.Task[Any]] = set()
@@ -507,6 +540,8 @@ def build_report(
     interrupted: bool = False,
 ) -> dict[str, Any]:
     elapsed = max(end - start, 1e-9)
+    sending_s = max((end if sent_until is None else sent_until) - start, 1e-9)
+    unavailable_s = rec.availability.total(start + sending_s)
     resolved = config.to_dict()
     resolved.update(
         devices=list(plan.devices),
@@ -544,7 +579,7 @@ def build_report(
         },
         "mode": config.mode,
         "duration_s": config.duration_s,
-        "sending_s": round((end if sent_until is None else sent_until) - start, 3),
+        "sending_s": round(sending_s, 3),
         "elapsed_s": round(elapsed, 3),
         "interrupted": interrupted,
         "arrivals": rec.arrivals,
@@ -557,6 +592,9 @@ def build_report(
         "errors_total": rec.errors_total,
         "errors": dict(sorted(rec.errors.items())),
         "non_retryable_errors": rec.non_retryable,
+        "unavailable_s": round(unavailable_s, 3),
+        "unavailable_share": round(min(1.0, unavailable_s / sending_s), 4),
+        "max_unavailable": config.max_unavailable,
         "error_examples": dict(sorted(rec.error_examples.items())),
         "verify_fraction": config.verify,
         "verified": rec.verified,
@@ -597,6 +635,14 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
         reasons.append(
             f"{report['non_retryable_errors']} errors that are not retryable "
             f"({', '.join(codes) or 'marked non-retryable by the server'})"
+        )
+    share = report.get("unavailable_share", 0.0)
+    if report.get("steps", 0) and share > report.get("max_unavailable", MAX_UNAVAILABLE):
+        reasons.append(
+            f"the server was unavailable for {report.get('unavailable_s', 0.0):.1f} s, "
+            f"{100 * share:.0f}% of the {report.get('sending_s', 0.0):g} s of sending "
+            f"(more than --max-unavailable {report.get('max_unavailable', MAX_UNAVAILABLE):g}): "
+            "no step served, calls got WORKER_LOST, SHUTTING_DOWN or TIMEOUT"
         )
     if not report.get("steps", 0):
         reasons.append("no step succeeded")

@@ -19,6 +19,7 @@ from graphlane.orchestrator.config import DEFAULT_LISTEN
 from graphlane.protocol.errors import GraphlaneError
 
 from .loadtest import LoadConfig, LoadTestError, Run, run_load
+from .loadtest_availability import MAX_UNAVAILABLE
 from .loadtest_workload import SHAPE_KEYS
 
 
@@ -138,29 +139,48 @@ def _number(flag: str) -> Callable[[str], float]:
     return parse
 
 
+_DESCRIPTION = """\
+Send attention steps to a running graphlane daemon for --duration seconds:
+  closed loop (--concurrency C): C calls in flight, each caller sending its next
+      step when the previous one is answered;
+  open loop (--rate R): Poisson arrivals at R steps/s, latency measured from each
+      arrival's scheduled time, so a stalled server shows as latency, not as
+      fewer arrivals.
+Shows live progress, prints a summary and writes DIR/report.json and
+DIR/report.html (with PNG plots). With --verify F, a fraction F of the steps
+carry their own query/key/value and their output is checked against eager
+attention; the other steps send lengths and a query only.
+
+Errors are counted by code, never retried. After an error on a device, the
+closed loop holds that device back: a random pause in [d/2, d], d doubling per
+consecutive error from 10 ms up to 1 s, reset by a success; callers draw other
+devices meanwhile and wait only when every device is held."""
+
+_EPILOG = """\
+exit status:
+  0  steps succeeded, no verified output was wrong, every error was retryable
+     (BUSY, TIMEOUT, WORKER_LOST, SHUTTING_DOWN, CLIENT_OVERLOAD, CLIENT_DEADLINE)
+     and the server was unavailable for at most --max-unavailable of the time;
+  1  a verification failed, an error was not retryable, no step succeeded, or
+     the server was unavailable for more than --max-unavailable of the sending
+     time: a window of the time series (~1/120 of the run, >= 0.25 s) is
+     unavailable when no step succeeded in it and calls got WORKER_LOST,
+     SHUTTING_DOWN, TIMEOUT or CLIENT_DEADLINE (or none ended, right after such
+     a window);
+  2  invalid flags, or a run that could not start.
+
+example:
+  graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 --duration 30 \\
+      --verify 0.05 --report out/"""
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``loadtest`` subcommand to an ``add_subparsers()`` object."""
     p: argparse.ArgumentParser = subparsers.add_parser(
         "loadtest",
         help="drive a running daemon with steps and report latency and throughput",
-        description=(
-            "Send attention steps to a running graphlane daemon for --duration seconds, either "
-            "closed loop (--concurrency C calls in flight) or open loop (Poisson arrivals at "
-            "--rate R steps/s, latency measured from each arrival's scheduled time, so a "
-            "stalled server shows as latency rather than as fewer arrivals). Shows live "
-            "progress, prints a summary, and writes DIR/report.json and DIR/report.html "
-            "(with PNG plots). With --verify F, a fraction F of the steps carry their own "
-            "query/key/value and their output is checked against eager attention; the other "
-            "steps send lengths and a query only."
-        ),
-        epilog=(
-            "exit status: 0 when steps succeeded, no verified output was wrong and every "
-            "error was retryable (BUSY, TIMEOUT, WORKER_LOST, SHUTTING_DOWN, CLIENT_OVERLOAD, "
-            "CLIENT_DEADLINE); 1 when a verification failed, an error was not retryable or no "
-            "step succeeded; 2 for invalid flags or a run that could not start.\n\n"
-            "example: graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 "
-            "--duration 30 --verify 0.05 --report out/"
-        ),
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -243,6 +263,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="open loop: most calls in flight; arrivals over it count as CLIENT_OVERLOAD "
         "(default 10 x rate, within 100..10000)",
     )
+    p.add_argument("--server-key", metavar="FILE", help="CurveZMQ: the daemon's server.key")
+    p.add_argument(
+        "--client-key", metavar="FILE", help="CurveZMQ: this client's NAME.key_secret"
+    )
+    p.add_argument(
+        "--max-unavailable",
+        type=_number("--max-unavailable"),
+        default=MAX_UNAVAILABLE,
+        metavar="FRACTION",
+        help="fail the run when the server was unavailable for more than this fraction of "
+        f"the sending time (default {MAX_UNAVAILABLE:g})",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of arrivals, draws and inputs (default 0)"
     )
@@ -273,6 +305,9 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         progress=progress,
         shape=args.shape or {},
         max_outstanding=args.max_outstanding,
+        max_unavailable=args.max_unavailable,
+        server_key=args.server_key,
+        client_key=args.client_key,
     )
 
 

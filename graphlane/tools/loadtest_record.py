@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from .loadtest_availability import Availability
 from .loadtest_workload import Step
 
 #: Latency samples kept (reservoir) for the latency-over-time plot.
@@ -94,6 +95,7 @@ class Recorder:
         self.samples: list[tuple[float, float]] = []
         self._seen = 0
         self._rng = random.Random(seed ^ 0x5EED)
+        self.availability = Availability(start, window_s)
 
     def _window(self, t: float) -> _Window:
         i = max(0, int((t - self.start) / self.window_s))
@@ -111,6 +113,7 @@ class Recorder:
     def ok(self, step: Step, scheduled: float, done: float) -> None:
         latency = done - scheduled
         self.steps += 1
+        self.availability.ok(done)
         _record(self.latency, latency)
         w = self._window(done)
         w.steps += 1
@@ -151,6 +154,7 @@ class Recorder:
         self, code: str, done: float, *, device: int | None, retryable: bool, message: str = ""
     ) -> None:
         self.errors[code] += 1
+        self.availability.error(code, done)
         if not retryable:
             self.non_retryable += 1
         if code not in self.error_examples and len(self.error_examples) < 20:

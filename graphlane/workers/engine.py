@@ -51,6 +51,7 @@ from typing import Any, Protocol
 import torch
 
 from graphlane.workers.backends.base import DeviceBackend
+from graphlane.workers.input_check import check_inputs
 from graphlane.workers.programs.base import (
     CapturedGraph,
     GraphKey,
@@ -310,6 +311,11 @@ class StepEngine:
         program = self._program(request.program)
         batch = request.batch if request.batch is not None else program.infer_batch(request.params)
         plan = program.plan(batch, request.params, request.inputs)
+        if plan.inputs and not program.checks_inputs:
+            ring = self._rings.get((program.name, plan.bucket))
+            if ring is None:
+                raise StepError("batch", f"bucket {plan.bucket} was not captured")
+            check_inputs(program, ring[0].buffers, plan)
         if outputs is None:
             outputs = getattr(request, "outputs", ())
         self._check_outputs(program, outputs)

@@ -129,7 +129,14 @@ class Worker:
             keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, spec.limits.max_message_bytes)
-        self.sock.bind(spec.endpoint)
+        try:
+            self.sock.bind(spec.endpoint)
+        except zmq.ZMQError as exc:
+            self.sock.close(linger=0)
+            raise RuntimeError(
+                f"cannot listen on {spec.endpoint}: {exc} (device {spec.device}'s worker: "
+                "workers use the daemon's listen port + 1 + device id)"
+            ) from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0, "bundles": 0}
@@ -168,14 +175,7 @@ class Worker:
             "endpoint": self.endpoint,
             "generation": self.spec.generation,
             "backend": self.spec.backend,
-            "programs": {
-                name: {
-                    "buckets": list(p.buckets),
-                    "outputs": list(p.outputs),
-                    "groups": p.num_groups,
-                }
-                for name, p in self.engine.programs.items()
-            },
+            "programs": {name: p.describe() for name, p in self.engine.programs.items()},
             "depth": self.spec.depth,
             "pipeline": self.spec.pipeline,
         }

@@ -4,7 +4,11 @@ Built-in: ``attention`` (:mod:`.attention`). Other packages add programs through
 the entry point group ``graphlane.programs``: the entry point names the program
 and loads a callable that takes the program's configuration mapping (the
 ``[[programs]]`` table of the config, ``name`` included) and returns a
-:class:`~graphlane.workers.programs.base.GraphProgram`. See docs/programs.md.
+:class:`~graphlane.workers.programs.base.GraphProgram`. For trying things out, a
+``[[programs]]`` name may also be ``module:attr`` (``attr`` may be dotted): such
+a callable, or a GraphProgram subclass (its ``from_config`` if it has one, else
+the class called with no arguments), imported from ``sys.path``. See
+docs/programs.md.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ def _factory(kind: str) -> ProgramFactory | None:
     (a broken plugin of another name cannot stop this one from loading)."""
     if kind in _BUILTIN:
         return _BUILTIN[kind]
+    if ":" in kind:
+        from .by_path import factory_by_path
+
+        return factory_by_path(kind)
     for ep in entry_points(group=ENTRY_POINT_GROUP, name=kind):
         try:
             factory: ProgramFactory = ep.load()

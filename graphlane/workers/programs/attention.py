@@ -11,9 +11,11 @@ num_kv_heads < num_heads) behind its own ExternalEvent.
 Step parameters: ``actual_seq_lengths_kv``, one length per batch entry in
 1..max_kv_len. Optional inputs: ``query`` [b, num_heads, 1, head_dim], ``key``
 and ``value`` [layers, b, num_kv_heads, max_kv_len, head_dim], written into the
-static buffers in stream order. Output ``out``: the last layer's output
-[b, num_heads, 1, head_dim]. Padding rows (b < B) run with length 1 and are
-never returned.
+static buffers in stream order; a step without ``key``/``value`` attends over what
+the instance's buffers hold from an earlier step (any client's) or zeros, as a
+decode step over a KV cache kept on the device (see README "Using it"). Output
+``out``: the last layer's output [b, num_heads, 1, head_dim]. Padding rows
+(b < B) run with length 1 and are never returned.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class AttentionConfig:
 class AttentionProgram(GraphProgram):
     outputs = ("out",)
     batch_param = "actual_seq_lengths_kv"
+    parameters = {
+        "actual_seq_lengths_kv": "one KV length per batch row, in 1..max_kv_len",
+    }
+    checks_inputs = True  # _check_inputs
 
     def __init__(self, config: AttentionConfig | None = None, name: str = "attention") -> None:
         self.config = config or AttentionConfig()
@@ -112,6 +118,27 @@ class AttentionProgram(GraphProgram):
     @property
     def num_groups(self) -> int:
         return self.config.layers
+
+    def describe(self) -> dict[str, Any]:
+        c = self.config
+        kv = [c.layers, "batch", c.num_kv_heads, c.max_kv_len, c.head_dim]
+        return {
+            **super().describe(),
+            "inputs": {
+                "query": {"shape": ["batch", c.num_heads, 1, c.head_dim], "dtype": c.dtype},
+                "key": {"shape": kv, "dtype": c.dtype},
+                "value": {"shape": list(kv), "dtype": c.dtype},
+            },
+            "config": {
+                "layers": c.layers,
+                "num_heads": c.num_heads,
+                "num_kv_heads": c.num_kv_heads,
+                "head_dim": c.head_dim,
+                "max_kv_len": c.max_kv_len,
+                "buckets": list(c.buckets),
+                "dtype": c.dtype,
+            },
+        }
 
     # ------------------------------------------------------------ capture
     def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:

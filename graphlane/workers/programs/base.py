@@ -78,9 +78,26 @@ class GraphProgram(abc.ABC):
     buckets: tuple[int, ...] = ()
     #: names of the outputs a step may ask for
     outputs: tuple[str, ...] = ()
-    #: the parameter (a list, one entry per sequence) whose length is the batch of a
-    #: step that does not name its ``batch``; None: every step must name it
+    #: the step parameter whose list has one entry per batch row: a step that does not
+    #: name its ``batch`` has the length of that list (None: every step must name it)
     batch_param: str | None = None
+    #: step parameters by name, with what each means (for ``hello``)
+    parameters: Mapping[str, str] = {}
+    #: True when :meth:`plan` checks the shape and dtype of every input itself; else
+    #: the engine checks each input against the static buffer it is written into
+    checks_inputs: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        """What ``hello`` tells clients about this program (JSON values). Subclasses
+        may add ``inputs`` (name -> {"shape": [...], "dtype": str}, "batch" standing
+        for the batch size) and ``config``."""
+        return {
+            "buckets": list(self.buckets),
+            "outputs": list(self.outputs),
+            "groups": self.num_groups,
+            "batch_param": self.batch_param,
+            "parameters": dict(self.parameters),
+        }
 
     def infer_batch(self, params: Mapping[str, Any]) -> int:
         """The batch of a step that did not name one; StepError("batch", ...) if the

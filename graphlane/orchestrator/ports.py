@@ -1,0 +1,87 @@
+"""The daemon's tcp ports, checked before anything binds them.
+
+The daemon listens on ``listen`` and each device's worker on the next ports:
+``listen`` port + 1 + device id (e.g. 7450, then 7451 and 7452 for devices 0
+and 1). A port that another process holds would otherwise fail deep inside
+ZeroMQ (the daemon's as a traceback, a worker's as a restart loop);
+:func:`check_ports` names it in one line first. A port freed by then and taken
+again later still fails at bind: :func:`bind_error` words that the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+
+from .config import ServeConfig
+
+__all__ = ["PortInUse", "bind_error", "check_ports"]
+
+
+class PortInUse(RuntimeError):
+    """A tcp port the daemon needs is taken; the message names it and its role."""
+
+
+def _split(endpoint: str) -> tuple[str, int] | None:
+    if not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return None
+    host = host.strip("[]")
+    return ("" if host in ("*", "0.0.0.0") else host), int(port)
+
+
+def _taken(host: str, port: int) -> OSError | None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM)
+    except OSError:
+        return None  # a name that does not resolve: let the bind say so
+    for *_, address in infos[:1]:
+        with contextlib.closing(socket.socket(family, socket.SOCK_STREAM)) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
+            try:
+                s.bind(address)
+            except OSError as exc:
+                return exc
+    return None
+
+
+def _roles(config: ServeConfig) -> list[tuple[str, str]]:
+    roles = [(config.listen, "the daemon's port (listen)")]
+    base = _split(config.listen)
+    span = f": {base[1] + 1}..{base[1] + 1 + max(config.devices)}" if base else ""
+    for d in config.devices:
+        role = f"device {d}'s worker (workers use the listen port + 1 + device id{span})"
+        roles.append((config.worker_endpoint(d), role))
+    return roles
+
+
+def check_ports(config: ServeConfig) -> None:
+    """PortInUse naming the first tcp port of ``config`` that cannot be bound."""
+    for endpoint, role in _roles(config):
+        split = _split(endpoint)
+        if split is None:
+            continue
+        exc = _taken(*split)
+        if exc is not None:
+            raise PortInUse(_message(endpoint, split[1], role, exc))
+
+
+def _message(endpoint: str, port: int, role: str, exc: Exception) -> str:
+    in_use = getattr(exc, "errno", None) == errno.EADDRINUSE
+    why = "is in use (another graphlane daemon?)" if in_use else f"{exc}"
+    return (
+        f"cannot listen on {endpoint}: port {port}, {role}, {why}; stop that process or "
+        "choose another --listen port"
+    )
+
+
+def bind_error(endpoint: str, role: str, exc: Exception) -> str:
+    """The one-line message of a failed bind of ``endpoint``."""
+    split = _split(endpoint)
+    if split is not None and getattr(exc, "errno", None) is not None:  # OSError, ZMQError
+        return _message(endpoint, split[1], role, exc)
+    return f"cannot listen on {endpoint} ({role}): {exc}"

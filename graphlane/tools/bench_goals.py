@@ -1,0 +1,73 @@
+"""``graphlane bench``: progress on stderr while it measures, and its goals with
+pass/fail and a word on noise after.
+
+The goals are the README's (control plane on the ``null`` device, where the
+ratio is graphlane's own cost): a step round trip within 1.5x of the raw
+pyzmq+msgpack round trip, windowed steps/s at least 0.7x the raw messages/s,
+tensor input bandwidth at least 0.8x raw. The windowed figures are medians of
+five repeats; when the repeats of a rate spread by more than
+:data:`NOISY_SPREAD` of their median, the machine was too noisy for that ratio
+to mean much, and the report says so instead of a bare pass or fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+#: (label, where in the report, comparison, goal)
+GOALS = (
+    ("step round trip vs raw", ("control_plane", "null", "step_rtt_vs_raw"), "<=", 1.5),
+    ("windowed steps/s vs raw", ("control_plane", "null", "windowed_vs_raw"), ">=", 0.7),
+    ("tensor inputs MB/s vs raw", ("bandwidth", "null", "bandwidth_vs_raw"), ">=", 0.8),
+)
+#: A spread over repeats above this share of the median makes a rate figure noise.
+NOISY_SPREAD = 0.25
+
+
+@contextlib.contextmanager
+def progress(what: str) -> Iterator[None]:
+    """One line on stderr when a part starts and one when it ends, with its time."""
+    print(f"graphlane bench: measuring {what} ...", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    yield
+    print(f"graphlane bench:   done in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal with its value, whether it was met, and a note on noise."""
+    out = []
+    for label, path, op, goal in GOALS:
+        value: Any = report
+        for key in path:
+            value = value.get(key, {}) if isinstance(value, dict) else {}
+        if not isinstance(value, (int, float)):
+            continue
+        met = value <= goal if op == "<=" else value >= goal
+        note = ""
+        spread = report.get("control_plane", {}).get("null", {}).get("windowed_spread")
+        if path[-1] == "windowed_vs_raw" and spread is not None and spread > NOISY_SPREAD:
+            note = (
+                f"repeats spread by {100 * spread:.0f}% of their median: too noisy a machine "
+                "for this figure to mean much; run again when it is quiet"
+            )
+        out.append({"goal": label, "value": value, "op": op, "target": goal, "met": met,
+                    "noisy": bool(note), "note": note})  # fmt: skip
+    return out
+
+
+def format_goals(report: dict[str, Any]) -> list[str]:
+    lines = ["goals (null device):"]
+    for g in goals(report):
+        verdict = "PASS" if g["met"] else "FAIL"
+        if g["noisy"]:
+            verdict += " (noisy)"
+        lines.append(
+            f"  {g['goal']:<28} {g['value']:.2f}x, goal {g['op']} {g['target']}x: {verdict}"
+        )
+        if g["note"]:
+            lines.append(f"    {g['note']}")
+    return lines
