@@ -40,6 +40,7 @@ class ExternalEvent:
         self._consumed_by = ""
         self._host_waits = 0  # host wait() calls since the last host record()
         self.label = ""  # set by code that knows what the event guards (for messages)
+        self.waited_in = ""  # the graph whose capture holds a wait on it (for messages)
 
     def __repr__(self) -> str:
         return f"<graphlane sim {self.name}>"
@@ -51,6 +52,11 @@ class ExternalEvent:
     @property
     def display(self) -> str:
         return f"{self.name} ({self.label})" if self.label else self.name
+
+    @property
+    def guarded(self) -> str:
+        """The event and, when a captured graph waits on it, where."""
+        return f"{self.display}, waited on in {self.waited_in}," if self.waited_in else self.display
 
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
@@ -74,6 +80,8 @@ class ExternalEvent:
                 )
             self._host_waits += 1
             if s.capturing is not None:
+                graph = s.capturing.graph
+                self.waited_in = f"{graph.name} (before task group {len(graph.groups)})"
                 s.capturing.add_node(ExtWaitWork(self))
                 return
             s.issue_locked(ExtWaitWork(self))
@@ -114,7 +122,7 @@ class ExtRecordWork:
             if ev.flag:
                 RUNTIME.report(
                     HazardError(
-                        f"lost release: record of {ev.display} on {where} ran while the previous "
+                        f"lost release: record of {ev.guarded} on {where} ran while the previous "
                         f"record (by {ev._record_by}) was still unconsumed; the two merge into "
                         "one signal and the next wait on it hangs. Record once per captured "
                         "wait, after the replay that consumed the previous record.",
@@ -125,7 +133,7 @@ class ExtRecordWork:
             if ev._consume_clock is not None and not clock_leq(ev._consume_clock, ex.clock):
                 RUNTIME.report(
                     HazardError(
-                        f"lost release: record of {ev.display} on {where} is not ordered after "
+                        f"lost release: record of {ev.guarded} on {where} is not ordered after "
                         f"the wait that consumed the previous record ({ev._consumed_by}); "
                         "whenever it runs first, the two records merge and the next wait hangs. "
                         "Make the recording stream wait for an event recorded after that replay.",
