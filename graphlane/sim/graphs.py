@@ -75,6 +75,7 @@ class TaskGroup:
     end: int = -1
     reads: dict[int, Access] = field(default_factory=dict)  # per stream actor
     patches: dict[int, Access] = field(default_factory=dict)  # per stream actor
+    _tasks: list[TaskNode] | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -83,7 +84,12 @@ class TaskGroup:
 
     @property
     def tasks(self) -> list[TaskNode]:
-        return [n for n in self.graph.nodes[self.start : self.end] if isinstance(n, TaskNode)]
+        tasks = self._tasks
+        if tasks is None:
+            tasks = [n for n in self.graph.nodes[self.start : self.end] if isinstance(n, TaskNode)]
+            if self.end >= 0:  # a closed group's tasks are fixed until the graph is reset
+                self._tasks = tasks
+        return tasks
 
     def check_read_locked(self, ex: Stream, launch: Launch) -> None:
         what = f"replay #{launch.number} of {self.graph.name} on {ex.name}"
@@ -178,6 +184,7 @@ class CaptureState:
         self.graph.nodes.append(node)
         if isinstance(node, TaskNode) and self.open_group is not None:
             node.group = self.open_group
+            node.call.tensor_keys()  # what a patch is checked against: capture-time keys
 
 
 class UpdateState:

@@ -11,6 +11,13 @@ import torch
 # one of these re-issued eagerly with its captured tensors was meant as an update.
 PATCHABLE_OPS: set[Any] = set()
 
+# Issue-time argument checks of the sim's own ops (registered by ops.py): the op's
+# meta kernel as a Python function, called with the CPU-level arguments instead of
+# meta tensors made for the call (it reads shapes, strides and dtypes, never data,
+# and must not modify its arguments). Same checks, same errors, without the
+# dispatcher round trip and the meta tensors.
+HOST_CHECKS: dict[Any, Callable[..., Any]] = {}
+
 # Op arguments are values or lists/tuples of values (a schema's Tensor[] or int[]);
 # these one-level walks replace torch's pytree, which costs ~10x more per call.
 
@@ -38,7 +45,14 @@ def flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    """Where a tensor is and how it is laid out: (address, storage offset, shape, stride,
+    dtype). The address with the offset and dtype names the same storage position as
+    the storage's own address would; ``t.shape`` is a torch.Size, equal to the tuple."""
+    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def _layout(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (tuple(key[2]), key[3], key[4])
 
 
 class OpCall:
@@ -49,7 +63,7 @@ class OpCall:
     tensors handed to the host at issue time receive them.
     """
 
-    __slots__ = ("args", "kwargs", "label", "op", "outs")
+    __slots__ = ("_keys", "args", "kwargs", "label", "op", "outs")
 
     def __init__(
         self,
@@ -63,6 +77,7 @@ class OpCall:
         self.kwargs = kwargs
         self.outs = outs
         self.label = str(getattr(op, "__name__", op))
+        self._keys: list[tuple[Any, ...]] | None = None
 
     def execute(self) -> Any:
         result = self.op(*self.args, **self.kwargs)
@@ -74,8 +89,14 @@ class OpCall:
         return result
 
     def tensor_keys(self) -> list[tuple[Any, ...]]:
-        keys = [_tensor_key(t) for t in flat(self.args, self.kwargs) if isinstance(t, torch.Tensor)]
-        keys += [_tensor_key(t) for t in self.outs or ()]
+        """The key of every tensor argument, taken at the first call and kept: a captured
+        call's keys are those of capture time (the graph holds those addresses and
+        layouts), a patch's those of its issue, whatever happens to the tensors later."""
+        keys = self._keys
+        if keys is None:
+            tensors = [t for t in flat(self.args, self.kwargs) if isinstance(t, torch.Tensor)]
+            keys = [_tensor_key(t) for t in (*tensors, *(self.outs or ()))]
+            self._keys = keys
         return keys
 
     def mismatch(self, other: OpCall) -> str:
@@ -83,11 +104,16 @@ class OpCall:
         if other.op is not self.op:
             return f"op {other.label} instead of {self.label}"
         mine, theirs = self.tensor_keys(), other.tensor_keys()
+        if mine == theirs:  # the common case, compared in C
+            return ""
         if len(mine) != len(theirs):
             return f"{len(theirs)} tensor arguments instead of {len(mine)}"
         for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-            if a[2:] != b[2:]:
-                return f"tensor argument {i} has shape/stride/dtype {b[2:]} instead of {a[2:]}"
+            if _layout(a) != _layout(b):
+                return (
+                    f"tensor argument {i} has shape/stride/dtype {_layout(b)} instead of "
+                    f"{_layout(a)}"
+                )
             if a[:2] != b[:2]:
                 return (
                     f"tensor argument {i} is another tensor than the captured one (a patch "

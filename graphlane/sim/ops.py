@@ -19,7 +19,7 @@ import torch
 
 from . import attention_kernel as K
 from .errors import SimUsageError
-from .opcall import PATCHABLE_OPS
+from .opcall import HOST_CHECKS, PATCHABLE_OPS
 
 _TENSOR_OPTIONALS = [
     "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
@@ -70,18 +70,20 @@ def _schema_args() -> str:
     return ", ".join(parts)
 
 
+_NAMES: list[str] = [*PARAMS, "workspace"]
+_KNOWN = frozenset([*_NAMES, "out"])
+
+
 def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Name every argument of a call (positional by schema order, then keywords)."""
-    if len(args) > len(PARAMS) + 1:
+    if len(args) > len(_NAMES):
         raise SimUsageError("npu_fused_infer_attention_score: too many positional arguments")
     bound: dict[str, Any] = dict(DEFAULTS)
-    names = [*PARAMS, "workspace"]
-    for name, value in zip(names, args, strict=False):
-        bound[name] = value
-    for name, value in kwargs.items():
-        if name not in names and name != "out":
-            raise SimUsageError(f"npu_fused_infer_attention_score got an unknown argument {name!r}")
-        bound[name] = value
+    bound.update(zip(_NAMES, args, strict=False))
+    if not _KNOWN.issuperset(kwargs):
+        unknown = next(name for name in kwargs if name not in _KNOWN)
+        raise SimUsageError(f"npu_fused_infer_attention_score got an unknown argument {unknown!r}")
+    bound.update(kwargs)
     return bound
 
 
@@ -91,9 +93,9 @@ def _unsupported(b: dict[str, Any]) -> dict[str, Any]:
     return {n: b.get(n) for n in names}
 
 
-def _check(b: dict[str, Any]) -> None:
+def _check(b: dict[str, Any]) -> Any:
     try:
-        K.check_arguments(
+        return K.check_arguments(
             b["query"], b["key"], b["value"], b.get("pse_shift"), b.get("atten_mask"),
             b.get("actual_seq_lengths"), b.get("actual_seq_lengths_kv"),
             num_heads=b["num_heads"], input_layout=b["input_layout"],
@@ -187,6 +189,65 @@ def _fia_out_meta(*args: Any, **kwargs: Any) -> None:
     _check_out(b)
 
 
+# ---------------------------------------------------------------- issue-time checks
+# A task-group patch re-issues the captured call with new lengths and everything else
+# as captured. The arguments' checks read the lengths' values and, of everything else,
+# only shapes, strides, dtypes and values (attention_kernel.check_arguments); so once
+# a call passed them, a call equal to it in all of that needs only its lengths checked.
+_LENGTHS = ("actual_seq_lengths", "actual_seq_lengths_kv")
+_LENGTH_AT = {5: 0, 6: 1}  # positions of the lengths in the schema
+_PASSED: dict[Any, Any] = {}  # check key -> the dims the full check returned
+_PASSED_MAX = 4096
+
+
+def _check_key_part(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", v.shape, v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (type(v), *map(_check_key_part, v))
+    if isinstance(v, (bool, int, float)):
+        return (type(v), v)
+    return v
+
+
+def _check_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What the checks read of a call but for its lengths; None when not hashable."""
+    key = (
+        tuple("L" if i in _LENGTH_AT else _check_key_part(v) for i, v in enumerate(args)),
+        tuple((k, _check_key_part(v)) for k, v in kwargs.items() if k not in _LENGTHS),
+    )
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _fia_out_check(*args: Any, **kwargs: Any) -> None:
+    """The issue-time check of the .out op (``HOST_CHECKS``): :func:`_fia_out_meta`,
+    whose passing is remembered, so that a call that differs from a passed one only in
+    its lengths gets the length checks alone (same checks, same errors)."""
+    key = _check_key(args, kwargs)
+    dims = _PASSED.get(key) if key is not None else None
+    if dims is None:
+        b = bind(args, kwargs)
+        dims = _check(b)
+        _check_out(b)
+        if key is not None:
+            if len(_PASSED) >= _PASSED_MAX:
+                _PASSED.clear()
+            _PASSED[key] = dims
+        return
+    lengths: list[Any] = [kwargs.get(_LENGTHS[0]), kwargs.get(_LENGTHS[1])]
+    for i, slot in _LENGTH_AT.items():
+        if i < len(args):
+            lengths[slot] = args[i]
+    try:
+        K.check_lengths(lengths[0], lengths[1], dims)
+    except K.AttentionArgumentError as exc:
+        raise SimUsageError(f"npu_fused_infer_attention_score: {exc}") from exc
+
+
 refuse_real_torch_npu()  # before defining torch.ops.npu.*, which it would own
 _lib = torch.library.Library("npu", "DEF")
 _ARGS = _schema_args()
@@ -202,6 +263,8 @@ _lib.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
 
 fused_infer_attention_score = torch.ops.npu.npu_fused_infer_attention_score
 PATCHABLE_OPS.update({fused_infer_attention_score.default, fused_infer_attention_score.out})
+HOST_CHECKS[fused_infer_attention_score.default] = _fia_meta
+HOST_CHECKS[fused_infer_attention_score.out] = _fia_out_check
 
 
 # ---------------------------------------------------------------- helpers of torch_npu

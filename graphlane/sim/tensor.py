@@ -25,7 +25,7 @@ import torch
 
 from .errors import SimUsageError
 from .graphs import TaskNode, captured_group_of_locked
-from .opcall import PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
+from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
 
@@ -181,8 +181,11 @@ _host_cost = _HostCost()
 
 
 # ---------------------------------------------------------------- dispatch
-def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    started = time.perf_counter()
+def dispatch(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float | None = None
+) -> Any:
+    if started is None:
+        started = time.perf_counter()
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
@@ -208,14 +211,19 @@ def issue(
     started: float | None = None,
 ) -> Any:
     """Queue, capture or patch one op on ``stream``; return its (future) result."""
-    mutates = bool(_written_args(func, args, kwargs))
+    info = _schema(func)
+    cpu_args = map_args(_unwrap, args)
+    cpu_kwargs = map_kwargs(_unwrap_cpu, kwargs)
     outs: list[torch.Tensor] | None = None
     result: Any
-    if mutates:
-        _check_meta(func, args, kwargs)
-        result = _aliased_result(func, args, kwargs)
+    host_check = HOST_CHECKS.get(func)
+    if host_check is not None:
+        meta = map_value(_meta_like, host_check(*cpu_args, **cpu_kwargs))
     else:
         meta = _check_meta(func, args, kwargs)
+    if info.written and _written_args(func, args, kwargs):
+        result = _aliased_result(func, args, kwargs)
+    else:
         allocated: list[torch.Tensor] = []
 
         def alloc(m: Any) -> Any:
@@ -227,13 +235,16 @@ def issue(
 
         result = map_value(alloc, meta)
         outs = allocated
-    cpu_kwargs = map_kwargs(lambda v: _cpu_device(_unwrap(v)), kwargs)
-    call = OpCall(func, map_args(_unwrap, args), cpu_kwargs, outs)
-    _route(stream, call, func, started)
+    call = OpCall(func, cpu_args, cpu_kwargs, outs)
+    route(stream, call, func, started)
     return result
 
 
-def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
+def _unwrap_cpu(v: Any) -> Any:
+    return _cpu_device(_unwrap(v))
+
+
+def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
     with RUNTIME.cond:
         if stream.updating is not None:
             patch = stream.updating.patch_for(call, stream)
@@ -366,7 +377,7 @@ def _cross_copy(
         )
     call = OpCall(aten.copy_.default, (dst, src), {})
     call.label = label
-    _route(stream, call, None, None)
+    route(stream, call, None, None)
     if not non_blocking:
         stream.synchronize()
 
