@@ -3,26 +3,34 @@
 ``torch_npu._C._npu_fused_infer_attention_score_out_graph(update_stream, handle,
 event, <arguments of npu_fused_infer_attention_score.out>)`` does
 ``graph_task_update_begin`` + the op + ``graph_task_update_end`` + ``event.record``
-on ``update_stream`` in one call (on hardware, with the GIL released).
+on ``update_stream`` in one call (on hardware, with the GIL released). Like the
+hardware binding, it does not go through torch's dispatcher (:mod:`.direct`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from .graphs import graph_task_update_begin, graph_task_update_end
+from . import direct
+from .graphs import abandon_update, graph_task_update_begin, graph_task_update_end
 from .ops import fused_infer_attention_score
 from .streams import Stream
 from .streams import stream as stream_ctx
+
+_OUT = fused_infer_attention_score.out
 
 
 def fused_update_out_graph(
     update_stream: Stream, handle: Any, event: Any, *args: Any, **kwargs: Any
 ) -> None:
+    started = time.perf_counter()  # a timed patch's host cost runs from here
     with stream_ctx(update_stream):
         graph_task_update_begin(update_stream, handle)
         try:
-            fused_infer_attention_score.out(*args, **kwargs)
-        finally:
-            graph_task_update_end(update_stream)
+            direct.call(_OUT, args, kwargs, started)
+        except BaseException:
+            abandon_update(update_stream)  # the op's error, not "ended after 0 tasks"
+            raise
+        graph_task_update_end(update_stream)
         event.record(update_stream)

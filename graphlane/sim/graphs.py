@@ -395,6 +395,13 @@ def graph_task_update_end(stream: Stream) -> None:
             )
 
 
+def abandon_update(stream: Stream) -> None:
+    """Close the update open on ``stream`` after its op was refused (nothing was patched
+    by it), so that the op's error is the one reported and the stream can update again."""
+    with RUNTIME.cond:
+        stream.updating = None
+
+
 # Captured tasks of patchable ops, by (op, tensors): finds an eager re-issue that
 # was meant as an update (the op then runs eagerly and the graph keeps old values).
 # Weak references: a graph dropped by its owner is forgotten here too.
