@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .opcall import HOST_CHECKS, OpCall, _tensor_key
+from .opcall import HOST_CHECKS, OpCall, RememberedCheck, _tensor_key
 from .streams import current_stream
 from .tensor import NpuTensor, route
 
@@ -68,6 +68,8 @@ class _Binding:
         schema = func._schema
         self.check = HOST_CHECKS.get(func)
         self.ok = self.check is not None and not schema.returns
+        check = self.check
+        self.varying = check.varying if isinstance(check, RememberedCheck) else frozenset()
         self.slots: dict[str, tuple[int, int, bool, type | None]] = {}  # name -> slot, kind
         self.defaults: list[Any] = []
         self.keyword: list[str] = []
@@ -93,6 +95,8 @@ class _Binding:
         n_pos = len(self.defaults)
         cpu_pos = list(self.defaults)
         checked: dict[str, Any] = {}  # the given arguments, unwrapped, for the check
+        values: list[tuple[str, Any]] = []  # given non-tensor values the check reads
+        varying = self.varying
         tensors: list[tuple[int, int, torch.Tensor, NpuTensor]] = []
         for name, v in kwargs.items():
             spec = slots.get(name)
@@ -103,10 +107,12 @@ class _Binding:
                 if not optional:
                     return False
                 cpu: Any = None
+                values.append((name, None))
             elif kind == _SCALAR:
                 if type(v) is not scalar:
                     return False
                 cpu = v
+                values.append((name, v))
             elif kind == _TENSOR:
                 if type(v) is not NpuTensor:
                     return False
@@ -116,6 +122,8 @@ class _Binding:
                 if type(v) not in (list, tuple) or not all(type(e) is int for e in v):
                     return False
                 cpu = list(v)  # the values of issue time, as the dispatcher's copy
+                if name not in varying:
+                    values.append((name, tuple(cpu)))
             else:  # _TENSOR_LIST
                 if type(v) not in (list, tuple) or not all(type(e) is NpuTensor for e in v):
                     return False
@@ -129,10 +137,18 @@ class _Binding:
         # Keyword-only arguments in schema order, as the dispatcher passes them.
         cpu_kw = {name: checked[name] for name in self.keyword if name in checked}
         tensors.sort(key=lambda t: (t[0], t[1]))  # schema order, as the call flattens them
-        assert self.check is not None
-        self.check(**checked)
+        keys = [_tensor_key(t[2]) for t in tensors]
+        check = self.check
+        if isinstance(check, RememberedCheck):
+            # What the check reads: every tensor's slot and layout (the key also holds
+            # its address), every other value but the varying ones.
+            key = ("direct", tuple((t[0], t[1]) for t in tensors), tuple(keys), tuple(values))
+            check.check(key, [checked.get(n) for n in check.names], (), checked)
+        else:
+            assert check is not None
+            check(**checked)
         call = OpCall(func, tuple(cpu_pos), cpu_kw)
-        call._keys = [_tensor_key(t[2]) for t in tensors]
+        call._keys = keys
         first = tensors[0][3]
         route(current_stream(first.device.index or 0), call, func, started)
         return True

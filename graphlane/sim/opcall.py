@@ -18,6 +18,78 @@ PATCHABLE_OPS: set[Any] = set()
 # dispatcher round trip and the meta tensors.
 HOST_CHECKS: dict[Any, Callable[..., Any]] = {}
 
+
+def _check_key_part(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return ("T", v.shape, v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (type(v), *map(_check_key_part, v))
+    if isinstance(v, (bool, int, float)):
+        return (type(v), v)
+    return v
+
+
+_UNKNOWN = object()
+
+
+class RememberedCheck:
+    """An issue-time check whose passing is remembered (a ``HOST_CHECKS`` entry).
+
+    ``full(*args, **kwargs)`` runs every check and returns what ``rest`` needs;
+    ``rest(token, values)`` runs the checks of the ``varying`` arguments alone (their
+    values in the order of ``varying``; given by name, or at ``positions``). Once a
+    call passed ``full``, a call equal to it in all the checks read (shapes, strides,
+    dtypes and values) but the varying arguments gets ``rest`` alone: the same checks
+    with the same errors, provided ``full`` checks the varying arguments after all
+    that can fail for the others.
+    """
+
+    MAX = 4096
+
+    def __init__(
+        self,
+        full: Callable[..., Any],
+        rest: Callable[[Any, list[Any]], None],
+        varying: tuple[str, ...],
+        positions: tuple[int, ...],
+    ) -> None:
+        self.full, self.rest = full, rest
+        self.varying = frozenset(varying)
+        self.names = varying
+        self._at = dict(zip(positions, range(len(varying)), strict=True))
+        self._passed: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        key: Any = (
+            tuple("V" if i in self._at else _check_key_part(v) for i, v in enumerate(args)),
+            tuple((k, _check_key_part(v)) for k, v in kwargs.items() if k not in self.varying),
+        )
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        values = [kwargs.get(name) for name in self.names]
+        for i, slot in self._at.items():
+            if i < len(args):
+                values[slot] = args[i]
+        self.check(key, values, args, kwargs)
+
+    def check(
+        self, key: Any, values: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Check a call whose ``key`` (None: unknown) summarises all the checks read of
+        it but the varying arguments, whose ``values`` are given."""
+        token = self._passed.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+        if token is _UNKNOWN:
+            token = self.full(*args, **kwargs)
+            if key is not None:
+                if len(self._passed) >= self.MAX:
+                    self._passed.clear()
+                self._passed[key] = token
+            return
+        self.rest(token, values)
+
+
 # Op arguments are values or lists/tuples of values (a schema's Tensor[] or int[]);
 # these one-level walks replace torch's pytree, which costs ~10x more per call.
 

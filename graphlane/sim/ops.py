@@ -19,7 +19,7 @@ import torch
 
 from . import attention_kernel as K
 from .errors import SimUsageError
-from .opcall import HOST_CHECKS, PATCHABLE_OPS
+from .opcall import HOST_CHECKS, PATCHABLE_OPS, RememberedCheck
 
 _TENSOR_OPTIONALS = [
     "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2", "quant_offset2",
@@ -194,58 +194,26 @@ def _fia_out_meta(*args: Any, **kwargs: Any) -> None:
 # as captured. The arguments' checks read the lengths' values and, of everything else,
 # only shapes, strides, dtypes and values (attention_kernel.check_arguments); so once
 # a call passed them, a call equal to it in all of that needs only its lengths checked.
-_LENGTHS = ("actual_seq_lengths", "actual_seq_lengths_kv")
-_LENGTH_AT = {5: 0, 6: 1}  # positions of the lengths in the schema
-_PASSED: dict[Any, Any] = {}  # check key -> the dims the full check returned
-_PASSED_MAX = 4096
+def _fia_out_full_check(*args: Any, **kwargs: Any) -> Any:
+    b = bind(args, kwargs)
+    dims = _check(b)
+    _check_out(b)
+    return dims
 
 
-def _check_key_part(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return ("T", v.shape, v.stride(), v.dtype)
-    if isinstance(v, (list, tuple)):
-        return (type(v), *map(_check_key_part, v))
-    if isinstance(v, (bool, int, float)):
-        return (type(v), v)
-    return v
-
-
-def _check_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What the checks read of a call but for its lengths; None when not hashable."""
-    key = (
-        tuple("L" if i in _LENGTH_AT else _check_key_part(v) for i, v in enumerate(args)),
-        tuple((k, _check_key_part(v)) for k, v in kwargs.items() if k not in _LENGTHS),
-    )
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
-
-
-def _fia_out_check(*args: Any, **kwargs: Any) -> None:
-    """The issue-time check of the .out op (``HOST_CHECKS``): :func:`_fia_out_meta`,
-    whose passing is remembered, so that a call that differs from a passed one only in
-    its lengths gets the length checks alone (same checks, same errors)."""
-    key = _check_key(args, kwargs)
-    dims = _PASSED.get(key) if key is not None else None
-    if dims is None:
-        b = bind(args, kwargs)
-        dims = _check(b)
-        _check_out(b)
-        if key is not None:
-            if len(_PASSED) >= _PASSED_MAX:
-                _PASSED.clear()
-            _PASSED[key] = dims
-        return
-    lengths: list[Any] = [kwargs.get(_LENGTHS[0]), kwargs.get(_LENGTHS[1])]
-    for i, slot in _LENGTH_AT.items():
-        if i < len(args):
-            lengths[slot] = args[i]
+def _fia_lengths_check(dims: Any, lengths: list[Any]) -> None:
     try:
         K.check_lengths(lengths[0], lengths[1], dims)
     except K.AttentionArgumentError as exc:
         raise SimUsageError(f"npu_fused_infer_attention_score: {exc}") from exc
+
+
+_fia_out_check = RememberedCheck(
+    _fia_out_full_check,
+    _fia_lengths_check,
+    varying=("actual_seq_lengths", "actual_seq_lengths_kv"),
+    positions=(5, 6),
+)
 
 
 refuse_real_torch_npu()  # before defining torch.ops.npu.*, which it would own

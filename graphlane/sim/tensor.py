@@ -61,6 +61,22 @@ class NpuTensor(torch.Tensor):
     def data_ptr(self) -> int:
         return self._data.data_ptr()
 
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the
+        copy back of every step's output, skip the dispatcher round trip and do what
+        its ``_to_copy`` would (:func:`_to_host`)."""
+        if (
+            len(args) == 1
+            and (not kwargs or kwargs.keys() == {"non_blocking"})
+            and (args[0] == "cpu" if type(args[0]) is str else _is_cpu_device(args[0]))
+        ):
+            return _to_host(self, bool(kwargs.get("non_blocking", False)))
+        return super().to(*args, **kwargs)
+
+    def cpu(self, memory_format: Any = torch.preserve_format) -> torch.Tensor:
+        """``Tensor.cpu``: a blocking copy to new host memory, as ``_to_copy`` does it."""
+        return _to_host(self, False)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         host = self.cpu()
         text = repr(host)
@@ -398,9 +414,24 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return out
     if target.type != "cpu":
         raise SimUsageError(f"copy from npu to {target} is not supported")
+    if dtype == x.dtype:
+        return _to_host(x, non_blocking)
     out_cpu = torch.empty(x.shape, dtype=dtype)
     _copy_(aten.copy_.default, (out_cpu, x, non_blocking), {})
     return out_cpu
+
+
+def _is_cpu_device(d: Any) -> bool:
+    return type(d) is torch.device and d.type == "cpu"
+
+
+def _to_host(x: NpuTensor, non_blocking: bool) -> torch.Tensor:
+    """A copy of ``x`` in new host memory: queued on the current stream, waited for
+    unless ``non_blocking``."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    stream = current_stream(_index(x))
+    _cross_copy(stream, out, x._data, non_blocking, "copy npu->host")
+    return out
 
 
 def _resize_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

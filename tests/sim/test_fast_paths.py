@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphlane.sim import SimUsageError, torch_npu
+from graphlane.sim.graphs import abandon_update
 
 fused = torch_npu._C._npu_fused_infer_attention_score_out_graph
 fia = torch_npu.npu_fused_infer_attention_score
@@ -163,3 +164,60 @@ def test_patch_keys_of_a_list_the_caller_mutates_afterwards_are_those_of_issue()
     fused(layer.u, layer.handle, layer.ev, **layer.args(lengths))
     lengths[0] = 1  # the patch took its values when it was issued
     assert torch.equal(layer.run(), layer.expected([6, 7]))
+
+
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+def test_remembered_check_still_checks_lengths_and_everything_that_changed(path: str) -> None:
+    """Arguments that passed once are remembered; a later call that differs in its
+    lengths gets the length checks, one that differs in anything else all checks."""
+    layer = Layer()
+
+    def patch(lengths: list[int], **over: Any) -> None:
+        if path == "fused":
+            fused(layer.u, layer.handle, layer.ev, **layer.args(lengths, **over))
+        else:
+            try:
+                layer.patch(lengths, **over)
+            finally:
+                abandon_update(layer.u)  # after a refusal, the update is still open
+
+    patch([4, 4])
+    layer.run()
+    for bad, match in [
+        (dict(lengths=[KV + 1, 1]), "actual_seq_lengths_kv"),
+        (dict(lengths=[-1, 2]), "actual_seq_lengths_kv"),
+        (dict(lengths=[1, 1], num_heads=N * 2), "num_heads"),
+        (dict(lengths=[1, 1], input_layout="BSH"), "layout BSH"),
+        (dict(lengths=[1, 1], softmax_lse_flag=True), "softmax_lse"),
+    ]:
+        lengths = bad.pop("lengths")
+        with pytest.raises(SimUsageError, match=match):
+            patch(lengths, **bad)
+    patch([2, 3])  # still patches after the refusals
+    assert torch.equal(layer.run(), layer.expected([2, 3]))
+
+
+def test_to_host_forms_copy_as_to_copy_does() -> None:
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).npu()
+    for y in (
+        x.to("cpu"),
+        x.to(torch.device("cpu")),
+        x.cpu(),
+        x.to("cpu", torch.float64),  # not a fast form: through the dispatcher
+        x.to("cpu:0"),
+    ):
+        assert y.device.type == "cpu"
+        assert y.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    late = x.to("cpu", non_blocking=True)
+    torch.npu.synchronize()
+    assert late.dtype == torch.float32 and late.sum().item() == 15.0
+    assert x.t().to("cpu").tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    assert x.to(torch.float64).device.type == "npu"
+
+
+def test_blocking_copy_to_host_during_capture_is_still_refused() -> None:
+    x = torch.ones(2).npu()
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with pytest.raises(SimUsageError, match="blocking"), torch.npu.graph(g, stream=s):
+        x.to("cpu")
