@@ -67,7 +67,7 @@ class ExternalEvent:
                 return
             self.add_pending_locked(s)
             s.issue_locked(ExtRecordWork(self))
-            RUNTIME.check_deadlock()
+            RUNTIME.provider_added_locked(s)
 
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
@@ -144,7 +144,7 @@ class ExtRecordWork:
             ev.flag = True
             ev._record_clock = dict(ex.clock)
             ev._record_by = where
-            RUNTIME.cond.notify_all()
+            RUNTIME.wake_locked()
 
 
 class _ExtWait:

@@ -275,7 +275,7 @@ class NPUGraph:
             for node in self.nodes:
                 node.launch_locked(launch, s)
             s.issue_locked(ReplayWork(self, launch))
-            RUNTIME.check_deadlock()
+            RUNTIME.provider_added_locked(s)
 
     def reset(self) -> None:
         with RUNTIME.cond:
