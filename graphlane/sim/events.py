@@ -12,6 +12,7 @@ be ordered (happen-before) after the wait that consumed the previous record.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from .errors import HazardError, SimUsageError
@@ -39,6 +40,7 @@ class ExternalEvent:
         self._consume_clock: Clock | None = None
         self._consumed_by = ""
         self._host_waits = 0  # host wait() calls since the last host record()
+        self._set_at = 0.0  # perf_counter() of the record that set the flag
         self.label = ""  # set by code that knows what the event guards (for messages)
         self.waited_in = ""  # the graph whose capture holds a wait on it (for messages)
 
@@ -142,6 +144,7 @@ class ExtRecordWork:
                 )
                 return
             ev.flag = True
+            ev._set_at = time.perf_counter()
             ev._record_clock = dict(ex.clock)
             ev._record_by = where
             RUNTIME.wake_locked()
@@ -173,8 +176,10 @@ class ExtWaitWork:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event
+        began = time.perf_counter()
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), RUNTIME.epoch)
+            ex.resume_at = max(began, ev._set_at)  # when the device could go on
             ev.flag = False
             clock_join(ex.clock, ev._record_clock)
             ex.tick()

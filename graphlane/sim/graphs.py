@@ -46,7 +46,10 @@ class TaskNode:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         assert launch is not None
-        started = time.perf_counter()
+        # The task's device time runs from when the stream could start it: when the
+        # wait before it was satisfied, not when this thread got round to it.
+        started = ex.resume_at if ex.resume_at is not None else time.perf_counter()
+        ex.resume_at = None
         ex.tick()
         group = self.group
         if group is not None:
@@ -192,6 +195,7 @@ class UpdateState:
         self.handle = handle
         self.tasks = handle.group.tasks
         self.next = 0
+        self.begun = time.perf_counter()  # the update's host work starts here
 
     def patch_for(self, call: OpCall, stream: Stream) -> PatchWork:
         group = self.handle.group

@@ -95,6 +95,7 @@ class Stream:
         self.actor = new_actor_id()
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
+        self.resume_at: float | None = None  # when the last device wait was satisfied
         self._queue: deque[_Entry] = deque()
         self._last: _Entry | None = None
         self._wake = threading.Condition(RUNTIME.cond._lock)  # type: ignore[attr-defined]
@@ -169,6 +170,7 @@ class Stream:
                 for k, v in entry.clock.items():
                     if self.clock.get(k, 0) < v:
                         self.clock[k] = v
+                self.resume_at = None  # a wait's release time holds within one entry
                 try:
                     entry.work.run(self)
                 except Dropped:
@@ -490,9 +492,11 @@ class EventWaitWork:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev, seq = self.event, self.seq
+        began = time.perf_counter()
         with RUNTIME.cond:
             ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), RUNTIME.epoch)
             clock = ev._clocks.get(seq)
             if clock is not None:
                 clock_join(ex.clock, clock)
+            ex.resume_at = max(began, ev._times.get(seq, began))
         ex.tick()

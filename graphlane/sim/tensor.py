@@ -262,8 +262,11 @@ def _unwrap_cpu(v: Any) -> Any:
 
 def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
     with RUNTIME.cond:
-        if stream.updating is not None:
-            patch = stream.updating.patch_for(call, stream)
+        update = stream.updating
+        if update is not None:
+            if update.next == 0 and started is not None:
+                started = min(started, update.begun)  # the group's host work began there
+            patch = update.patch_for(call, stream)
         elif stream.capturing is not None:
             stream.capturing.add_node(TaskNode(call))
             return
@@ -272,7 +275,8 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
                 _check_not_a_missed_update(stream, call)
             stream.issue_locked(OpWork(call.label, call.execute))
             return
-    # The host-side dispatch of an update (tiling on the real NPU) costs host time.
+    # The host-side dispatch of an update (tiling on the real NPU) costs host time,
+    # from the start of its dispatch: the sim's own Python is inside it.
     if RUNTIME.config.mode == "timed":
         _host_cost.clock.charge(RUNTIME.config.patch_us, started)
     with RUNTIME.cond:
