@@ -64,10 +64,24 @@ class TaskNode:
             call.execute()
 
 
-@dataclass(eq=False)
 class Access:
-    clock: Clock
-    what: str
+    """One stream's latest access to a task group: its clock, and what it was (formatted
+    only for a report: ``template.format(*parts)``)."""
+
+    __slots__ = ("clock", "parts", "template")
+
+    def __init__(self, clock: Clock, template: str, *parts: Any) -> None:
+        self.clock = clock
+        self.template = template
+        self.parts = parts
+
+    @property
+    def what(self) -> str:
+        return self.template.format(*self.parts)
+
+
+_REPLAY = "replay #{0} of {1} on {2.name}"
+_PATCH = "the patch of {0} on {1.name}"
 
 
 @dataclass(eq=False)
@@ -95,25 +109,28 @@ class TaskGroup:
         return tasks
 
     def check_read_locked(self, ex: Stream, launch: Launch) -> None:
-        what = f"replay #{launch.number} of {self.graph.name} on {ex.name}"
+        access = Access(dict(ex.clock), _REPLAY, launch.number, self.graph.name, ex)
         for acc in self.patches.values():
             if not clock_leq(acc.clock, ex.clock):
                 RUNTIME.report(
                     HazardError(
-                        f"race on {self.name}: {what} reads the task group while {acc.what} "
+                        f"race on {self.name}: {access.what} reads the task group while "
+                        f"{acc.what} "
                         "is not ordered before it (the replay may run with the old or a "
                         "half-applied patch). Order the patch before the replay, e.g. with the "
                         "ExternalEvent the graph waits on before this group."
                     )
                 )
-        self.reads[ex.actor] = Access(dict(ex.clock), what)
+        self.reads[ex.actor] = access
 
-    def check_patch_locked(self, ex: Stream, what: str) -> None:
+    def check_patch_locked(self, ex: Stream, label: str) -> None:
+        access = Access(dict(ex.clock), _PATCH, label, ex)
         for acc in self.reads.values():
             if not clock_leq(acc.clock, ex.clock):
                 RUNTIME.report(
                     HazardError(
-                        f"race on {self.name}: {what} is not ordered after {acc.what}, which "
+                        f"race on {self.name}: {access.what} is not ordered after {acc.what}, "
+                        "which "
                         "reads the same tasks; the patch may land while that replay runs them. "
                         "Make the update stream wait for an event recorded after that replay."
                     )
@@ -121,9 +138,11 @@ class TaskGroup:
         for actor, acc in self.patches.items():
             if actor != ex.actor and not clock_leq(acc.clock, ex.clock):
                 RUNTIME.report(
-                    HazardError(f"race on {self.name}: {what} and {acc.what} are not ordered")
+                    HazardError(
+                        f"race on {self.name}: {access.what} and {acc.what} are not ordered"
+                    )
                 )
-        self.patches[ex.actor] = Access(dict(ex.clock), what)
+        self.patches[ex.actor] = access
 
 
 class TaskGroupHandle:
@@ -152,7 +171,7 @@ class PatchWork:
         with RUNTIME.cond:
             if group.graph.generation != self.handle.generation:
                 return  # the graph was reset meanwhile; nothing to patch
-            group.check_patch_locked(ex, f"the patch of {self.call.label} on {ex.name}")
+            group.check_patch_locked(ex, self.call.label)
             self.task.call = self.call
 
 

@@ -155,8 +155,11 @@ class Stream:
 
     def _loop(self) -> None:
         cond = RUNTIME.cond
+        entry: _Entry | None = None
         while True:
-            with cond:
+            with cond:  # one critical section per entry: finish one, take the next
+                if entry is not None:
+                    self._finish_locked(entry)
                 while not self._queue:
                     self._idle = True
                     RUNTIME.wake_locked()
@@ -186,13 +189,15 @@ class Stream:
                                 f"{type(exc).__name__}: {exc}"
                             )
                         )
-            with cond:
-                self.blocked = None
-                entry.done = True
-                entry.done_clock = dict(self.clock)
-                if self._queue and self._queue[0] is entry:
-                    self._queue.popleft()
-                RUNTIME.wake_locked()
+
+    def _finish_locked(self, entry: _Entry) -> None:
+        self.blocked = None
+        entry.done = True
+        entry.done_clock = dict(self.clock)
+        if self._queue and self._queue[0] is entry:
+            self._queue.popleft()
+        if self._queue:  # else the idle loop wakes the waiters
+            RUNTIME.wake_locked()
 
     def block_until(self, ready: Callable[[], bool], wait: WaitInfo, epoch: int) -> None:
         """Stream-thread wait for device state; caller holds the runtime lock.

@@ -267,6 +267,10 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
             if update.next == 0 and started is not None:
                 started = min(started, update.begun)  # the group's host work began there
             patch = update.patch_for(call, stream)
+            config = RUNTIME.config
+            if config.mode != "timed" or config.patch_us <= 0:
+                stream.issue_locked(patch)  # nothing to charge: issue it right away
+                return
         elif stream.capturing is not None:
             stream.capturing.add_node(TaskNode(call))
             return
