@@ -19,13 +19,19 @@ PATCHABLE_OPS: set[Any] = set()
 HOST_CHECKS: dict[Any, Callable[..., Any]] = {}
 
 
+_AS_IS = (type(None), str)
+
+
 def _check_key_part(v: Any) -> Any:
+    t = type(v)
+    if t in _AS_IS:
+        return v
     if isinstance(v, torch.Tensor):
         return ("T", v.shape, v.stride(), v.dtype)
     if isinstance(v, (list, tuple)):
-        return (type(v), *map(_check_key_part, v))
+        return (t, *map(_check_key_part, v))
     if isinstance(v, (bool, int, float)):
-        return (type(v), v)
+        return (t, v)
     return v
 
 
@@ -60,8 +66,14 @@ class RememberedCheck:
         self._passed: dict[Any, Any] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
+        at = self._at
         key: Any = (
-            tuple("V" if i in self._at else _check_key_part(v) for i, v in enumerate(args)),
+            tuple(
+                [
+                    "V" if i in at else (v if v is None else _check_key_part(v))
+                    for i, v in enumerate(args)
+                ]
+            ),
             tuple((k, _check_key_part(v)) for k, v in kwargs.items() if k not in self.varying),
         )
         try:
@@ -166,7 +178,12 @@ class OpCall:
         layouts), a patch's those of its issue, whatever happens to the tensors later."""
         keys = self._keys
         if keys is None:
-            tensors = [t for t in flat(self.args, self.kwargs) if isinstance(t, torch.Tensor)]
+            tensors: list[torch.Tensor] = []
+            for v in (*self.args, *self.kwargs.values()):  # flat(), inline
+                if isinstance(v, torch.Tensor):
+                    tensors.append(v)
+                elif isinstance(v, (list, tuple)):
+                    tensors += [e for e in v if isinstance(e, torch.Tensor)]
             keys = [_tensor_key(t) for t in (*tensors, *(self.outs or ()))]
             self._keys = keys
         return keys

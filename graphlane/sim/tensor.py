@@ -228,7 +228,15 @@ def issue(
 ) -> Any:
     """Queue, capture or patch one op on ``stream``; return its (future) result."""
     info = _schema(func)
-    cpu_args = map_args(_unwrap, args)
+    # One pass, inline: most arguments are None, scalars or npu tensors.
+    cpu_args = tuple(
+        [
+            a._data
+            if type(a) is NpuTensor
+            else (map_value(_unwrap, a) if isinstance(a, (list, tuple)) else a)
+            for a in args
+        ]
+    )
     cpu_kwargs = map_kwargs(_unwrap_cpu, kwargs)
     outs: list[torch.Tensor] | None = None
     result: Any
