@@ -78,6 +78,7 @@ import torch
 __all__ = [
     "AttentionArgumentError",
     "check_arguments",
+    "check_lengths",
     "fused_infer_attention",
     "output_shapes",
     "workspace_bytes",
@@ -409,10 +410,14 @@ def check_arguments(
     num_key_value_heads: int = 0,
     sparse_mode: int = 0,
     unsupported: Mapping[str, object] | None = None,
-) -> None:
+) -> _Dims:
     """Validate the arguments at shape level (no tensor data is read, no compute).
 
-    Raises :class:`AttentionArgumentError` naming the offending argument.
+    Raises :class:`AttentionArgumentError` naming the offending argument. Returns the
+    logical sizes. Only shapes, ranks and dtypes of the tensors are read, and the
+    lengths are checked last but for pse_shift and atten_mask, which do not depend on
+    them: arguments equal in all of that but the lengths pass or fail the same checks
+    before :func:`check_lengths`.
     """
     _check_unsupported(unsupported)
     layout = _check_layout(input_layout)
@@ -422,14 +427,25 @@ def check_arguments(
     v = _check_tensor("value", value)
     _check_dtypes(q, k, v)
     dims = _dims(q, k, v, layout, num_heads, num_key_value_heads)
+    check_lengths(actual_seq_lengths, actual_seq_lengths_kv, dims)
+    _check_pse(pse_shift, q, dims)
+    _check_mask(atten_mask, dims)
+    return dims
+
+
+def check_lengths(
+    actual_seq_lengths: Sequence[int] | None,
+    actual_seq_lengths_kv: Sequence[int] | None,
+    dims: _Dims,
+) -> None:
+    """The length checks of :func:`check_arguments`, for arguments whose other checks
+    passed with these ``dims`` (what check_arguments returned)."""
     _resolve_lengths("actual_seq_lengths_kv", actual_seq_lengths_kv, dims.batch, dims.kv_seq)
     if dims.q_seq == 1:
         # IFA branch: the doc says actual_seq_lengths is ignored; only its type is checked.
         _lengths_type("actual_seq_lengths", actual_seq_lengths)
     else:
         _resolve_lengths("actual_seq_lengths", actual_seq_lengths, dims.batch, dims.q_seq)
-    _check_pse(pse_shift, q, dims)
-    _check_mask(atten_mask, dims)
 
 
 def _output_shape(dims: _Dims, layout: str) -> tuple[int, ...]:

@@ -12,6 +12,7 @@ be ordered (happen-before) after the wait that consumed the previous record.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from .errors import HazardError, SimUsageError
@@ -39,7 +40,9 @@ class ExternalEvent:
         self._consume_clock: Clock | None = None
         self._consumed_by = ""
         self._host_waits = 0  # host wait() calls since the last host record()
+        self._set_at = 0.0  # perf_counter() of the record that set the flag
         self.label = ""  # set by code that knows what the event guards (for messages)
+        self.waited_in = ""  # the graph whose capture holds a wait on it (for messages)
 
     def __repr__(self) -> str:
         return f"<graphlane sim {self.name}>"
@@ -52,6 +55,11 @@ class ExternalEvent:
     def display(self) -> str:
         return f"{self.name} ({self.label})" if self.label else self.name
 
+    @property
+    def guarded(self) -> str:
+        """The event and, when a captured graph waits on it, where."""
+        return f"{self.display}, waited on in {self.waited_in}," if self.waited_in else self.display
+
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
@@ -61,7 +69,7 @@ class ExternalEvent:
                 return
             self.add_pending_locked(s)
             s.issue_locked(ExtRecordWork(self))
-            RUNTIME.check_deadlock()
+            RUNTIME.provider_added_locked(s)
 
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
@@ -74,6 +82,8 @@ class ExternalEvent:
                 )
             self._host_waits += 1
             if s.capturing is not None:
+                graph = s.capturing.graph
+                self.waited_in = f"{graph.name} (before task group {len(graph.groups)})"
                 s.capturing.add_node(ExtWaitWork(self))
                 return
             s.issue_locked(ExtWaitWork(self))
@@ -114,7 +124,7 @@ class ExtRecordWork:
             if ev.flag:
                 RUNTIME.report(
                     HazardError(
-                        f"lost release: record of {ev.display} on {where} ran while the previous "
+                        f"lost release: record of {ev.guarded} on {where} ran while the previous "
                         f"record (by {ev._record_by}) was still unconsumed; the two merge into "
                         "one signal and the next wait on it hangs. Record once per captured "
                         "wait, after the replay that consumed the previous record.",
@@ -125,7 +135,7 @@ class ExtRecordWork:
             if ev._consume_clock is not None and not clock_leq(ev._consume_clock, ex.clock):
                 RUNTIME.report(
                     HazardError(
-                        f"lost release: record of {ev.display} on {where} is not ordered after "
+                        f"lost release: record of {ev.guarded} on {where} is not ordered after "
                         f"the wait that consumed the previous record ({ev._consumed_by}); "
                         "whenever it runs first, the two records merge and the next wait hangs. "
                         "Make the recording stream wait for an event recorded after that replay.",
@@ -134,9 +144,10 @@ class ExtRecordWork:
                 )
                 return
             ev.flag = True
+            ev._set_at = time.perf_counter()
             ev._record_clock = dict(ex.clock)
             ev._record_by = where
-            RUNTIME.cond.notify_all()
+            RUNTIME.wake_locked()
 
 
 class _ExtWait:
@@ -165,8 +176,10 @@ class ExtWaitWork:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event
+        began = time.perf_counter()
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
+            ex.resume_at = max(began, ev._set_at)  # when the device could go on
             ev.flag = False
             clock_join(ex.clock, ev._record_clock)
             ex.tick()

@@ -46,7 +46,10 @@ class TaskNode:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         assert launch is not None
-        started = time.perf_counter()
+        # The task's device time runs from when the stream could start it: when the
+        # wait before it was satisfied, not when this thread got round to it.
+        started = ex.resume_at if ex.resume_at is not None else time.perf_counter()
+        ex.resume_at = None
         ex.tick()
         group = self.group
         if group is not None:
@@ -61,10 +64,24 @@ class TaskNode:
             call.execute()
 
 
-@dataclass(eq=False)
 class Access:
-    clock: Clock
-    what: str
+    """One stream's latest access to a task group: its clock, and what it was (formatted
+    only for a report: ``template.format(*parts)``)."""
+
+    __slots__ = ("clock", "parts", "template")
+
+    def __init__(self, clock: Clock, template: str, *parts: Any) -> None:
+        self.clock = clock
+        self.template = template
+        self.parts = parts
+
+    @property
+    def what(self) -> str:
+        return self.template.format(*self.parts)
+
+
+_REPLAY = "replay #{0} of {1} on {2.name}"
+_PATCH = "the patch of {0} on {1.name}"
 
 
 @dataclass(eq=False)
@@ -75,6 +92,7 @@ class TaskGroup:
     end: int = -1
     reads: dict[int, Access] = field(default_factory=dict)  # per stream actor
     patches: dict[int, Access] = field(default_factory=dict)  # per stream actor
+    _tasks: list[TaskNode] | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -83,28 +101,36 @@ class TaskGroup:
 
     @property
     def tasks(self) -> list[TaskNode]:
-        return [n for n in self.graph.nodes[self.start : self.end] if isinstance(n, TaskNode)]
+        tasks = self._tasks
+        if tasks is None:
+            tasks = [n for n in self.graph.nodes[self.start : self.end] if isinstance(n, TaskNode)]
+            if self.end >= 0:  # a closed group's tasks are fixed until the graph is reset
+                self._tasks = tasks
+        return tasks
 
     def check_read_locked(self, ex: Stream, launch: Launch) -> None:
-        what = f"replay #{launch.number} of {self.graph.name} on {ex.name}"
+        access = Access(dict(ex.clock), _REPLAY, launch.number, self.graph.name, ex)
         for acc in self.patches.values():
             if not clock_leq(acc.clock, ex.clock):
                 RUNTIME.report(
                     HazardError(
-                        f"race on {self.name}: {what} reads the task group while {acc.what} "
+                        f"race on {self.name}: {access.what} reads the task group while "
+                        f"{acc.what} "
                         "is not ordered before it (the replay may run with the old or a "
                         "half-applied patch). Order the patch before the replay, e.g. with the "
                         "ExternalEvent the graph waits on before this group."
                     )
                 )
-        self.reads[ex.actor] = Access(dict(ex.clock), what)
+        self.reads[ex.actor] = access
 
-    def check_patch_locked(self, ex: Stream, what: str) -> None:
+    def check_patch_locked(self, ex: Stream, label: str) -> None:
+        access = Access(dict(ex.clock), _PATCH, label, ex)
         for acc in self.reads.values():
             if not clock_leq(acc.clock, ex.clock):
                 RUNTIME.report(
                     HazardError(
-                        f"race on {self.name}: {what} is not ordered after {acc.what}, which "
+                        f"race on {self.name}: {access.what} is not ordered after {acc.what}, "
+                        "which "
                         "reads the same tasks; the patch may land while that replay runs them. "
                         "Make the update stream wait for an event recorded after that replay."
                     )
@@ -112,9 +138,11 @@ class TaskGroup:
         for actor, acc in self.patches.items():
             if actor != ex.actor and not clock_leq(acc.clock, ex.clock):
                 RUNTIME.report(
-                    HazardError(f"race on {self.name}: {what} and {acc.what} are not ordered")
+                    HazardError(
+                        f"race on {self.name}: {access.what} and {acc.what} are not ordered"
+                    )
                 )
-        self.patches[ex.actor] = Access(dict(ex.clock), what)
+        self.patches[ex.actor] = access
 
 
 class TaskGroupHandle:
@@ -143,7 +171,7 @@ class PatchWork:
         with RUNTIME.cond:
             if group.graph.generation != self.handle.generation:
                 return  # the graph was reset meanwhile; nothing to patch
-            group.check_patch_locked(ex, f"the patch of {self.call.label} on {ex.name}")
+            group.check_patch_locked(ex, self.call.label)
             self.task.call = self.call
 
 
@@ -178,6 +206,7 @@ class CaptureState:
         self.graph.nodes.append(node)
         if isinstance(node, TaskNode) and self.open_group is not None:
             node.group = self.open_group
+            node.call.tensor_keys()  # what a patch is checked against: capture-time keys
 
 
 class UpdateState:
@@ -185,6 +214,7 @@ class UpdateState:
         self.handle = handle
         self.tasks = handle.group.tasks
         self.next = 0
+        self.begun = time.perf_counter()  # the update's host work starts here
 
     def patch_for(self, call: OpCall, stream: Stream) -> PatchWork:
         group = self.handle.group
@@ -284,7 +314,7 @@ class NPUGraph:
             for node in self.nodes:
                 node.launch_locked(launch, s)
             s.issue_locked(ReplayWork(self, launch))
-            RUNTIME.check_deadlock()
+            RUNTIME.provider_added_locked(s)
 
     def reset(self) -> None:
         with RUNTIME.cond:
@@ -405,6 +435,13 @@ def graph_task_update_end(stream: Stream) -> None:
                 f"update of {state.handle.group.name} ended after {state.next} of its "
                 f"{len(state.tasks)} task(s) were re-issued"
             )
+
+
+def abandon_update(stream: Stream) -> None:
+    """Close the update open on ``stream`` after its op was refused (nothing was patched
+    by it), so that the op's error is the one reported and the stream can update again."""
+    with RUNTIME.cond:
+        stream.updating = None
 
 
 # Captured tasks of patchable ops, by (op, tensors): finds an eager re-issue that

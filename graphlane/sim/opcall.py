@@ -11,6 +11,97 @@ import torch
 # one of these re-issued eagerly with its captured tensors was meant as an update.
 PATCHABLE_OPS: set[Any] = set()
 
+# Issue-time argument checks of the sim's own ops (registered by ops.py): the op's
+# meta kernel as a Python function, called with the CPU-level arguments instead of
+# meta tensors made for the call (it reads shapes, strides and dtypes, never data,
+# and must not modify its arguments). Same checks, same errors, without the
+# dispatcher round trip and the meta tensors.
+HOST_CHECKS: dict[Any, Callable[..., Any]] = {}
+
+
+_AS_IS = (type(None), str)
+
+
+def _check_key_part(v: Any) -> Any:
+    t = type(v)
+    if t in _AS_IS:
+        return v
+    if isinstance(v, torch.Tensor):
+        return ("T", v.shape, v.stride(), v.dtype)
+    if isinstance(v, (list, tuple)):
+        return (t, *map(_check_key_part, v))
+    if isinstance(v, (bool, int, float)):
+        return (t, v)
+    return v
+
+
+_UNKNOWN = object()
+
+
+class RememberedCheck:
+    """An issue-time check whose passing is remembered (a ``HOST_CHECKS`` entry).
+
+    ``full(*args, **kwargs)`` runs every check and returns what ``rest`` needs;
+    ``rest(token, values)`` runs the checks of the ``varying`` arguments alone (their
+    values in the order of ``varying``; given by name, or at ``positions``). Once a
+    call passed ``full``, a call equal to it in all the checks read (shapes, strides,
+    dtypes and values) but the varying arguments gets ``rest`` alone: the same checks
+    with the same errors, provided ``full`` checks the varying arguments after all
+    that can fail for the others.
+    """
+
+    MAX = 4096
+
+    def __init__(
+        self,
+        full: Callable[..., Any],
+        rest: Callable[[Any, list[Any]], None],
+        varying: tuple[str, ...],
+        positions: tuple[int, ...],
+    ) -> None:
+        self.full, self.rest = full, rest
+        self.varying = frozenset(varying)
+        self.names = varying
+        self._at = dict(zip(positions, range(len(varying)), strict=True))
+        self._passed: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        at = self._at
+        key: Any = (
+            tuple(
+                [
+                    "V" if i in at else (v if v is None else _check_key_part(v))
+                    for i, v in enumerate(args)
+                ]
+            ),
+            tuple((k, _check_key_part(v)) for k, v in kwargs.items() if k not in self.varying),
+        )
+        try:
+            hash(key)
+        except TypeError:
+            key = None
+        values = [kwargs.get(name) for name in self.names]
+        for i, slot in self._at.items():
+            if i < len(args):
+                values[slot] = args[i]
+        self.check(key, values, args, kwargs)
+
+    def check(
+        self, key: Any, values: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Check a call whose ``key`` (None: unknown) summarises all the checks read of
+        it but the varying arguments, whose ``values`` are given."""
+        token = self._passed.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+        if token is _UNKNOWN:
+            token = self.full(*args, **kwargs)
+            if key is not None:
+                if len(self._passed) >= self.MAX:
+                    self._passed.clear()
+                self._passed[key] = token
+            return
+        self.rest(token, values)
+
+
 # Op arguments are values or lists/tuples of values (a schema's Tensor[] or int[]);
 # these one-level walks replace torch's pytree, which costs ~10x more per call.
 
@@ -38,7 +129,14 @@ def flat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    """Where a tensor is and how it is laid out: (address, storage offset, shape, stride,
+    dtype). The address with the offset and dtype names the same storage position as
+    the storage's own address would; ``t.shape`` is a torch.Size, equal to the tuple."""
+    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def _layout(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (tuple(key[2]), key[3], key[4])
 
 
 class OpCall:
@@ -49,7 +147,7 @@ class OpCall:
     tensors handed to the host at issue time receive them.
     """
 
-    __slots__ = ("args", "host", "kwargs", "label", "op", "outs")
+    __slots__ = ("_keys", "args", "host", "kwargs", "label", "op", "outs")
 
     def __init__(
         self,
@@ -66,6 +164,7 @@ class OpCall:
         # ids of host tensors among the arguments: values a patch may change, not memory
         self.host = host or set()
         self.label = str(getattr(op, "__name__", op))
+        self._keys: list[tuple[Any, ...]] | None = None
 
     def execute(self) -> Any:
         result = self.op(*self.args, **self.kwargs)
@@ -77,12 +176,22 @@ class OpCall:
         return result
 
     def tensor_keys(self) -> list[tuple[Any, ...]]:
-        keys = [
-            _tensor_key(t)
-            for t in flat(self.args, self.kwargs)
-            if isinstance(t, torch.Tensor) and id(t) not in self.host
-        ]
-        keys += [_tensor_key(t) for t in self.outs or ()]
+        """The key of every device tensor argument (host tensors are values a patch may
+        change, not memory), taken at the first call and kept: a captured call's keys are
+        those of capture time (the graph holds those addresses and layouts), a patch's
+        those of its issue, whatever happens to the tensors later."""
+        keys = self._keys
+        if keys is None:
+            host = self.host
+            tensors: list[torch.Tensor] = []
+            for v in (*self.args, *self.kwargs.values()):  # flat(), inline
+                if isinstance(v, torch.Tensor):
+                    if id(v) not in host:
+                        tensors.append(v)
+                elif isinstance(v, (list, tuple)):
+                    tensors += [e for e in v if isinstance(e, torch.Tensor) and id(e) not in host]
+            keys = [_tensor_key(t) for t in (*tensors, *(self.outs or ()))]
+            self._keys = keys
         return keys
 
     def mismatch(self, other: OpCall) -> str:
@@ -90,11 +199,16 @@ class OpCall:
         if other.op is not self.op:
             return f"op {other.label} instead of {self.label}"
         mine, theirs = self.tensor_keys(), other.tensor_keys()
+        if mine == theirs:  # the common case, compared in C
+            return ""
         if len(mine) != len(theirs):
             return f"{len(theirs)} tensor arguments instead of {len(mine)}"
         for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
-            if a[2:] != b[2:]:
-                return f"tensor argument {i} has shape/stride/dtype {b[2:]} instead of {a[2:]}"
+            if _layout(a) != _layout(b):
+                return (
+                    f"tensor argument {i} has shape/stride/dtype {_layout(b)} instead of "
+                    f"{_layout(a)}"
+                )
             if a[:2] != b[:2]:
                 return (
                     f"tensor argument {i} is another tensor than the captured one (a patch "

@@ -19,7 +19,7 @@ from .attention_kernel import AttentionArgumentError
 from .errors import SimUsageError
 from .fia_layout import Plan
 from .fia_ops import Signature, check_out, check_workspace, output_shapes, planned, refuse
-from .opcall import PATCHABLE_OPS
+from .opcall import HOST_CHECKS, PATCHABLE_OPS
 from .tensor import register_host_op
 
 _TENSOR_OPTIONALS = [
@@ -151,6 +151,9 @@ _lib.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
 fused_infer_attention_score = torch.ops.npu.npu_fused_infer_attention_score
 _SIGNATURE = Signature(NAME, fused_infer_attention_score.out._schema)
 PATCHABLE_OPS.update({fused_infer_attention_score.default, fused_infer_attention_score.out})
+# Issue-time checks without torch's dispatcher: the meta functions, on the CPU arguments.
+HOST_CHECKS[fused_infer_attention_score.default] = _fia_meta
+HOST_CHECKS[fused_infer_attention_score.out] = _fia_out_meta
 
 
 # ---------------------------------------------------------------- helpers of torch_npu

@@ -106,6 +106,9 @@ class Runtime:
         self._host = threading.local()
         self.epoch = 0  # bumped by reset(): work of an older epoch is dropped
         self.closing = False  # set at interpreter exit: stream threads stop
+        # Threads blocked in wait_for_locked, each with the condition it waits for.
+        self._waiters: list[tuple[threading.Condition, Callable[[], bool]]] = []
+        self._wait_cond = threading.local()
 
     # ------------------------------------------------------------ host clocks
     def host_actor(self) -> tuple[int, Clock]:
@@ -135,9 +138,40 @@ class Runtime:
         """Fault the device with ``error`` (first one wins). Caller holds ``cond``."""
         if self.fault is None:
             self.fault = error
-        self.cond.notify_all()
+        self.wake_all_locked()
 
     # ------------------------------------------------------------ waiting
+    # A thread that waits for device state (a host synchronize, a stream blocked on an
+    # event) registers what it waits for; a change of device state wakes only the
+    # threads whose condition now holds (wake_locked), a fault or a reset wakes all.
+    # Waking every waiter on every completed entry cost a thread switch each, most
+    # of them to find nothing changed for them. Waits still time out, so a missed
+    # wake-up only delays (the watchdog and fault checks run on time-outs too).
+    def wait_for_locked(self, ready: Callable[[], bool], timeout: float) -> None:
+        """Sleep until ``ready()`` may hold, a fault or a reset, or ``timeout``.
+
+        Caller holds ``cond`` and re-checks what it waits for afterwards."""
+        c = getattr(self._wait_cond, "cond", None)
+        if c is None:
+            c = self._wait_cond.cond = threading.Condition(self.cond._lock)  # type: ignore[attr-defined]
+        entry = (c, ready)
+        self._waiters.append(entry)
+        try:
+            c.wait(timeout)
+        finally:
+            self._waiters.remove(entry)
+
+    def wake_locked(self) -> None:
+        """Device state changed: wake the waiters whose condition holds. Caller holds ``cond``."""
+        for c, ready in self._waiters:
+            if ready():
+                c.notify()
+
+    def wake_all_locked(self) -> None:
+        for c, _ in self._waiters:
+            c.notify()
+        self.cond.notify_all()
+
     def wait_until(self, predicate: Callable[[], bool], what: str) -> None:
         """Block the host until ``predicate()`` holds; raise the fault instead of hanging.
 
@@ -147,7 +181,7 @@ class Runtime:
         while not predicate():
             if self.fault is not None:
                 self.raise_if_faulted()
-            self.cond.wait(0.5)
+            self.wait_for_locked(predicate, 0.5)
         self.raise_if_faulted()
 
     # ------------------------------------------------------------ deadlocks
@@ -189,6 +223,14 @@ class Runtime:
                 )
             )
 
+    def provider_added_locked(self, provider: Stream) -> None:
+        """Work that releases waits (records) was queued on ``provider``. Caller holds
+        ``cond``. That can close a cycle only if ``provider`` is blocked now: a stream
+        that is not blocked is live, and so is every wait it provides for; if it blocks
+        later, :meth:`check_deadlock` runs then."""
+        if provider.blocked is not None:
+            self.check_deadlock()
+
     def watchdog_expired(self, since: float) -> bool:
         return time.monotonic() - since > self.config.watchdog_s
 
@@ -200,7 +242,7 @@ class Runtime:
             self.epoch += 1
             for s in self.streams:
                 s.drop_pending_locked()
-            self.cond.notify_all()
+            self.wake_all_locked()
         for s in list(self.streams):
             s.wait_idle_after_reset()
         with self.cond:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -95,6 +95,7 @@ class Stream:
         self.actor = new_actor_id()
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
+        self.resume_at: float | None = None  # when the last device wait was satisfied
         self._queue: deque[_Entry] = deque()
         self._last: _Entry | None = None
         self._wake = threading.Condition(RUNTIME.cond._lock)  # type: ignore[attr-defined]
@@ -124,11 +125,7 @@ class Stream:
     def __repr__(self) -> str:
         return f"<graphlane sim Stream {self.name}>"
 
-    def __eq__(self, other: object) -> bool:
-        return self is other
-
-    def __hash__(self) -> int:
-        return id(self)
+    # Equality and hash are identity (object's, in C: streams key hot dicts and sets).
 
     # ------------------------------------------------------------ issue
     def issue(self, work: Work) -> None:
@@ -143,7 +140,8 @@ class Stream:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"sim-{self.name}", daemon=True)
             self._thread.start()
-        self._wake.notify()
+        if self._idle:  # a busy executor takes the entry without being woken
+            self._wake.notify()
 
     def run_now(self, label: str, fn: Callable[[], Any]) -> Any:
         """Queue ``fn`` and block the host until it ran; returns its result (a host read)."""
@@ -158,11 +156,14 @@ class Stream:
 
     def _loop(self) -> None:
         cond = RUNTIME.cond
+        entry: _Entry | None = None
         while True:
-            with cond:
+            with cond:  # one critical section per entry: finish one, take the next
+                if entry is not None:
+                    self._finish_locked(entry)
                 while not self._queue:
                     self._idle = True
-                    cond.notify_all()
+                    RUNTIME.wake_locked()
                     if RUNTIME.closing:
                         return
                     self._wake.wait()
@@ -174,6 +175,7 @@ class Stream:
                 for k, v in entry.clock.items():
                     if self.clock.get(k, 0) < v:
                         self.clock[k] = v
+                self.resume_at = None  # a wait's release time holds within one entry
                 try:
                     entry.work.run(self)
                 except Dropped:
@@ -189,13 +191,15 @@ class Stream:
                                 f"{type(exc).__name__}: {exc}"
                             )
                         )
-            with cond:
-                self.blocked = None
-                entry.done = True
-                entry.done_clock = dict(self.clock)
-                if self._queue and self._queue[0] is entry:
-                    self._queue.popleft()
-                cond.notify_all()
+
+    def _finish_locked(self, entry: _Entry) -> None:
+        self.blocked = None
+        entry.done = True
+        entry.done_clock = dict(self.clock)
+        if self._queue and self._queue[0] is entry:
+            self._queue.popleft()
+        if self._queue:  # else the idle loop wakes the waiters
+            RUNTIME.wake_locked()
 
     def block_until(self, ready: Callable[[], bool], wait: WaitInfo, epoch: int) -> None:
         """Stream-thread wait for device state; caller holds the runtime lock.
@@ -222,7 +226,7 @@ class Stream:
                     )
                 )
                 continue
-            RUNTIME.cond.wait(0.25)
+            RUNTIME.wait_for_locked(ready, 0.25)
         self.blocked = None
 
     # ------------------------------------------------------------ host side
@@ -283,7 +287,7 @@ class Stream:
     def wait_idle_after_reset(self) -> None:
         with RUNTIME.cond:
             while self._queue and self._thread is not None:
-                RUNTIME.cond.wait(0.05)
+                RUNTIME.wait_for_locked(lambda: not self._queue, 0.05)
 
 
 # ---------------------------------------------------------------- current stream
@@ -317,23 +321,36 @@ def set_stream(stream: Stream) -> None:
     set_current_device(stream.device_index)
 
 
-@contextmanager
-def stream(s: Stream | None) -> Iterator[Stream | None]:
-    """Make ``s`` the current stream (and its device current) inside the block."""
-    if s is None:
-        yield None
-        return
-    prev_device = current_device()
-    prev = _current.streams.get(s.device_index)
-    set_stream(s)
-    try:
-        yield s
-    finally:
-        if prev is None:
+class _StreamScope:
+    """What :func:`stream` returns (a class, not a generator: it is on every patch's path)."""
+
+    __slots__ = ("prev", "prev_device", "s")
+
+    def __init__(self, s: Stream | None) -> None:
+        self.s = s
+
+    def __enter__(self) -> Stream | None:
+        s = self.s
+        if s is not None:
+            self.prev_device = current_device()
+            self.prev = _current.streams.get(s.device_index)
+            set_stream(s)
+        return s
+
+    def __exit__(self, *exc: object) -> None:
+        s = self.s
+        if s is None:
+            return
+        if self.prev is None:
             _current.streams.pop(s.device_index, None)
         else:
-            _current.streams[s.device_index] = prev
-        set_current_device(prev_device)
+            _current.streams[s.device_index] = self.prev
+        set_current_device(self.prev_device)
+
+
+def stream(s: Stream | None) -> AbstractContextManager[Stream | None]:
+    """Make ``s`` the current stream (and its device current) inside the block."""
+    return _StreamScope(s)
 
 
 # =================================================================== Event
@@ -435,7 +452,7 @@ class Event:
         # Older clocks are no longer needed once a later record completed.
         for old in [k for k in self._clocks if k < seq - 4]:
             del self._clocks[old]
-        RUNTIME.cond.notify_all()
+        RUNTIME.wake_locked()
 
 
 class EventRecordWork:
@@ -482,9 +499,11 @@ class EventWaitWork:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev, seq = self.event, self.seq
+        began = time.perf_counter()
         with RUNTIME.cond:
             ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), ex.run_epoch)
             clock = ev._clocks.get(seq)
             if clock is not None:
                 clock_join(ex.clock, clock)
+            ex.resume_at = max(began, ev._times.get(seq, began))
         ex.tick()

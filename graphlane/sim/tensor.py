@@ -25,7 +25,7 @@ import torch
 
 from .errors import SimUsageError
 from .graphs import TaskNode, captured_group_of_locked
-from .opcall import PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
+from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
 
@@ -60,6 +60,22 @@ class NpuTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         return self._data.data_ptr()
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the
+        copy back of every step's output, skip the dispatcher round trip and do what
+        its ``_to_copy`` would (:func:`_to_host`)."""
+        if (
+            len(args) == 1
+            and (not kwargs or kwargs.keys() == {"non_blocking"})
+            and (args[0] == "cpu" if type(args[0]) is str else _is_cpu_device(args[0]))
+        ):
+            return _to_host(self, bool(kwargs.get("non_blocking", False)))
+        return super().to(*args, **kwargs)
+
+    def cpu(self, memory_format: Any = torch.preserve_format) -> torch.Tensor:
+        """``Tensor.cpu``: a blocking copy to new host memory, as ``_to_copy`` does it."""
+        return _to_host(self, False)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         host = self.cpu()
@@ -183,8 +199,11 @@ _host_cost = _HostCost()
 
 
 # ---------------------------------------------------------------- dispatch
-def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    started = time.perf_counter()
+def dispatch(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float | None = None
+) -> Any:
+    if started is None:
+        started = time.perf_counter()
     special = _SPECIAL.get(func)
     if special is not None:
         return special(func, args, kwargs)
@@ -210,14 +229,27 @@ def issue(
     started: float | None = None,
 ) -> Any:
     """Queue, capture or patch one op on ``stream``; return its (future) result."""
-    mutates = bool(_written_args(func, args, kwargs))
+    info = _schema(func)
+    # One pass, inline: most arguments are None, scalars or npu tensors.
+    cpu_args = tuple(
+        [
+            a._data
+            if type(a) is NpuTensor
+            else (map_value(_unwrap, a) if isinstance(a, (list, tuple)) else a)
+            for a in args
+        ]
+    )
+    cpu_kwargs = map_kwargs(_unwrap_cpu, kwargs)
     outs: list[torch.Tensor] | None = None
     result: Any
-    if mutates:
-        _check_meta(func, args, kwargs)
-        result = _aliased_result(func, args, kwargs)
+    host_check = HOST_CHECKS.get(func)
+    if host_check is not None:
+        meta = map_value(_meta_like, host_check(*cpu_args, **cpu_kwargs))
     else:
         meta = _check_meta(func, args, kwargs)
+    if info.written and _written_args(func, args, kwargs):
+        result = _aliased_result(func, args, kwargs)
+    else:
         allocated: list[torch.Tensor] = []
 
         def alloc(m: Any) -> Any:
@@ -229,8 +261,6 @@ def issue(
 
         result = map_value(alloc, meta)
         outs = allocated
-    cpu_kwargs = map_kwargs(lambda v: _cpu_device(_unwrap(v)), kwargs)
-    cpu_args = map_args(_unwrap, args)
     host: set[int] = set()
     if func in PATCHABLE_OPS:
         # Host tensors (context_lens of paged attention) are parameters the dispatch
@@ -240,7 +270,7 @@ def issue(
         }
         host = {id(t) for t in flat(cpu_args, cpu_kwargs) if getattr(t, "_sim_host", False)}
     call = OpCall(func, cpu_args, cpu_kwargs, outs, host)
-    _route(stream, call, func, started)
+    route(stream, call, func, started)
     return result
 
 
@@ -254,10 +284,21 @@ def _snapshot_host(orig: tuple[Any, ...], cpu: tuple[Any, ...]) -> tuple[Any, ..
     return tuple(out)
 
 
-def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
+def _unwrap_cpu(v: Any) -> Any:
+    return _cpu_device(_unwrap(v))
+
+
+def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
     with RUNTIME.cond:
-        if stream.updating is not None:
-            patch = stream.updating.patch_for(call, stream)
+        update = stream.updating
+        if update is not None:
+            if update.next == 0 and started is not None:
+                started = min(started, update.begun)  # the group's host work began there
+            patch = update.patch_for(call, stream)
+            config = RUNTIME.config
+            if config.mode != "timed" or config.patch_us <= 0:
+                stream.issue_locked(patch)  # nothing to charge: issue it right away
+                return
         elif stream.capturing is not None:
             stream.capturing.add_node(TaskNode(call))
             return
@@ -266,7 +307,8 @@ def _route(stream: Stream, call: OpCall, func: Any, started: float | None) -> No
                 _check_not_a_missed_update(stream, call)
             stream.issue_locked(OpWork(call.label, call.execute))
             return
-    # The host-side dispatch of an update (tiling on the real NPU) costs host time.
+    # The host-side dispatch of an update (tiling on the real NPU) costs host time,
+    # from the start of its dispatch: the sim's own Python is inside it.
     if RUNTIME.config.mode == "timed":
         _host_cost.clock.charge(RUNTIME.config.patch_us, started)
     with RUNTIME.cond:
@@ -387,7 +429,7 @@ def _cross_copy(
         )
     call = OpCall(aten.copy_.default, (dst, src), {})
     call.label = label
-    _route(stream, call, None, None)
+    route(stream, call, None, None)
     if not non_blocking:
         stream.synchronize()
 
@@ -408,9 +450,24 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return out
     if target.type != "cpu":
         raise SimUsageError(f"copy from npu to {target} is not supported")
+    if dtype == x.dtype:
+        return _to_host(x, non_blocking)
     out_cpu = torch.empty(x.shape, dtype=dtype)
     _copy_(aten.copy_.default, (out_cpu, x, non_blocking), {})
     return out_cpu
+
+
+def _is_cpu_device(d: Any) -> bool:
+    return type(d) is torch.device and d.type == "cpu"
+
+
+def _to_host(x: NpuTensor, non_blocking: bool) -> torch.Tensor:
+    """A copy of ``x`` in new host memory: queued on the current stream, waited for
+    unless ``non_blocking``."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    stream = current_stream(_index(x))
+    _cross_copy(stream, out, x._data, non_blocking, "copy npu->host")
+    return out
 
 
 def _resize_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1,0 +1,11 @@
+"""The simulated NPU's own cost per op, beside the CPU eager op each stands for.
+
+.venv/bin/python benchmarks/sim_ops.py [--layers 4] [-n 200] [--repeats 5] [--json]
+"""
+
+from __future__ import annotations
+
+from graphlane.tools import bench_sim
+
+if __name__ == "__main__":
+    bench_sim.main()
