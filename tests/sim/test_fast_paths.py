@@ -139,7 +139,7 @@ def test_fused_binding_with_a_host_tensor_is_refused() -> None:
     patch may change (paged attention's context_lens), not memory, so the re-issued op
     has one device tensor fewer than the captured task, and is refused."""
     layer = Layer()
-    with pytest.raises(SimUsageError, match="does not match captured task .*tensor arguments"):
+    with pytest.raises(SimUsageError, match=r"does not match captured task .*tensor arguments"):
         fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], key=layer.kv_cpu))
 
 
