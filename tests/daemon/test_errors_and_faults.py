@@ -18,7 +18,7 @@ from daemons import RunningDaemon, pid_alive, until, wait_for
 
 from graphlane import GraphlaneError
 from graphlane.client import Client
-from graphlane.client.transport import Channel
+from graphlane.client.transport import Channel, Sockets
 from graphlane.protocol import ops, wire
 
 STEP = {"actual_seq_lengths_kv": [3]}
@@ -316,11 +316,12 @@ def test_calls_past_the_send_queue_limit_wait_for_room_and_time_out_without_hang
         with socket.socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ctx: zmq.Context[Any] = zmq.Context()
-        ch = Channel(ctx, f"tcp://127.0.0.1:{port}", "nobody", bundle_max=bundle_max)
+        sockets = Sockets()
+        ch = Channel(sockets, f"tcp://127.0.0.1:{port}", "nobody", bundle_max=bundle_max)
         try:
             n = (ch.sock.getsockopt(zmq.SNDHWM) + 100) * bundle_max
-            calls = [ch.call(i + 1, "status", {}, 0.5) for i in range(n)]
+            status = ops.OPS["status"]
+            calls = [ch.call(i + 1, status, ops.Status(), 0.5) for i in range(n)]
             results = await asyncio.wait_for(
                 asyncio.gather(*calls, return_exceptions=True), timeout=30
             )
@@ -328,6 +329,6 @@ def test_calls_past_the_send_queue_limit_wait_for_room_and_time_out_without_hang
             assert ch.pending == {}
         finally:
             await ch.close()
-            ctx.destroy(linger=0)
+            assert len(sockets) == 0  # the channel closed both of its sockets
 
     asyncio.run(main())
