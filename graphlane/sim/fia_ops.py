@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from .attention_kernel import AttentionArgumentError
 from .errors import SimUsageError
-from .fia_layout import Plan, out_shape, plan, query_dims, split_layout
+from .fia_layout import AttentionArgumentError, Plan, out_shape, plan, query_dims, split_layout
 
 _PLANS: dict[Any, Plan] = {}
 _PLANS_MAX = 4096

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 
 from . import fia_kernel
-from .attention_kernel import AttentionArgumentError
 from .autodispatch import GraphOpHandler, register_handler
 from .errors import SimUsageError
-from .fia_layout import Plan
+from .fia_layout import AttentionArgumentError, Plan
 from .fia_ops import Signature, check_out, check_workspace, output_shapes, planned, refuse
 from .tensor import PATCHABLE_OPS, register_host_op
 

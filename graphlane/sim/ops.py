@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from . import fia_kernel
-from .attention_kernel import AttentionArgumentError
 from .errors import SimUsageError
-from .fia_layout import Plan
+from .fia_layout import AttentionArgumentError, Plan
 from .fia_ops import Signature, check_out, check_workspace, output_shapes, planned, refuse
 from .opcall import HOST_CHECKS, PATCHABLE_OPS
 from .tensor import register_host_op
