@@ -9,10 +9,12 @@ Plans are cached by shapes and values: a replayed task does not re-validate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from . import fia_kernel
 from .errors import SimUsageError
 from .fia_layout import AttentionArgumentError, Plan, out_shape, plan, query_dims, split_layout
 
@@ -120,6 +122,75 @@ def check_out(op_name: str, out: Any, p: Plan, dtype: torch.dtype) -> list[torch
             f"{op_name}: softmax_lse must be {list(p.lse_shape())}, got {list(lse.shape)}"
         )
     return list(out)
+
+
+Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
+class Kernels:
+    """The CPU and Meta kernels of one FIA op and its ``.out`` overload.
+
+    v1 and v2 differ only in how a call is bound and in the argument names: ``v1``
+    takes a bound call, refuses what the sim does not implement and returns the
+    arguments under v1's names, which planning and the kernel read.
+    """
+
+    def __init__(
+        self,
+        op_name: str,
+        bind: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]],
+        v1: Callable[[dict[str, Any]], dict[str, Any]],
+        workspace_getter: str,
+    ) -> None:
+        self.op_name, self.out_name = op_name, op_name + ".out"
+        self.bind, self.v1, self.workspace_getter = bind, v1, workspace_getter
+
+    def planned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
+        a = self.v1(self.bind(args, kwargs))
+        return planned(self.op_name, a), a
+
+    def cpu(self, *args: Any, **kwargs: Any) -> Outputs:
+        return fia_kernel.compute(*self.planned(args, kwargs))
+
+    def meta(self, *args: Any, **kwargs: Any) -> Outputs:
+        p, a = self.planned(args, kwargs)
+        q = a["query"]
+        return (
+            torch.empty(p.out_shape(), dtype=q.dtype, device=q.device),
+            torch.empty(p.lse_shape(), dtype=torch.float32, device=q.device),
+        )
+
+    def out_cpu(self, *args: Any, **kwargs: Any) -> Outputs:
+        p, a = self.planned(args, kwargs)
+        o, lse = fia_kernel.compute(p, a)
+        out = a["out"]
+        out[0].copy_(o)
+        if a["softmax_lse_flag"]:
+            out[1].copy_(lse)
+        else:
+            out[1].zero_()
+        return out[0], out[1]
+
+    def out_meta(self, *args: Any, **kwargs: Any) -> Outputs:
+        p, a = self.planned(args, kwargs)
+        check_workspace(self.out_name, a.get("workspace"), p.workspace_bytes(),
+                        self.workspace_getter)  # fmt: skip
+        o, lse = check_out(self.out_name, a.get("out"), p, a["query"].dtype)
+        return o, lse
+
+
+def inferred_outputs(op_name: str, query: torch.Tensor, value: torch.Tensor,
+                     a: dict[str, Any]) -> Outputs:  # fmt: skip
+    """Empty (attention_out, softmax_lse) for the ``*_infer_output`` helpers, from the
+    (v1-named) arguments ``a``."""
+    try:
+        shape, lse = output_shapes(query, value, a)
+    except AttentionArgumentError as exc:
+        raise SimUsageError(f"{op_name}: {exc}") from exc
+    return (
+        torch.empty(shape, dtype=query.dtype, device=query.device),
+        torch.empty(lse, dtype=torch.float32, device=query.device),
+    )
 
 
 def output_shapes(
