@@ -349,3 +349,30 @@ def test_unimplemented_arguments_at_their_defaults_are_accepted() -> None:
     a, _ = run(q, k, v, **defaults)
     b, _ = run(q, k, v)
     torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["TND", "TND_NTD"])
+def test_tnd_rows_and_softmax_lse_per_batch(layout: str) -> None:
+    """TND packs the batches' rows one after another (cumulative ends); attention_out
+    and softmax_lse come back in rows too, a padded row past the last end as zeros."""
+    n, nkv, d, q_lens, kv_lens = 4, 2, 16, [3, 2], [5, 4]
+    t, t_kv = sum(q_lens) + 1, sum(kv_lens)
+    gen = torch.Generator().manual_seed(29)
+    q = torch.randn(t, n, d, generator=gen).to(torch.float16)
+    k, v = (torch.randn(t_kv, nkv, d, generator=gen).to(torch.float16) for _ in range(2))
+    out, lse = fia(
+        q, k, v, actual_seq_lengths=[3, 5], actual_seq_lengths_kv=[5, 9], num_heads=n,
+        num_key_value_heads=nkv, input_layout=layout, scale=SCALE, softmax_lse_flag=True,
+    )  # fmt: skip
+    rows = out if layout == "TND" else out.permute(1, 0, 2)  # NTD -> TND
+    assert rows.shape == (t, n, d) and lse.shape == (t, n, 1)
+    qs = ks = 0
+    for ql, kl in zip(q_lens, kv_lens, strict=True):
+        bnsd = [x.transpose(0, 1).unsqueeze(0) for x in (q[qs : qs + ql], k[ks : ks + kl],
+                                                          v[ks : ks + kl])]  # fmt: skip
+        ref_out, ref_lse = reference(*bnsd)
+        assert_matches(rows[qs : qs + ql].transpose(0, 1), ref_out[0], torch.float16)
+        torch.testing.assert_close(lse[qs : qs + ql].transpose(0, 1).double(), ref_lse[0],
+                                   atol=1e-4, rtol=1e-4)  # fmt: skip
+        qs, ks = qs + ql, ks + kl
+    assert torch.count_nonzero(rows[-1]) == 0 and torch.count_nonzero(lse[-1]) == 0
