@@ -9,7 +9,8 @@ Plans are cached by shapes and values: a replayed task does not re-validate.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -56,8 +57,23 @@ def _key_part(v: Any) -> Any:
     return v
 
 
-def planned(op_name: str, a: dict[str, Any]) -> Plan:
-    """The validated plan of a (v1-named) call, from the cache when seen before."""
+Names = Mapping[str, str] | None
+
+
+def usage_error(op_name: str, exc: AttentionArgumentError, names: Names) -> SimUsageError:
+    """The SimUsageError of a refused call. Planning names v1's arguments; ``names`` maps
+    them to the op's own (v2's ``actual_seq_kvlen``, paged attention's ``context_lens``),
+    so that the error names an argument the caller passed."""
+    message = str(exc)
+    if names:
+        words = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+        message = re.sub(rf"\b({words})\b", lambda m: names[m.group(1)], message)
+    return SimUsageError(f"{op_name}: {message}")
+
+
+def planned(op_name: str, a: dict[str, Any], names: Names = None) -> Plan:
+    """The validated plan of a (v1-named) call, from the cache when seen before;
+    errors name the arguments through ``names`` (see :func:`usage_error`)."""
     key: Any = tuple((k, _key_part(v)) for k, v in a.items() if k not in ("out", "workspace"))
     try:
         hit = _PLANS.get(key)
@@ -68,7 +84,7 @@ def planned(op_name: str, a: dict[str, Any]) -> Plan:
     try:
         p = plan(a)
     except AttentionArgumentError as exc:
-        raise SimUsageError(f"{op_name}: {exc}") from exc
+        raise usage_error(op_name, exc, names) from exc
     if key is not None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
@@ -141,13 +157,15 @@ class Kernels:
         bind: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]],
         v1: Callable[[dict[str, Any]], dict[str, Any]],
         workspace_getter: str,
+        names: Names = None,
     ) -> None:
         self.op_name, self.out_name = op_name, op_name + ".out"
         self.bind, self.v1, self.workspace_getter = bind, v1, workspace_getter
+        self.names = names
 
     def planned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
         a = self.v1(self.bind(args, kwargs))
-        return planned(self.op_name, a), a
+        return planned(self.op_name, a, self.names), a
 
     def cpu(self, *args: Any, **kwargs: Any) -> Outputs:
         return fia_kernel.compute(*self.planned(args, kwargs))
@@ -180,13 +198,13 @@ class Kernels:
 
 
 def inferred_outputs(op_name: str, query: torch.Tensor, value: torch.Tensor,
-                     a: dict[str, Any]) -> Outputs:  # fmt: skip
+                     a: dict[str, Any], names: Names = None) -> Outputs:  # fmt: skip
     """Empty (attention_out, softmax_lse) for the ``*_infer_output`` helpers, from the
     (v1-named) arguments ``a``."""
     try:
         shape, lse = output_shapes(query, value, a)
     except AttentionArgumentError as exc:
-        raise SimUsageError(f"{op_name}: {exc}") from exc
+        raise usage_error(op_name, exc, names) from exc
     return (
         torch.empty(shape, dtype=query.dtype, device=query.device),
         torch.empty(lse, dtype=torch.float32, device=query.device),

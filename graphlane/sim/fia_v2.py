@@ -31,6 +31,7 @@ _QUANT = ("dequant_scale_query", "dequant_scale_key", "dequant_offset_key",
 _V1_NAMES = {"num_query_heads": "num_heads", "softmax_scale": "scale",
              "actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actual_seq_lengths_kv",
              "return_softmax_lse": "softmax_lse_flag"}  # fmt: skip
+_V2_NAMES = {v1: v2 for v2, v1 in _V1_NAMES.items()}  # what errors name
 
 _ARGS = (
     "Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
@@ -76,10 +77,10 @@ def _v1(b: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plan(b: dict[str, Any]) -> Plan:
-    return planned(NAME, _v1(b))
+    return planned(NAME, _v1(b), _V2_NAMES)
 
 
-_KERNELS = Kernels(NAME, _SIGNATURE.bind, _v1, WORKSPACE_GETTER)
+_KERNELS = Kernels(NAME, _SIGNATURE.bind, _v1, WORKSPACE_GETTER, _V2_NAMES)
 _lib.impl(NAME, _KERNELS.cpu, "CPU")
 _lib.impl(NAME, _KERNELS.meta, "Meta")
 _lib.impl(f"{NAME}.out", _KERNELS.out_cpu, "CPU")
@@ -97,7 +98,7 @@ def infer_output(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """``_npu_fused_infer_attention_score_v2_infer_output``: empty (attention_out, lse)."""
     b = _INFER.bind(args, kwargs)
     refuse(_INFER.op_name, b, ("quant_scale_out", "query_dtype", "value_dtype", "out_dtype"))
-    return inferred_outputs(_INFER.op_name, b["query"], b["value"], _v1(b))
+    return inferred_outputs(_INFER.op_name, b["query"], b["value"], _v1(b), _V2_NAMES)
 
 
 register_host_op(

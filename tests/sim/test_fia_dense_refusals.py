@@ -4,6 +4,7 @@ naming the argument, and its shape-level helpers (meta tensors, ``_infer_output`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -240,3 +241,46 @@ def test_infer_output_and_workspace() -> None:
     big_q = torch.empty(8, 3, 64, dtype=torch.float16).npu()
     big_k = torch.empty(8, 900, 32, dtype=torch.float16).npu()
     assert get(big_q, big_k, big_k, **kw).numel() > ws.numel()
+
+
+# --------------------------------------------------------------------------- v2, paged attention
+
+
+@pytest.mark.parametrize(
+    ("changes", "pattern"),
+    [
+        ({"num_query_heads": 8}, "num_query_heads: num_query_heads"),
+        ({"actual_seq_kvlen": [9]}, "actual_seq_kvlen: value 9"),
+        ({"actual_seq_qlen": [1, 2]}, "actual_seq_qlen: has 2"),
+    ],
+)
+def test_v2_errors_name_v2_arguments(changes: dict[str, Any], pattern: str) -> None:
+    """v2 is planned under v1's names; its errors still name the arguments v2 takes."""
+    call = _base()
+    q, k, v = (call.pop(name).npu() for name in ("query", "key", "value"))
+    kw = {"num_query_heads": 4, "num_key_value_heads": 2, "input_layout": "BNSD", **changes}
+    with pytest.raises(
+        SimUsageError, match=f"^npu_fused_infer_attention_score_v2: {pattern}"
+    ) as info:
+        torch_npu.npu_fused_infer_attention_score_v2(q, k, v, **kw)
+    assert not re.search(
+        r"\b(num_heads|actual_seq_lengths|actual_seq_lengths_kv)\b", str(info.value)
+    )
+    with pytest.raises(SimUsageError, match=r"^_npu_fused_infer_attention_score_v2_infer_output: "
+                       "num_query_heads"):  # fmt: skip
+        torch_npu._npu_fused_infer_attention_score_v2_infer_output(
+            q, v, num_query_heads=8, input_layout="BNSD"
+        )
+
+
+def test_paged_attention_errors_name_context_lens() -> None:
+    b, n, d, bs = 2, 4, 16, 16
+    cache = torch.zeros(8, bs, n, d, dtype=F16).npu()
+    table = torch.zeros(b, 2, dtype=torch.int32).npu()
+    with pytest.raises(SimUsageError, match=r"^_npu_paged_attention: context_lens: value 40"):
+        torch_npu._npu_paged_attention(
+            query=torch.zeros(b, n, d, dtype=F16).npu(), key_cache=cache, value_cache=cache,
+            num_kv_heads=n, num_heads=n, scale_value=0.25, block_table=table,
+            context_lens=torch.tensor([40, 3], dtype=torch.int32),
+            out=torch.zeros(b, n, d, dtype=F16).npu(),
+        )  # fmt: skip
