@@ -130,13 +130,20 @@ def keep_matrix(p: Plan, mask: torch.Tensor | None) -> torch.Tensor:
     return keep
 
 
+def _unpad_batches(x: torch.Tensor, p: Plan) -> torch.Tensor:
+    """Padded per-batch [B, N, S, X] back to TND rows [T, N, X] (the inverse of
+    :func:`_pad_batches`; rows past the last batch's end stay zero)."""
+    out = x.new_zeros(p.q_total, p.num_heads, x.shape[-1])
+    for b, (n, s) in enumerate(zip(p.q_lens, p.q_starts, strict=True)):
+        out[s : s + n] = x[b, :, :n].transpose(0, 1)
+    return out
+
+
 def _to_layout(o: torch.Tensor, p: Plan, dtype: torch.dtype) -> torch.Tensor:
     """[B, N, S, Dv] float32 to the output layout."""
     lay = p.layout_out
     if lay in ("TND", "NTD"):
-        out = o.new_zeros(p.q_total, p.num_heads, o.shape[-1])
-        for b, (n, s) in enumerate(zip(p.q_lens, p.q_starts, strict=True)):
-            out[s : s + n] = o[b, :, :n].transpose(0, 1)
+        out = _unpad_batches(o, p)
         out = out if lay == "TND" else out.permute(1, 0, 2)
     elif lay == "BNSD":
         out = o
@@ -155,10 +162,7 @@ def _lse_layout(lse: torch.Tensor, p: Plan) -> torch.Tensor:
     if not p.softmax_lse:
         return torch.zeros(1, dtype=torch.float32)
     if p.layout_out in ("TND", "NTD"):
-        out = lse.new_zeros(p.q_total, p.num_heads, 1)
-        for b, (n, s) in enumerate(zip(p.q_lens, p.q_starts, strict=True)):
-            out[s : s + n] = lse[b, :, :n].transpose(0, 1)
-        return out
+        return _unpad_batches(lse, p)
     return lse
 
 

@@ -6,8 +6,22 @@ arguments against the op-plugin document ``torch_npu-npu_fused_infer_attention_s
 (:mod:`fia_kernel`) needs except tensor data. Plans depend on shapes and on the
 length lists only, so callers cache them; nothing here reads a device tensor.
 
-The rules followed, beyond those of :mod:`attention_kernel` (dense BSH/BSND/BNSD):
+A call that breaks a rule raises :class:`AttentionArgumentError` naming the argument;
+the registered ops (:mod:`fia_ops`) turn it into a :class:`SimUsageError`. The rules
+followed:
 
+* Dense BSH/BSND/BNSD: ``D = H / N``; ``num_heads`` equals query's N axis (BSND/BNSD) or
+  divides H (BSH). ``num_key_value_heads`` 0 means ``num_heads``; it divides
+  ``num_heads``, the ratio is at most 64, and it equals key's N axis. key and value
+  shapes match except value's D, which is attention_out's D.
+* dtypes: query float16/bfloat16 (float32 is the sim's extension); key, value and
+  pse_shift take query's dtype; atten_mask is bool/int8/uint8 (nonzero: do not attend).
+* ``actual_seq_lengths`` / ``actual_seq_lengths_kv`` (not TND): one entry applies to
+  every batch, a longer list gives its first B entries, each in [0, S]. At query S 1
+  (the incremental branch) ``actual_seq_lengths`` is ignored but for its type.
+* ``pse_shift``: (B|1, N, Q_S, KV_S); its last two dims may be padded (larger).
+* Full masks: (Q_S, KV_S), (B|1, Q_S, KV_S), (B|1, 1, Q_S, KV_S), and at Q_S 1 also
+  (B, KV_S); the last two dims may be padded.
 * Layouts: the input part is BSH, BSND, BNSD, TND or NTD; an ``_`` suffix names the
   output layout (BNSD_BSND, BSH_NBSD, BSND_NBSD, BNSD_NBSD, TND_NTD, NTD_TND).
 * TND/NTD: ``actual_seq_lengths`` is required and holds cumulative query ends (its
@@ -33,8 +47,6 @@ from typing import Any
 
 import torch
 
-from .attention_kernel import AttentionArgumentError
-
 INT32_MAX = 2147483647
 OPT_MASK = 2048
 _IN_LAYOUTS = ("BSH", "BSND", "BNSD", "TND", "NTD")
@@ -54,6 +66,13 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _WORKSPACE_BASE = 64 * 1024
 _WORKSPACE_ALIGN = 512
+
+
+class AttentionArgumentError(ValueError):
+    """An argument of the fused inference attention op is invalid or not implemented.
+
+    The message starts with the offending argument's name.
+    """
 
 
 def fail(argument: str, message: str) -> AttentionArgumentError:

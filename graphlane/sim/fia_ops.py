@@ -9,13 +9,15 @@ Plans are cached by shapes and values: a replayed task does not re-validate.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .attention_kernel import AttentionArgumentError
+from . import fia_kernel
 from .errors import SimUsageError
-from .fia_layout import Plan, out_shape, plan, query_dims, split_layout
+from .fia_layout import AttentionArgumentError, Plan, out_shape, plan, query_dims, split_layout
 
 _PLANS: dict[Any, Plan] = {}
 _PLANS_MAX = 4096
@@ -55,8 +57,23 @@ def _key_part(v: Any) -> Any:
     return v
 
 
-def planned(op_name: str, a: dict[str, Any]) -> Plan:
-    """The validated plan of a (v1-named) call, from the cache when seen before."""
+Names = Mapping[str, str] | None
+
+
+def usage_error(op_name: str, exc: AttentionArgumentError, names: Names) -> SimUsageError:
+    """The SimUsageError of a refused call. Planning names v1's arguments; ``names`` maps
+    them to the op's own (v2's ``actual_seq_kvlen``, paged attention's ``context_lens``),
+    so that the error names an argument the caller passed."""
+    message = str(exc)
+    if names:
+        words = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+        message = re.sub(rf"\b({words})\b", lambda m: names[m.group(1)], message)
+    return SimUsageError(f"{op_name}: {message}")
+
+
+def planned(op_name: str, a: dict[str, Any], names: Names = None) -> Plan:
+    """The validated plan of a (v1-named) call, from the cache when seen before;
+    errors name the arguments through ``names`` (see :func:`usage_error`)."""
     key: Any = tuple((k, _key_part(v)) for k, v in a.items() if k not in ("out", "workspace"))
     try:
         hit = _PLANS.get(key)
@@ -67,7 +84,7 @@ def planned(op_name: str, a: dict[str, Any]) -> Plan:
     try:
         p = plan(a)
     except AttentionArgumentError as exc:
-        raise SimUsageError(f"{op_name}: {exc}") from exc
+        raise usage_error(op_name, exc, names) from exc
     if key is not None:
         if len(_PLANS) >= _PLANS_MAX:
             _PLANS.clear()
@@ -121,6 +138,77 @@ def check_out(op_name: str, out: Any, p: Plan, dtype: torch.dtype) -> list[torch
             f"{op_name}: softmax_lse must be {list(p.lse_shape())}, got {list(lse.shape)}"
         )
     return list(out)
+
+
+Outputs = tuple[torch.Tensor, torch.Tensor]
+
+
+class Kernels:
+    """The CPU and Meta kernels of one FIA op and its ``.out`` overload.
+
+    v1 and v2 differ only in how a call is bound and in the argument names: ``v1``
+    takes a bound call, refuses what the sim does not implement and returns the
+    arguments under v1's names, which planning and the kernel read.
+    """
+
+    def __init__(
+        self,
+        op_name: str,
+        bind: Callable[[tuple[Any, ...], dict[str, Any]], dict[str, Any]],
+        v1: Callable[[dict[str, Any]], dict[str, Any]],
+        workspace_getter: str,
+        names: Names = None,
+    ) -> None:
+        self.op_name, self.out_name = op_name, op_name + ".out"
+        self.bind, self.v1, self.workspace_getter = bind, v1, workspace_getter
+        self.names = names
+
+    def planned(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
+        a = self.v1(self.bind(args, kwargs))
+        return planned(self.op_name, a, self.names), a
+
+    def cpu(self, *args: Any, **kwargs: Any) -> Outputs:
+        return fia_kernel.compute(*self.planned(args, kwargs))
+
+    def meta(self, *args: Any, **kwargs: Any) -> Outputs:
+        p, a = self.planned(args, kwargs)
+        q = a["query"]
+        return (
+            torch.empty(p.out_shape(), dtype=q.dtype, device=q.device),
+            torch.empty(p.lse_shape(), dtype=torch.float32, device=q.device),
+        )
+
+    def out_cpu(self, *args: Any, **kwargs: Any) -> Outputs:
+        p, a = self.planned(args, kwargs)
+        o, lse = fia_kernel.compute(p, a)
+        out = a["out"]
+        out[0].copy_(o)
+        if a["softmax_lse_flag"]:
+            out[1].copy_(lse)
+        else:
+            out[1].zero_()
+        return out[0], out[1]
+
+    def out_meta(self, *args: Any, **kwargs: Any) -> Outputs:
+        p, a = self.planned(args, kwargs)
+        check_workspace(self.out_name, a.get("workspace"), p.workspace_bytes(),
+                        self.workspace_getter)  # fmt: skip
+        o, lse = check_out(self.out_name, a.get("out"), p, a["query"].dtype)
+        return o, lse
+
+
+def inferred_outputs(op_name: str, query: torch.Tensor, value: torch.Tensor,
+                     a: dict[str, Any], names: Names = None) -> Outputs:  # fmt: skip
+    """Empty (attention_out, softmax_lse) for the ``*_infer_output`` helpers, from the
+    (v1-named) arguments ``a``."""
+    try:
+        shape, lse = output_shapes(query, value, a)
+    except AttentionArgumentError as exc:
+        raise usage_error(op_name, exc, names) from exc
+    return (
+        torch.empty(shape, dtype=query.dtype, device=query.device),
+        torch.empty(lse, dtype=torch.float32, device=query.device),
+    )
 
 
 def output_shapes(

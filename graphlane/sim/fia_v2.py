@@ -13,12 +13,9 @@ from typing import Any
 
 import torch
 
-from . import fia_kernel
-from .attention_kernel import AttentionArgumentError
 from .autodispatch import GraphOpHandler, register_handler
-from .errors import SimUsageError
 from .fia_layout import Plan
-from .fia_ops import Signature, check_out, check_workspace, output_shapes, planned, refuse
+from .fia_ops import Kernels, Signature, inferred_outputs, planned, refuse
 from .tensor import PATCHABLE_OPS, register_host_op
 
 NAME = "npu_fused_infer_attention_score_v2"
@@ -34,6 +31,7 @@ _QUANT = ("dequant_scale_query", "dequant_scale_key", "dequant_offset_key",
 _V1_NAMES = {"num_query_heads": "num_heads", "softmax_scale": "scale",
              "actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actual_seq_lengths_kv",
              "return_softmax_lse": "softmax_lse_flag"}  # fmt: skip
+_V2_NAMES = {v1: v2 for v2, v1 in _V1_NAMES.items()}  # what errors name
 
 _ARGS = (
     "Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
@@ -79,47 +77,14 @@ def _v1(b: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plan(b: dict[str, Any]) -> Plan:
-    return planned(NAME, _v1(b))
+    return planned(NAME, _v1(b), _V2_NAMES)
 
 
-def _cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = _SIGNATURE.bind(args, kwargs)
-    return fia_kernel.compute(_plan(b), _v1(b))
-
-
-def _meta(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = _SIGNATURE.bind(args, kwargs)
-    p, q = _plan(b), b["query"]
-    return (
-        torch.empty(p.out_shape(), dtype=q.dtype, device=q.device),
-        torch.empty(p.lse_shape(), dtype=torch.float32, device=q.device),
-    )
-
-
-def _out_cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = _SIGNATURE.bind(args, kwargs)
-    o, lse = fia_kernel.compute(_plan(b), _v1(b))
-    out = b["out"]
-    out[0].copy_(o)
-    if b["return_softmax_lse"]:
-        out[1].copy_(lse)
-    else:
-        out[1].zero_()
-    return out[0], out[1]
-
-
-def _out_meta(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = _SIGNATURE.bind(args, kwargs)
-    p = _plan(b)
-    check_workspace(NAME + ".out", b.get("workspace"), p.workspace_bytes(), WORKSPACE_GETTER)
-    o, lse = check_out(NAME + ".out", b.get("out"), p, b["query"].dtype)
-    return o, lse
-
-
-_lib.impl(NAME, _cpu, "CPU")
-_lib.impl(NAME, _meta, "Meta")
-_lib.impl(f"{NAME}.out", _out_cpu, "CPU")
-_lib.impl(f"{NAME}.out", _out_meta, "Meta")
+_KERNELS = Kernels(NAME, _SIGNATURE.bind, _v1, WORKSPACE_GETTER, _V2_NAMES)
+_lib.impl(NAME, _KERNELS.cpu, "CPU")
+_lib.impl(NAME, _KERNELS.meta, "Meta")
+_lib.impl(f"{NAME}.out", _KERNELS.out_cpu, "CPU")
+_lib.impl(f"{NAME}.out", _KERNELS.out_meta, "Meta")
 PATCHABLE_OPS.update({fused_infer_attention_score_v2.default, fused_infer_attention_score_v2.out})
 
 
@@ -133,15 +98,7 @@ def infer_output(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """``_npu_fused_infer_attention_score_v2_infer_output``: empty (attention_out, lse)."""
     b = _INFER.bind(args, kwargs)
     refuse(_INFER.op_name, b, ("quant_scale_out", "query_dtype", "value_dtype", "out_dtype"))
-    q, v = b["query"], b["value"]
-    try:
-        shape, lse = output_shapes(q, v, _v1(b))
-    except AttentionArgumentError as exc:
-        raise SimUsageError(f"{_INFER.op_name}: {exc}") from exc
-    return (
-        torch.empty(shape, dtype=q.dtype, device=q.device),
-        torch.empty(lse, dtype=torch.float32, device=q.device),
-    )
+    return inferred_outputs(_INFER.op_name, b["query"], b["value"], _v1(b), _V2_NAMES)
 
 
 register_host_op(

@@ -14,11 +14,8 @@ from typing import Any
 
 import torch
 
-from . import fia_kernel
-from .attention_kernel import AttentionArgumentError
-from .errors import SimUsageError
 from .fia_layout import Plan
-from .fia_ops import Signature, check_out, check_workspace, output_shapes, planned, refuse
+from .fia_ops import Kernels, Signature, inferred_outputs, planned, refuse
 from .opcall import HOST_CHECKS, PATCHABLE_OPS
 from .tensor import register_host_op
 
@@ -72,13 +69,14 @@ def bind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return _SIGNATURE.bind(args, kwargs)
 
 
-def _plan(b: dict[str, Any]) -> Plan:
+def _v1(b: dict[str, Any]) -> dict[str, Any]:
+    """A bound call as planning reads it, once what the sim does not implement is refused."""
     refuse(NAME, b, UNSUPPORTED)
-    return planned(NAME, b)
+    return b
 
 
-def _compute(b: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    return fia_kernel.compute(_plan(b), b)
+def _plan(b: dict[str, Any]) -> Plan:
+    return planned(NAME, _v1(b))
 
 
 def refuse_real_torch_npu() -> None:
@@ -92,38 +90,7 @@ def refuse_real_torch_npu() -> None:
 
 
 # ---------------------------------------------------------------- kernels
-def _fia_cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return _compute(bind(args, kwargs))
-
-
-def _fia_meta(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = bind(args, kwargs)
-    p = _plan(b)
-    q = b["query"]
-    return (
-        torch.empty(p.out_shape(), dtype=q.dtype, device=q.device),
-        torch.empty(p.lse_shape(), dtype=torch.float32, device=q.device),
-    )
-
-
-def _fia_out_cpu(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = bind(args, kwargs)
-    out = b["out"]
-    o, lse = _compute(b)
-    out[0].copy_(o)
-    if b["softmax_lse_flag"]:
-        out[1].copy_(lse)
-    else:
-        out[1].zero_()
-    return out[0], out[1]
-
-
-def _fia_out_meta(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    b = bind(args, kwargs)
-    p = _plan(b)
-    check_workspace(NAME + ".out", b.get("workspace"), p.workspace_bytes(), WORKSPACE_GETTER)
-    o, lse = check_out(NAME + ".out", b.get("out"), p, b["query"].dtype)
-    return o, lse
+_KERNELS = Kernels(NAME, bind, _v1, WORKSPACE_GETTER)
 
 
 refuse_real_torch_npu()  # before defining torch.ops.npu.*, which it would own
@@ -143,17 +110,17 @@ _lib.define(
     "int num_heads=1, int num_key_value_heads=0, bool softmax_lse_flag=False, "
     "Tensor? query_rope=None) -> (Tensor, Tensor)"
 )
-_lib.impl("npu_fused_infer_attention_score", _fia_cpu, "CPU")
-_lib.impl("npu_fused_infer_attention_score", _fia_meta, "Meta")
-_lib.impl("npu_fused_infer_attention_score.out", _fia_out_cpu, "CPU")
-_lib.impl("npu_fused_infer_attention_score.out", _fia_out_meta, "Meta")
+_lib.impl("npu_fused_infer_attention_score", _KERNELS.cpu, "CPU")
+_lib.impl("npu_fused_infer_attention_score", _KERNELS.meta, "Meta")
+_lib.impl("npu_fused_infer_attention_score.out", _KERNELS.out_cpu, "CPU")
+_lib.impl("npu_fused_infer_attention_score.out", _KERNELS.out_meta, "Meta")
 
 fused_infer_attention_score = torch.ops.npu.npu_fused_infer_attention_score
 _SIGNATURE = Signature(NAME, fused_infer_attention_score.out._schema)
 PATCHABLE_OPS.update({fused_infer_attention_score.default, fused_infer_attention_score.out})
 # Issue-time checks without torch's dispatcher: the meta functions, on the CPU arguments.
-HOST_CHECKS[fused_infer_attention_score.default] = _fia_meta
-HOST_CHECKS[fused_infer_attention_score.out] = _fia_out_meta
+HOST_CHECKS[fused_infer_attention_score.default] = _KERNELS.meta
+HOST_CHECKS[fused_infer_attention_score.out] = _KERNELS.out_meta
 
 
 # ---------------------------------------------------------------- helpers of torch_npu
@@ -175,15 +142,7 @@ def infer_output(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
     """``_npu_fused_infer_attention_score_infer_output``: empty (attention_out, softmax_lse)."""
     b = _INFER.bind(args, kwargs)
     refuse(_INFER.op_name, b, ("quant_scale2",))
-    q, v = b["query"], b["value"]
-    try:
-        shape, lse = output_shapes(q, v, b)
-    except AttentionArgumentError as exc:
-        raise SimUsageError(f"{_INFER.op_name}: {exc}") from exc
-    return (
-        torch.empty(shape, dtype=q.dtype, device=q.device),
-        torch.empty(lse, dtype=torch.float32, device=q.device),
-    )
+    return inferred_outputs(_INFER.op_name, b["query"], b["value"], b)
 
 
 register_host_op(

@@ -1,6 +1,7 @@
 """The load test's reference attention (torch SDPA, written in tools) against the
-tests' loop reference and the simulated NPU's kernel: three implementations that
-must agree, so that verification checks the device instead of agreeing with it."""
+tests' loop reference and the simulated NPU's op (npu_fused_infer_attention_score on
+NPU tensors, as the attention program calls it): three implementations that must
+agree, so that verification checks the device instead of agreeing with it."""
 
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import pytest
 import torch
 from reference import decode_stack
 
-from graphlane.sim.attention_kernel import fused_infer_attention
+from graphlane.sim import torch_npu
 from graphlane.tools.loadtest_workload import TOLERANCE, reference
 from graphlane.workers.programs.attention import AttentionConfig
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (8, 1)])
-def test_reference_agrees_with_the_loop_reference_and_the_kernel(
+def test_reference_agrees_with_the_loop_reference_and_the_sim_op(
     dtype: str, heads: int, kv_heads: int
 ) -> None:
     shape = AttentionConfig(
@@ -33,15 +34,17 @@ def test_reference_agrees_with_the_loop_reference_and_the_kernel(
     got = reference(shape, query, key, value, lengths)
 
     loop = decode_stack(query, list(key), list(value), lengths)
-    kernel = query
+    x = query.npu()
     for layer in range(shape.layers):
-        kernel, _ = fused_infer_attention(
-            kernel, key[layer], value[layer], actual_seq_lengths_kv=lengths, num_heads=heads,
-            num_key_value_heads=kv_heads, input_layout="BNSD", scale=1 / math.sqrt(16),
+        x, _ = torch_npu.npu_fused_infer_attention_score(
+            x, key[layer].npu(), value[layer].npu(), actual_seq_lengths_kv=lengths,
+            num_heads=heads, num_key_value_heads=kv_heads, input_layout="BNSD",
+            scale=1 / math.sqrt(16),
         )  # fmt: skip
+    sim = x.cpu()
     tol = TOLERANCE[torch_dtype]
     assert got.dtype == torch_dtype and got.shape == query.shape
     assert torch.isfinite(got).all()
     assert torch.allclose(got.float(), loop.float(), rtol=tol, atol=tol)
-    assert torch.allclose(got.float(), kernel.float(), rtol=tol, atol=tol)
+    assert torch.allclose(got.float(), sim.float(), rtol=tol, atol=tol)
     assert got[3].abs().max() == 0  # no key: zeros, as the op gives
