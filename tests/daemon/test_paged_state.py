@@ -56,6 +56,9 @@ def test_a_restart_mid_decode_refuses_steps_until_the_kv_is_written_again(
     assert worker["generation"] == 0
     described = worker["programs"]["paged_attention"]
     assert set(described["state_ops"]) == {"kv_write", "kv_read"}
+    assert described["config"]["num_blocks"] == PAGED["num_blocks"]
+    assert described["inputs"]["query"] == {"shape": ["batch", 4, 16], "dtype": "float16"}
+    assert described["state"]["block_size"] == 128
     sched = Scheduler(CFG, torch.Generator().manual_seed(1))
 
     async def main() -> None:
@@ -69,8 +72,10 @@ def test_a_restart_mid_decode_refuses_steps_until_the_kv_is_written_again(
             pid = (await c.status())["workers"][0]["pid"]
             os.kill(pid, signal.SIGKILL)  # mid run: the cache is gone
             outcomes: list[str] = []
+            # The scheduler sends its next step until it gets an answer; the token joins
+            # its copy of the KV (rewritten below, after the restart).
+            inputs, lengths = sched.decode([0, 1])
             while not outcomes or outcomes[-1] != "STATE_LOST":
-                inputs, lengths = sched.decode([0, 1])  # the scheduler keeps decoding
                 try:
                     await c.step("paged_attention", 0, {"actual_seq_lengths_kv": lengths}, inputs)
                 except GraphlaneError as exc:

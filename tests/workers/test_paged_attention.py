@@ -152,3 +152,13 @@ def test_config_is_checked_and_described() -> None:
     assert d["config"]["num_blocks"] == CFG.num_blocks
     assert d["inputs"]["block_table"] == {"shape": ["batch", 3], "dtype": "int32"}
     assert set(d["state_ops"]) == {"kv_write", "kv_read"}
+
+
+def test_status_shows_the_description_readably() -> None:
+    from graphlane.cli import describe_program
+
+    lines = describe_program("paged_attention", PagedAttentionProgram(CFG).describe())
+    assert lines[0].startswith("program paged_attention: buckets [1, 2, 4] layers=2")
+    assert "  input  block_table [batch, 3] int32" in lines
+    assert "  output lse [batch, 4, 1] float32" in lines
+    assert any(line.startswith("  kv op  kv_write:") for line in lines)

@@ -93,8 +93,9 @@ class GraphProgram(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         """What ``hello`` tells clients about this program (JSON values). Subclasses
-        may add ``inputs`` (name -> {"shape": [...], "dtype": str}, "batch" standing
-        for the batch size) and ``config``."""
+        add ``inputs`` and ``output_shapes`` (name -> {"shape": [...], "dtype": str},
+        "batch" standing for the batch size: any of ``buckets`` or less), ``config``
+        (every setting) and, with device state, ``state`` (its kind and sizes)."""
         return {
             "buckets": list(self.buckets),
             "outputs": list(self.outputs),
