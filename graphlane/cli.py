@@ -298,7 +298,6 @@ def _status(args: argparse.Namespace) -> int:
         print(f"graphlane status: {problem}", file=sys.stderr)
         return 2
 
-
     async def fetch() -> dict[str, Any]:
         client = Client(
             [e for e in args.connect.split(",") if e],
@@ -334,13 +333,47 @@ def _status(args: argparse.Namespace) -> int:
             f"daemon {host['state']} at {host['endpoint']} (pid {host['pid']}), "
             f"ready={host['ready']}"
         )
+        described: dict[str, Any] = {}
         for w in host["workers"]:
             programs = ", ".join(sorted(w.get("programs") or {}))
             print(
                 f"  device {w['device']}: {w['state']:<8} pid {w['pid']} restarts {w['restarts']} "
-                f"endpoint {w['endpoint']} programs [{programs}]"
+                f"generation {w.get('generation', 0)} endpoint {w['endpoint']} "
+                f"programs [{programs}]"
             )
+            for name, d in (w.get("programs") or {}).items():
+                described.setdefault(name, d)
+        for name, d in sorted(described.items()):
+            for line in describe_program(name, d):
+                print(f"  {line}")
     return 0
+
+
+def describe_program(name: str, d: Any) -> list[str]:
+    """A program's hello entry, readably: config, inputs and outputs (``batch``: the
+    batch dimension, one of the buckets), parameters and device-state operations."""
+    if not isinstance(d, dict):
+        return [f"program {name}"]
+    config = d.get("config") or {}
+    settings = " ".join(f"{k}={v}" for k, v in config.items() if k != "buckets")
+    lines = [f"program {name}: buckets {d.get('buckets')} {settings}".rstrip()]
+
+    def tensor(kind: str, n: str, spec: Any) -> str:
+        if not isinstance(spec, dict):
+            return f"  {kind:<6} {n}"
+        shape = ", ".join(str(x) for x in spec.get("shape", []))
+        return f"  {kind:<6} {n} [{shape}] {spec.get('dtype', '')}".rstrip()
+
+    for n, spec in (d.get("inputs") or {}).items():
+        lines.append(tensor("input", n, spec))
+    shapes = d.get("output_shapes") or {}
+    for n in d.get("outputs") or []:
+        lines.append(tensor("output", n, shapes.get(n)))
+    for n, what in (d.get("parameters") or {}).items():
+        lines.append(f"  param  {n}: {what}")
+    for n, what in (d.get("state_ops") or {}).items():
+        lines.append(f"  kv op  {n}: {what}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ class StepReply:
     device: int
     server_us: float = 0.0  # time the worker held the request, device work included
     host: str = ""  # the daemon's endpoint
+    generation: int = 0  # the answering worker's generation
 
 
 Device = int | tuple[int | str, int]
@@ -82,6 +83,22 @@ class _Host:
         self.hello: dict[str, Any] = {}
         self.lock = asyncio.Lock()
         self.batch_params = BatchParams()
+        # The worker generation each device's requests name: taken from the hello that
+        # first reached the device, changed only by Client.reset_state (a restart must
+        # never be adopted silently: the device state it lost would be taken as kept).
+        self.generations: dict[int, int] = {}
+
+    def generation_for(self, device: int, program: str | None) -> int | None:
+        """What a request to ``program`` (None: a KV op) names: the adopted generation
+        when the program keeps device state, else nothing."""
+        if program is not None:
+            entry: dict[str, Any] = next(
+                (w for w in self.hello.get("workers", ()) if w.get("device") == device), {}
+            )
+            described = (entry.get("programs") or {}).get(program)
+            if not isinstance(described, dict) or not described.get("state_ops"):
+                return None
+        return self.generations.get(device)
 
 
 class Client:
@@ -244,6 +261,8 @@ class Client:
                 )
             if self._closing:
                 raise WorkerLost("the client is closing")
+            if isinstance(entry.get("generation"), int):
+                host.generations.setdefault(local, entry["generation"])
             if ch is not None:
                 if ch.endpoint == entry["endpoint"]:
                     ch.lost = False  # same endpoint: the socket reconnects by itself
@@ -335,6 +354,7 @@ class Client:
             list(outputs),
             batch,
             _deadline_ms(self.timeout, timeout),
+            host.generation_for(local, program),
         )
         return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
@@ -354,7 +374,8 @@ class Client:
         ch = await self._worker_at(host, local)
         if batch is None:
             batch = host.batch_params.infer(host.hello, local, program, params)
-        body = ops.Update(program, local, _params(params), _inputs(inputs), batch, deadline)
+        gen = host.generation_for(local, program)
+        body = ops.Update(program, local, _params(params), _inputs(inputs), batch, deadline, gen)
         return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
     async def replay(
@@ -369,9 +390,64 @@ class Client:
         """Replay the bucket's updated (or next) graph instance."""
         host, local = self._resolve(device)
         deadline = _deadline_ms(self.timeout, timeout)
-        body = ops.Replay(program, local, batch, list(outputs), deadline)
         ch = await self._worker_at(host, local)
+        gen = host.generation_for(local, program)
+        body = ops.Replay(program, local, batch, list(outputs), deadline, gen)
         return _reply(host.endpoint, local, await self._call(ch, "replay", body, timeout))
+
+    async def kv_write(
+        self,
+        program: str,
+        device: Device,
+        slots: Any,
+        key: Any,
+        value: Any,
+        *,
+        timeout: float | None = None,
+    ) -> StepReply:
+        """Write ``key``/``value`` [layers, n, num_kv_heads, head_dim] into ``slots`` [n]
+        of the program's KV cache on ``device`` (every layer), in order with the steps
+        sent before and after it."""
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        t = _inputs({"slots": slots, "key": key, "value": value})
+        body = ops.KvWrite(
+            program, local, t["slots"], t["key"], t["value"],
+            host.generation_for(local, None), _deadline_ms(self.timeout, timeout),
+        )  # fmt: skip
+        return _reply(host.endpoint, local, await self._call(ch, "kv_write", body, timeout))
+
+    async def kv_read(
+        self, program: str, device: Device, slots: Any, *, timeout: float | None = None
+    ) -> StepReply:
+        """The ``key``/``value`` [layers, n, num_kv_heads, head_dim] of ``slots`` [n]."""
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        body = ops.KvRead(
+            program, local, _inputs({"slots": slots})["slots"],
+            host.generation_for(local, None), _deadline_ms(self.timeout, timeout),
+        )  # fmt: skip
+        return _reply(host.endpoint, local, await self._call(ch, "kv_read", body, timeout))
+
+    def generation(self, device: Device) -> int | None:
+        """The worker generation this client's requests to ``device`` name (None before
+        the client first reached the device)."""
+        host, local = self._resolve(device)
+        return host.generations.get(local)
+
+    async def reset_state(self, device: Device, timeout: float | None = None) -> int:
+        """Adopt the current generation of ``device``'s worker after STATE_LOST (its
+        device state is gone: write it again before stepping). Returns it."""
+        host, local = self._resolve(device)
+        await self._worker_at(host, local)
+        hello = await self._hello_on(host, timeout)
+        entry: dict[str, Any] = next(
+            (w for w in hello.get("workers", []) if w.get("device") == local), {}
+        )
+        if entry.get("state") != "ready" or not isinstance(entry.get("generation"), int):
+            raise WorkerLost(f"device {local} is {entry.get('state')}, not ready", retryable=True)
+        host.generations[local] = entry["generation"]
+        return host.generations[local]
 
     async def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait until every worker is ready (polling status); TIMEOUT at the deadline."""
@@ -431,5 +507,12 @@ def _inputs(inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
 
 def _reply(host: str, device: int, done: ops.StepDone) -> StepReply:
     return StepReply(
-        done.outputs, done.bucket, done.instance, done.patched, device, done.server_us, host
+        done.outputs,
+        done.bucket,
+        done.instance,
+        done.patched,
+        device,
+        done.server_us,
+        host,
+        done.generation,
     )

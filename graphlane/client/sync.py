@@ -130,6 +130,21 @@ class SyncClient:
         """Replay the bucket's updated (or next) graph instance."""
         return self._run(self._client.replay(program, device, batch, outputs, timeout=timeout))
 
+    def kv_write(self, program: str, device: Device, slots: Any, key: Any, value: Any,
+                 *, timeout: float | None = None) -> StepReply:  # fmt: skip
+        return self._run(self._client.kv_write(program, device, slots, key, value, timeout=timeout))
+
+    def kv_read(
+        self, program: str, device: Device, slots: Any, *, timeout: float | None = None
+    ) -> StepReply:
+        return self._run(self._client.kv_read(program, device, slots, timeout=timeout))
+
+    def generation(self, device: Device) -> int | None:
+        return self._client.generation(device)
+
+    def reset_state(self, device: Device, timeout: float | None = None) -> int:
+        return self._run(self._client.reset_state(device, timeout))
+
     def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
         """Wait until every worker is ready (polling status); TIMEOUT at the deadline."""
         return self._run(self._client.wait_ready(timeout))

@@ -131,6 +131,47 @@ are the documented ones, more may appear.
               "dtype": "float16", "shape": [2, 32, 1, 128], "frame": 1}}}}}
              frame 1: 16384 bytes of float16
 
+Every reply of a worker to step, update, replay, kv_write and kv_read names the
+worker's ``generation`` (its body's ``generation``; hello and status give it per
+worker): the daemon's restart count of that device's worker, 0 at first.
+
+``kv_write`` — write a prompt's KV (every layer) into slots of a program's paged KV
+cache; ``kv_read`` — read the KV of slots back (:mod:`.ops.kv`)::
+
+    request  {"v": 1, "id": 8, "op": "kv_write", "body": {"program": "paged_attention",
+              "device": 0, "generation": 0,
+              "slots": {"$tensor": {"dtype": "int64", "shape": [130], "frame": 1}},
+              "key": {"$tensor": {"dtype": "float16", "shape": [2, 130, 2, 64], "frame": 2}},
+              "value": {"$tensor": {"dtype": "float16", "shape": [2, 130, 2, 64], "frame": 3}}}}
+    reply    {"v": 1, "id": 8, "ok": true, "body": {"generation": 0, "server_us": 410.0}}
+    request  {"v": 1, "id": 9, "op": "kv_read", "body": {"program": "paged_attention",
+              "device": 0, "generation": 0, "slots": {"$tensor": {"dtype": "int64",
+              "shape": [2], "data": <bin, 16 bytes>}}}}
+    reply    {"v": 1, "id": 9, "ok": true, "body": {"generation": 0, "outputs": {
+              "key": {"$tensor": {...shape [2, 2, 2, 64]...}}, "value": {...}}}}
+
+    Slot ``s`` is position ``s % block_size`` of block ``s // block_size``; the
+    program's hello entry gives ``state``: ``num_blocks``, ``block_size``. Limits:
+    ``slots`` 1-D int64 or int32, 1..num_blocks*block_size entries, each in
+    0..num_blocks*block_size-1, distinct for kv_write; ``key``/``value`` exactly
+    [layers, n, num_kv_heads, head_dim] in the program's dtype; and the message
+    limit (``Limits.max_message_bytes``): a prompt too large for one message is
+    written in several kv_writes. Both are ordered with the program's replays as
+    sent: a kv_write sent before a step is seen by it, a kv_read sees every step and
+    write sent before it (the worker issues them on the stream the replays run on).
+    The scheduler manages the blocks (which are free, which a sequence holds);
+    nothing is reset when a sequence ends.
+
+Generation. A request that depends on device state (step, update or replay of a
+program whose hello entry lists ``state_ops``, and kv_write/kv_read) must carry the
+``generation`` it expects (BAD_REQUEST without it); any request carrying a generation
+other than the worker's is refused with STATE_LOST. A restarted worker starts with
+an empty cache: a scheduler that gets STATE_LOST re-reads the generation (hello),
+writes its sequences' KV again (kv_write) and continues; no step ever returns numbers
+computed on a cache that was lost. graphlane's client fills ``generation`` from the
+hello it read when it first reached the device, and adopts a new one only when asked
+(``Client.reset_state``).
+
 ``drain`` — finish in-flight work, accept no more (one device, or all without ``device``)::
 
     request  {"v": 1, "id": 6, "op": "drain", "body": {"device": 0}}
@@ -148,8 +189,9 @@ An error reply, e.g. to a step on a device nobody serves::
 
 Error codes (``errors.ErrorCode``, stable strings): BAD_REQUEST, UNKNOWN_PROGRAM,
 UNKNOWN_DEVICE, BUSY, WORKER_LOST, TIMEOUT, UNSUPPORTED_VERSION, UNAUTHORIZED,
-SHUTTING_DOWN, INTERNAL. Retryable unless the error says otherwise: BUSY,
-WORKER_LOST, TIMEOUT, SHUTTING_DOWN.
+SHUTTING_DOWN, INTERNAL, STATE_LOST (the request names a worker generation that is
+gone with its device state: not retryable until the state is written again).
+Retryable unless the error says otherwise: BUSY, WORKER_LOST, TIMEOUT, SHUTTING_DOWN.
 """
 
 from graphlane.protocol.errors import (
@@ -162,6 +204,7 @@ from graphlane.protocol.errors import (
     RequestError,
     ServiceError,
     ShuttingDown,
+    StateLost,
     Timeout,
     Unauthorized,
     UnknownDevice,
@@ -175,6 +218,8 @@ from graphlane.protocol.ops import (
     OPS,
     Drain,
     Hello,
+    KvRead,
+    KvWrite,
     Op,
     Replay,
     Shutdown,
@@ -223,6 +268,8 @@ __all__ = [
     "GraphlaneError",
     "Hello",
     "InternalError",
+    "KvRead",
+    "KvWrite",
     "Limits",
     "Op",
     "Replay",
@@ -232,6 +279,7 @@ __all__ = [
     "ServiceError",
     "Shutdown",
     "ShuttingDown",
+    "StateLost",
     "Status",
     "Step",
     "StepDone",

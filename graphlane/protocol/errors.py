@@ -14,7 +14,10 @@ The tree is split by what the caller should do about it::
     │   ├── UnknownProgram      no program of that name is loaded
     │   ├── UnknownDevice       no worker serves that device id
     │   ├── UnsupportedVersion  the envelope's "v" is not a version this server speaks
-    │   └── Unauthorized        the peer may not make this request
+    │   ├── Unauthorized        the peer may not make this request
+    │   └── StateLost           the request names a worker generation that is gone: the
+    │                           device state it depends on (a KV cache) was lost in a
+    │                           restart; re-read the generation, write the state again
     └── ServiceError        the service could not serve it now: may retry
         ├── Busy                queue full; retry after a pause            (retryable)
         ├── WorkerLost          the worker died while holding the request  (retryable)
@@ -43,6 +46,7 @@ __all__ = [
     "RequestError",
     "ServiceError",
     "ShuttingDown",
+    "StateLost",
     "Timeout",
     "Unauthorized",
     "UnknownDevice",
@@ -68,6 +72,7 @@ class ErrorCode(enum.StrEnum):
     UNAUTHORIZED = "UNAUTHORIZED"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
+    STATE_LOST = "STATE_LOST"
 
 
 RETRYABLE: frozenset[ErrorCode] = frozenset(
@@ -140,6 +145,15 @@ class Unauthorized(RequestError):
     code = ErrorCode.UNAUTHORIZED
 
 
+class StateLost(RequestError):
+    """The request names a worker generation other than the worker's: the worker
+    restarted since, and the device state the request depends on (a program's KV
+    cache) is gone. Not retryable as is: the scheduler reads the new generation
+    (hello), writes the state again (kv_write) and names the new generation."""
+
+    code = ErrorCode.STATE_LOST
+
+
 class ServiceError(GraphlaneError):
     """The service could not serve the request now: it may be retried."""
 
@@ -192,6 +206,7 @@ _CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
         UnknownDevice,
         UnsupportedVersion,
         Unauthorized,
+        StateLost,
         Busy,
         WorkerLost,
         Timeout,

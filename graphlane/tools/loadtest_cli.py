@@ -244,7 +244,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=parse_shape,
         default={},
         metavar="KEY=VALUE,...",
-        help="the program's shapes, which hello does not tell: keys "
+        help="the program's shapes, for a program whose hello entry has no 'config' "
+        "(the daemon's built-in programs describe themselves): keys "
         + ", ".join(SHAPE_KEYS)
         + " (defaults num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256,dtype=float16; "
         "layers from the daemon)",

@@ -82,8 +82,24 @@ def resolve_plan(config: LoadConfig, hello: Mapping[str, Any]) -> Plan:
             f"{config.program!r} has no output 'out' (outputs {info.get('outputs')}): "
             "the load test drives attention-shaped programs only"
         )
+    if info.get("state_ops"):
+        raise LoadTestError(
+            f"{config.program!r} keeps device state ({', '.join(info['state_ops'])}): "
+            "the load test drives stateless attention-shaped programs only"
+        )
     groups = int(info.get("groups", 0)) or None
     shape = dict(config.shape)
+    described = info.get("config")
+    if isinstance(described, Mapping):  # the daemon says its shapes: --shape is not needed
+        for key in SHAPE_KEYS:
+            if key not in described:
+                continue
+            if key in shape and shape[key] != described[key]:
+                raise ValueError(
+                    f"--shape: {key}={shape[key]} but {config.program!r} on the daemon has "
+                    f"{key}={described[key]} (leave --shape out: the daemon describes it)"
+                )
+            shape[key] = described[key]
     if "layers" in shape and groups is not None and shape["layers"] != groups:
         raise ValueError(
             f"--shape: layers={shape['layers']} but {config.program!r} on the daemon has "

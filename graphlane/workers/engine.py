@@ -328,6 +328,17 @@ class StepEngine:
         self._check_outputs(prog, outputs)
         return StepPlan(program, batch, bucket)
 
+    def plan_state(self, program: str, op: str, fields: Mapping[str, Any]) -> StepPlan:
+        """Validate an operation on a program's device state (``kv_write``, ``kv_read``)."""
+        prog = self._program(program)
+        if op not in prog.state_ops:
+            raise StepError("op", f"program {program!r} has no operation {op!r}")
+        return prog.plan_state(op, fields)
+
+    def submit_state(self, program: str, op: str, fields: Mapping[str, Any]) -> Future[StepResult]:
+        """Queue an operation on a program's device state (see :meth:`plan_state`)."""
+        return self._enqueue("state", self.plan_state(program, op, fields), ())
+
     def submit(self, request: StepRequest) -> Future[StepResult]:
         """Validate and queue a step. Raises StepError, EngineBusy or EngineError at once."""
         return self._enqueue("step", self.plan(request), tuple(request.outputs))
@@ -441,6 +452,8 @@ class StepEngine:
             raise DeviceFaultError("fault injection: the device failed (device_fault_after)")
         b = self.backend
         program = self.programs[plan.program]
+        if kind == "state":
+            return self._issue_state(program, plan, on_done, submitted)
         ring_key = (plan.program, plan.bucket)
         if kind == "update":
             g = self._staged.get(ring_key) or self._next_graph(plan)
@@ -485,6 +498,21 @@ class StepEngine:
             dispatch = time.perf_counter() - t0
         outs, done = self._collect(program, g, plan, outputs)
         result = StepResult(outs, g.key, patched, submitted, 0.0, dispatch, replay_at)
+        return _InFlight(done, on_done, result)
+
+    def _issue_state(
+        self, program: GraphProgram, plan: StepPlan, on_done: OnDone, submitted: float
+    ) -> _InFlight:
+        """A device-state operation, on the capture stream S: every replay reads and
+        writes the state on S, so stream order fences it against replays issued before
+        and after it (no graph instance or update-stream fence is involved)."""
+        b = self.backend
+        with b.use_stream(self.capture_stream):
+            views = program.run_state(b, plan)
+            outs = {n: v if v.is_cpu else v.to("cpu", non_blocking=True) for n, v in views.items()}
+        done = b.new_event()
+        b.record(done, self.capture_stream)
+        result = StepResult(outs, GraphKey(plan.program, 0, 0), 0, submitted)
         return _InFlight(done, on_done, result)
 
     def _collect(

@@ -43,6 +43,7 @@ from graphlane.protocol.errors import (
     GraphlaneError,
     InternalError,
     ShuttingDown,
+    StateLost,
     Timeout,
     UnknownDevice,
     UnknownProgram,
@@ -408,7 +409,8 @@ class Worker:
             )
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
-        kind, plan, outputs = self._plan(body)
+        self._check_generation(body)
+        kind, plan, outputs = self._plan(body, req.op)
         deadline = received + body.timeout_ms / 1000 if body.timeout_ms is not None else None
         call = _Call(ident, req.id, req.op, kind, plan, outputs, received, bundled, deadline)
         if self._waiting or not self.engine.reserve(blocking=False):
@@ -436,8 +438,31 @@ class Worker:
                 "shutdown is an orchestrator operation; send it to the daemon's endpoint"
             )
 
-    def _plan(self, body: Any) -> tuple[str, StepPlan, tuple[str, ...]]:
+    def _check_generation(self, body: Any) -> None:
+        """A request naming another generation is refused (STATE_LOST); one that depends
+        on device state (a program with state_ops) must name it."""
+        expected = body.generation
+        if expected is None:
+            if self.engine.programs[body.program].state_ops:
+                raise BadRequest(
+                    f"body.generation is required: program {body.program!r} keeps device "
+                    f"state (the worker's generation is in hello: {self.spec.generation})"
+                )
+        elif expected != self.spec.generation:
+            raise StateLost(
+                f"device {self.spec.device}'s worker is generation {self.spec.generation}, "
+                f"not {expected}: it restarted and its device state is gone; write it again "
+                f"and name generation {self.spec.generation}"
+            )
+
+    def _plan(self, body: Any, op: str) -> tuple[str, StepPlan, tuple[str, ...]]:
         try:
+            if type(body) is ops.KvWrite:
+                fields = {"slots": body.slots, "key": body.key, "value": body.value}
+                return "state", self.engine.plan_state(body.program, op, fields), ()
+            if type(body) is ops.KvRead:
+                fields = {"slots": body.slots}
+                return "state", self.engine.plan_state(body.program, op, fields), ()
             if type(body) is ops.Step:
                 outputs = tuple(body.outputs)
                 return "step", self.engine.plan(body, outputs), outputs
@@ -502,6 +527,7 @@ class Worker:
                 r.patched_groups,
                 # Time the worker held the request: decode to reply (device work included).
                 round((now - call.received) * 1e6, 1),
+                self.spec.generation,
             )
             try:
                 frames = wire.encode_reply(call.request_id, done)

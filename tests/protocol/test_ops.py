@@ -31,6 +31,7 @@ from graphlane.protocol import (
     RequestError,
     ServiceError,
     ShuttingDown,
+    StateLost,
     Timeout,
     Unauthorized,
     UnknownDevice,
@@ -76,6 +77,20 @@ EXAMPLES: list[tuple[str, Any]] = [
     ("update", ops.Update("attention", 2, LENGTHS, {"query": QUERY}, batch=3, timeout_ms=1)),
     ("replay", ops.Replay("attention", 0, 8)),
     ("replay", ops.Replay("attention", 0, 8, outputs=["out"], timeout_ms=20)),
+    ("step", ops.Step("paged_attention", 0, LENGTHS, generation=3)),
+    (
+        "kv_write",
+        ops.KvWrite(
+            "paged_attention",
+            0,
+            torch.arange(4),
+            torch.ones(2, 4, 2, 16, dtype=torch.float16),
+            torch.zeros(2, 4, 2, 16, dtype=torch.float16),
+            generation=0,
+            timeout_ms=100,
+        ),
+    ),
+    ("kv_read", ops.KvRead("paged_attention", 1, torch.arange(3, dtype=torch.int32))),
     ("drain", ops.Drain()),
     ("drain", ops.Drain(device=3)),
     ("shutdown", ops.Shutdown()),
@@ -128,8 +143,10 @@ def test_round_trip(op: str, message: Any) -> None:
 
 
 def test_ops_and_their_types() -> None:
-    assert set(OPS) == {"hello", "status", "step", "update", "replay", "drain", "shutdown"}
-    assert {name for name, op in OPS.items() if op.device} == {"step", "update", "replay"}
+    assert set(OPS) == {"hello", "status", "step", "update", "replay", "drain", "shutdown",
+                        "kv_write", "kv_read"}  # fmt: skip
+    device_ops = {"step", "update", "replay", "kv_write", "kv_read"}
+    assert {name for name, op in OPS.items() if op.device} == device_ops
     for name, op in OPS.items():
         assert op.name == name
         assert op.reply is (ops.StepDone if op.device else ops.Info)
@@ -405,6 +422,7 @@ CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
     ErrorCode.UNAUTHORIZED: Unauthorized,
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.INTERNAL: InternalError,
+    ErrorCode.STATE_LOST: StateLost,
 }
 
 

@@ -1,6 +1,6 @@
 """Every operation of the wire: its name, its request body and its reply body.
 
-One module per family (:mod:`.control`, :mod:`.steps`); the same Structs are
+One module per family (:mod:`.control`, :mod:`.steps`, :mod:`.kv`); the same Structs are
 encoded by the client and decoded by the server, so the two cannot disagree.
 """
 
@@ -13,6 +13,7 @@ import msgspec
 
 from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
+from graphlane.protocol.ops.kv import KvRead, KvWrite
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
 from graphlane.protocol.wire import body_decoder
 
@@ -22,6 +23,8 @@ __all__ = [
     "Drain",
     "Hello",
     "Info",
+    "KvRead",
+    "KvWrite",
     "Op",
     "Replay",
     "Shutdown",
@@ -66,5 +69,7 @@ OPS: dict[str, Op] = {
         Op("step", Step, StepDone, device=True),
         Op("update", Update, StepDone, device=True),
         Op("replay", Replay, StepDone, device=True),
+        Op("kv_write", KvWrite, StepDone, device=True),
+        Op("kv_read", KvRead, StepDone, device=True),
     )
 }

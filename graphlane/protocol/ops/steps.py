@@ -3,6 +3,10 @@
 A step patches a program's captured graph with ``params``, copies ``inputs``
 into its static buffers, replays it and returns the requested ``outputs``.
 ``update`` patches the next replay only; ``replay`` replays as last patched.
+
+``generation``: the worker generation the request expects (see the package docstring);
+required for a program with device state, refused with STATE_LOST when it is not the
+worker's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Step(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     outputs: Outputs = []
     batch: Positive | None = None
     timeout_ms: Deadline | None = None
+    generation: Count | None = None
 
 
 class Update(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -48,6 +53,7 @@ class Update(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     inputs: Tensors = {}
     batch: Positive | None = None
     timeout_ms: Deadline | None = None
+    generation: Count | None = None
 
 
 class Replay(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -58,10 +64,11 @@ class Replay(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     batch: Positive
     outputs: Outputs = []
     timeout_ms: Deadline | None = None
+    generation: Count | None = None
 
 
 class StepDone(Struct, frozen=True, omit_defaults=True):
-    """The reply body of step, update and replay. Fields a newer server adds are
+    """The reply body of step, update, replay, kv_write and kv_read. Fields a newer server adds are
     skipped, not refused (reply bodies may grow: see the package docstring)."""
 
     outputs: dict[Name, torch.Tensor] = {}
@@ -69,3 +76,4 @@ class StepDone(Struct, frozen=True, omit_defaults=True):
     instance: Count = 0  # which graph instance of the bucket's ring ran it
     patched: Count = 0  # task groups patched
     server_us: float = 0.0  # time the worker held the request, device work included
+    generation: Count = 0  # the answering worker's generation (its restart count)

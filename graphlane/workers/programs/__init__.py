@@ -1,14 +1,14 @@
 """Graph programs and their registry.
 
-Built-in: ``attention`` (:mod:`.attention`). Other packages add programs through
-the entry point group ``graphlane.programs``: the entry point names the program
-and loads a callable that takes the program's configuration mapping (the
-``[[programs]]`` table of the config, ``name`` included) and returns a
-:class:`~graphlane.workers.programs.base.GraphProgram`. For trying things out, a
-``[[programs]]`` name may also be ``module:attr`` (``attr`` may be dotted): such
-a callable, or a GraphProgram subclass (its ``from_config`` if it has one, else
-the class called with no arguments), imported from ``sys.path``. See
-docs/programs.md.
+Built-in: ``attention`` (:mod:`.attention`) and ``paged_attention``
+(:mod:`.paged_attention`, decode over a paged KV cache the program keeps on the device).
+Other packages add programs through the entry point group ``graphlane.programs``: the
+entry point names the program and loads a callable that takes the program's
+configuration mapping (the ``[[programs]]`` table of the config, ``name`` included) and
+returns a :class:`~graphlane.workers.programs.base.GraphProgram`. For trying things out,
+a ``[[programs]]`` name may also be ``module:attr`` (``attr`` may be dotted): such a
+callable, or a GraphProgram subclass (its ``from_config`` if it has one, else the class
+called with no arguments), imported from ``sys.path``. See docs/programs.md.
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ from .base import (
     StepError,
     StepPlan,
 )
+from .paged_attention import PagedAttentionConfig, PagedAttentionProgram
 
 ProgramFactory = Callable[[Mapping[str, Any]], GraphProgram]
 
 ENTRY_POINT_GROUP = "graphlane.programs"
-_BUILTIN: dict[str, ProgramFactory] = {"attention": AttentionProgram.from_config}
+_BUILTIN: dict[str, ProgramFactory] = {
+    "attention": AttentionProgram.from_config,
+    "paged_attention": PagedAttentionProgram.from_config,
+}
 
 
 def available_programs() -> list[str]:
@@ -79,6 +83,8 @@ __all__ = [
     "CapturedGraph",
     "GraphKey",
     "GraphProgram",
+    "PagedAttentionConfig",
+    "PagedAttentionProgram",
     "ProgramConfigError",
     "StepError",
     "StepPlan",

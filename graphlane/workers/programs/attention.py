@@ -129,6 +129,9 @@ class AttentionProgram(GraphProgram):
                 "key": {"shape": kv, "dtype": c.dtype},
                 "value": {"shape": list(kv), "dtype": c.dtype},
             },
+            "output_shapes": {
+                "out": {"shape": ["batch", c.num_heads, 1, c.head_dim], "dtype": c.dtype},
+            },
             "config": {
                 "layers": c.layers,
                 "num_heads": c.num_heads,

@@ -86,17 +86,23 @@ class GraphProgram(abc.ABC):
     #: True when :meth:`plan` checks the shape and dtype of every input itself; else
     #: the engine checks each input against the static buffer it is written into
     checks_inputs: bool = False
+    #: operations on device state the program owns (a paged KV cache), by name, with
+    #: what each does; a program with any is *stateful*: its requests name the worker
+    #: generation they expect (see :meth:`plan_state`, :meth:`run_state`)
+    state_ops: Mapping[str, str] = {}
 
     def describe(self) -> dict[str, Any]:
         """What ``hello`` tells clients about this program (JSON values). Subclasses
-        may add ``inputs`` (name -> {"shape": [...], "dtype": str}, "batch" standing
-        for the batch size) and ``config``."""
+        add ``inputs`` and ``output_shapes`` (name -> {"shape": [...], "dtype": str},
+        "batch" standing for the batch size: any of ``buckets`` or less), ``config``
+        (every setting) and, with device state, ``state`` (its kind and sizes)."""
         return {
             "buckets": list(self.buckets),
             "outputs": list(self.outputs),
             "groups": self.num_groups,
             "batch_param": self.batch_param,
             "parameters": dict(self.parameters),
+            "state_ops": dict(self.state_ops),
         }
 
     def infer_batch(self, params: Mapping[str, Any]) -> int:
@@ -165,6 +171,17 @@ class GraphProgram(abc.ABC):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device destination, host source) copies that must land before group ``group`` runs."""
         return []
+
+    def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
+        """Validate a device-state operation ``op`` (one of :attr:`state_ops`) with its
+        request's fields; StepError naming the field. ``batch`` of the plan is free."""
+        raise StepError("op", f"program {self.name!r} has no device-state operations")
+
+    def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """Issue a planned state operation on the current stream (the engine makes it
+        the capture stream, in order with every replay); returns device tensors that the
+        engine copies to the host as the reply's outputs."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def output_views(

@@ -1,0 +1,164 @@
+"""The paged_attention program on the step engine (sim): a scheduler's decode run over the
+device-resident KV cache, checked against the scheduler's own copy of the KV with
+torch SDPA (tests/paged_kv.py), with prefills through kv_write, reads through kv_read,
+blocks freed and reused, depth 1 and 2, pipelined and serial. Every step and KV
+operation is submitted without waiting for the previous ones: the sim reports any
+unordered access to the cache as a HazardError, which fails the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from paged_kv import Scheduler
+
+from graphlane.sim import torch_npu
+from graphlane.workers.backends.npu import NpuBackend
+from graphlane.workers.engine import StepEngine, StepRequest
+from graphlane.workers.programs import (
+    PagedAttentionConfig,
+    PagedAttentionProgram,
+    ProgramConfigError,
+    StepError,
+    load_program,
+)
+
+CFG = PagedAttentionConfig(
+    layers=2, num_heads=4, num_kv_heads=2, head_dim=16, block_size=128, num_blocks=10,
+    max_blocks_per_seq=3, buckets=(1, 2, 4),
+)  # fmt: skip
+TOL = dict(atol=3e-3, rtol=3e-3)
+
+
+def _engine(depth: int = 1, pipeline: bool = True) -> StepEngine:
+    program = PagedAttentionProgram(CFG)
+    return StepEngine(NpuBackend(torch_npu, 0), [program], depth=depth, pipeline=pipeline)
+
+
+def _step(eng: StepEngine, inputs: dict[str, torch.Tensor], lengths: list[int]) -> Any:
+    req = StepRequest(
+        "paged_attention", len(lengths), {"actual_seq_lengths_kv": lengths}, inputs,
+        ("out", "lse"),
+    )  # fmt: skip
+    return eng.submit(req)
+
+
+@pytest.mark.parametrize(("depth", "pipeline"), [(1, True), (2, True), (2, False)])
+def test_decode_run_matches_sdpa_over_the_schedulers_copy(depth: int, pipeline: bool) -> None:
+    sched = Scheduler(CFG, torch.Generator().manual_seed(11))
+    with _engine(depth, pipeline) as eng:
+        program = eng.programs["paged_attention"]
+        assert isinstance(program, PagedAttentionProgram)
+        caches = {id(g.buffers["key_cache_0"]) for g in eng.graphs.values()}
+        assert len(caches) == 1  # one cache, shared by every bucket and instance
+        writes = []
+        for sid, n in enumerate([130, 5, 255, 60]):  # crossing block boundaries
+            slots, k, v = sched.prefill(sid, n)
+            writes.append(eng.submit_state("paged_attention", "kv_write",
+                                           {"slots": slots, "key": k, "value": v}))  # fmt: skip
+        # Steps follow the writes at once: the cache's stream order is what fences them.
+        live, pending = [0, 1, 2, 3], []
+        for i in range(14):
+            sids = live[: 1 + (i % len(live))]  # batch 1..4: buckets 1, 2, 4 (3 padded)
+            inputs, lengths = sched.decode(sids)
+            pending.append((_step(eng, inputs, lengths), sids, inputs["query"]))
+            expected = sched.expected(sids, inputs["query"])
+            pending[-1] = (*pending[-1], expected)
+            if i == 6:  # sequence 1 ends; its blocks go to a new sequence 4
+                sched.end(1)
+                live.remove(1)
+                slots, k, v = sched.prefill(4, 200)
+                writes.append(eng.submit_state("paged_attention", "kv_write",
+                                               {"slots": slots, "key": k, "value": v}))  # fmt: skip
+                live.append(4)
+        for fut, sids, _q, expected in pending:
+            r = fut.result(60)
+            assert r.outputs["out"].shape == (len(sids), CFG.num_heads, CFG.head_dim)
+            assert r.outputs["lse"].shape == (len(sids), CFG.num_heads, 1)
+            torch.testing.assert_close(r.outputs["out"], expected, **TOL)
+        for w in writes:
+            w.result(60)
+        # kv_read returns what prefill wrote and what the decode steps wrote in-graph.
+        seq = sched.seqs[2]
+        slots = sched.slots(seq, 0, seq.length)
+        read = eng.submit_state("paged_attention", "kv_read", {"slots": slots}).result(60)
+        assert torch.equal(read.outputs["key"], seq.keys)
+        assert torch.equal(read.outputs["value"], seq.values)
+        assert eng.failure is None
+
+
+def test_a_smaller_batch_on_a_bucket_does_not_write_the_earlier_rows_again() -> None:
+    """Batch 4 then batch 3 on bucket 4: row 3's slot belongs to a sequence that ended
+    and whose block was reused; the padding row must not write there."""
+    sched = Scheduler(CFG, torch.Generator().manual_seed(5))
+    with _engine() as eng:
+        for sid in range(4):
+            slots, k, v = sched.prefill(sid, 10)
+            eng.submit_state("paged_attention", "kv_write",
+                             {"slots": slots, "key": k, "value": v})  # fmt: skip
+        inputs, lengths = sched.decode([0, 1, 2, 3])
+        _step(eng, inputs, lengths).result(60)
+        sched.end(3)
+        slots, k, v = sched.prefill(5, 20)  # takes sequence 3's block
+        eng.submit_state("paged_attention", "kv_write", {"slots": slots, "key": k, "value": v})
+        inputs, lengths = sched.decode([0, 1, 2])
+        _step(eng, inputs, lengths).result(60)
+        seq = sched.seqs[5]
+        slots = sched.slots(seq, 0, seq.length)
+        read = eng.submit_state("paged_attention", "kv_read", {"slots": slots}).result(60)
+        assert torch.equal(read.outputs["key"], seq.keys)
+
+
+def test_steps_and_kv_ops_are_validated_with_the_field_named() -> None:
+    sched = Scheduler(CFG, torch.Generator().manual_seed(3))
+    with _engine() as eng:
+        sched.prefill(0, 3)
+        inputs, lengths = sched.decode([0])
+
+        def refused(**changes: object) -> str:
+            ins = {**inputs, **{k: v for k, v in changes.items() if k != "lengths"}}
+            ins = {k: v for k, v in ins.items() if v is not None}
+            n = changes.get("lengths", lengths)
+            with pytest.raises(StepError) as info:
+                eng.plan(StepRequest("paged_attention", 1, {"actual_seq_lengths_kv": n}, ins))
+            return info.value.field
+
+        assert refused(lengths=[CFG.max_kv_len + 1]) == "params.actual_seq_lengths_kv[0]"
+        assert refused(slot_mapping=None) == "inputs.slot_mapping"
+        assert refused(slot_mapping=torch.tensor([CFG.num_blocks * 128])) == "inputs.slot_mapping"
+        bad_table = inputs["block_table"].clone()
+        bad_table[0, 0] = CFG.num_blocks  # the scratch block is not the scheduler's
+        assert refused(block_table=bad_table) == "inputs.block_table[0]"
+        assert refused(query=inputs["query"].float()) == "inputs.query"
+        with pytest.raises(StepError) as info:
+            eng.plan_state("paged_attention", "kv_write", {"slots": torch.tensor([1, 1]),
+                           "key": torch.zeros(2, 2, 2, 16, dtype=torch.float16),
+                           "value": torch.zeros(2, 2, 2, 16, dtype=torch.float16)})  # fmt: skip
+        assert info.value.field == "slots"
+        with pytest.raises(StepError) as info:
+            eng.plan_state("paged_attention", "kv_read", {"slots": torch.tensor([-1])})
+        assert info.value.field == "slots"
+
+
+def test_config_is_checked_and_described() -> None:
+    with pytest.raises(ProgramConfigError) as info:
+        load_program("paged_attention", {"name": "paged_attention", "block_size": 16})
+    assert info.value.key == "programs.paged_attention.block_size"
+    with pytest.raises(ProgramConfigError) as info:
+        load_program("paged_attention", {"name": "paged_attention", "kv_heads": 2})
+    assert info.value.key == "programs.paged_attention.kv_heads"
+    d = PagedAttentionProgram(CFG).describe()
+    assert d["config"]["num_blocks"] == CFG.num_blocks
+    assert d["inputs"]["block_table"] == {"shape": ["batch", 3], "dtype": "int32"}
+    assert set(d["state_ops"]) == {"kv_write", "kv_read"}
+
+
+def test_status_shows_the_description_readably() -> None:
+    from graphlane.cli import describe_program
+
+    lines = describe_program("paged_attention", PagedAttentionProgram(CFG).describe())
+    assert lines[0].startswith("program paged_attention: buckets [1, 2, 4] layers=2")
+    assert "  input  block_table [batch, 3] int32" in lines
+    assert "  output lse [batch, 4, 1] float32" in lines
+    assert any(line.startswith("  kv op  kv_write:") for line in lines)
