@@ -6,6 +6,9 @@ the device storage. Every op on npu tensors comes through :func:`dispatch`
 the PrivateUse1 fallback, so *any* torch op behaves as on a device:
 
 - view ops change metadata only and run on the host at once;
+- allocations (``torch.empty``, ``empty_like``, ``empty_strided``, ``new_empty``)
+  take memory at issue time and are never device work: inside a capture they
+  record no task, inside a task group or an update they are no task of it;
 - other ops are queued on the current stream (or recorded into the graph it
   captures, or turned into a task patch while it is between
   ``graph_task_update_begin/end``); their outputs are allocated at issue time
@@ -60,6 +63,13 @@ class NpuTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         return self._data.data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The storage the device memory is: the host storage it is simulated in (its
+        ``data_ptr()`` and ``nbytes()`` are the device allocation's; its ``device`` is
+        the CPU). The wrapper's own storage holds no memory, so torch's would refuse
+        ``data_ptr()`` (torchair's ``get_tensor_metadata`` reads it)."""
+        return self._data.untyped_storage()
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the
@@ -484,11 +494,33 @@ def _noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
+def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An allocation: memory now, no device work. On the NPU it comes from the caching
+    allocator when the host asks, so inside a capture it is not a task of the graph
+    (a replay does not re-allocate or overwrite it), inside a task group or an update
+    it is not a task of the group, and its contents are undefined until written."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "npu":
+        return func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
+    if device is not None and torch.device(device).index is not None:
+        index = torch.device(device).index
+    else:
+        first = _first_npu(args, kwargs)
+        index = _index(first) if first is not None else 0
+    m = _check_meta(func, args, kwargs)
+    return NpuTensor(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype), index)
+
+
 _SPECIAL: dict[Any, Any] = {
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
     aten.resize_.default: _resize_,
     aten.record_stream.default: _noop,
+    aten.empty_like.default: _allocate,
+    aten.new_empty.default: _allocate,
+    aten.new_empty_strided.default: _allocate,
+    aten.empty_strided.default: _allocate,
+    aten.empty.memory_format: _allocate,
 }
 
 
