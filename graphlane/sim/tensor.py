@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import SimUsageError
-from .graphs import TaskNode, captured_group_of_locked
+from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
@@ -313,8 +313,6 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
             stream.capturing.add_node(TaskNode(call))
             return
         else:
-            if func in PATCHABLE_OPS:
-                _check_not_a_missed_update(stream, call)
             stream.issue_locked(OpWork(call.label, call.execute))
             return
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
@@ -323,17 +321,6 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
         _host_cost.clock.charge(RUNTIME.config.patch_us, started)
     with RUNTIME.cond:
         stream.issue_locked(patch)
-
-
-def _check_not_a_missed_update(stream: Stream, call: OpCall) -> None:
-    """An eager re-issue of a captured op, with its captured tensors, without update_begin."""
-    group = captured_group_of_locked(call)
-    if group is not None:
-        raise SimUsageError(
-            f"{call.label} issued on {stream.name} outside graph_task_update_begin/end with "
-            f"exactly the tensors of {group.name}: it runs eagerly and does not patch the "
-            "graph. Call graph_task_update_begin(stream, handle) first."
-        )
 
 
 _META_CACHE: dict[Any, Any] = {}

@@ -6,8 +6,77 @@ Each correct use runs clean; its fence-less mutation is still reported."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+from test_host_ordering import LAYERS, STEPS, Stack, lengths_for
+
+from graphlane.sim import HazardError, SimUsageError, configure
+
+
+@pytest.fixture
+def watchdog_off() -> Iterator[None]:
+    old = configure().watchdog_s
+    configure(watchdog_s=600)
+    yield
+    configure(watchdog_s=old)
+
+
+# ================================================================ update on the idle capture stream
+def test_update_on_the_idle_capture_stream_runs_clean() -> None:
+    """CANN requires only that the update stream is not capturing: the capture stream
+    orders patch and replay by itself."""
+    stack = Stack(8)
+    for step in range(STEPS):
+        lengths = lengths_for(step)
+        stack.patch_all(lengths, stream=stack.capture)
+        stack.replay()
+        if step % 3 == 2:
+            stack.check(lengths)
+    stack.check(lengths_for(STEPS - 1))
+
+
+def test_update_on_the_capture_stream_racing_a_replay_on_another_stream_is_reported(
+    watchdog_off: None,
+) -> None:
+    stack = Stack(9)
+    side = torch.npu.Stream()
+    stack.patch_all(lengths_for(0), stream=stack.capture)
+    stack.replay(side)
+    with pytest.raises(HazardError) as err:
+        stack.patch_all(lengths_for(1), stream=stack.capture)  # not after the side replay
+        stack.replay(side)
+        torch.npu.synchronize()
+    assert err.value.kind in ("race", "lost-release")
+
+
+def test_update_on_a_capture_stream_while_it_captures_is_still_refused() -> None:
+    stack = Stack(10)
+    with torch.npu.graph(torch.npu.NPUGraph(), stream=stack.capture):
+        with pytest.raises(SimUsageError):
+            torch.npu.graph_task_update_begin(stack.capture, stack.handles[0])
+        torch.ones(1, device="npu").add_(1)
+
+
+# ================================================================ eager op into captured buffers
+def test_eager_fused_op_into_captured_buffers_runs_as_on_hardware() -> None:
+    """Legal on the NPU: the op runs eagerly into the graph's buffers and the graph keeps
+    its own (captured or patched) parameters."""
+    stack = Stack(11)
+    captured = lengths_for(0)
+    stack.patch_all(captured)
+    stack.replay()
+    stack.check(captured)
+    eager = lengths_for(1)
+    with torch.npu.stream(stack.capture):  # eager, after the replay, into its buffers
+        for layer in range(LAYERS):
+            stack.op(layer, eager)
+    stack.check(eager)
+    for layer in range(LAYERS):  # release the graph without a patch
+        stack.events[layer].record(stack.update)
+    stack.replay()
+    stack.check(captured)  # the eager call did not patch the graph
 
 
 # ================================================================ allocations are not tasks
@@ -101,3 +170,41 @@ def test_untyped_storage_data_ptr_of_a_device_tensor() -> None:
     assert view.data_ptr() == storage.data_ptr() + 3 * x.element_size()
     assert storage.nbytes() == 12 * x.element_size()
     assert torch.empty(3, device="npu").untyped_storage().data_ptr() != storage.data_ptr()
+
+
+# ================================================================ seeding
+def _draw() -> list[float]:
+    return torch.randn(4, device="npu").cpu().tolist()
+
+
+def test_torch_manual_seed_seeds_the_device() -> None:
+    torch.manual_seed(0)  # calls torch.npu.manual_seed_all itself
+    a = _draw()
+    torch.npu.manual_seed(0)
+    b = _draw()
+    torch.npu.manual_seed_all(0)
+    c = _draw()
+    assert a == b == c
+    torch.manual_seed(1)
+    assert _draw() != a
+    assert torch.npu.initial_seed() == 1
+
+
+def test_device_rng_state_and_fork_rng() -> None:
+    torch.manual_seed(3)
+    state = torch.npu.get_rng_state()
+    a = _draw()
+    torch.npu.set_rng_state(state)
+    assert _draw() == a
+    torch.npu.set_rng_state_all(torch.npu.get_rng_state_all())
+    with torch.random.fork_rng(devices=[0], device_type="npu"):
+        torch.npu.manual_seed(99)
+        _draw()
+    b = _draw()
+    torch.npu.set_rng_state(state)
+    _draw()
+    assert _draw() == b
+    torch.npu.default_generators[0].manual_seed(5)
+    c = _draw()
+    torch.manual_seed(5)
+    assert _draw() == c
