@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 Clock = dict[int, int]
 
+#: ExternalEvent semantics: current CANN's binary flag, or ENPU's (record before wait).
+EVENT_MODES = ("cann", "enpu")
+
 _actor_ids = itertools.count(1)
 _event_ids = itertools.count(1)
 
@@ -81,12 +84,16 @@ class SimConfig:
         charges ``patch_us`` of host time for every task-group patch dispatch.
     watchdog_s: how long a device wait that nothing queued can satisfy may
         block before it is reported as a DeadlockError.
+    event_mode: "cann" (current CANN: an ExternalEvent wait may be issued before
+        its record) or "enpu" (ENPU: a wait issued before a record that releases
+        it hangs on the device, so the sim reports it as a HazardError).
     """
 
     mode: str = "compute"
     task_us: float = 0.0
     patch_us: float = 0.0
     watchdog_s: float = 30.0
+    event_mode: str = "cann"
 
     def __post_init__(self) -> None:
         if self.mode not in ("compute", "timed"):
@@ -96,6 +103,11 @@ class SimConfig:
                 raise ValueError(f"sim {name} must be >= 0")
         if self.watchdog_s <= 0:
             raise ValueError("sim watchdog_s must be > 0 (GRAPHLANE_SIM_WATCHDOG_S)")
+        if self.event_mode not in EVENT_MODES:
+            raise ValueError(
+                f"sim event_mode must be 'cann' or 'enpu', not {self.event_mode!r} "
+                "(GRAPHLANE_SIM_EVENT_MODE)"
+            )
 
     @classmethod
     def from_env(cls) -> SimConfig:
@@ -106,7 +118,9 @@ class SimConfig:
             raise ValueError(
                 f"GRAPHLANE_SIM_WATCHDOG_S must be a number of seconds, not {raw!r}"
             ) from None
-        return cls(watchdog_s=watchdog)
+        return cls(
+            watchdog_s=watchdog, event_mode=os.environ.get("GRAPHLANE_SIM_EVENT_MODE", "cann")
+        )
 
 
 class Runtime:
@@ -356,14 +370,17 @@ def configure(
     task_us: float | None = None,
     patch_us: float | None = None,
     watchdog_s: float | None = None,
+    event_mode: str | None = None,
 ) -> SimConfig:
-    """Change the device's cost model or watchdog; returns the config now in force."""
+    """Change the device's cost model, watchdog or ExternalEvent mode; returns the
+    config now in force."""
     old = RUNTIME.config
     new = SimConfig(
         mode=old.mode if mode is None else mode,
         task_us=old.task_us if task_us is None else task_us,
         patch_us=old.patch_us if patch_us is None else patch_us,
         watchdog_s=old.watchdog_s if watchdog_s is None else watchdog_s,
+        event_mode=old.event_mode if event_mode is None else event_mode,
     )
     RUNTIME.config = new
     return new
