@@ -33,6 +33,8 @@ mode = "compute"                   # or "timed": cost model instead of compute
 task_us = 0.0                      # timed: device time per replayed task
 patch_us = 0.0                     # timed: host time per task-group patch
 watchdog_s = 30.0                  # a device wait that nothing satisfies is a deadlock after this
+event_mode = "cann"                # or "enpu": an ExternalEvent wait issued before its record is
+                                   #   reported (ENPU hangs there; current CANN allows it)
 
 [faults]                           # for tests only: fail_start = true,
                                    #   hang_device_after = N, device_fault_after = N
@@ -82,6 +84,7 @@ class SimSettings:
     task_us: float = 0.0  # timed: device time per replayed task
     patch_us: float = 0.0  # timed: host time per task-group patch
     watchdog_s: float = 30.0  # a device wait nothing can satisfy is a deadlock after this
+    event_mode: str = "cann"  # or "enpu": report an ExternalEvent wait issued before its record
 
 
 @dataclass(frozen=True)
@@ -177,18 +180,22 @@ def _sim(raw: Any) -> SimSettings:
     if not isinstance(raw, Mapping):
         raise ConfigError("sim", "must be a table")
     for k in raw:
-        if k not in ("mode", "task_us", "patch_us", "watchdog_s"):
+        if k not in ("mode", "task_us", "patch_us", "watchdog_s", "event_mode"):
             raise ConfigError(
-                f"sim.{k}", "unknown key (known: mode, task_us, patch_us, watchdog_s)"
+                f"sim.{k}", "unknown key (known: mode, task_us, patch_us, watchdog_s, event_mode)"
             )
     mode = raw.get("mode", "compute")
     if mode not in ("compute", "timed"):
         raise ConfigError("sim.mode", f"must be 'compute' or 'timed', not {mode!r}")
+    event_mode = raw.get("event_mode", "cann")
+    if event_mode not in ("cann", "enpu"):
+        raise ConfigError("sim.event_mode", f"must be 'cann' or 'enpu', not {event_mode!r}")
     return SimSettings(
         mode=mode,
         task_us=_number("sim.task_us", raw.get("task_us", 0.0)),
         patch_us=_number("sim.patch_us", raw.get("patch_us", 0.0)),
         watchdog_s=_number("sim.watchdog_s", raw.get("watchdog_s", 30.0), 0.001),
+        event_mode=event_mode,
     )
 
 

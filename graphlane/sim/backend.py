@@ -10,7 +10,7 @@ import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from . import npu, ops
-from .runtime import RUNTIME
+from .runtime import RUNTIME, install_thread_edges
 from .tensor import factory_fallback
 
 _lock = threading.Lock()
@@ -32,6 +32,7 @@ def setup() -> None:
         lib.fallback(factory_fallback, dispatch_key="PrivateUse1")
         _keep.append(lib)
         atexit.register(RUNTIME.shutdown)
+        install_thread_edges()  # host threads are ordered by start and join
         # Stream threads stand in for independent hardware queues: hand the GIL
         # over quickly (the default 5 ms lets one busy thread stall a device
         # stream that is ready to run for that long).

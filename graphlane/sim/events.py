@@ -8,6 +8,12 @@ wait hangs. The simulator reports such a record as a HazardError as soon as it
 runs, whether or not the timing of this run happened to lose it: a record must
 be ordered (happen-before) after the wait that consumed the previous record.
 ``reset()`` is accepted and does nothing, as on current CANN.
+
+With ``configure(event_mode="enpu")`` the sim models ENPU, where an ExternalEvent
+must be recorded before it is waited on (vllm-ascend #8636, #8317, #8354): a wait
+issued (eagerly, or by launching a replay that holds it) when no record issued
+before it is left to release it is reported as a HazardError of kind
+"wait-before-record" (on the device it hangs).
 """
 
 from __future__ import annotations
@@ -43,6 +49,9 @@ class ExternalEvent:
         self._set_at = 0.0  # perf_counter() of the record that set the flag
         self.label = ""  # set by code that knows what the event guards (for messages)
         self.waited_in = ""  # the graph whose capture holds a wait on it (for messages)
+        # Issue order (ENPU mode): records and waits issued, eager or by replay launches.
+        self.records_issued = 0
+        self.waits_issued = 0
 
     def __repr__(self) -> str:
         return f"<graphlane sim {self.name}>"
@@ -68,6 +77,7 @@ class ExternalEvent:
                 s.capturing.add_node(ExtRecordWork(self))
                 return
             self.add_pending_locked(s)
+            self.records_issued += 1
             s.issue_locked(ExtRecordWork(self))
             RUNTIME.provider_added_locked(s)
 
@@ -86,6 +96,7 @@ class ExternalEvent:
                 self.waited_in = f"{graph.name} (before task group {len(graph.groups)})"
                 s.capturing.add_node(ExtWaitWork(self))
                 return
+            self.wait_issued_locked(f"on {s.name}")
             s.issue_locked(ExtWaitWork(self))
 
     def reset(self, stream: Stream | None = None) -> None:
@@ -95,6 +106,23 @@ class ExternalEvent:
     def forget_capture_locked(self) -> None:
         """The graph that held this event's wait was reset: a new capture may wait again."""
         self._host_waits = 0
+
+    def wait_issued_locked(self, where: str) -> None:
+        """A wait on this event is issued now. In ENPU mode, report it when no record
+        issued before it is left to release it."""
+        self.waits_issued += 1
+        if RUNTIME.config.event_mode == "enpu" and self.waits_issued > self.records_issued:
+            self.waits_issued = self.records_issued  # one report per missing record
+            RUNTIME.report(
+                HazardError(
+                    f"wait before record: a wait on {self.guarded} was issued {where} before "
+                    "any record that could release it. On ENPU an ExternalEvent must be "
+                    "recorded before it is waited on, or the wait hangs: issue the record "
+                    "(the update) before launching the replay that waits on it "
+                    "(event_mode='enpu').",
+                    kind="wait-before-record",
+                )
+            )
 
     def add_pending_locked(self, s: Stream) -> None:
         self.pending[s] = self.pending.get(s, 0) + 1
@@ -114,6 +142,7 @@ class ExtRecordWork:
 
     def launch_locked(self, launch: Launch, stream: Stream) -> None:
         self.event.add_pending_locked(stream)
+        self.event.records_issued += 1
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event
@@ -172,7 +201,7 @@ class ExtWaitWork:
         self.label = f"wait {event.name}"
 
     def launch_locked(self, launch: Launch, stream: Stream) -> None:
-        pass
+        self.event.wait_issued_locked(f"by replay #{launch.number} of {launch.graph.name}")
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import HazardError, SimUsageError
 from .events import ExtWaitWork
-from .opcall import PATCHABLE_OPS, OpCall
+from .opcall import OpCall
 from .runtime import RUNTIME, Clock, clock_leq
 from .streams import Stream, current_stream
 
@@ -321,7 +320,6 @@ class NPUGraph:
             for node in self.nodes:
                 if isinstance(node, ExtWaitWork):
                     node.event.forget_capture_locked()
-            _forget_graph_locked(self)
             self.nodes = []
             self.groups = []
             self.captured = False
@@ -387,7 +385,6 @@ def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
         if not group.tasks:
             raise SimUsageError(f"task group {group.index} of {cap.graph.name} holds no op")
         cap.graph.groups.append(group)
-        _register_group_locked(group)
         return TaskGroupHandle(group, cap.graph.generation)
 
 
@@ -408,11 +405,6 @@ def graph_task_update_begin(stream: Stream, handle: Any) -> None:
             raise SimUsageError(
                 f"graph_task_update_begin on {stream.name}, which is capturing "
                 f"{stream.capturing.graph.name}: update on a stream that is not capturing"
-            )
-        if stream is graph.capture_stream:
-            raise SimUsageError(
-                f"graph_task_update_begin on {stream.name}, the stream that captured "
-                f"{graph.name}: updates need a different (update) stream"
             )
         if stream.updating is not None:
             raise SimUsageError(
@@ -444,46 +436,9 @@ def abandon_update(stream: Stream) -> None:
         stream.updating = None
 
 
-# Captured tasks of patchable ops, by (op, tensors): finds an eager re-issue that
-# was meant as an update (the op then runs eagerly and the graph keeps old values).
-# Weak references: a graph dropped by its owner is forgotten here too.
-_CAPTURED: dict[tuple[Any, ...], list[weakref.ref[TaskGroup]]] = {}
-
-
-def _task_key(call: OpCall) -> tuple[Any, ...]:
-    return (call.op, tuple(call.tensor_keys()))
-
-
-def captured_group_of_locked(call: OpCall) -> TaskGroup | None:
-    for ref in _CAPTURED.get(_task_key(call), ()):
-        group = ref()
-        if group is not None and group.graph.captured:
-            return group
-    return None
-
-
-def _register_group_locked(group: TaskGroup) -> None:
-    for task in group.tasks:
-        if task.call.op in PATCHABLE_OPS:
-            refs = _CAPTURED.setdefault(_task_key(task.call), [])
-            refs[:] = [r for r in refs if r() is not None]
-            refs.append(weakref.ref(group))
-
-
-def _forget_graph_locked(graph: NPUGraph) -> None:
-    for key in list(_CAPTURED):
-        refs = [r for r in _CAPTURED[key] if (g := r()) is not None and g.graph is not graph]
-        if refs:
-            _CAPTURED[key] = refs
-        else:
-            del _CAPTURED[key]
-
-
 def is_current_stream_capturing() -> bool:
     return current_stream().capturing is not None
 
 
 def graph_pool_handle() -> tuple[int, int]:
     return (0, next(_graph_ids))
-
-

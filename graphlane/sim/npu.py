@@ -28,6 +28,7 @@ from .npu_extras import (
     reset_stream_limit,
     set_stream_limit,
 )
+from .runtime import RUNTIME
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 
 
@@ -51,12 +52,47 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
+# Random numbers. The sim's device ops compute on the CPU, so the device's generator
+# is the CPU's default generator (one for every device index). These must not call
+# torch.manual_seed: it seeds the CPU and then calls torch.npu.manual_seed_all itself.
+default_generators: tuple[torch.Generator, ...] = (torch.default_generator,) * RUNTIME.device_count
+
+
 def manual_seed(seed: int) -> None:
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(int(seed))
+
+
+def seed() -> None:
+    torch.default_generator.seed()
+
+
+def seed_all() -> None:
+    torch.default_generator.seed()
+
+
+def initial_seed() -> int:
+    return int(torch.default_generator.initial_seed())
+
+
+def get_rng_state(device: Any = "npu") -> torch.Tensor:
+    return torch.default_generator.get_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "npu") -> None:
+    torch.default_generator.set_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for state in new_states:
+        set_rng_state(state)
 
 
 def get_device_name(device: Any = None) -> str:
@@ -78,11 +114,14 @@ __all__ = [
     "Stream",
     "current_device",
     "current_stream",
+    "default_generators",
     "default_stream",
     "device",
     "device_count",
     "empty_cache",
     "get_device_name",
+    "get_rng_state",
+    "get_rng_state_all",
     "get_stream_limit",
     "graph",
     "graph_pool_handle",
@@ -91,13 +130,18 @@ __all__ = [
     "graph_task_update_begin",
     "graph_task_update_end",
     "host_empty_cache",
+    "initial_seed",
     "is_available",
     "is_current_stream_capturing",
     "make_graphed_callables",
     "manual_seed",
     "manual_seed_all",
     "reset_stream_limit",
+    "seed",
+    "seed_all",
     "set_device",
+    "set_rng_state",
+    "set_rng_state_all",
     "set_stream",
     "set_stream_limit",
     "stream",

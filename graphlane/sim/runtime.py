@@ -9,7 +9,22 @@ executor thread, or a host thread that issues work) has a clock, a
 - program order on a stream;
 - Event record -> the stream or host that waited for that record;
 - ExternalEvent record -> the wait that consumed it;
-- stream work -> the host thread that synchronized on it.
+- stream work -> the host thread that synchronized on it;
+- thread start: a new host thread begins with its starter's history; thread join:
+  the joiner takes the joined thread's history;
+- a host's observation of a completion -> every later host action, on any thread.
+
+The last edge is the real-time one the hardware gives: once a host thread saw a
+completion (an Event or stream synchronize, a query that returned True, a device
+synchronize, a blocking host read), the observed work has finished, so work that
+any thread issues afterwards runs after it. Each observation joins exactly the
+clock of what was observed (the record or the stream entry waited for, never
+"whatever happens to be done by now") into a process-wide *observed* clock, and
+every issue joins the observed clock. So when the program's own synchronization
+orders an issue after an observation (a queue, a socket round trip, asyncio), the
+issue is ordered after the observed work on every run; and work nobody observed
+before the issue (a patch while the replay it races with still runs) stays
+unordered with it on every run.
 
 Hazards are decided by comparing clocks, never by timing, so a missing
 fence is reported on every run, whatever the interleaving was.
@@ -32,6 +47,9 @@ if TYPE_CHECKING:
     from .streams import Stream
 
 Clock = dict[int, int]
+
+#: ExternalEvent semantics: current CANN's binary flag, or ENPU's (record before wait).
+EVENT_MODES = ("cann", "enpu")
 
 _actor_ids = itertools.count(1)
 _event_ids = itertools.count(1)
@@ -66,12 +84,16 @@ class SimConfig:
         charges ``patch_us`` of host time for every task-group patch dispatch.
     watchdog_s: how long a device wait that nothing queued can satisfy may
         block before it is reported as a DeadlockError.
+    event_mode: "cann" (current CANN: an ExternalEvent wait may be issued before
+        its record) or "enpu" (ENPU: a wait issued before a record that releases
+        it hangs on the device, so the sim reports it as a HazardError).
     """
 
     mode: str = "compute"
     task_us: float = 0.0
     patch_us: float = 0.0
     watchdog_s: float = 30.0
+    event_mode: str = "cann"
 
     def __post_init__(self) -> None:
         if self.mode not in ("compute", "timed"):
@@ -81,6 +103,11 @@ class SimConfig:
                 raise ValueError(f"sim {name} must be >= 0")
         if self.watchdog_s <= 0:
             raise ValueError("sim watchdog_s must be > 0 (GRAPHLANE_SIM_WATCHDOG_S)")
+        if self.event_mode not in EVENT_MODES:
+            raise ValueError(
+                f"sim event_mode must be 'cann' or 'enpu', not {self.event_mode!r} "
+                "(GRAPHLANE_SIM_EVENT_MODE)"
+            )
 
     @classmethod
     def from_env(cls) -> SimConfig:
@@ -91,7 +118,9 @@ class SimConfig:
             raise ValueError(
                 f"GRAPHLANE_SIM_WATCHDOG_S must be a number of seconds, not {raw!r}"
             ) from None
-        return cls(watchdog_s=watchdog)
+        return cls(
+            watchdog_s=watchdog, event_mode=os.environ.get("GRAPHLANE_SIM_EVENT_MODE", "cann")
+        )
 
 
 class Runtime:
@@ -104,6 +133,10 @@ class Runtime:
         self.streams: list[Stream] = []
         self.device_count = 8
         self._host = threading.local()
+        # What host threads observed complete (see the module doc), and a counter
+        # that changes with it, so an issue joins it only after a new observation.
+        self.observed: Clock = {}
+        self.observed_version = 0
         self.epoch = 0  # bumped by reset(): work of an older epoch is dropped
         self.closing = False  # set at interpreter exit: stream threads stop
         # Threads blocked in wait_for_locked, each with the condition it waits for.
@@ -114,18 +147,44 @@ class Runtime:
     def host_actor(self) -> tuple[int, Clock]:
         h = self._host
         if not hasattr(h, "actor"):
-            h.actor = new_actor_id()
-            h.clock = {h.actor: 1}
+            t = threading.current_thread()
+            actor = new_actor_id()
+            clock: Clock = dict(getattr(t, _START_ATTR, None) or {})  # the starter's history
+            clock[actor] = 1
+            h.actor, h.clock, h.seen = actor, clock, -1
+            setattr(t, _CLOCK_ATTR, clock)  # what a join of this thread takes
         return h.actor, h.clock
 
     def host_issue_clock(self) -> Clock:
-        """Clock carried by work the calling host thread issues now; ticks the host."""
-        actor, clock = self.host_actor()
+        """Clock carried by work the calling host thread issues now; ticks the host.
+
+        Caller holds ``cond``: the issue joins what any host observed before it."""
+        h = self._host
+        try:
+            actor, clock = h.actor, h.clock
+        except AttributeError:
+            actor, clock = self.host_actor()
+        if h.seen != self.observed_version:
+            clock_join(clock, self.observed)
+            h.seen = self.observed_version
         snap = dict(clock)
         clock[actor] += 1
         return snap
 
     def host_join(self, other: Clock) -> None:
+        """The calling host thread observed a completion whose clock is ``other``.
+
+        Caller holds ``cond``. Later host actions of every thread are ordered after it."""
+        _, clock = self.host_actor()
+        clock_join(clock, other)
+        observed = self.observed
+        for k, v in other.items():
+            if observed.get(k, 0) < v:
+                observed[k] = v
+                self.observed_version += 1
+
+    def host_merge(self, other: Clock) -> None:
+        """Program order between host threads (a thread join): no device observation."""
         _, clock = self.host_actor()
         clock_join(clock, other)
 
@@ -261,6 +320,49 @@ class Runtime:
 
 RUNTIME = Runtime()
 
+_START_ATTR = "_graphlane_sim_start_clock"
+_CLOCK_ATTR = "_graphlane_sim_clock"
+
+
+def _thread_history() -> Clock | None:
+    """The calling thread's host clock, or the history it was started with."""
+    clock = getattr(RUNTIME._host, "clock", None)
+    if clock is not None:
+        return clock
+    history: Clock | None = getattr(threading.current_thread(), _START_ATTR, None)
+    return history
+
+
+_thread_start = threading.Thread.start
+_thread_join = threading.Thread.join
+
+
+def _start(self: threading.Thread) -> None:
+    history = _thread_history()
+    if history is not None:
+        setattr(self, _START_ATTR, dict(history))
+        h = RUNTIME._host
+        own: Clock | None = getattr(h, "clock", None)
+        if own is not None:  # the starter's later actions are not ordered before the child's
+            own[h.actor] += 1
+    _thread_start(self)
+
+
+def _join(self: threading.Thread, timeout: float | None = None) -> None:
+    _thread_join(self, timeout)
+    if not self.is_alive():
+        history = getattr(self, _CLOCK_ATTR, None) or getattr(self, _START_ATTR, None)
+        if history:
+            RUNTIME.host_merge(history)
+
+
+def install_thread_edges() -> None:
+    """Order host threads as the OS does: ``Thread.start`` and ``Thread.join`` carry the
+    starter's and the joined thread's histories (idempotent)."""
+    if threading.Thread.start is not _start:
+        threading.Thread.start = _start  # type: ignore[method-assign]
+        threading.Thread.join = _join  # type: ignore[method-assign]
+
 
 def configure(
     *,
@@ -268,14 +370,17 @@ def configure(
     task_us: float | None = None,
     patch_us: float | None = None,
     watchdog_s: float | None = None,
+    event_mode: str | None = None,
 ) -> SimConfig:
-    """Change the device's cost model or watchdog; returns the config now in force."""
+    """Change the device's cost model, watchdog or ExternalEvent mode; returns the
+    config now in force."""
     old = RUNTIME.config
     new = SimConfig(
         mode=old.mode if mode is None else mode,
         task_us=old.task_us if task_us is None else task_us,
         patch_us=old.patch_us if patch_us is None else patch_us,
         watchdog_s=old.watchdog_s if watchdog_s is None else watchdog_s,
+        event_mode=old.event_mode if event_mode is None else event_mode,
     )
     RUNTIME.config = new
     return new

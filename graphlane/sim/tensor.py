@@ -6,6 +6,9 @@ the device storage. Every op on npu tensors comes through :func:`dispatch`
 the PrivateUse1 fallback, so *any* torch op behaves as on a device:
 
 - view ops change metadata only and run on the host at once;
+- allocations (``torch.empty``, ``empty_like``, ``empty_strided``, ``new_empty``)
+  take memory at issue time and are never device work: inside a capture they
+  record no task, inside a task group or an update they are no task of it;
 - other ops are queued on the current stream (or recorded into the graph it
   captures, or turned into a task patch while it is between
   ``graph_task_update_begin/end``); their outputs are allocated at issue time
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 from .errors import SimUsageError
-from .graphs import TaskNode, captured_group_of_locked
+from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
@@ -60,6 +63,13 @@ class NpuTensor(torch.Tensor):
 
     def data_ptr(self) -> int:
         return self._data.data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        """The storage the device memory is: the host storage it is simulated in (its
+        ``data_ptr()`` and ``nbytes()`` are the device allocation's; its ``device`` is
+        the CPU). The wrapper's own storage holds no memory, so torch's would refuse
+        ``data_ptr()`` (torchair's ``get_tensor_metadata`` reads it)."""
+        return self._data.untyped_storage()
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the
@@ -303,8 +313,6 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
             stream.capturing.add_node(TaskNode(call))
             return
         else:
-            if func in PATCHABLE_OPS:
-                _check_not_a_missed_update(stream, call)
             stream.issue_locked(OpWork(call.label, call.execute))
             return
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
@@ -313,17 +321,6 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
         _host_cost.clock.charge(RUNTIME.config.patch_us, started)
     with RUNTIME.cond:
         stream.issue_locked(patch)
-
-
-def _check_not_a_missed_update(stream: Stream, call: OpCall) -> None:
-    """An eager re-issue of a captured op, with its captured tensors, without update_begin."""
-    group = captured_group_of_locked(call)
-    if group is not None:
-        raise SimUsageError(
-            f"{call.label} issued on {stream.name} outside graph_task_update_begin/end with "
-            f"exactly the tensors of {group.name}: it runs eagerly and does not patch the "
-            "graph. Call graph_task_update_begin(stream, handle) first."
-        )
 
 
 _META_CACHE: dict[Any, Any] = {}
@@ -484,11 +481,33 @@ def _noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return None
 
 
+def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An allocation: memory now, no device work. On the NPU it comes from the caching
+    allocator when the host asks, so inside a capture it is not a task of the graph
+    (a replay does not re-allocate or overwrite it), inside a task group or an update
+    it is not a task of the group, and its contents are undefined until written."""
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "npu":
+        return func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
+    if device is not None and torch.device(device).index is not None:
+        index = torch.device(device).index
+    else:
+        first = _first_npu(args, kwargs)
+        index = _index(first) if first is not None else 0
+    m = _check_meta(func, args, kwargs)
+    return NpuTensor(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype), index)
+
+
 _SPECIAL: dict[Any, Any] = {
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
     aten.resize_.default: _resize_,
     aten.record_stream.default: _noop,
+    aten.empty_like.default: _allocate,
+    aten.new_empty.default: _allocate,
+    aten.new_empty_strided.default: _allocate,
+    aten.empty_strided.default: _allocate,
+    aten.empty.memory_format: _allocate,
 }
 
 

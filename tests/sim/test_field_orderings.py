@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from graphlane.sim import DeadlockError, HazardError, SimUsageError, configure, torch_npu
+from graphlane.sim import DeadlockError, HazardError, configure, torch_npu
 
 B, N, NKV, D, MAXKV, LAYERS, STEPS = 3, 4, 2, 16, 32, 3, 20
 
@@ -205,13 +205,6 @@ def test_patch_not_ordered_after_previous_replay_is_a_race(watchdog_off: None) -
         torch.npu.synchronize()
     assert err.value.kind in ("race", "lost-release")
     assert stack.graph.name in str(err.value)
-
-
-def test_op_reissued_without_update_begin_is_refused() -> None:
-    """vllm-ascend #4282: the op re-issued eagerly instead of as a patch."""
-    stack = Stack()
-    with torch.npu.stream(stack.update), pytest.raises(SimUsageError):
-        stack._op(0, lengths_for(0))
 
 
 def test_update_stream_waiting_on_replay_after_launch_deadlocks_at_once(

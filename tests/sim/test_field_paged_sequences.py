@@ -148,12 +148,6 @@ class AutoDispatchDecode:
         return self.model.outs[-1].cpu()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: the sim does not order a host thread after what its starter observed "
-    "(the previous step's completion read on the main thread), so the update thread's "
-    "patch looks unordered with the previous replay",
-)
 def test_sglang_update_in_a_thread_then_replay() -> None:
     runner = AutoDispatchDecode()
     for step in range(STEPS):

@@ -153,12 +153,6 @@ def test_capture_on_default_stream() -> None:
 
 
 # ------------------------------------------------------------------ task group updates
-def test_update_begin_on_capture_stream() -> None:
-    cap = capture_group()
-    with pytest.raises(SimUsageError):
-        torch.npu.graph_task_update_begin(cap.stream, cap.handle)
-
-
 def test_update_begin_on_stream_capturing_another_graph() -> None:
     cap = capture_group()
     g2, s2 = torch.npu.NPUGraph(), torch.npu.Stream()
@@ -242,15 +236,6 @@ def test_update_reissues_op_with_tensor_of_another_shape() -> None:
             fia.issue([8], key=longer_key, value=longer_value)
 
 
-def test_fused_op_reissued_eagerly_with_captured_tensors() -> None:
-    """op re-issued without update_begin: it would run eagerly and not patch the graph."""
-    cap = capture_group()
-    u = torch.npu.Stream()
-    with torch.npu.stream(u), pytest.raises(SimUsageError):
-        cap.fias[0].issue([8])
-
-
-# ------------------------------------------------------------------ replay
 def test_replay_of_graph_never_captured() -> None:
     g = torch.npu.NPUGraph()
     with pytest.raises(SimUsageError):
