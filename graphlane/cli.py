@@ -153,7 +153,9 @@ def _parser() -> argparse.ArgumentParser:
         "pipeline on the timed sim (serial vs pipelined vs the limit, latency vs the floor), "
         "the control plane (step round trip, windowed throughput and tensor bandwidth "
         "against a raw pyzmq+msgpack baseline between two processes), and scaling over 1, 2 "
-        "and 4 simulated devices.",
+        "and 4 simulated devices. It starts its own daemons on private ipc endpoints, without "
+        "authentication, so it takes no keys: to measure a daemon that requires CurveZMQ, run "
+        "'graphlane loadtest --connect EP --server-key FILE --client-key FILE' against it.",
     )
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (noisier)")

@@ -75,3 +75,15 @@ def test_the_config_module_documents_every_key() -> None:
     for text in ("graphlane example", "graphlane --version", ".venv/bin/graphlane",
                  "source .venv/bin/activate", "graphlane config check"):  # fmt: skip
         assert text in readme, text
+
+
+def test_bench_help_says_where_keys_go(capsys) -> None:
+    """bench runs its own unauthenticated daemons: its help sends a user with keys to
+    loadtest, which takes them."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "takes no keys" in text and "loadtest --connect EP --server-key" in text
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--client-key", "x"])
+    assert exit_.value.code == 2
