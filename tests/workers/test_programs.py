@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from issuer import Issuer
 
 from graphlane.workers.backends import create_backend
-from graphlane.workers.engine import StepEngine, StepRequest
 from graphlane.workers.programs import (
     AttentionProgram,
     ProgramConfigError,
@@ -90,10 +90,12 @@ def test_program_from_an_entry_point_runs_steps(installed_prefill: None) -> None
     q = torch.randn(2, 2, 4, 8, dtype=torch.float16, generator=g)
     k = torch.randn(2, 2, 8, 8, dtype=torch.float16, generator=g)
     v = torch.randn(2, 2, 8, 8, dtype=torch.float16, generator=g)
-    with StepEngine(create_backend("sim"), [program]) as eng:
-        req = StepRequest("prefill", 2, {"q_len": [4, 2], "kv_len": [8, 3]},
-                          {"query": q, "key": k, "value": v})  # fmt: skip
-        out = eng.run(req, 30).outputs["out"]
+    with Issuer(create_backend("sim"), [program]) as it:
+        params = {"q_len": [4, 2], "kv_len": [8, 3]}
+        step = it.run(2, [], params=params, program="prefill",
+                      inputs={"query": q, "key": k, "value": v})  # fmt: skip
+        assert step.results is not None
+        out = step.results["out"]
     # Reference: batch 1 has 2 valid query rows over 3 keys; rows beyond are zero.
     for b, (nq, nk) in enumerate([(4, 8), (2, 3)]):
         for h in range(2):
