@@ -65,7 +65,7 @@ class WorkerSpec:
     backend: str = "sim"
     sim: dict[str, Any] | None = None  # backend "sim": the fields of graphlane.sim.SimConfig
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
-    depth: int = 1
+    depth: int = 2  # the config's default (see ServeConfig.depth)
     pipeline: bool = True
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
