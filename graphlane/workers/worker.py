@@ -152,7 +152,7 @@ class Worker:
         self.exit_code = 0
         self._stopping = False
         self._stop_when_idle = False
-        # Accepted steps waiting for one of the engine's in-flight slots (bounded).
+        # Accepted steps waiting for one of the engine's in-flight permits (bounded).
         self._waiting: collections.deque[Step] = collections.deque()
         # Filled by other threads, emptied by the main thread after a wake-up:
         # finished steps from the completion thread, commands from the lifeline.
@@ -456,7 +456,7 @@ class Worker:
             raise BadRequest(str(exc)) from exc
 
     def _pump(self) -> None:
-        """Issue waiting steps while the engine has in-flight slots; a step whose caller's
+        """Issue waiting steps while the engine has in-flight permits; a step whose caller's
         deadline (``timeout_ms``) passed while it waited is answered TIMEOUT unrun."""
         waiting = self._waiting
         while waiting:

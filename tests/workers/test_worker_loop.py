@@ -1,5 +1,5 @@
 """The worker process on its own (no orchestrator, no client library): a real worker
-process spawned as the supervisor spawns it, its pipe, and a DEALER on its socket.
+process running worker_main, its pipe, and a DEALER on its socket.
 
 A reply that cannot be encoded becomes an INTERNAL error and the worker serves on,
 whether the step was answered on the spot (null) or from the completion thread
@@ -9,7 +9,10 @@ it waits for the device is answered TIMEOUT without running."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,7 @@ from typing import Any
 import pytest
 import zmq
 
-from graphlane.protocol import ops, pipe, wire
-from graphlane.workers.worker import WorkerSpec, worker_main
+from graphlane.protocol import ops, wire
 
 TINY = {
     "name": "attention",
@@ -41,11 +43,29 @@ def _step_done(reply: wire.Reply) -> ops.StepDone:
     return done
 
 
-class WorkerClient:
-    """A spawned worker process, its pipe, and a DEALER connected to its socket."""
+# The worker process: worker_main as the supervisor runs it, with the orchestrator's end
+# of the pipe relayed to this test through stdin/stdout (so that no multiprocessing
+# helper process outlives the test in pytest's own process).
+LAUNCHER = """
+import json, multiprocessing, sys, threading
+from graphlane.protocol import pipe
+from graphlane.workers.worker import WorkerSpec, worker_main
+here, there = multiprocessing.Pipe()
+def orchestrator():
+    ready = pipe.recv(here)
+    print(json.dumps(ready.info if isinstance(ready, pipe.Ready) else None), flush=True)
+    sys.stdin.readline()
+    pipe.send(here, pipe.Drain(stop=True))
+threading.Thread(target=orchestrator, daemon=True).start()
+worker_main(WorkerSpec(**json.loads(sys.argv[1])), there)
+"""
 
-    def __init__(self, proc: Any, conn: Any, sock: zmq.Socket[Any]) -> None:
-        self.proc, self.conn, self.sock = proc, conn, sock
+
+class WorkerClient:
+    """A worker process and a DEALER connected to its socket."""
+
+    def __init__(self, proc: subprocess.Popen[str], sock: zmq.Socket[Any]) -> None:
+        self.proc, self.sock = proc, sock
 
     def replies(self, n: int, timeout_s: float = 60) -> list[list[wire.Reply | wire.DecodeError]]:
         """The next messages until they hold ``n`` replies, one list per message."""
@@ -74,33 +94,34 @@ class WorkerClient:
 @contextlib.contextmanager
 def serving(tmp_path: Path, backend: str, **spec: Any) -> Iterator[WorkerClient]:
     """A worker process for device 0 on an ipc endpoint; drained and stopped at the end."""
-    spec.setdefault("programs", (TINY,))
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    worker_spec = WorkerSpec(
-        device=0, backend=backend, endpoint=f"ipc://{tmp_path}/worker.sock", **spec
-    )
-    proc = ctx.Process(target=worker_main, args=(worker_spec, there), daemon=True)
-    proc.start()
-    there.close()
+    spec = {"programs": [TINY], **spec, "device": 0, "backend": backend,
+            "endpoint": f"ipc://{tmp_path}/worker.sock"}  # fmt: skip
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, json.dumps(spec)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
     zctx: zmq.Context[Any] = zmq.Context()
     sock = zctx.socket(zmq.DEALER)
     try:
-        assert here.poll(120), "the worker did not start"
-        ready = pipe.recv(here)
-        assert isinstance(ready, pipe.Ready), ready
-        sock.connect(ready.info["endpoint"])
-        yield WorkerClient(proc, here, sock)
-        pipe.send(here, pipe.Drain(stop=True))
-        proc.join(60)
-        assert proc.exitcode == 0, f"the worker exited with {proc.exitcode}"
+        assert proc.stdout is not None and proc.stdin is not None
+        info = json.loads(proc.stdout.readline() or "null")
+        assert info, "the worker did not start"
+        sock.connect(info["endpoint"])
+        yield WorkerClient(proc, sock)
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0, f"the worker exited with {proc.returncode}"
     finally:
         sock.close(0)
         zctx.destroy(linger=0)
-        if proc.is_alive():
+        if proc.poll() is None:
             proc.kill()
-            proc.join()
-        here.close()
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.mark.parametrize("backend", ["null", "sim"])
