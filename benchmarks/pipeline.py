@@ -1,6 +1,10 @@
-"""Step pipeline on the timed sim: serial vs pipelined vs the limit, latency vs the floor.
+"""The step pipeline through a real daemon on the timed sim: pipelined vs the limit and
+vs a serial daemon, single-step latency vs the floor (see graphlane/tools/bench_pipeline.py).
 
-.venv/bin/python benchmarks/pipeline.py [--layers 8] [--steps 40] [--json]
+.venv/bin/python benchmarks/pipeline.py [--steps 60] [--depths] [--json]
+
+--depths: the balanced, update-bound and replay-bound profiles at depth 1, 2 and 3
+(how serve's default depth was chosen) instead of every profile at the default.
 """
 
 from __future__ import annotations
@@ -13,11 +17,18 @@ from graphlane.tools import bench_pipeline as bench
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--depths", action="store_true", help="compare depth 1, 2, 3")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args()
-    results = bench.run(layers=args.layers, steps=args.steps)
+    if args.depths:
+        results = [
+            r
+            for name in ("balanced", "update-bound", "replay-bound")
+            for r in bench.depths(name, steps=args.steps)
+        ]
+    else:
+        results = bench.run(steps=args.steps)
     if args.json:
         print(json.dumps([r.as_dict() for r in results], indent=2))
     else:

@@ -1,7 +1,8 @@
 """``graphlane bench``: everything measured side by side in one run, printed as ratios.
 
-- pipeline: the step engine on the timed sim, serial vs pipelined vs the limit,
-  latency vs the floor (:mod:`.bench_pipeline`);
+- pipeline: through a real daemon at serve's default config on the timed sim,
+  pipelined vs the limit and vs a serial daemon, latency vs the floor
+  (:mod:`.bench_pipeline`);
 - control plane: a raw pyzmq+msgpack round trip between two processes against
   the daemon, in the same run: sequential round trips, windowed throughput, and
   large-tensor bandwidth (:mod:`.bench_control`);
@@ -21,8 +22,8 @@ from .bench_goals import format_goals, progress
 
 
 def run_all(quick: bool = False) -> dict[str, Any]:
-    steps = 20 if quick else 40
-    with progress("the step pipeline on the timed sim: 3 profiles, serial and pipelined"):
+    steps = 30 if quick else 60
+    with progress("the step pipeline through daemons on the timed sim: 4 profiles, serial too"):
         pipe = pipeline_bench.run(steps=steps)
     with progress("the control plane against raw pyzmq+msgpack, null device then timed sim"):
         cp = bench_control.control_plane(200 if quick else 500)
@@ -41,7 +42,8 @@ def run_all(quick: bool = False) -> dict[str, Any]:
 
 def format_report(r: dict[str, Any]) -> str:
     cp, bw, sc = r["control_plane"], r["bandwidth"], r["scaling"]
-    lines = ["pipeline (timed sim, 8 layers):", r["pipeline_table"], ""]
+    lines = ["pipeline (through a daemon at the default config; timed sim, 4 layers):"]
+    lines += [r["pipeline_table"], ""]
     lines.append("control plane (ms; ratio to the raw round trip measured beside it):")
     lines.append(f"  {'':34} {'null device':>20} {'timed sim':>20}")
 

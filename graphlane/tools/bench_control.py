@@ -181,7 +181,10 @@ class BenchDaemon:
         sim: dict[str, Any] | None = None,
         max_queued: int = 4096,
         backend: str = "sim",
+        settings: dict[str, Any] | None = None,
     ):
+        """``settings``: more top-level keys of the config (``depth``, ``pipeline``);
+        every other key is ``graphlane serve``'s default."""
         self.tmp = tempfile.TemporaryDirectory(prefix="graphlane-bench-")
         self.endpoint = f"ipc://{self.tmp.name}/daemon.sock"
         sim = sim or {"mode": "timed", "task_us": 0.0, "patch_us": 0.0}
@@ -190,8 +193,10 @@ class BenchDaemon:
             f"devices = {devices}",
             f"max_queued = {max_queued}",
             f'backend = "{backend}"',
-            "[sim]",
         ]
+        lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else v}"
+                  for k, v in (settings or {}).items()]  # fmt: skip
+        lines.append("[sim]")
         lines += [f"{k} = {v!r}".replace("'", '"') for k, v in sim.items()]
         lines += ["[[programs]]", 'name = "attention"']
         lines += [f"{k} = {v}" for k, v in program.items()]

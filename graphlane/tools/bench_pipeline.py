@@ -1,28 +1,38 @@
-"""Pipelining measured on the timed sim, side by side in one run.
+"""Pipelining measured through a real daemon on the timed sim, side by side.
 
 For each cost profile (per-layer host update time ``patch_us`` and device
-replay time ``task_us``) the same engine configuration runs serial steps,
-pipelined steps, and single steps one at a time, and the figures are reported
-as ratios to the physical limits:
+replay time ``task_us``) ``graphlane serve`` runs in a child process at its
+default config (``depth``, ``pipeline = true``, ...) with the timed sim and a
+4-layer ``attention`` program, and a client on its socket measures:
+
+- pipelined steps/s: a window of :data:`WINDOW` steps in flight, lengths
+  changing every step (every layer is patched every step);
+- serial steps/s: the same through a daemon with ``pipeline = false`` (update,
+  replay, wait before the next step: what a host barrier gives);
+- single-step latency: one step at a time, at the client (round trip) and as the
+  worker held it (``server_us``).
+
+Reported as ratios to the physical limits:
 
 - throughput limit: 1 / (layers * max(patch_us, task_us))
 - latency floor:    layers * max(patch_us, task_us) + min(patch_us, task_us)
 
-Serial and pipelined engines run in alternation, a few repetitions each, and
-the medians are reported (latency: the median of single steps).
+Each rate is the median of ``reps`` runs, pipelined and serial daemons up at
+the same time and measured in alternation (a slow spell of the machine falls
+on both alike); the latency is the median of single steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from graphlane.sim import SimConfig, configure
-from graphlane.workers.backends.sim import SimBackend
-from graphlane.workers.engine import StepEngine, StepRequest
-from graphlane.workers.programs import AttentionConfig, AttentionProgram
+from graphlane.client import Client
+
+from .bench_control import BenchDaemon
 
 PROFILES: dict[str, tuple[float, float]] = {
     # name: (patch_us, task_us); the 910B3 field figures are ~185 us per layer of
@@ -31,7 +41,13 @@ PROFILES: dict[str, tuple[float, float]] = {
     "update-bound": (1800.0, 600.0),
     "balanced": (1500.0, 1500.0),
     "replay-bound": (600.0, 1800.0),
+    "balanced-0.6": (600.0, 600.0),  # the cheap end: the sim's own cost shows most here
 }
+LAYERS = 4
+WINDOW = 8  # steps in flight in the throughput runs
+BATCH = 4
+PROGRAM = {"layers": LAYERS, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+           "max_kv_len": 64, "buckets": [BATCH]}  # fmt: skip
 
 
 @dataclass
@@ -40,11 +56,13 @@ class PipelineFigures:
     patch_us: float
     task_us: float
     layers: int
+    depth: int | None  # None: serve's default
     limit_steps_s: float
     serial_steps_s: float
     pipelined_steps_s: float
     floor_ms: float
-    latency_ms: float
+    latency_ms: float  # at the client: the round trip of one step alone
+    worker_latency_ms: float  # the same steps as the worker held them
 
     @property
     def pipelined_vs_limit(self) -> float:
@@ -52,7 +70,7 @@ class PipelineFigures:
 
     @property
     def pipelined_vs_serial(self) -> float:
-        return self.pipelined_steps_s / self.serial_steps_s
+        return self.pipelined_steps_s / self.serial_steps_s if self.serial_steps_s else 0.0
 
     @property
     def latency_vs_floor(self) -> float:
@@ -68,91 +86,137 @@ class PipelineFigures:
         return d
 
 
-def _requests(n: int, batch: int, max_kv: int) -> list[StepRequest]:
+def _params(i: int) -> dict[str, Any]:
     # Lengths change every step, so every layer is patched every step.
-    return [
-        StepRequest("attention", batch, {"actual_seq_lengths_kv": [1 + (i % max_kv)] * batch})
-        for i in range(n)
-    ]
+    return {"actual_seq_lengths_kv": [1 + (i % PROGRAM["max_kv_len"])] * BATCH}  # type: ignore[operator]
 
 
-def _throughput(engine: StepEngine, reqs: list[StepRequest]) -> float:
+async def _rate(c: Client, n: int) -> float:
+    """n steps with WINDOW in flight: WINDOW callers, each calling again on its reply."""
+    left = n
+
+    async def caller() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await c.step("attention", 0, _params(left))
+
     t0 = time.perf_counter()
-    futs = [engine.submit(r) for r in reqs]
-    for f in futs:
-        f.result(120)
-    return len(reqs) / (time.perf_counter() - t0)
+    await asyncio.gather(*(caller() for _ in range(WINDOW)))
+    return n / (time.perf_counter() - t0)
 
 
-def _latency_ms(engine: StepEngine, reqs: list[StepRequest]) -> float:
-    """Median time of one step submitted alone (nothing else in flight)."""
-    times = []
-    for r in reqs:
+async def _latencies(c: Client, n: int) -> tuple[list[float], list[float]]:
+    """Round trips of n steps sent one at a time, and the worker's time for each."""
+    rtt, held = [], []
+    for i in range(n):
         t0 = time.perf_counter()
-        engine.run(r, 120)
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+        r = await c.step("attention", 0, _params(i))
+        rtt.append(time.perf_counter() - t0)
+        held.append(r.server_us * 1e-6)
+    return rtt, held
+
+
+def _daemon(patch_us: float, task_us: float, **settings: Any) -> BenchDaemon:
+    sim = {"mode": "timed", "patch_us": patch_us, "task_us": task_us}
+    return BenchDaemon(PROGRAM, sim=sim, settings=settings)
+
+
+async def _measure(
+    pipelined: BenchDaemon, serial: BenchDaemon | None, steps: int, reps: int
+) -> dict[str, float]:
+    async with Client(pipelined.endpoint, timeout=120) as p:
+        s_client = Client(serial.endpoint, timeout=120) if serial else None
+        try:
+            if s_client is not None:
+                await s_client.__aenter__()
+                await _rate(s_client, 2 * WINDOW)  # warm up
+            await _rate(p, 2 * WINDOW)
+            rates: dict[str, list[float]] = {"pipelined": [], "serial": []}
+            for _ in range(reps):
+                rates["pipelined"].append(await _rate(p, steps))
+                if s_client is not None:
+                    rates["serial"].append(await _rate(s_client, steps))
+            rtt, held = await _latencies(p, max(10, steps // 2))
+        finally:
+            if s_client is not None:
+                await s_client.__aexit__(None, None, None)
+    return {
+        "pipelined": statistics.median(rates["pipelined"]),
+        "serial": statistics.median(rates["serial"]) if rates["serial"] else 0.0,
+        "latency_ms": 1000 * statistics.median(rtt),
+        "worker_latency_ms": 1000 * statistics.median(held),
+    }
 
 
 def measure(
-    profile: str, patch_us: float, task_us: float, layers: int = 8, steps: int = 40, reps: int = 3
+    profile: str,
+    patch_us: float,
+    task_us: float,
+    steps: int = 60,
+    reps: int = 3,
+    depth: int | None = None,
+    serial: bool = True,
 ) -> PipelineFigures:
-    """Serial and pipelined engines measured in alternation, ``reps`` times; medians."""
-    configure(mode="timed", patch_us=patch_us, task_us=task_us)
-    cfg = AttentionConfig(layers=layers, num_heads=4, num_kv_heads=2, head_dim=16,
-                          max_kv_len=64, buckets=(4,))  # fmt: skip
-    backend = SimBackend(0)
-    samples: dict[str, list[float]] = {"serial": [], "pipelined": [], "latency": []}
-    with (
-        StepEngine(backend, [AttentionProgram(cfg)], depth=2, pipeline=False) as serial,
-        StepEngine(backend, [AttentionProgram(cfg)], depth=2, pipeline=True) as pipelined,
-    ):
-        for eng in (serial, pipelined):
-            _throughput(eng, _requests(4, 4, cfg.max_kv_len))  # warm up
-        for _ in range(reps):
-            samples["serial"].append(_throughput(serial, _requests(steps, 4, cfg.max_kv_len)))
-            samples["pipelined"].append(_throughput(pipelined, _requests(steps, 4, cfg.max_kv_len)))
-            samples["latency"].append(
-                _latency_ms(pipelined, _requests(steps // 2, 4, cfg.max_kv_len))
-            )
-    figures = {k: statistics.median(v) for k, v in samples.items()}
+    """One profile through a daemon at the default config (or ``depth``), and, with
+    ``serial``, through a serial daemon beside it."""
+    settings = {} if depth is None else {"depth": depth}
+    daemons = [_daemon(patch_us, task_us, **settings)]
+    try:
+        if serial:
+            daemons.append(_daemon(patch_us, task_us, pipeline=False))
+        f = asyncio.run(_measure(daemons[0], daemons[1] if serial else None, steps, reps))
+    finally:
+        for d in daemons:
+            d.close()
     worst, best = max(patch_us, task_us), min(patch_us, task_us)
     return PipelineFigures(
         profile=profile,
         patch_us=patch_us,
         task_us=task_us,
-        layers=layers,
-        limit_steps_s=1e6 / (layers * worst),
-        serial_steps_s=figures["serial"],
-        pipelined_steps_s=figures["pipelined"],
-        floor_ms=(layers * worst + best) / 1000,
-        latency_ms=figures["latency"],
+        layers=LAYERS,
+        depth=depth,
+        limit_steps_s=1e6 / (LAYERS * worst),
+        serial_steps_s=f["serial"],
+        pipelined_steps_s=f["pipelined"],
+        floor_ms=(LAYERS * worst + best) / 1000,
+        latency_ms=f["latency_ms"],
+        worker_latency_ms=f["worker_latency_ms"],
     )
 
 
-def run(layers: int = 8, steps: int = 40) -> list[PipelineFigures]:
-    old = configure()
-    try:
-        return [measure(name, p, t, layers, steps) for name, (p, t) in PROFILES.items()]
-    finally:
-        configure(mode=old.mode, patch_us=old.patch_us, task_us=old.task_us)
+def run(
+    steps: int = 60, profiles: dict[str, tuple[float, float]] | None = None
+) -> list[PipelineFigures]:
+    """Every profile at serve's default config, beside the serial mode."""
+    return [measure(name, p, t, steps) for name, (p, t) in (profiles or PROFILES).items()]
+
+
+def depths(
+    profile: str = "balanced", choices: tuple[int, ...] = (1, 2, 3), steps: int = 60
+) -> list[PipelineFigures]:
+    """One profile at each ``depth`` (no serial run): how the default was chosen."""
+    p, t = PROFILES[profile]
+    return [measure(profile, p, t, steps, depth=d, serial=False) for d in choices]
 
 
 def table(results: list[PipelineFigures]) -> str:
     head = (
-        f"{'profile':<13} {'patch/task us':>13} {'limit/s':>8} {'serial/s':>9} "
+        f"{'profile':<13} {'depth':>5} {'patch/task us':>13} {'limit/s':>8} {'serial/s':>9} "
         f"{'pipelined/s':>11} {'vs limit':>8} {'vs serial':>9} {'latency ms':>10} "
-        f"{'floor ms':>8} {'vs floor':>8}"
+        f"{'(worker)':>8} {'floor ms':>8} {'vs floor':>8}"
     )
     lines = [head]
     for r in results:
+        serial = f"{r.serial_steps_s:9.1f}" if r.serial_steps_s else f"{'-':>9}"
+        vs_serial = f"{r.pipelined_vs_serial:8.2f}x" if r.serial_steps_s else f"{'-':>9}"
         lines.append(
-            f"{r.profile:<13} {f'{r.patch_us:g}/{r.task_us:g}':>13} {r.limit_steps_s:8.1f} "
-            f"{r.serial_steps_s:9.1f} {r.pipelined_steps_s:11.1f} {r.pipelined_vs_limit:8.2f} "
-            f"{r.pipelined_vs_serial:8.2f}x {r.latency_ms:10.2f} {r.floor_ms:8.2f} "
-            f"{r.latency_vs_floor:7.2f}x"
+            f"{r.profile:<13} {r.depth or 'dflt':>5} {f'{r.patch_us:g}/{r.task_us:g}':>13} "
+            f"{r.limit_steps_s:8.1f} {serial} {r.pipelined_steps_s:11.1f} "
+            f"{r.pipelined_vs_limit:8.2f} {vs_serial} {r.latency_ms:10.2f} "
+            f"{r.worker_latency_ms:8.2f} {r.floor_ms:8.2f} {r.latency_vs_floor:7.2f}x"
         )
     return "\n".join(lines)
 
 
-__all__ = ["PROFILES", "PipelineFigures", "SimConfig", "measure", "run", "table"]
+__all__ = ["PROFILES", "PipelineFigures", "depths", "measure", "run", "table"]

@@ -49,11 +49,11 @@ from graphlane.protocol.errors import (
     UnknownProgram,
     as_error,
 )
-from graphlane.workers.engine import StepEngine, StepResult
+from graphlane.workers.engine import StepEngine
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.programs import StepError
-from graphlane.workers.programs.base import StepPlan
+from graphlane.workers.step import OpKind, Step
 
 log = logging.getLogger("graphlane.worker")
 
@@ -66,7 +66,7 @@ class WorkerSpec:
     backend: str = "sim"
     sim: dict[str, Any] | None = None  # backend "sim": the fields of graphlane.sim.SimConfig
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
-    depth: int = 1
+    depth: int = 2  # the config's default (see ServeConfig.depth)
     pipeline: bool = True
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
@@ -109,18 +109,22 @@ class Worker:
         if spec.backend == "sim" and spec.sim is not None:
             options["config"] = spec.sim
         backend = create_backend(spec.backend, spec.device, **options)
+        hang, fault = spec.faults.get("hang_device_after"), spec.faults.get("device_fault_after")
+        if hang is not None or fault is not None:  # tests: a device that misbehaves on cue
+            from graphlane.workers.backends.faults import FaultyBackend
+
+            backend = FaultyBackend(backend, hang_after=hang, device_fault_after=fault)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]
         self.engine = StepEngine(
             backend,
             programs,
+            on_done=self._on_done,
             depth=spec.depth,
             # Serial mode: one step on the device at a time, answered before the next.
             max_inflight=8 if spec.pipeline else 1,
             pipeline=spec.pipeline,
         )
-        self.engine.fault_hang_after = spec.faults.get("hang_device_after")
-        self.engine.fault_device_after = spec.faults.get("device_fault_after")
-        self.engine.start(issue_thread=False)  # this process's main thread issues
+        self.engine.start()  # this process's main thread issues (see _issue)
         self.ctx: zmq.Context[Any] = zmq.Context()
         self.auth: Any = None
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -144,16 +148,16 @@ class Worker:
         self.metrics = WorkerMetrics()
         self._dropped_log = Throttled(log)
         # Accepted requests not answered yet (waiting + on the device), oldest first.
-        self._open: dict[_Call, None] = {}
+        self._open: dict[Step, None] = {}
         self.started = time.time()
         self.exit_code = 0
         self._stopping = False
         self._stop_when_idle = False
-        # Accepted steps waiting for one of the engine's in-flight slots (bounded).
-        self._waiting: collections.deque[_Call] = collections.deque()
+        # Accepted steps waiting for one of the engine's in-flight permits (bounded).
+        self._waiting: collections.deque[Step] = collections.deque()
         # Filled by other threads, emptied by the main thread after a wake-up:
         # finished steps from the completion thread, commands from the lifeline.
-        self._finished: collections.deque[tuple[_Call, Any, Any]] = collections.deque()
+        self._finished: collections.deque[Step] = collections.deque()
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -299,7 +303,7 @@ class Worker:
         # Steps that finished together go back together to senders that take bundles.
         with self._replies_together():
             while self._finished:
-                self._run_safely(functools.partial(self._finish, *self._finished.popleft()))
+                self._run_safely(functools.partial(self._finish, self._finished.popleft()))
 
     @staticmethod
     def _run_safely(work: Callable[[], None]) -> None:
@@ -410,17 +414,18 @@ class Worker:
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
         self._check_generation(body)
-        kind, plan, outputs = self._plan(body, req.op)
-        deadline = received + body.timeout_ms / 1000 if body.timeout_ms is not None else None
-        call = _Call(ident, req.id, req.op, kind, plan, outputs, received, bundled, deadline)
+        step = self._step(body, req.op)
+        step.ident, step.request_id, step.bundled, step.received = ident, req.id, bundled, received
+        if body.timeout_ms is not None:
+            step.deadline = received + body.timeout_ms / 1000
         if self._waiting or not self.engine.reserve(blocking=False):
             if len(self._waiting) >= self.spec.max_queued:
                 raise Busy(f"{self.spec.max_queued} requests are queued already")
-            self._accept(call)
-            self._waiting.append(call)
+            self._open[step] = None
+            self._waiting.append(step)
             return
-        self._accept(call)
-        self._issue(call)
+        self._open[step] = None
+        self.engine.issue(step)
 
     def _control(self, ident: bytes, request_id: int, body: Any, bundled: bool) -> None:
         """Answer a request that is not device work."""
@@ -455,90 +460,85 @@ class Worker:
                 f"and name generation {self.spec.generation}"
             )
 
-    def _plan(self, body: Any, op: str) -> tuple[str, StepPlan, tuple[str, ...]]:
+    def _step(self, body: Any, op: str) -> Step:
+        """The step a device request's body asks for, validated (BAD_REQUEST if not)."""
         try:
             if type(body) is ops.KvWrite:
                 fields = {"slots": body.slots, "key": body.key, "value": body.value}
-                return "state", self.engine.plan_state(body.program, op, fields), ()
+                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.KvRead:
                 fields = {"slots": body.slots}
-                return "state", self.engine.plan_state(body.program, op, fields), ()
+                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Step:
                 outputs = tuple(body.outputs)
-                return "step", self.engine.plan(body, outputs), outputs
+                return Step(OpKind.STEP, self.engine.plan(body, outputs), outputs)
             if type(body) is ops.Update:
-                return "update", self.engine.plan(body, ()), ()
+                return Step(OpKind.UPDATE, self.engine.plan(body))
             outputs = tuple(body.outputs)
-            return "replay", self.engine.plan_replay(body.program, body.batch, outputs), outputs
+            plan = self.engine.plan_replay(body.program, body.batch, outputs)
+            return Step(OpKind.REPLAY, plan, outputs)
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
 
-    def _accept(self, call: _Call) -> None:
-        self._open[call] = None
-
-    def _issue(self, call: _Call) -> None:
-        self.engine.issue(
-            call.kind,
-            call.plan,
-            call.outputs,
-            functools.partial(self._on_done, call),
-            call.received,
-        )
-
     def _pump(self) -> None:
-        """Issue waiting steps while the engine has in-flight slots; a step whose caller's
+        """Issue waiting steps while the engine has in-flight permits; a step whose caller's
         deadline (``timeout_ms``) passed while it waited is answered TIMEOUT unrun."""
         waiting = self._waiting
         while waiting:
-            call = waiting[0]
-            if call.deadline is not None and time.perf_counter() > call.deadline:
+            step = waiting[0]
+            if step.deadline is not None and time.perf_counter() > step.deadline:
                 waiting.popleft()
-                self._open.pop(call, None)
-                late = Timeout(f"{call.op} waited past its deadline; it was not run")
-                self._reply_error(call.ident, call.request_id, late, call.bundled)
+                self._open.pop(step, None)
+                late = Timeout(f"{step.kind.value} waited past its deadline; it was not run")
+                self._reply_error(step.ident, step.request_id, late, step.bundled)
                 continue
             if not self.engine.reserve(blocking=False):
                 return
-            self._issue(waiting.popleft())
+            self.engine.issue(waiting.popleft())
 
-    def _on_done(self, call: _Call, result: StepResult | None, exc: BaseException | None) -> None:
+    def _on_done(self, step: Step) -> None:
+        """The engine's completion callback (see StepEngine.issue)."""
         if threading.get_ident() == self._main:  # completed on the spot, during its issue
-            self._finish(call, result, exc)
+            self._finish(step)
         else:  # from the completion thread
-            self._finished.append((call, result, exc))
+            self._finished.append(step)
             self._wake()
 
-    def _finish(self, call: _Call, r: StepResult | None, exc: BaseException | None) -> None:
-        self._open.pop(call, None)
-        if r is None:
-            assert exc is not None
-            self._reply_error(call.ident, call.request_id, as_error(exc), call.bundled)
+    def _finish(self, step: Step) -> None:
+        self._open.pop(step, None)
+        if step.results is None:
+            error = step.error or InternalError("step ended without results")
+            self._reply_error(step.ident, step.request_id, as_error(error), step.bundled)
         else:
             now = time.perf_counter()
-            self.metrics.observe_step(call.plan.program, call.op, now - call.received)
-            if r.dispatch_s:
-                self.metrics.dispatch_seconds.observe(r.dispatch_s)
-            if r.replay_at:
-                self.metrics.replay_seconds.observe(max(0.0, r.done_at - r.replay_at))
+            self.metrics.observe_step(step.plan.program, step.kind.value, now - step.received)
+            if step.dispatch_s:
+                self.metrics.dispatch_seconds.observe(step.dispatch_s)
+            if step.replay_at:
+                self.metrics.replay_seconds.observe(max(0.0, step.done_at - step.replay_at))
+            # A device-state operation runs on no graph instance: bucket and instance 0.
+            bucket, instance = (
+                (step.graph.key.bucket, step.graph.key.instance) if step.graph else (0, 0)
+            )
             done = ops.StepDone(
-                r.outputs,
-                r.key.bucket,
-                r.key.slot,
-                r.patched_groups,
+                step.results,
+                bucket,
+                instance,
+                step.patched,
                 # Time the worker held the request: decode to reply (device work included).
-                round((now - call.received) * 1e6, 1),
+                round((now - step.received) * 1e6, 1),
                 self.spec.generation,
             )
             try:
-                frames = wire.encode_reply(call.request_id, done)
+                frames = wire.encode_reply(step.request_id, done)
             except Exception as exc:  # a program's outputs that cannot be sent: say so
-                log.exception("reply to request %s cannot be encoded", call.request_id)
+                log.exception("reply to request %s cannot be encoded", step.request_id)
                 self._reply_error(
-                    call.ident, call.request_id, InternalError(str(exc)), call.bundled
+                    step.ident, step.request_id, InternalError(str(exc)), step.bundled
                 )
             else:
                 self.counters["replies"] += 1
-                self._send(call.ident, frames, call.bundled)
+                self._send(step.ident, frames, step.bundled)
         if self.engine.failure is not None and not self._stopping:
             # A device fault: this process cannot serve again. Answer what waits,
             # then exit; the orchestrator restarts the worker, which captures afresh.
@@ -559,21 +559,6 @@ _BATCH = 64  # requests taken from the socket per turn of the loop
 
 def _nbytes(frame: Any) -> int:
     return len(frame) if type(frame) is bytes else memoryview(frame).nbytes
-
-
-@dataclass(eq=False, slots=True)
-class _Call:
-    """An accepted step, update or replay, from arrival to its reply."""
-
-    ident: Any
-    request_id: int
-    op: str
-    kind: str
-    plan: StepPlan
-    outputs: tuple[str, ...]
-    received: float
-    bundled: bool  # came in a bundle: its sender takes bundled replies
-    deadline: float | None = None  # perf_counter time after which it is not issued
 
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]

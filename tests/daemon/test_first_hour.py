@@ -99,7 +99,7 @@ def _blocks(path: Path, lang: str) -> list[str]:
 def test_the_docs_program_serves_by_module_path_and_bad_inputs_get_bad_request(
     start_daemon, tmp_path: Path, monkeypatch
 ) -> None:
-    program, client_example = _blocks(ROOT / "docs" / "programs.md", "python")
+    program, client_example = _blocks(ROOT / "docs" / "programs.md", "python")[:2]
     (tmp_path / "my_prefill.py").write_text(program)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
     table = {"name": "my_prefill:PrefillProgram", "heads": 2, "seq": 4}

@@ -59,7 +59,7 @@ class PrefillProgram(GraphProgram):
         full = ([self.seq] * bucket, [self.kv] * bucket)
         events[0].wait(stream)
         backend.task_group_begin(stream)
-        backend.attention_out(self._args(buffers, *full))
+        backend.call("npu_fused_infer_attention_score.out", (), self._args(buffers, *full))
         return [backend.task_group_end(stream)], [full]
 
     def plan(self, batch: int, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]):  # type: ignore[no-untyped-def]
@@ -77,9 +77,13 @@ class PrefillProgram(GraphProgram):
     def group_signature(self, plan: StepPlan, group: int) -> Any:
         return plan.values["lengths"]
 
-    def group_arguments(self, buffers, plan, group):  # type: ignore[no-untyped-def]
+    def group_call(self, buffers, plan, group):  # type: ignore[no-untyped-def]
         q_len, kv_len = plan.values["lengths"]
-        return self._args(buffers, list(q_len), list(kv_len))
+        return (
+            "npu_fused_infer_attention_score.out",
+            (),
+            self._args(buffers, list(q_len), list(kv_len)),
+        )
 
     def input_writes(self, buffers, plan, group):  # type: ignore[no-untyped-def]
         return [(buffers[n][: plan.batch], t) for n, t in plan.inputs.items()]

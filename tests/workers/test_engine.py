@@ -1,33 +1,45 @@
 """The step engine on the sim: numerics of whole steps against the test's own
 attention reference, for every bucket, padding, GQA, depth 1 and 2, serial and
-pipelined, over the npu provider with and without the fused update binding."""
+pipelined, over the npu provider with and without the fused update binding.
+
+The engine is driven as the worker drives it: the test's thread is the issuer
+(``reserve`` then ``issue``), and ``on_done`` hands back each finished step.
+Serving behaviour (sockets, queueing, deadlines) is tested through real workers
+in tests/workers/test_worker_loop.py and tests/daemon."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 from daemons import wait_for
+from issuer import Issuer
 from reference import decode_stack
 
-from graphlane.sim import DeviceFaultError, HazardError, torch_npu
+from graphlane.protocol import ops
+from graphlane.sim import HazardError, torch_npu
 from graphlane.workers.backends import create_backend
+from graphlane.workers.backends.faults import FaultyBackend, InjectedDeviceFault
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.backends.null import NullBackend
-from graphlane.workers.engine import EngineError, StepEngine, StepRequest, StepResult
+from graphlane.workers.engine import EngineError
 from graphlane.workers.programs import AttentionConfig, AttentionProgram, GraphKey, StepError
+from graphlane.workers.step import OpKind, Step
 
 CFG = AttentionConfig(
     layers=3, num_heads=4, num_kv_heads=2, head_dim=16, max_kv_len=24, buckets=(1, 2, 4)
 )
 
 
-def _engine(depth: int = 1, pipeline: bool = True, fused: bool = True) -> StepEngine:
+def _issuer(depth: int = 1, pipeline: bool = True, fused: bool = True) -> Issuer:
     backend = NpuBackend(torch_npu, 0, use_fused_update=fused)
-    return StepEngine(backend, [AttentionProgram(CFG)], depth=depth, pipeline=pipeline)
+    # Serial mode runs with one permit, as the worker runs it.
+    return Issuer(
+        backend, [AttentionProgram(CFG)], depth=depth, pipeline=pipeline,
+        max_inflight=8 if pipeline else 1,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -63,84 +75,81 @@ def _expected(
 def test_steps_match_reference(
     depth: int, pipeline: bool, fused: bool, gen: torch.Generator
 ) -> None:
-    """Every batch size 1..4 (buckets 1, 2, 4: sizes 3 is padded), submitted without
-    waiting, so consecutive steps overlap; key/value written once per instance and
-    kept by later steps that bring only a query."""
+    """Every batch size 1..4 (buckets 1, 2, 4: sizes 3 is padded), issued without
+    waiting (as many as the engine's permits allow), so consecutive steps overlap;
+    key/value written once per instance and kept by later steps that bring only a
+    query."""
     kv_of: dict[GraphKey, tuple[torch.Tensor, torch.Tensor]] = {}
-    with _engine(depth, pipeline, fused) as eng:
+    with _issuer(depth, pipeline, fused) as it:
         # Round 1: write key/value into every instance.
         first = []
         for batch in (1, 2, 4):
             for _ in range(depth):
                 k, v = _kv(batch, gen)
                 q, n = _query(batch, gen), _lengths(batch, gen)
-                req = StepRequest(
-                    "attention",
-                    batch,
-                    {"actual_seq_lengths_kv": n},
-                    {"query": q, "key": k, "value": v},
-                )
-                first.append((eng.submit(req), q, k, v, n))
-        for fut, q, k, v, n in first:
-            r = fut.result(30)
-            kv_of[r.key] = (k, v)
+                step = it.step(batch, n, inputs={"query": q, "key": k, "value": v})
+                first.append((step, q, k, v, n))
+        it.wait([s for s, *_ in first])
+        for r, q, k, v, n in first:
+            assert r.graph is not None and r.results is not None
+            kv_of[r.graph.key] = (k, v)
             torch.testing.assert_close(
-                r.outputs["out"], _expected(q, k, v, n), atol=2e-3, rtol=2e-3
+                r.results["out"], _expected(q, k, v, n), atol=2e-3, rtol=2e-3
             )
         # Round 2: many steps, only queries and lengths, every batch size.
         steps = []
         for i in range(24):
             batch = 1 + i % 4
             q, n = _query(batch, gen), _lengths(batch, gen)
-            req = StepRequest("attention", batch, {"actual_seq_lengths_kv": n}, {"query": q})
-            steps.append((eng.submit(req), q, n, batch))
-        for fut, q, n, batch in steps:
-            r = fut.result(30)
-            assert r.key.bucket == min(b for b in CFG.buckets if b >= batch)
-            k, v = kv_of[r.key]
-            assert r.outputs["out"].shape == (batch, CFG.num_heads, 1, CFG.head_dim)
+            steps.append((it.step(batch, n, inputs={"query": q}), q, n, batch))
+        it.wait([s for s, *_ in steps])
+        for r, q, n, batch in steps:
+            assert r.graph is not None and r.results is not None
+            assert r.graph.key.bucket == min(b for b in CFG.buckets if b >= batch)
+            k, v = kv_of[r.graph.key]
+            assert r.results["out"].shape == (batch, CFG.num_heads, 1, CFG.head_dim)
             kb, vb = k[:, :batch], v[:, :batch]
             torch.testing.assert_close(
-                r.outputs["out"], _expected(q, kb, vb, n), atol=2e-3, rtol=2e-3
+                r.results["out"], _expected(q, kb, vb, n), atol=2e-3, rtol=2e-3
             )
-        assert eng.failure is None
+        assert it.engine.failure is None
 
 
 def test_depth_two_alternates_instances_and_skips_unchanged_groups() -> None:
-    with _engine(depth=2) as eng:
-        n = {"actual_seq_lengths_kv": [5, 6]}
-        results = [eng.run(StepRequest("attention", 2, n), timeout=30) for _ in range(4)]
-    assert [r.key.slot for r in results] == [0, 1, 0, 1]
+    with _issuer(depth=2) as it:
+        results = [it.run(2, [5, 6]) for _ in range(4)]
+    assert [r.graph.key.instance for r in results if r.graph] == [0, 1, 0, 1]
     # The first step on each instance patches every layer; the same lengths again
     # on the same instance release the layers without a patch.
-    assert [r.patched_groups for r in results] == [CFG.layers, CFG.layers, 0, 0]
+    assert [r.patched for r in results] == [CFG.layers, CFG.layers, 0, 0]
 
 
-def test_steps_are_asyncio_friendly() -> None:
-    async def main(eng: StepEngine) -> list[int]:
-        futs = [
-            asyncio.wrap_future(
-                eng.submit(StepRequest("attention", 1, {"actual_seq_lengths_kv": [i + 1]}))
-            )
-            for i in range(8)
-        ]
-        return [r.outputs["out"].shape[0] for r in await asyncio.gather(*futs)]
-
-    with _engine() as eng:
-        assert asyncio.run(main(eng)) == [1] * 8
+def test_an_update_stages_an_instance_that_the_next_replay_releases() -> None:
+    """update patches the next instance and keeps it staged (no release, no replay);
+    replay releases and replays that instance, as last patched."""
+    with _issuer(depth=2) as it:
+        body = ops.Update("attention", 0, {"actual_seq_lengths_kv": [4]}, batch=1)
+        update = it.issue(Step(OpKind.UPDATE, it.engine.plan(body)))
+        replay = it.issue(Step(OpKind.REPLAY, it.engine.plan_replay("attention", 1, ["out"]),
+                               ("out",)))  # fmt: skip
+        following = it.step(1, [4])
+        it.wait([update, replay, following])
+    assert update.patched == CFG.layers and update.results == {}
+    assert replay.graph is update.graph and replay.patched == 0
+    assert replay.results is not None and replay.results["out"].shape[0] == 1
+    assert following.graph is not update.graph  # the ring moved on
 
 
 @pytest.fixture
-def engine() -> Iterator[StepEngine]:
-    with _engine() as eng:
-        yield eng
+def issuer() -> Iterator[Issuer]:
+    with _issuer() as it:
+        yield it
 
 
 @pytest.mark.parametrize(
     ("batch", "params", "inputs", "outputs", "field"),
     [
         (5, {"actual_seq_lengths_kv": [1] * 5}, {}, ("out",), "batch"),
-        (0, {"actual_seq_lengths_kv": []}, {}, ("out",), "batch"),
         (2, {"actual_seq_lengths_kv": [1]}, {}, ("out",), "params.actual_seq_lengths_kv"),
         (2, {"actual_seq_lengths_kv": [1, 25]}, {}, ("out",), "params.actual_seq_lengths_kv[1]"),
         (2, {"actual_seq_lengths_kv": [0, 3]}, {}, ("out",), "params.actual_seq_lengths_kv[0]"),
@@ -165,32 +174,31 @@ def engine() -> Iterator[StepEngine]:
     ],
 )
 def test_bad_steps_name_the_field(
-    engine: StepEngine, batch: int, params: dict, inputs: dict, outputs: tuple[str, ...], field: str
+    issuer: Issuer, batch: int, params: dict, inputs: dict, outputs: tuple[str, ...], field: str
 ) -> None:
     with pytest.raises(StepError) as err:
-        engine.submit(StepRequest("attention", batch, params, inputs, outputs))
+        issuer.plan(batch, [], inputs=inputs, outputs=outputs, params=params)
     assert err.value.field == field
-    assert engine.run(StepRequest("attention", 1, {"actual_seq_lengths_kv": [3]}), 30)
+    assert issuer.run(1, [3]).results is not None
 
 
-def test_unknown_program(engine: StepEngine) -> None:
+def test_unknown_program(issuer: Issuer) -> None:
     with pytest.raises(StepError) as err:
-        engine.submit(StepRequest("decoder", 1, {}))
+        issuer.plan(1, [1], program="decoder")
     assert err.value.field == "program"
 
 
-def test_a_hazard_fails_the_step_loudly_and_the_engine_refuses_more(engine: StepEngine) -> None:
+def test_a_hazard_fails_the_step_loudly_and_the_engine_refuses_more(issuer: Issuer) -> None:
     """Someone else releases a layer of a captured graph: the engine's own release
     for the next step then merges with it. The step fails with the HazardError."""
     key = GraphKey("attention", 1, 0)
     stray = torch.npu.Stream()
-    engine.run(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}), 30)
-    engine.graphs[key].events[1].record(stray)
-    fut = engine.submit(StepRequest("attention", 1, {"actual_seq_lengths_kv": [3]}))
+    issuer.run(1, [2])
+    issuer.engine.graphs[key].events[1].record(stray)
     with pytest.raises(HazardError):
-        fut.result(30)
-    with pytest.raises(EngineError):
-        engine.submit(StepRequest("attention", 1, {"actual_seq_lengths_kv": [3]}))
+        issuer.run(1, [3])
+    refused = issuer.step(1, [3])  # answered at once, in this thread
+    assert isinstance(refused.error, EngineError)
 
 
 def test_create_backend_names() -> None:
@@ -201,16 +209,16 @@ def test_create_backend_names() -> None:
 
 def test_null_backend_runs_the_engine_without_a_device() -> None:
     """The null provider (for measuring graphlane alone) drives the same engine path."""
-    with StepEngine(create_backend("null"), [AttentionProgram(CFG)], depth=2) as eng:
-        results = [
-            eng.run(StepRequest("attention", 3, {"actual_seq_lengths_kv": [1, 2, 3]}), 30)
-            for _ in range(4)
-        ]
-    assert [r.key.slot for r in results] == [0, 1, 0, 1]
-    assert all(r.outputs["out"].shape == (3, CFG.num_heads, 1, CFG.head_dim) for r in results)
+    with Issuer(create_backend("null"), [AttentionProgram(CFG)], depth=2) as it:
+        results = [it.run(3, [1, 2, 3]) for _ in range(4)]
+    assert [r.graph.key.instance for r in results if r.graph] == [0, 1, 0, 1]
+    assert all(
+        r.results is not None and r.results["out"].shape == (3, CFG.num_heads, 1, CFG.head_dim)
+        for r in results
+    )
 
 
-# ---------------------------------------------------------------- driven by its owner's thread
+# ---------------------------------------------------------------- completion and permits
 class _Gate:
     """A done event that completes when the test opens it."""
 
@@ -238,85 +246,35 @@ class _GatedBackend(NullBackend):
         return _Gate(self.opened)
 
 
-def _collector() -> tuple[list[tuple[object, object, int]], Callable[..., None]]:
-    done: list[tuple[object, object, int]] = []
-
-    def on_done(result: object, exc: object) -> None:
-        done.append((result, exc, threading.get_ident()))
-
-    return done, on_done
-
-
-def test_a_driven_engine_answers_complete_steps_on_the_spot_and_others_from_its_thread() -> None:
-    """Without an issue thread the caller issues; a step already complete when its issue
-    returns is answered in the caller's thread, the others in the completion thread,
-    and no more than max_inflight steps are ever on the device."""
+def test_complete_steps_are_answered_on_the_spot_and_others_from_the_completion_thread() -> None:
+    """A step already complete when its issue returns is answered in the issuer's
+    thread, the others in the completion thread, and no more than max_inflight steps
+    are ever on the device."""
     backend = _GatedBackend()
-    eng = StepEngine(backend, [AttentionProgram(CFG)], max_inflight=2)
-    eng.start(issue_thread=False)
-    try:
-        plan = eng.plan(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
-        done, on_done = _collector()
-        for _ in range(2):
-            assert eng.reserve(blocking=False)
-            eng.issue("step", plan, ("out",), on_done)
-        assert not eng.reserve(blocking=False)  # both slots are on the device
-        assert done == []
-        with pytest.raises(EngineError):  # no issue thread: submit is not the way in
-            eng.submit(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
-        backend.opened.set()
-        wait_for(lambda: len(done) == 2, 30, "both steps to complete")
-        assert [exc for _, exc, _ in done] == [None, None]
-        assert all(thread != threading.get_ident() for _, _, thread in done)
-        assert eng.reserve(blocking=False)  # slots came back
-        eng.issue("step", plan, ("out",), on_done)  # complete at once: answered right here
-        assert len(done) == 3 and done[2][2] == threading.get_ident()
-        assert eng.steps_done == 3
-    finally:
-        backend.opened.set()
-        eng.close()
+    with Issuer(backend, [AttentionProgram(CFG)], max_inflight=2) as it:
+        try:
+            for _ in range(2):
+                it.step(1, [2])
+            assert not it.engine.reserve(blocking=False)  # both permits are on the device
+            assert it.finished == []
+            backend.opened.set()
+            wait_for(lambda: len(it.finished) == 2, 30, "both steps to complete")
+            assert [s.error for s, _ in it.finished] == [None, None]
+            assert all(thread != threading.get_ident() for _, thread in it.finished)
+            assert it.engine.reserve(blocking=False)  # permits came back
+            it.engine.issue(it.plan(1, [2]))  # complete at once: answered right here
+            assert len(it.finished) == 3 and it.finished[2][1] == threading.get_ident()
+            assert it.engine.steps_done == 3
+        finally:
+            backend.opened.set()
 
 
-def test_a_driven_engine_reports_a_failed_issue_to_its_caller_and_returns_the_slot() -> None:
-    eng = StepEngine(create_backend("null"), [AttentionProgram(CFG)], max_inflight=1)
-    eng.fault_device_after = 0
-    eng.start(issue_thread=False)
-    try:
-        plan = eng.plan(StepRequest("attention", 1, {"actual_seq_lengths_kv": [2]}))
-        done, on_done = _collector()
-        assert eng.reserve(blocking=False)
-        eng.issue("step", plan, ("out",), on_done)
-        assert isinstance(done[0][1], DeviceFaultError) and eng.failure is done[0][1]
-        assert eng.reserve(blocking=False)  # the failed step gave its slot back
-        eng.issue("step", plan, ("out",), on_done)  # a failed engine refuses, in order
-        assert isinstance(done[1][1], EngineError)
-        assert eng.reserve(blocking=False)
-    finally:
-        eng.close()
-
-
-def test_a_driven_engine_on_the_sim_matches_the_reference(gen: torch.Generator) -> None:
-    eng = _engine()
-    eng.start(issue_thread=False)
-    try:
-        k, v = _kv(2, gen)
-        done, on_done = _collector()
-        cases = []
-        for i in range(6):
-            q, n = _query(2, gen), _lengths(2, gen)
-            inputs = {"query": q, **({"key": k, "value": v} if i == 0 else {})}
-            plan = eng.plan(StepRequest("attention", 2, {"actual_seq_lengths_kv": n}, inputs))
-            eng.reserve()
-            eng.issue("step", plan, ("out",), on_done)
-            cases.append((q, n))
-        wait_for(lambda: len(done) == len(cases), 30, "every step to complete")
-        assert all(exc is None for _, exc, _ in done)
-        # Answers may come from either thread; match them to their steps by issue time.
-        results: list[StepResult] = sorted(
-            (r for r, _, _ in done if isinstance(r, StepResult)), key=lambda r: r.issued_at
-        )
-        for r, (q, n) in zip(results, cases, strict=True):
-            expected = _expected(q, k, v, n)
-            torch.testing.assert_close(r.outputs["out"], expected, atol=2e-3, rtol=2e-3)
-    finally:
-        eng.close()
+def test_a_failed_issue_is_reported_to_its_issuer_and_returns_the_permit() -> None:
+    backend = FaultyBackend(create_backend("null"), device_fault_after=0)
+    with Issuer(backend, [AttentionProgram(CFG)], max_inflight=1) as it:
+        failed = it.step(1, [2])
+        assert isinstance(failed.error, InjectedDeviceFault)
+        assert it.engine.failure is failed.error
+        refused = it.step(1, [2])  # the permit came back; a failed engine refuses, in order
+        assert isinstance(refused.error, EngineError)
+        assert it.engine.reserve(blocking=False)

@@ -2,20 +2,19 @@
 device-resident KV cache, checked against the scheduler's own copy of the KV with
 torch SDPA (tests/paged_kv.py), with prefills through kv_write, reads through kv_read,
 blocks freed and reused, depth 1 and 2, pipelined and serial. Every step and KV
-operation is submitted without waiting for the previous ones: the sim reports any
+operation is issued without waiting for the previous ones: the sim reports any
 unordered access to the cache as a HazardError, which fails the run."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
+from issuer import Issuer
 from paged_kv import Scheduler
 
+from graphlane.protocol import ops
 from graphlane.sim import torch_npu
 from graphlane.workers.backends.npu import NpuBackend
-from graphlane.workers.engine import StepEngine, StepRequest
 from graphlane.workers.programs import (
     PagedAttentionConfig,
     PagedAttentionProgram,
@@ -23,6 +22,7 @@ from graphlane.workers.programs import (
     StepError,
     load_program,
 )
+from graphlane.workers.step import Step
 
 CFG = PagedAttentionConfig(
     layers=2, num_heads=4, num_kv_heads=2, head_dim=16, block_size=128, num_blocks=10,
@@ -31,31 +31,39 @@ CFG = PagedAttentionConfig(
 TOL = dict(atol=3e-3, rtol=3e-3)
 
 
-def _engine(depth: int = 1, pipeline: bool = True) -> StepEngine:
+def _engine(depth: int = 1, pipeline: bool = True) -> Issuer:
     program = PagedAttentionProgram(CFG)
-    return StepEngine(NpuBackend(torch_npu, 0), [program], depth=depth, pipeline=pipeline)
-
-
-def _step(eng: StepEngine, inputs: dict[str, torch.Tensor], lengths: list[int]) -> Any:
-    req = StepRequest(
-        "paged_attention", len(lengths), {"actual_seq_lengths_kv": lengths}, inputs,
-        ("out", "lse"),
+    # Serial mode runs with one permit, as the worker runs it.
+    return Issuer(
+        NpuBackend(torch_npu, 0), [program], depth=depth, pipeline=pipeline,
+        max_inflight=8 if pipeline else 1,
     )  # fmt: skip
-    return eng.submit(req)
+
+
+def _step(eng: Issuer, inputs: dict[str, torch.Tensor], lengths: list[int]) -> Step:
+    return eng.issue(
+        eng.plan(len(lengths), lengths, inputs, ("out", "lse"), program="paged_attention")
+    )
+
+
+def _done(eng: Issuer, step: Step) -> dict[str, torch.Tensor]:
+    (done,) = eng.wait([step], 60)
+    assert done.results is not None
+    return done.results
 
 
 @pytest.mark.parametrize(("depth", "pipeline"), [(1, True), (2, True), (2, False)])
 def test_decode_run_matches_sdpa_over_the_schedulers_copy(depth: int, pipeline: bool) -> None:
     sched = Scheduler(CFG, torch.Generator().manual_seed(11))
     with _engine(depth, pipeline) as eng:
-        program = eng.programs["paged_attention"]
+        program = eng.engine.programs["paged_attention"]
         assert isinstance(program, PagedAttentionProgram)
-        caches = {id(g.buffers["key_cache_0"]) for g in eng.graphs.values()}
+        caches = {id(g.buffers["key_cache_0"]) for g in eng.engine.graphs.values()}
         assert len(caches) == 1  # one cache, shared by every bucket and instance
         writes = []
         for sid, n in enumerate([130, 5, 255, 60]):  # crossing block boundaries
             slots, k, v = sched.prefill(sid, n)
-            writes.append(eng.submit_state("paged_attention", "kv_write",
+            writes.append(eng.state("paged_attention", "kv_write",
                                            {"slots": slots, "key": k, "value": v}))  # fmt: skip
         # Steps follow the writes at once: the cache's stream order is what fences them.
         live, pending = [0, 1, 2, 3], []
@@ -69,23 +77,22 @@ def test_decode_run_matches_sdpa_over_the_schedulers_copy(depth: int, pipeline: 
                 sched.end(1)
                 live.remove(1)
                 slots, k, v = sched.prefill(4, 200)
-                writes.append(eng.submit_state("paged_attention", "kv_write",
+                writes.append(eng.state("paged_attention", "kv_write",
                                                {"slots": slots, "key": k, "value": v}))  # fmt: skip
                 live.append(4)
-        for fut, sids, _q, expected in pending:
-            r = fut.result(60)
-            assert r.outputs["out"].shape == (len(sids), CFG.num_heads, CFG.head_dim)
-            assert r.outputs["lse"].shape == (len(sids), CFG.num_heads, 1)
-            torch.testing.assert_close(r.outputs["out"], expected, **TOL)
-        for w in writes:
-            w.result(60)
+        for step, sids, _q, expected in pending:
+            r = _done(eng, step)
+            assert r["out"].shape == (len(sids), CFG.num_heads, CFG.head_dim)
+            assert r["lse"].shape == (len(sids), CFG.num_heads, 1)
+            torch.testing.assert_close(r["out"], expected, **TOL)
+        eng.wait(writes, 60)
         # kv_read returns what prefill wrote and what the decode steps wrote in-graph.
         seq = sched.seqs[2]
         slots = sched.slots(seq, 0, seq.length)
-        read = eng.submit_state("paged_attention", "kv_read", {"slots": slots}).result(60)
-        assert torch.equal(read.outputs["key"], seq.keys)
-        assert torch.equal(read.outputs["value"], seq.values)
-        assert eng.failure is None
+        read = _done(eng, eng.state("paged_attention", "kv_read", {"slots": slots}))
+        assert torch.equal(read["key"], seq.keys)
+        assert torch.equal(read["value"], seq.values)
+        assert eng.engine.failure is None
 
 
 def test_a_smaller_batch_on_a_bucket_does_not_write_the_earlier_rows_again() -> None:
@@ -95,19 +102,19 @@ def test_a_smaller_batch_on_a_bucket_does_not_write_the_earlier_rows_again() -> 
     with _engine() as eng:
         for sid in range(4):
             slots, k, v = sched.prefill(sid, 10)
-            eng.submit_state("paged_attention", "kv_write",
+            eng.state("paged_attention", "kv_write",
                              {"slots": slots, "key": k, "value": v})  # fmt: skip
         inputs, lengths = sched.decode([0, 1, 2, 3])
-        _step(eng, inputs, lengths).result(60)
+        _done(eng, _step(eng, inputs, lengths))
         sched.end(3)
         slots, k, v = sched.prefill(5, 20)  # takes sequence 3's block
-        eng.submit_state("paged_attention", "kv_write", {"slots": slots, "key": k, "value": v})
+        eng.state("paged_attention", "kv_write", {"slots": slots, "key": k, "value": v})
         inputs, lengths = sched.decode([0, 1, 2])
-        _step(eng, inputs, lengths).result(60)
+        _done(eng, _step(eng, inputs, lengths))
         seq = sched.seqs[5]
         slots = sched.slots(seq, 0, seq.length)
-        read = eng.submit_state("paged_attention", "kv_read", {"slots": slots}).result(60)
-        assert torch.equal(read.outputs["key"], seq.keys)
+        read = _done(eng, eng.state("paged_attention", "kv_read", {"slots": slots}))
+        assert torch.equal(read["key"], seq.keys)
 
 
 def test_steps_and_kv_ops_are_validated_with_the_field_named() -> None:
@@ -121,7 +128,8 @@ def test_steps_and_kv_ops_are_validated_with_the_field_named() -> None:
             ins = {k: v for k, v in ins.items() if v is not None}
             n = changes.get("lengths", lengths)
             with pytest.raises(StepError) as info:
-                eng.plan(StepRequest("paged_attention", 1, {"actual_seq_lengths_kv": n}, ins))
+                body = ops.Step("paged_attention", 0, {"actual_seq_lengths_kv": n}, ins, [], 1)
+                eng.engine.plan(body)
             return info.value.field
 
         assert refused(lengths=[CFG.max_kv_len + 1]) == "params.actual_seq_lengths_kv[0]"
@@ -132,12 +140,12 @@ def test_steps_and_kv_ops_are_validated_with_the_field_named() -> None:
         assert refused(block_table=bad_table) == "inputs.block_table[0]"
         assert refused(query=inputs["query"].float()) == "inputs.query"
         with pytest.raises(StepError) as info:
-            eng.plan_state("paged_attention", "kv_write", {"slots": torch.tensor([1, 1]),
+            eng.engine.plan_state("paged_attention", "kv_write", {"slots": torch.tensor([1, 1]),
                            "key": torch.zeros(2, 2, 2, 16, dtype=torch.float16),
                            "value": torch.zeros(2, 2, 2, 16, dtype=torch.float16)})  # fmt: skip
         assert info.value.field == "slots"
         with pytest.raises(StepError) as info:
-            eng.plan_state("paged_attention", "kv_read", {"slots": torch.tensor([-1])})
+            eng.engine.plan_state("paged_attention", "kv_read", {"slots": torch.tensor([-1])})
         assert info.value.field == "slots"
 
 

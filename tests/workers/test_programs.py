@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from issuer import Issuer
 
 from graphlane.workers.backends import create_backend
-from graphlane.workers.engine import StepEngine, StepRequest
 from graphlane.workers.programs import (
     AttentionProgram,
     ProgramConfigError,
@@ -90,10 +92,12 @@ def test_program_from_an_entry_point_runs_steps(installed_prefill: None) -> None
     q = torch.randn(2, 2, 4, 8, dtype=torch.float16, generator=g)
     k = torch.randn(2, 2, 8, 8, dtype=torch.float16, generator=g)
     v = torch.randn(2, 2, 8, 8, dtype=torch.float16, generator=g)
-    with StepEngine(create_backend("sim"), [program]) as eng:
-        req = StepRequest("prefill", 2, {"q_len": [4, 2], "kv_len": [8, 3]},
-                          {"query": q, "key": k, "value": v})  # fmt: skip
-        out = eng.run(req, 30).outputs["out"]
+    with Issuer(create_backend("sim"), [program]) as it:
+        params = {"q_len": [4, 2], "kv_len": [8, 3]}
+        step = it.run(2, [], params=params, program="prefill",
+                      inputs={"query": q, "key": k, "value": v})  # fmt: skip
+        assert step.results is not None
+        out = step.results["out"]
     # Reference: batch 1 has 2 valid query rows over 3 keys; rows beyond are zero.
     for b, (nq, nk) in enumerate([(4, 8), (2, 3)]):
         for h in range(2):
@@ -121,3 +125,58 @@ def test_a_missing_batch_comes_from_the_programs_own_batch_parameter() -> None:
         with pytest.raises(StepError) as err:
             program.infer_batch(params)
         assert err.value.field == "batch"
+
+
+def _docs_paged_program() -> type:
+    """The paged decode program of docs/programs.md ("A program on another op")."""
+    page = (Path(__file__).parents[2] / "docs" / "programs.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
+    source = next(b for b in blocks if "class PagedDecode" in b)
+    namespace: dict[str, Any] = {}
+    exec(compile(source, "docs/programs.md:PagedDecode", "exec"), namespace)
+    return namespace["PagedDecode"]  # type: ignore[no-any-return]
+
+
+def _paged_reference(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: list[int], blocks_per_seq: int
+) -> torch.Tensor:
+    """Row b's keys are the first lens[b] tokens of its blocks; GQA by head groups."""
+    batch, heads, dim = q.shape
+    kv_heads = kc.shape[2]
+    out = torch.zeros(batch, heads, dim, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        rows = slice(b * blocks_per_seq, (b + 1) * blocks_per_seq)
+        keys = kc[rows].reshape(-1, kv_heads, dim)[:n].double()
+        values = vc[rows].reshape(-1, kv_heads, dim)[:n].double()
+        for h in range(heads):
+            kvh = h // (heads // kv_heads)
+            s = keys[:, kvh] @ q[b, h].double() / math.sqrt(dim)
+            out[b, h] = torch.softmax(s, 0) @ values[:, kvh]
+    return out
+
+
+@pytest.mark.parametrize("backend", ["sim", "null"])
+def test_the_docs_program_on_another_op_patches_its_context_lens(backend: str) -> None:
+    """A program on torch_npu._npu_paged_attention needs no engine or backend change:
+    steps with new context_lens patch the group and match the reference (on null they
+    run the same engine path with no device)."""
+    program = _docs_paged_program()()
+    g = torch.Generator().manual_seed(5)
+    cache = (3 * 4, 16, 2, 16)  # batch 3 (bucket 4) * 4 blocks per sequence
+    kc = torch.randn(cache, dtype=torch.float16, generator=g)
+    vc = torch.randn(cache, dtype=torch.float16, generator=g)
+    with Issuer(create_backend(backend), [program], depth=2) as it:
+        steps = []
+        for i, lens in enumerate(([5, 64, 17], [1, 33, 48], [5, 64, 17], [60, 2, 9])):
+            q = torch.randn(3, 4, 16, dtype=torch.float16, generator=g)
+            inputs = {"query": q, **({"key_cache": kc, "value_cache": vc} if i < 2 else {})}
+            step = it.step(3, [], params={"context_lens": lens}, program="paged", inputs=inputs)
+            steps.append((step, q, lens))
+        it.wait([s for s, _, _ in steps])
+    assert [s.patched for s, _, _ in steps] == [1, 1, 0, 1]  # step 3: instance 0 holds them
+    if backend == "null":
+        return
+    for step, q, lens in steps:
+        assert step.results is not None
+        want = _paged_reference(q, kc, vc, lens, 4)
+        torch.testing.assert_close(step.results["out"].double(), want, atol=3e-3, rtol=3e-3)

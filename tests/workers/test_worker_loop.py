@@ -1,21 +1,26 @@
-"""The worker's loop in-process (no orchestrator, no client library): a reply that
-cannot be encoded becomes an INTERNAL error and the worker serves on, whether the
-step was answered on the spot (null) or from the completion thread (sim)."""
+"""The worker process on its own (no orchestrator, no client library): a real worker
+process running worker_main, its pipe, and a DEALER on its socket.
+
+A reply that cannot be encoded becomes an INTERNAL error and the worker serves on,
+whether the step was answered on the spot (null) or from the completion thread
+(sim); a bundle is answered call by call; a step whose ``timeout_ms`` passes while
+it waits for the device is answered TIMEOUT without running."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
-from multiprocessing import Pipe
+from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import zmq
 
 from graphlane.protocol import ops, wire
-from graphlane.workers.worker import Worker, WorkerSpec
 
 TINY = {
     "name": "attention",
@@ -28,8 +33,8 @@ TINY = {
 }
 
 
-def _request(request_id: int) -> list[bytes | memoryview]:
-    body = ops.Step("attention", 0, {"actual_seq_lengths_kv": [2]}, outputs=["out"])
+def _request(request_id: int, **fields: Any) -> list[bytes | memoryview]:
+    body = ops.Step("attention", 0, {"actual_seq_lengths_kv": [2]}, outputs=["out"], **fields)
     return wire.encode_request(request_id, "step", body)
 
 
@@ -38,100 +43,116 @@ def _step_done(reply: wire.Reply) -> ops.StepDone:
     return done
 
 
-@pytest.mark.parametrize("backend", ["null", "sim"])
-def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
-    backend: str,
-) -> None:
-    here, there = Pipe()
-    spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint="inproc://w")
-    worker = Worker(spec, here)
-    replies: list[wire.Reply | wire.DecodeError] = []
-    send = worker._send
+# The worker process: worker_main as the supervisor runs it, with the orchestrator's end
+# of the pipe relayed to this test through stdin/stdout (so that no multiprocessing
+# helper process outlives the test in pytest's own process).
+LAUNCHER = """
+import json, multiprocessing, sys, threading
+from graphlane.protocol import pipe
+from graphlane.workers.worker import WorkerSpec, worker_main
+here, there = multiprocessing.Pipe()
+def orchestrator():
+    ready = pipe.recv(here)
+    print(json.dumps(ready.info if isinstance(ready, pipe.Ready) else None), flush=True)
+    sys.stdin.readline()
+    pipe.send(here, pipe.Drain(stop=True))
+threading.Thread(target=orchestrator, daemon=True).start()
+worker_main(WorkerSpec(**json.loads(sys.argv[1])), there)
+"""
 
-    def capture(ident: Any, frames: list[Any], bundled: bool = False) -> None:
-        replies.extend(wire.decode_replies([bytes(memoryview(f)) for f in frames]))
-        send(ident, frames, bundled)
-        if len(replies) == 2:
-            worker._stopping = True
 
-    worker._send = capture  # type: ignore[method-assign]
-    program = worker.engine.programs["attention"]
-    views = program.output_views
-    calls = 0
+class WorkerClient:
+    """A worker process and a DEALER connected to its socket."""
 
-    def first_unsendable(*args: Any) -> dict[str, torch.Tensor]:
-        nonlocal calls
-        calls += 1  # the first step's output has a dtype the wire cannot carry
-        return {"out": torch.zeros(1, dtype=torch.complex64)} if calls == 1 else views(*args)
+    def __init__(self, proc: subprocess.Popen[str], sock: zmq.Socket[Any]) -> None:
+        self.proc, self.sock = proc, sock
 
-    program.output_views = first_unsendable  # type: ignore[method-assign]
-    client = worker.ctx.socket(zmq.DEALER)
-    try:
-        client.connect("inproc://w")
-        client.send_multipart(_request(1))
-        client.send_multipart(_request(2))
-        def serve() -> None:
-            worker._main = threading.get_ident()  # the loop's thread is the issuer
-            worker._serve()
+    def replies(self, n: int, timeout_s: float = 60) -> list[list[wire.Reply | wire.DecodeError]]:
+        """The next messages until they hold ``n`` replies, one list per message."""
+        messages: list[list[wire.Reply | wire.DecodeError]] = []
+        while sum(map(len, messages)) < n:
+            assert self.sock.poll(int(timeout_s * 1000)), f"{n} replies did not come"
+            messages.append(wire.decode_replies(self.sock.recv_multipart()))
+        return messages
 
-        loop = threading.Thread(target=serve, daemon=True)
-        loop.start()
-        loop.join(60)
-        assert not loop.is_alive(), "the worker loop did not answer both requests"
-        assert sorted(getattr(r, 'id', None) or 0 for r in replies) == [1, 2]
-        first, second = sorted(replies, key=lambda r: r.id or 0)
-        assert isinstance(first, wire.Reply) and isinstance(second, wire.Reply)
-        assert first.error is not None and first.error.code == "INTERNAL"
-        assert "complex64" in first.error.message
-        assert _step_done(second).outputs["out"].shape[0] == 1
-        assert worker.inflight == 0 and worker.engine.failure is None
-    finally:
-        client.close(0)
-        worker.engine.close()
-        worker.sock.close(0)
-        worker.ctx.destroy(linger=0)
-        there.close()
+    def by_id(self, n: int) -> dict[int, wire.Reply]:
+        out = {}
+        for message in self.replies(n):
+            for r in message:
+                assert isinstance(r, wire.Reply), r
+                out[r.id] = r
+        return out
+
+    def status(self) -> dict[str, Any]:
+        self.sock.send_multipart(wire.encode_request(999_999, "status", ops.Status()))
+        reply = self.by_id(1)[999_999]
+        assert reply.error is None
+        status: dict[str, Any] = reply.body(ops.OPS["status"].reply_decoder)
+        return status
 
 
 @contextlib.contextmanager
-def _serving(backend: str, endpoint: str) -> Iterator[tuple[Worker, zmq.Socket[Any]]]:
-    """A worker serving ``endpoint`` from a thread (its issuer), and a DEALER to it."""
-    here, there = Pipe()
-    spec = WorkerSpec(device=0, backend=backend, programs=(TINY,), endpoint=endpoint)
-    worker = Worker(spec, here)
-    client = worker.ctx.socket(zmq.DEALER)
-
-    def serve() -> None:
-        worker._main = threading.get_ident()
-        worker._serve()
-
-    loop = threading.Thread(target=serve, daemon=True)
+def serving(tmp_path: Path, backend: str, **spec: Any) -> Iterator[WorkerClient]:
+    """A worker process for device 0 on an ipc endpoint; drained and stopped at the end."""
+    spec = {"programs": [TINY], **spec, "device": 0, "backend": backend,
+            "endpoint": f"ipc://{tmp_path}/worker.sock"}  # fmt: skip
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parents[1]), str(here)])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, json.dumps(spec)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    zctx: zmq.Context[Any] = zmq.Context()
+    sock = zctx.socket(zmq.DEALER)
     try:
-        client.connect(endpoint)
-        loop.start()
-        yield worker, client
+        assert proc.stdout is not None and proc.stdin is not None
+        info = json.loads(proc.stdout.readline() or "null")
+        assert info, "the worker did not start"
+        sock.connect(info["endpoint"])
+        yield WorkerClient(proc, sock)
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0, f"the worker exited with {proc.returncode}"
     finally:
-        worker._stopping = True
-        loop.join(10)
-        client.close(0)
-        worker.engine.close()
-        worker.sock.close(0)
-        worker.ctx.destroy(linger=0)
-        there.close()
+        sock.close(0)
+        zctx.destroy(linger=0)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
 
 
 @pytest.mark.parametrize("backend", ["null", "sim"])
-def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: str) -> None:
+def test_an_unsendable_reply_becomes_an_internal_error_and_the_worker_serves_on(
+    tmp_path: Path, backend: str
+) -> None:
+    program = {**TINY, "name": "unsendable_program:FirstOutputUnsendable"}
+    with serving(tmp_path, backend, programs=(program,)) as w:
+        w.sock.send_multipart(_request(1))
+        w.sock.send_multipart(_request(2))
+        replies = w.by_id(2)
+        first, second = replies[1], replies[2]
+        assert first.error is not None and first.error.code == "INTERNAL"
+        assert "complex64" in first.error.message
+        assert _step_done(second).outputs["out"].shape[0] == 1
+        status = w.status()
+        assert status["inflight"] == 0 and status["failure"] is None
+        assert status["steps"] == 2 and status["counters"]["errors"] == 1
+
+
+@pytest.mark.parametrize("backend", ["null", "sim"])
+def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(
+    tmp_path: Path, backend: str
+) -> None:
     bad = wire.encode_request(
         2, "step", ops.Step("attention", 0, {"actual_seq_lengths_kv": "x"}, outputs=["out"])
     )
     envelopes = [bytes(_request(1)[0]), bytes(bad[0]), bytes(_request(3)[0])]
-    with _serving(backend, "inproc://b") as (worker, client):
-        client.send(wire.bundle(envelopes))
-        messages: list[list[wire.Reply | wire.DecodeError]] = []
-        while sum(map(len, messages)) < 3:
-            assert client.poll(60_000), "the worker did not answer the whole bundle"
-            messages.append(wire.decode_replies(client.recv_multipart()))
+    with serving(tmp_path, backend) as w:
+        w.sock.send(wire.bundle(envelopes))
+        messages = w.replies(3)
         replies = {r.id: r for m in messages for r in m if isinstance(r, wire.Reply)}
         assert sorted(replies) == [1, 2, 3]
         assert _step_done(replies[1]).outputs["out"].shape[0] == 1
@@ -140,24 +161,42 @@ def test_a_bundle_is_answered_call_by_call_and_a_bad_call_fails_alone(backend: s
         assert error is not None and error.code == "BAD_REQUEST"
         assert "actual_seq_lengths_kv" in error.message
         assert len(messages) <= 3  # how the replies group depends on when the steps finish
-        assert worker.counters["bundles"] == 1 and worker.counters["requests"] == 3
+        counters = w.status()["counters"]
+        assert counters["bundles"] == 1 and counters["requests"] == 4  # and the status
 
 
-def test_replies_to_a_large_bundle_come_in_bundles_a_client_can_read() -> None:
+def test_replies_to_a_large_bundle_come_in_bundles_a_client_can_read(tmp_path: Path) -> None:
     """Two thousand status requests in one bundle: their replies (about 1.6 MB in all)
     come back as several bundles, each within the reader's 1 MiB envelope limit."""
     n = 2000
     envelopes = [bytes(wire.encode_request(i + 1, "status", ops.Status())[0]) for i in range(n)]
-    with _serving("null", "inproc://big") as (_, client):
-        client.send(wire.bundle(envelopes))
+    with serving(tmp_path, "null") as w:
+        w.sock.send(wire.bundle(envelopes))
         ids: list[int] = []
         sizes: list[int] = []
         while len(ids) < n:
-            assert client.poll(60_000), f"{n - len(ids)} replies never came"
-            frames = client.recv_multipart()
+            assert w.sock.poll(60_000), f"{n - len(ids)} replies never came"
+            frames = w.sock.recv_multipart()
             sizes.append(len(frames[0]))
             for r in wire.decode_replies(frames):  # default limits: a client's
                 assert isinstance(r, wire.Reply) and r.error is None, r
                 ids.append(r.id)
         assert sorted(ids) == list(range(1, n + 1))
         assert sum(sizes) > 2**20 and len(sizes) > 1 and max(sizes) <= 64 * 1024
+
+
+def test_a_step_past_its_deadline_while_queued_is_answered_timeout_unrun(tmp_path: Path) -> None:
+    """A slow device (timed sim, 50 ms per replay): eight steps take every in-flight
+    permit; a ninth with timeout_ms=1 waits behind them, is answered TIMEOUT and never
+    runs; a tenth without a deadline runs."""
+    sim = {"mode": "timed", "task_us": 50_000.0, "patch_us": 0.0}
+    with serving(tmp_path, "sim", sim=sim) as w:
+        for i in range(8):
+            w.sock.send_multipart(_request(i + 1))
+        w.sock.send_multipart(_request(9, timeout_ms=1))
+        w.sock.send_multipart(_request(10))
+        replies = w.by_id(10)
+        late = replies.pop(9)
+        assert late.error is not None and late.error.code == "TIMEOUT"
+        assert all(r.error is None for r in replies.values())
+        assert w.status()["steps"] == 9  # the late step was not run

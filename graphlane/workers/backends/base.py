@@ -2,9 +2,14 @@
 
 It names what graphlane needs from an NPU runtime and nothing more: streams,
 events with ExternalEvent semantics, graph capture and replay, task groups and
-their updates, the fused attention op, and host<->device copies. Providers:
-``npu`` (torch_npu on Ascend hardware) and ``sim`` (the same code over the
-simulated NPU's torch_npu namespace).
+their updates, host<->device copies, and ops *by name* (as in torch_npu's
+namespace: ``"npu_fused_infer_attention_score.out"``, ``"_npu_paged_attention"``).
+The interface knows no particular op: a program says which op each task group
+re-issues and with which arguments (``GraphProgram.group_call``), and
+:meth:`DeviceBackend.patch` re-issues it inside a task update. Providers: ``npu``
+(torch_npu on Ascend hardware), ``sim`` (the same code over the simulated NPU's
+torch_npu namespace), ``null`` (no device), and the fault-injecting wrapper
+(:mod:`.faults`, for tests).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ class DeviceBackend(Protocol):
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]: ...
     def new_event(self) -> Any: ...
     def new_external_event(self) -> Any: ...
-    def record(self, event: Any, stream: Any) -> None: ...
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream`` (for an ExternalEvent: release its wait)."""
+        ...
+
     def wait(self, stream: Any, event: Any) -> None: ...
     def synchronize(self) -> None: ...
 
@@ -34,14 +42,25 @@ class DeviceBackend(Protocol):
     def replay(self, graph: Any, stream: Any) -> None: ...
     def task_group_begin(self, stream: Any) -> None: ...
     def task_group_end(self, stream: Any) -> Any: ...
-    def update_attention(
-        self, stream: Any, handle: Any, event: Any, arguments: dict[str, Any]
-    ) -> None: ...
-    def patch_attention(self, stream: Any, handle: Any, arguments: dict[str, Any]) -> None: ...
+    def patch(
+        self,
+        stream: Any,
+        handle: Any,
+        op: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        release: Any = None,
+    ) -> None:
+        """Patch the task group ``handle`` by re-issuing ``op(*args, **kwargs)`` in a task
+        update on ``stream``; then, if ``release`` is an event, record it on ``stream``
+        (a provider may fuse the two, as torch_npu's update bindings do)."""
+        ...
 
     # ops and memory
-    def attention_out(self, arguments: dict[str, Any]) -> None: ...
-    def attention_workspace(self, arguments: dict[str, Any]) -> torch.Tensor: ...
+    def call(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Issue ``op(*args, **kwargs)`` on the current stream (or into the capture)."""
+        ...
+
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Queue a copy of host tensor ``src`` into device tensor ``dst`` on the current

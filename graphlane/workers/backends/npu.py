@@ -2,10 +2,12 @@
 
 Written against a torch_npu *module object*, so the same code runs over the
 real torch_npu and over the simulated NPU's ``torch_npu`` namespace (which is
-how it is tested). Where torch_npu offers the fused update binding
-``torch_npu._C._npu_fused_infer_attention_score_out_graph(update_stream,
-handle, event, ...)`` (update_begin + op + update_end + record, with the GIL
-released), updates use it; otherwise the four calls.
+how it is tested). Ops are named as in that namespace and resolved once. Where
+torch_npu offers a fused update binding for an op (update_begin + op +
+update_end + record in one call, with the GIL released:
+``torch_npu._C._npu_fused_infer_attention_score_out_graph(update_stream, handle,
+event, ...)`` for the fused infer attention ``.out``), a patch that also releases
+uses it; every other op is patched with the four calls.
 """
 
 from __future__ import annotations
@@ -24,11 +26,9 @@ class NpuBackend:
         self.npu = torch_npu.npu
         self.npu.set_device(device_index)
         self.device = torch.device("npu", device_index)
-        fused = getattr(
-            getattr(torch_npu, "_C", None), "_npu_fused_infer_attention_score_out_graph", None
-        )
-        self._fused_update = fused if use_fused_update else None
-        self._fia_out = torch_npu.npu_fused_infer_attention_score.out
+        self.use_fused_update = use_fused_update
+        self._ops: dict[str, Any] = {}  # op name -> the callable, resolved once
+        self._fused: dict[str, Any] = {}  # op name -> its fused update binding, or None
 
     @classmethod
     def load(cls, device_index: int = 0) -> NpuBackend:
@@ -81,33 +81,61 @@ class NpuBackend:
     def task_group_end(self, stream: Any) -> Any:
         return self.npu.graph_task_group_end(stream)
 
-    def update_attention(
-        self, stream: Any, handle: Any, event: Any, arguments: dict[str, Any]
+    def patch(
+        self,
+        stream: Any,
+        handle: Any,
+        op: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        release: Any = None,
     ) -> None:
-        """Patch one attention task group with ``arguments`` and release its event."""
-        if self._fused_update is not None:
-            self._fused_update(stream, handle, event, **arguments)
-            return
-        self.patch_attention(stream, handle, arguments)
-        event.record(stream)
-
-    def patch_attention(self, stream: Any, handle: Any, arguments: dict[str, Any]) -> None:
-        """Patch one attention task group without releasing its event."""
+        """Re-issue ``op`` in a task update of ``handle``; then record ``release``."""
+        if release is not None:
+            fused = self._fused.get(op, _UNRESOLVED)
+            if fused is _UNRESOLVED:
+                fused = self._fused[op] = self._fused_binding(op)
+            if fused is not None:
+                fused(stream, handle, release, *args, **kwargs)
+                return
+        fn = self._ops.get(op) or self._resolve(op)
         with self.npu.stream(stream):
             self.npu.graph_task_update_begin(stream, handle)
-            self._fia_out(**arguments)
+            fn(*args, **kwargs)
             self.npu.graph_task_update_end(stream)
+        if release is not None:
+            release.record(stream)
 
     # ------------------------------------------------------------ ops and memory
-    def attention_out(self, arguments: dict[str, Any]) -> None:
-        self._fia_out(**arguments)
+    def call(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return (self._ops.get(op) or self._resolve(op))(*args, **kwargs)
 
-    def attention_workspace(self, arguments: dict[str, Any]) -> torch.Tensor:
-        args = {k: v for k, v in arguments.items() if k not in ("out", "workspace")}
-        return self.torch_npu._npu_fused_infer_attention_score_get_max_workspace(**args)
+    def _resolve(self, op: str) -> Any:
+        """``op`` ("name" or "name.overload") in the torch_npu namespace."""
+        target: Any = self.torch_npu
+        try:
+            for part in op.split("."):
+                target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(f"torch_npu has no op {op!r}") from None
+        self._ops[op] = target
+        return target
+
+    def _fused_binding(self, op: str) -> Any:
+        name = _FUSED_UPDATES.get(op)
+        if name is None or not self.use_fused_update:
+            return None
+        return getattr(getattr(self.torch_npu, "_C", None), name, None)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
+
+
+#: Ops whose patch-and-release torch_npu fuses into one binding of ``torch_npu._C``.
+_FUSED_UPDATES = {
+    "npu_fused_infer_attention_score.out": "_npu_fused_infer_attention_score_out_graph",
+}
+_UNRESOLVED = object()

@@ -78,19 +78,19 @@ class NullBackend:
     def task_group_end(self, stream: Any) -> Any:
         return object()
 
-    def update_attention(
-        self, stream: Any, handle: Any, event: Any, arguments: dict[str, Any]
+    def patch(
+        self,
+        stream: Any,
+        handle: Any,
+        op: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        release: Any = None,
     ) -> None:
         pass
 
-    def patch_attention(self, stream: Any, handle: Any, arguments: dict[str, Any]) -> None:
-        pass
-
-    def attention_out(self, arguments: dict[str, Any]) -> None:
-        pass
-
-    def attention_workspace(self, arguments: dict[str, Any]) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.uint8)
+    def call(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return None  # no device: an op does nothing and returns nothing
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)

@@ -29,7 +29,10 @@ import torch
 
 from graphlane.workers.backends.base import DeviceBackend
 
-from .base import GraphProgram, ProgramConfigError, StepError, StepPlan
+from .base import GraphProgram, OpCall, ProgramConfigError, StepError, StepPlan
+
+_FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every layer's task group runs
+_WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -158,7 +161,11 @@ class AttentionProgram(GraphProgram):
         for t in bufs.values():
             t.zero_()
         full = [c.max_kv_len] * bucket
-        bufs["workspace"] = backend.attention_workspace(self._arguments(bufs, 0, full))
+        sizing = self._arguments(bufs, 0, full)
+        del sizing["out"], sizing["workspace"]
+        workspace = backend.call(_WORKSPACE, (), sizing)
+        if workspace is not None:  # None: a backend without a device (null)
+            bufs["workspace"] = workspace
         return bufs
 
     def _arguments(
@@ -187,7 +194,7 @@ class AttentionProgram(GraphProgram):
         for layer in range(self.config.layers):
             events[layer].wait(stream)
             backend.task_group_begin(stream)
-            backend.attention_out(self._arguments(buffers, layer, full))
+            backend.call(_FIA_OUT, (), self._arguments(buffers, layer, full))
             handles.append(backend.task_group_end(stream))
         return handles, [tuple(full)] * self.config.layers
 
@@ -243,10 +250,8 @@ class AttentionProgram(GraphProgram):
     def group_signature(self, plan: StepPlan, group: int) -> Any:
         return plan.values["lengths"]
 
-    def group_arguments(
-        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
-    ) -> dict[str, Any]:
-        return self._arguments(buffers, group, list(plan.values["lengths"]))
+    def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
+        return _FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int

@@ -1,12 +1,13 @@
 """What a graph program is: what gets captured, and how a step's parameters patch it.
 
-A program is captured once per batch-size bucket (``depth`` times with a slot
+A program is captured once per batch-size bucket (``depth`` instances in a
 ring). Its captured graph consists of *task groups*, each preceded by its own
 ExternalEvent wait; a step patches each group whose parameters changed and
 releases every group's event exactly once per replay. The step engine
 (:mod:`graphlane.workers.engine`) owns the ordering; a program only says
 which buffers exist, what is captured, how a step's parameters and inputs are
-validated, and what each group's update arguments are.
+validated, and which op each group re-issues with which arguments
+(:meth:`GraphProgram.group_call`): the engine and the backend know no op.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ class ProgramConfigError(ValueError):
 
 @dataclass(frozen=True)
 class GraphKey:
-    """Identifies one captured graph instance: (program, bucket, slot)."""
+    """Identifies one captured graph instance: (program, bucket, instance), the
+    instance being its position in the bucket's ring of ``depth`` instances."""
 
     program: str
     bucket: int
-    slot: int
+    instance: int
 
 
 @dataclass(eq=False)
@@ -57,6 +59,10 @@ class CapturedGraph:
     buffers: dict[str, torch.Tensor]
     signatures: list[Any]  # parameters each group currently holds (to skip unchanged)
     last_done: Any = None  # event recorded after this instance's latest replay
+
+
+OpCall = tuple[str, tuple[Any, ...], dict[str, Any]]
+"""``(op, args, kwargs)``: an op of torch_npu's namespace by name, and its arguments."""
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,10 @@ class GraphProgram(abc.ABC):
     ) -> tuple[list[Any], list[Any]]:
         """Record the graph's work on ``stream`` (inside a capture).
 
-        Each group must be preceded by ``events[g].wait(stream)``. Returns the
-        task-group handles and each group's captured parameter signature.
+        Each group must be preceded by ``events[g].wait(stream)`` and issue its op
+        with ``backend.call(op, args, kwargs)`` between ``backend.task_group_begin``
+        and ``backend.task_group_end``. Returns the task-group handles and each
+        group's captured parameter signature.
         """
 
     @abc.abstractmethod
@@ -161,10 +169,12 @@ class GraphProgram(abc.ABC):
         """The parameters group ``group`` needs for this step (compared to skip patches)."""
 
     @abc.abstractmethod
-    def group_arguments(
-        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
-    ) -> dict[str, Any]:
-        """Arguments of the op that patches group ``group``."""
+    def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
+        """The op group ``group`` re-issues for this step, and its arguments: ``(op,
+        args, kwargs)``, ``op`` named as in torch_npu's namespace (a dotted name such
+        as ``"npu_fused_infer_attention_score.out"``). The same op on the same tensors
+        as captured, with this step's parameters; the backend patches the group with
+        it (:meth:`DeviceBackend.patch`)."""
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int

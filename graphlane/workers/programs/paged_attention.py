@@ -59,7 +59,10 @@ import torch
 
 from graphlane.workers.backends.base import DeviceBackend
 
-from .base import GraphProgram, ProgramConfigError, StepError, StepPlan
+from .base import GraphProgram, OpCall, ProgramConfigError, StepError, StepPlan
+
+_FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every layer's task group runs
+_WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INTS = ("layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks",
@@ -264,7 +267,10 @@ class PagedAttentionProgram(GraphProgram):
             big = backend.empty((need, c.block_size, c.num_kv_heads * c.head_dim), self.dtype)
             table = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
             args = dict(args, key=big, value=big, block_table=table)
-        bufs["workspace"] = backend.attention_workspace(args)
+        del args["out"], args["workspace"]
+        workspace = backend.call(_WORKSPACE, (), args)
+        if workspace is not None:  # None: a backend without a device (null)
+            bufs["workspace"] = workspace
         return bufs
 
     def _arguments(
@@ -301,7 +307,7 @@ class PagedAttentionProgram(GraphProgram):
                 cache = self._rows(buffers[f"{kind}_cache_{layer}"])
                 cache.index_copy_(0, slots, buffers[f"new_{kind}"][layer])
             backend.task_group_begin(stream)
-            backend.attention_out(self._arguments(buffers, layer, lengths))
+            backend.call(_FIA_OUT, (), self._arguments(buffers, layer, lengths))
             handles.append(backend.task_group_end(stream))
         return handles, [tuple(lengths)] * self.config.layers
 
@@ -359,10 +365,8 @@ class PagedAttentionProgram(GraphProgram):
     def group_signature(self, plan: StepPlan, group: int) -> Any:
         return plan.values["lengths"]
 
-    def group_arguments(
-        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
-    ) -> dict[str, Any]:
-        return self._arguments(buffers, group, list(plan.values["lengths"]))
+    def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
+        return _FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int

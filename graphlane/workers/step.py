@@ -1,0 +1,54 @@
+"""One step, update or replay, from the worker's decode of it to its reply.
+
+The worker makes a :class:`Step` when it accepts a request (routing, request id,
+deadline, the program's validated :class:`~graphlane.workers.programs.StepPlan`),
+the engine fills in what the device did (graph instance, done event, outputs,
+patched groups, times, or the error), and the worker answers from it. Nothing
+else describes a step on its way through a worker.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphlane.workers.programs.base import CapturedGraph, StepPlan
+
+
+class OpKind(enum.Enum):
+    """What a device request does (its wire op of the same name)."""
+
+    STEP = "step"  # patch, copy inputs, release, replay, answer outputs
+    UPDATE = "update"  # patch the next replay of the bucket only (no release, no replay)
+    REPLAY = "replay"  # release and replay as last patched
+    STATE = "state"  # an operation on a program's device state (kv_write, kv_read)
+
+
+@dataclass(eq=False, slots=True)
+class Step:
+    """An accepted device request and, once done, its result."""
+
+    kind: OpKind
+    plan: StepPlan
+    outputs: tuple[str, ...] = ()  # names of the outputs asked for
+    # routing (the worker's): who asked, and how to answer
+    ident: Any = None  # the sender's routing id
+    request_id: int = 0
+    bundled: bool = False  # came in a bundle: its sender takes bundled replies
+    received: float = 0.0  # perf_counter time the worker decoded it
+    deadline: float | None = None  # perf_counter time after which it is not issued
+    # filled by the engine
+    graph: CapturedGraph | None = None  # the graph instance it ran on
+    done: Any = None  # the device event that ends its work
+    results: dict[str, torch.Tensor] | None = None  # host copies of the outputs
+    patched: int = 0  # task groups patched
+    dispatch_s: float = 0.0  # host time copying inputs and dispatching patches
+    replay_at: float = 0.0  # when its replay was issued (0: no replay)
+    done_at: float = 0.0  # when the host saw the device finish it
+    error: BaseException | None = None  # why it failed (then no results)
+
+
+__all__ = ["OpKind", "Step"]

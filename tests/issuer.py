@@ -1,0 +1,86 @@
+"""Drives a step engine as the worker does, from the calling thread: ``reserve`` then
+``issue``; ``on_done`` hands back each finished step (for engine and program tests;
+serving is tested through real workers)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from daemons import wait_for
+
+from graphlane.protocol import ops
+from graphlane.workers.backends.base import DeviceBackend
+from graphlane.workers.engine import StepEngine
+from graphlane.workers.programs import GraphProgram
+from graphlane.workers.step import OpKind, Step
+
+
+class Issuer:
+    """Issues steps from the calling thread, as the worker's socket thread does; keeps
+    what ``on_done`` hands back (from this thread or the completion thread)."""
+
+    def __init__(
+        self, backend: DeviceBackend, programs: Sequence[GraphProgram], **options: Any
+    ) -> None:
+        self.finished: list[tuple[Step, int]] = []
+        self.engine = StepEngine(backend, programs, on_done=self._on_done, **options)
+
+    def _on_done(self, step: Step) -> None:
+        self.finished.append((step, threading.get_ident()))
+
+    def __enter__(self) -> Issuer:
+        self.engine.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.engine.close()
+
+    def plan(
+        self,
+        batch: int,
+        lengths: list[int],
+        inputs: dict[str, torch.Tensor] | None = None,
+        outputs: Sequence[str] = ("out",),
+        program: str = "attention",
+        params: dict[str, Any] | None = None,
+    ) -> Step:
+        """A step of ``program`` (its params default to the attention program's)."""
+        body = ops.Step(
+            program,
+            0,
+            {"actual_seq_lengths_kv": lengths} if params is None else params,
+            inputs or {},
+            list(outputs),
+            batch,
+        )
+        return Step(OpKind.STEP, self.engine.plan(body, tuple(outputs)), tuple(outputs))
+
+    def state(self, program: str, op: str, fields: dict[str, Any]) -> Step:
+        """Issue an operation on ``program``'s device state (``kv_write``, ``kv_read``)."""
+        return self.issue(Step(OpKind.STATE, self.engine.plan_state(program, op, fields)))
+
+    def issue(self, step: Step, blocking: bool = True) -> Step:
+        assert self.engine.reserve(blocking)
+        self.engine.issue(step)
+        return step
+
+    def step(self, batch: int, lengths: list[int], **kw: Any) -> Step:
+        return self.issue(self.plan(batch, lengths, **kw))
+
+    def wait(self, steps: Sequence[Step], timeout: float = 30) -> list[Step]:
+        """The steps once finished; the first one's error raised if any failed."""
+        wait_for(lambda: self._all_done(steps), timeout, f"{len(steps)} steps to finish")
+        for s in steps:
+            if s.error is not None:
+                raise s.error
+        return list(steps)
+
+    def _all_done(self, steps: Sequence[Step]) -> bool:
+        done = {id(s) for s, _ in self.finished}
+        return all(id(s) in done for s in steps)
+
+    def run(self, batch: int, lengths: list[int], **kw: Any) -> Step:
+        return self.wait([self.step(batch, lengths, **kw)])[0]
