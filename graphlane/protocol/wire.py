@@ -150,7 +150,10 @@ def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") ->
         t = t.contiguous()
     shape = list(t.shape)
     if t.nbytes <= INLINE_TENSOR_BYTES:
-        return TensorRef(TensorSpec(name, shape, data=bytes(_byte_view(t))))  # type: ignore[arg-type]
+        # numpy's bytes of a small tensor cost a fraction of a torch byte view's;
+        # numpy has no bfloat16, which goes through the byte view.
+        data = bytes(_byte_view(t)) if t.dtype is torch.bfloat16 else t.numpy().tobytes()
+        return TensorRef(TensorSpec(name, shape, data=data))  # type: ignore[arg-type]
     frames.append(_byte_view(t))
     return TensorRef(TensorSpec(name, shape, frame=len(frames)))  # type: ignore[arg-type]
 
@@ -218,7 +221,14 @@ def _tensor_of(
     """A tensor over ``buf``: a view of a received frame, a small copy of inline bytes."""
     if not len(buf):
         return torch.empty(shape, dtype=dtype)
-    if inline:  # a small copy of its own: writable and aligned
+    if inline and dtype is not torch.bfloat16:
+        # A small copy of its own, writable and aligned: numpy's view of a fresh
+        # bytearray is the cheapest way to a small tensor.
+        array = np.ndarray(shape, _NUMPY[dtype], bytearray(buf))
+        if dtype is torch.bool and bool((array.view(np.uint8) > 1).any()):
+            raise ValueError(f"{path}: bool tensor bytes must be 0 or 1")
+        return torch.from_numpy(array)
+    if inline:  # bfloat16: numpy has none; torch reads the bytes
         flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
     elif memoryview(buf).readonly:
         with warnings.catch_warnings():
@@ -233,6 +243,19 @@ def _tensor_of(
     if dtype is torch.bool and bool((flat > 1).any()):
         raise ValueError(f"{path}: bool tensor bytes must be 0 or 1")
     return flat.view(dtype).reshape(shape)
+
+
+_NUMPY = {
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.bool: np.bool_,
+}
 
 
 # ------------------------------------------------------------------ frame context
