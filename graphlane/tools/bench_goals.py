@@ -2,9 +2,9 @@
 pass/fail and a word on noise after.
 
 The goals are the README's (control plane on the ``null`` device, where the
-ratio is graphlane's own cost): a step round trip within 1.5x of the raw
-pyzmq+msgpack round trip, windowed steps/s at least 0.7x the raw messages/s,
-tensor input bandwidth at least 0.8x raw. The windowed figures are medians of
+ratio is graphlane's own cost): a step round trip within 1.15x of the raw
+pyzmq+msgpack round trip, windowed steps/s at least 0.9x the raw messages/s,
+tensor input bandwidth at least 1.0x raw (issue 15). The windowed figures are medians of
 five repeats; when the repeats of a rate spread by more than
 :data:`NOISY_SPREAD` of their median, the machine was too noisy for that ratio
 to mean much, and the report says so instead of a bare pass or fail.
@@ -20,9 +20,9 @@ from typing import Any
 
 #: (label, where in the report, comparison, goal)
 GOALS = (
-    ("step round trip vs raw", ("control_plane", "null", "step_rtt_vs_raw"), "<=", 1.5),
-    ("windowed steps/s vs raw", ("control_plane", "null", "windowed_vs_raw"), ">=", 0.7),
-    ("tensor inputs MB/s vs raw", ("bandwidth", "null", "bandwidth_vs_raw"), ">=", 0.8),
+    ("step round trip vs raw", ("control_plane", "null", "step_rtt_vs_raw"), "<=", 1.15),
+    ("windowed steps/s vs raw", ("control_plane", "null", "windowed_vs_raw"), ">=", 0.9),
+    ("tensor inputs MB/s vs raw", ("bandwidth", "null", "bandwidth_vs_raw"), ">=", 1.0),
 )
 #: A spread over repeats above this share of the median makes a rate figure noise.
 NOISY_SPREAD = 0.25
