@@ -94,7 +94,8 @@ def test_a_cancelled_connect_leaves_no_socket_and_may_be_retried() -> None:
             c = graphlane.Client("tcp://127.0.0.1:1", timeout=5)
             for _ in range(2):
                 task = asyncio.ensure_future(c.connect())
-                await asyncio.sleep(0.05)
+                while not len(c._sockets):  # connect has opened its channel: it awaits hello
+                    await asyncio.sleep(0)
                 task.cancel()
                 try:
                     await task
@@ -255,7 +256,9 @@ def test_interpreter_exit_with_calls_in_flight_does_not_block(hung_daemon) -> No
             await c.connect()
             calls = [asyncio.ensure_future(c.step("attention", 0, {"actual_seq_lengths_kv": [3]}))
                      for _ in range(16)]
-            await asyncio.sleep(0.3)
+            while not c._workers or len(c._workers[0].pending) < 16:  # all 16 are on the wire
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0)  # the end of this turn sends the queued bundle
             print("in flight:", sum(not f.done() for f in calls))
             globals()["c"] = c    # never closed; asyncio.run cancels the calls
         asyncio.run(main())
