@@ -29,12 +29,18 @@ import torch
 
 from graphlane.workers.backends.base import DeviceBackend
 
-from .base import GraphProgram, OpCall, ProgramConfigError, StepError, StepPlan
+from .base import (
+    DTYPES,
+    GraphProgram,
+    OpCall,
+    StepError,
+    StepPlan,
+    check_attention_config,
+    config_values,
+)
 
 _FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every layer's task group runs
 _WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
-
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -51,43 +57,15 @@ class AttentionConfig:
     def from_mapping(
         cls, raw: Mapping[str, Any], where: str = "programs.attention"
     ) -> AttentionConfig:
-        known = set(cls.__dataclass_fields__)
-        for key in raw:
-            if key not in known and key != "name":
-                raise ProgramConfigError(f"{where}.{key}", f"unknown key (known: {sorted(known)})")
-        values = {k: raw[k] for k in known if k in raw}
-        if "buckets" in values:
-            b = values["buckets"]
-            if not isinstance(b, (list, tuple)) or not b:
-                raise ProgramConfigError(
-                    f"{where}.buckets", "must be a non-empty list of batch sizes"
-                )
-            values["buckets"] = tuple(b)
+        values = config_values(cls.__dataclass_fields__, raw, where)
         cfg = cls(**values)
         cfg.validate(where)
         return cfg
 
     def validate(self, where: str = "programs.attention") -> None:
-        for key in ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len"):
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ProgramConfigError(f"{where}.{key}", f"must be a positive integer, not {v!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ProgramConfigError(
-                f"{where}.num_kv_heads",
-                f"{self.num_kv_heads} must divide num_heads {self.num_heads}",
-            )
-        if self.num_heads // self.num_kv_heads > 64:
-            raise ProgramConfigError(
-                f"{where}.num_kv_heads", "num_heads/num_kv_heads must be <= 64"
-            )
-        for b in self.buckets:
-            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-                raise ProgramConfigError(f"{where}.buckets", f"{b!r} is not a positive batch size")
-        if len(set(self.buckets)) != len(self.buckets):
-            raise ProgramConfigError(f"{where}.buckets", "batch sizes must be distinct")
-        if self.dtype not in _DTYPES:
-            raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(_DTYPES)}")
+        check_attention_config(
+            self, ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len"), where
+        )
 
 
 class AttentionProgram(GraphProgram):
@@ -103,7 +81,7 @@ class AttentionProgram(GraphProgram):
         self.config.validate()
         self.name = name
         self.buckets = tuple(sorted(self.config.buckets))
-        self.dtype = _DTYPES[self.config.dtype]
+        self.dtype = DTYPES[self.config.dtype]
         c = self.config
         self._fia = dict(
             num_heads=c.num_heads,

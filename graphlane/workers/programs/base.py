@@ -13,7 +13,7 @@ validated, and which op each group re-issues with which arguments
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,49 @@ class ProgramConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+"""The dtypes a program's ``dtype`` key may name."""
+
+
+def config_values(fields: Iterable[str], raw: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """A program's config keys from ``raw`` (its ``[[programs]]`` table): an unknown key
+    is refused naming it; ``buckets`` becomes a tuple."""
+    known = set(fields)
+    for key in raw:
+        if key not in known and key != "name":
+            raise ProgramConfigError(f"{where}.{key}", f"unknown key (known: {sorted(known)})")
+    values = {k: raw[k] for k in known if k in raw}
+    if "buckets" in values:
+        b = values["buckets"]
+        if not isinstance(b, (list, tuple)) or not b:
+            raise ProgramConfigError(f"{where}.buckets", "must be a non-empty list of batch sizes")
+        values["buckets"] = tuple(b)
+    return values
+
+
+def check_attention_config(config: Any, ints: Iterable[str], where: str) -> None:
+    """The checks every attention-shaped config shares: positive ``ints``, heads that
+    group (GQA, at most 64 query heads per KV head), distinct positive buckets, a dtype."""
+    for key in ints:
+        v = getattr(config, key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ProgramConfigError(f"{where}.{key}", f"must be a positive integer, not {v!r}")
+    if config.num_heads % config.num_kv_heads:
+        raise ProgramConfigError(
+            f"{where}.num_kv_heads",
+            f"{config.num_kv_heads} must divide num_heads {config.num_heads}",
+        )
+    if config.num_heads // config.num_kv_heads > 64:
+        raise ProgramConfigError(f"{where}.num_kv_heads", "num_heads/num_kv_heads must be <= 64")
+    for b in config.buckets:
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ProgramConfigError(f"{where}.buckets", f"{b!r} is not a positive batch size")
+    if len(set(config.buckets)) != len(config.buckets):
+        raise ProgramConfigError(f"{where}.buckets", "batch sizes must be distinct")
+    if config.dtype not in DTYPES:
+        raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -59,12 +59,20 @@ import torch
 
 from graphlane.workers.backends.base import DeviceBackend
 
-from .base import GraphProgram, OpCall, ProgramConfigError, StepError, StepPlan
+from .base import (
+    DTYPES,
+    GraphProgram,
+    OpCall,
+    ProgramConfigError,
+    StepError,
+    StepPlan,
+    check_attention_config,
+    config_values,
+)
 
 _FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every layer's task group runs
 _WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _INTS = ("layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks",
          "max_blocks_per_seq")  # fmt: skip
 
@@ -83,49 +91,19 @@ class PagedAttentionConfig:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], where: str) -> PagedAttentionConfig:
-        known = set(cls.__dataclass_fields__)
-        for key in raw:
-            if key not in known and key != "name":
-                raise ProgramConfigError(f"{where}.{key}", f"unknown key (known: {sorted(known)})")
-        values = {k: raw[k] for k in known if k in raw}
-        if "buckets" in values:
-            b = values["buckets"]
-            if not isinstance(b, (list, tuple)) or not b:
-                raise ProgramConfigError(
-                    f"{where}.buckets", "must be a non-empty list of batch sizes"
-                )
-            values["buckets"] = tuple(b)
+        values = config_values(cls.__dataclass_fields__, raw, where)
         cfg = cls(**values)
         cfg.validate(where)
         return cfg
 
     def validate(self, where: str = "programs.paged_attention") -> None:
-        for key in _INTS:
-            v = getattr(self, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ProgramConfigError(f"{where}.{key}", f"must be a positive integer, not {v!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ProgramConfigError(
-                f"{where}.num_kv_heads",
-                f"{self.num_kv_heads} must divide num_heads {self.num_heads}",
-            )
-        if self.num_heads // self.num_kv_heads > 64:
-            raise ProgramConfigError(
-                f"{where}.num_kv_heads", "num_heads/num_kv_heads must be <= 64"
-            )
+        check_attention_config(self, _INTS, where)
         # FIA with a TND query over a paged cache (op-plugin document, as the sim checks it)
         if self.block_size % 128 or not 128 <= self.block_size <= 512:
             raise ProgramConfigError(
                 f"{where}.block_size",
                 f"must be a multiple of 128 in 128..512 (paged FIA, TND), not {self.block_size}",
             )
-        for b in self.buckets:
-            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-                raise ProgramConfigError(f"{where}.buckets", f"{b!r} is not a positive batch size")
-        if len(set(self.buckets)) != len(self.buckets):
-            raise ProgramConfigError(f"{where}.buckets", "batch sizes must be distinct")
-        if self.dtype not in _DTYPES:
-            raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(_DTYPES)}")
 
     @property
     def max_kv_len(self) -> int:
@@ -152,7 +130,7 @@ class PagedAttentionProgram(GraphProgram):
         c.validate()
         self.name = name
         self.buckets = tuple(sorted(c.buckets))
-        self.dtype = _DTYPES[c.dtype]
+        self.dtype = DTYPES[c.dtype]
         self.parameters = {
             "actual_seq_lengths_kv": "one KV length per batch row (the new token included), "
             f"in 1..{c.max_kv_len} (max_blocks_per_seq * block_size)",
