@@ -14,8 +14,8 @@ sends steps straight to that worker: one DEALER socket per endpoint, many
 calls in flight on each, replies matched by request id by the event loop's
 reader callback for that socket (:class:`~.transport.Channel`).
 Sockets belong to the event loop that created the client (its thread is their
-only user); a send is a single ``send_multipart``, so frames of concurrent
-calls never interleave.
+only user); a send is one message sent without a pause, so frames of
+concurrent calls never interleave.
 
 Calls made together to one worker may travel together as one bundle; each
 keeps its own id, deadline and reply (:mod:`.transport`).
@@ -87,16 +87,25 @@ class _Host:
         # first reached the device, changed only by Client.reset_state (a restart must
         # never be adopted silently: the device state it lost would be taken as kept).
         self.generations: dict[int, int] = {}
+        # (device, program) -> whether it keeps device state, as self._stateful_of says
+        self._stateful: dict[tuple[int, str], bool] = {}
+        self._stateful_of: dict[str, Any] | None = None
 
     def generation_for(self, device: int, program: str | None) -> int | None:
         """What a request to ``program`` (None: a KV op) names: the adopted generation
         when the program keeps device state, else nothing."""
         if program is not None:
-            entry: dict[str, Any] = next(
-                (w for w in self.hello.get("workers", ()) if w.get("device") == device), {}
-            )
-            described = (entry.get("programs") or {}).get(program)
-            if not isinstance(described, dict) or not described.get("state_ops"):
+            if self._stateful_of is not self.hello:  # a new hello: look again
+                self._stateful, self._stateful_of = {}, self.hello
+            stateful = self._stateful.get((device, program))
+            if stateful is None:
+                entry: dict[str, Any] = next(
+                    (w for w in self.hello.get("workers", ()) if w.get("device") == device), {}
+                )
+                described = (entry.get("programs") or {}).get(program)
+                stateful = isinstance(described, dict) and bool(described.get("state_ops"))
+                self._stateful[(device, program)] = stateful
+            if not stateful:
                 return None
         return self.generations.get(device)
 
@@ -484,6 +493,8 @@ def _params(params: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(params, Mapping):
         raise InvalidArgument(f"params must be a mapping, got {type(params).__name__}")
     for name, value in params.items():
+        if type(value) in _SENT_AS_IS:  # the common case: a list, a number, a string
+            continue
         if isinstance(value, set | frozenset | dict | bytes | bytearray):
             # msgpack would send a set as a list in no particular order: refuse it here
             raise InvalidArgument(
@@ -491,6 +502,9 @@ def _params(params: Mapping[str, Any]) -> dict[str, Any]:
                 "(a number, a string or a list of numbers)"
             )
     return dict(params)
+
+
+_SENT_AS_IS = frozenset((list, int, float, str, bool, type(None), tuple))
 
 
 def _inputs(inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:

@@ -2,8 +2,9 @@
 
 One socket per endpoint, many calls in flight on each, replies matched by request
 id by the event loop's reader callback for that socket. Sockets belong to the
-event loop that created them (its thread is their only user); a send is a single
-``send_multipart``, so frames of concurrent calls never interleave. Every call has
+event loop that created them (its thread is their only user); a send is one
+message sent without a pause (``wire.send_message``), so frames of concurrent calls
+never interleave. Every call has
 a deadline (:class:`_Deadlines`, one loop timer per channel).
 
 A call made while others are in flight on the same worker, and whose request
@@ -132,7 +133,7 @@ class Channel:
                 # Asking first is cheaper than the exception of an empty receive.
                 if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return False
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = wire.recv_message(sock, 1, wire.NOBLOCK)
             except zmq.ZMQError:  # closed under us
                 return False
             self._deliver(frames)
@@ -217,7 +218,7 @@ class Channel:
                 if self._queued:
                     self._flush()  # sends keep the order of the calls
                 try:
-                    self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    wire.send_message(self.sock, frames, wire.NOBLOCK)
                 except zmq.Again:  # every peer's queue is full: wait for room
                     await self._send_later(frames, [fut])
                 except zmq.ZMQError as exc:  # closed under us
@@ -256,7 +257,7 @@ class Channel:
             start += count
             futs = [fut for i in ids if (fut := self.pending.get(i)) is not None]
             try:
-                self.sock.send(payload, zmq.NOBLOCK)
+                self.sock.send(payload, wire.NOBLOCK)
                 sent = True
             except zmq.Again:  # every peer's queue is full: retry in the background
                 task = self._loop.create_task(self._send_bundle_later(payload, futs))
@@ -288,7 +289,7 @@ class Channel:
             if self.closed:
                 raise WorkerLost(f"connection to {self.name} is closed")
             try:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                wire.send_message(self.sock, frames, wire.NOBLOCK)
                 return
             except zmq.Again:
                 continue

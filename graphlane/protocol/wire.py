@@ -26,10 +26,11 @@ import threading
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Annotated, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, TypeVar
 
 import msgpack
 import msgspec
+import msgspec.inspect
 import numpy as np
 import torch
 import zmq
@@ -258,9 +259,18 @@ _NUMPY = {
 }
 
 
-# ------------------------------------------------------------------ frame context
-# Bodies hold torch tensors directly; the hooks below turn them into and out of
-# ``$tensor`` references, with the frames of the message being encoded or decoded.
+# ------------------------------------------------------------------ tensor fields
+if TYPE_CHECKING:
+    Tensor: TypeAlias = torch.Tensor
+else:
+    Tensor = TensorRef
+# A tensor field of a body: on the wire a TensorRef, decoded and checked by msgspec
+# like any other field (in C, with the field's path in its errors); in Python a
+# torch.Tensor: decode_body turns each reference into a tensor over the message's
+# frames, and the encoder's hook turns each tensor into a reference.
+
+# Bodies hold torch tensors; the hook below makes them ``$tensor`` references, with
+# the frames of the message being encoded.
 _local = threading.local()
 
 
@@ -274,21 +284,6 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"{type(obj).__name__} cannot be sent")
 
 
-def _dec_hook(kind: type, obj: Any) -> Any:
-    if kind is torch.Tensor:
-        frames: Frames = _local.received
-        try:
-            # bytes only: no base64 str for "data"
-            ref = msgspec.convert(obj, TensorRef, builtin_types=(bytes,))
-        except msgspec.ValidationError as exc:
-            # Raised as is, it would lose the tensor's own path; as a ValueError,
-            # msgspec adds it (see _body_message).
-            where, what = _location(exc)
-            raise ValueError(f"{where}: {what}" if where else what) from None
-        return frames.tensor(ref, "." + TENSOR_KEY)
-    raise NotImplementedError(f"cannot decode {kind}")
-
-
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 
 
@@ -296,9 +291,40 @@ def encoder() -> msgspec.msgpack.Encoder:
     return _encoder
 
 
+# body type -> its tensor fields: (name, True for a dict of tensors)
+_TENSOR_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
+
+
 def body_decoder(kind: type[T]) -> msgspec.msgpack.Decoder[T]:
-    """The decoder of one body type (bodies may hold ``torch.Tensor`` fields)."""
-    return msgspec.msgpack.Decoder(kind, dec_hook=_dec_hook)
+    """The decoder of one body type (bodies may hold :data:`Tensor` fields, plain or
+    as the values of a dict)."""
+    fields: list[tuple[str, bool]] = []
+    info = msgspec.inspect.type_info(kind)
+    for f in getattr(info, "fields", ()):
+        t = f.type
+        if isinstance(t, msgspec.inspect.StructType) and t.cls is TensorRef:
+            fields.append((f.name, False))
+        elif isinstance(t, msgspec.inspect.DictType):
+            v = t.value_type
+            if isinstance(v, msgspec.inspect.StructType) and v.cls is TensorRef:
+                fields.append((f.name, True))
+    if fields:
+        _TENSOR_FIELDS[kind] = tuple(fields)
+    return msgspec.msgpack.Decoder(kind)
+
+
+def _with_tensors(body: Any, fields: tuple[tuple[str, bool], ...], frames: Frames) -> Any:
+    """``body`` with its tensor references made tensors over ``frames``."""
+    changes: dict[str, Any] = {}
+    for name, many in fields:
+        value = getattr(body, name)
+        if many:
+            if value:
+                path = f".{name}[...].{TENSOR_KEY}"
+                changes[name] = {k: frames.tensor(ref, path) for k, ref in value.items()}
+        elif value is not None:
+            changes[name] = frames.tensor(value, f".{name}.{TENSOR_KEY}")
+    return msgspec.structs.replace(body, **changes) if changes else body
 
 
 # ------------------------------------------------------------------ envelopes
@@ -366,14 +392,14 @@ class Reply(Struct, frozen=True):
 def decode_body(
     decoder: msgspec.msgpack.Decoder[T], raw: Raw, frames: Frames, request_id: int | None
 ) -> T:
-    _local.received = frames
     try:
         body = decoder.decode(raw)
+        fields = _TENSOR_FIELDS.get(type(body))
+        if fields is not None:
+            body = _with_tensors(body, fields, frames)
         frames.check_all_used()
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise DecodeError(_body_message(exc), request_id=request_id) from None
-    finally:
-        _local.received = None
     return body
 
 
@@ -402,7 +428,7 @@ _FIELD_PROBLEMS = (
 
 def _body_message(exc: Exception) -> str:
     # "Expected `int` >= 0 - at `$.device`" -> "body.device: expected `int` >= 0"; a
-    # tensor's own error (".$tensor.frame: ...", from _dec_hook) continues the path.
+    # tensor's own error (".inputs[...].$tensor: ...", from _with_tensors) continues the path.
     where, what = _location(exc)
     return f"body{where}{what}" if what.startswith(".") else f"body{where}: {what}"
 
@@ -575,6 +601,36 @@ def _lenient(raw: Any) -> tuple[int | None, Any]:
 
 def _envelope_message(exc: Exception) -> str:
     return "envelope" + _body_message(exc).removeprefix("body")
+
+
+# ------------------------------------------------------------------ sockets
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+NOBLOCK = int(zmq.NOBLOCK)
+
+
+def send_message(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
+    """``frames`` as one message, as ``send_multipart`` sends them, without its
+    per-call Python (flag enums, checks); ``flags`` applies to every part, and once
+    the first part is taken the others are too (zmq delivers a message whole)."""
+    last = len(frames) - 1
+    if last:
+        more = flags | _SNDMORE
+        for i in range(last):
+            sock.send(frames[i], more, copy=False)
+    sock.send(frames[last], flags, copy=False)
+
+
+def recv_message(sock: zmq.Socket[Any], copied: int, flags: int = 0) -> list[Any]:
+    """One message: its first ``copied`` frames (a routing id, the envelope: small,
+    and a copy costs less than a zero-copy frame object) as bytes, each further one
+    (tensor data) as a zero-copy :class:`zmq.Frame`. ``zmq.Again`` when ``flags`` has
+    NOBLOCK and no message waits."""
+    frames: list[Any] = [sock.recv(flags)]
+    getsockopt = sock.getsockopt
+    while getsockopt(_RCVMORE):
+        frames.append(sock.recv() if len(frames) < copied else sock.recv(copy=False))
+    return frames
 
 
 # ------------------------------------------------------------------ bundles

@@ -280,7 +280,7 @@ class Worker:
             for _ in range(_BATCH):
                 if self._stopping or not events(zmq.EVENTS) & zmq.POLLIN:
                     break
-                self._handle(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                self._handle(wire.recv_message(sock, 2, wire.NOBLOCK))
                 if self._woken:  # finished steps are answered between requests, not after
                     self._take_wakeups()
             self._pump()
@@ -326,7 +326,7 @@ class Worker:
                 envelopes.append(frames[0])
             return
         self.metrics.bytes_out += sum(map(_nbytes, frames))
-        self.sock.send_multipart([ident, *frames], copy=False)
+        wire.send_message(self.sock, [ident, *frames])
 
     @contextlib.contextmanager
     def _replies_together(self) -> Iterator[None]:
@@ -347,7 +347,7 @@ class Worker:
         for ident, envelopes in (outbox or {}).items():
             for _, payload in wire.bundles(envelopes):
                 self.metrics.bytes_out += len(payload)
-                self.sock.send_multipart([ident, payload], copy=False)
+                wire.send_message(self.sock, (ident, payload))
 
     def _reply_error(
         self, ident: Any, request_id: int, error: GraphlaneError, bundled: bool = False
@@ -360,8 +360,7 @@ class Worker:
         """One message: a request, or a bundle of them whose replies go back together."""
         received = time.perf_counter()
         self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
-        # The routing id as bytes, once: the outbox groups replies by it (see _send).
-        ident = frames[0].bytes if type(frames[0]) is zmq.Frame else bytes(frames[0])
+        ident = frames[0]  # bytes (see wire.recv_message): the outbox groups replies by it
         try:
             reqs: list[wire.Request | wire.DecodeError] = wire.decode_requests(
                 frames[1:], self.spec.limits

@@ -15,11 +15,10 @@ mismatch is STATE_LOST: the worker restarted and the cache is gone). The reply i
 
 from __future__ import annotations
 
-import torch
 from msgspec import Struct
 
 from graphlane.protocol.ops.steps import Deadline
-from graphlane.protocol.wire import Count, Name
+from graphlane.protocol.wire import Count, Name, Tensor
 
 
 class KvWrite(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -29,9 +28,9 @@ class KvWrite(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=Tru
 
     program: Name
     device: Count
-    slots: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
+    slots: Tensor
+    key: Tensor
+    value: Tensor
     generation: Count | None = None
     timeout_ms: Deadline | None = None
 
@@ -41,6 +40,6 @@ class KvRead(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
 
     program: Name
     device: Count
-    slots: torch.Tensor
+    slots: Tensor
     generation: Count | None = None
     timeout_ms: Deadline | None = None

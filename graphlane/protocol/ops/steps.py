@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import torch
 from msgspec import Meta, Struct
 
-from graphlane.protocol.wire import MAX_ITEMS, Count, Name, Positive
+from graphlane.protocol.wire import MAX_ITEMS, Count, Name, Positive, Tensor
 
 MAX_OUTPUTS = 16
 MAX_PARAMS = 64
@@ -24,7 +23,7 @@ MAX_PARAMS = 64
 Number = int | float
 Param = None | bool | int | float | str | Annotated[list[Number], Meta(max_length=MAX_ITEMS)]
 Params = Annotated[dict[Name, Param], Meta(max_length=MAX_PARAMS)]
-Tensors = Annotated[dict[Name, torch.Tensor], Meta(max_length=MAX_PARAMS)]
+Tensors = Annotated[dict[Name, Tensor], Meta(max_length=MAX_PARAMS)]
 Outputs = Annotated[list[Name], Meta(max_length=MAX_OUTPUTS)]
 Deadline = Annotated[int, Meta(ge=1)]
 
@@ -71,7 +70,7 @@ class StepDone(Struct, frozen=True, omit_defaults=True):
     """The reply body of step, update, replay, kv_write and kv_read. Fields a newer server adds are
     skipped, not refused (reply bodies may grow: see the package docstring)."""
 
-    outputs: dict[Name, torch.Tensor] = {}
+    outputs: dict[Name, Tensor] = {}
     bucket: Count = 0
     instance: Count = 0  # which graph instance of the bucket's ring ran it
     patched: Count = 0  # task groups patched
