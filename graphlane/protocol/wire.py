@@ -21,6 +21,7 @@ once, and the byte count).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 import warnings
@@ -150,10 +151,11 @@ def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") ->
     if not t.is_contiguous():
         t = t.contiguous()
     shape = list(t.shape)
-    if t.nbytes <= INLINE_TENSOR_BYTES:
-        # numpy's bytes of a small tensor cost a fraction of a torch byte view's;
-        # numpy has no bfloat16, which goes through the byte view.
-        data = bytes(_byte_view(t)) if t.dtype is torch.bfloat16 else t.numpy().tobytes()
+    nbytes = t.nbytes
+    if nbytes <= INLINE_TENSOR_BYTES:
+        # The bytes of a small contiguous CPU tensor, read at its address: half the
+        # cost of numpy's, a fraction of a torch byte view's.
+        data = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
         return TensorRef(TensorSpec(name, shape, data=data))  # type: ignore[arg-type]
     frames.append(_byte_view(t))
     return TensorRef(TensorSpec(name, shape, frame=len(frames)))  # type: ignore[arg-type]
