@@ -21,25 +21,42 @@ BUCKETS_S: tuple[float, ...] = (
 
 @dataclass
 class Histogram:
-    """Cumulative-at-render histogram: per-bucket counts, sum and count."""
+    """Cumulative-at-render histogram: per-bucket counts, sum and count.
+
+    An observation is only appended (on the step path); they are sorted into
+    buckets in bulk, when a snapshot is taken or :data:`PENDING_MAX` wait."""
 
     bounds: tuple[float, ...] = BUCKETS_S
     counts: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
     total: float = 0.0
     n: int = 0
+    pending: list[float] = field(default_factory=list)
 
     def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.total += value
-        self.n += 1
+        pending = self.pending
+        pending.append(value)
+        if len(pending) >= PENDING_MAX:
+            self._bin()
+
+    def _bin(self) -> None:
+        pending, self.pending = self.pending, []
+        counts, bounds = self.counts, self.bounds
+        for value in pending:
+            counts[bisect.bisect_left(bounds, value)] += 1
+        self.total += sum(pending)
+        self.n += len(pending)
 
     def snapshot(self) -> dict[str, Any]:
+        self._bin()
         return {
             "bounds": list(self.bounds),
             "counts": list(self.counts),
             "sum": self.total,
             "count": self.n,
         }
+
+
+PENDING_MAX = 1024
 
 
 @dataclass
