@@ -31,6 +31,7 @@ from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
+from .streamuse import record_stream
 
 aten = torch.ops.aten
 
@@ -477,10 +478,6 @@ def _resize_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return t
 
 
-def _noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return None
-
-
 def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """An allocation: memory now, no device work. On the NPU it comes from the caching
     allocator when the host asks, so inside a capture it is not a task of the graph
@@ -502,7 +499,7 @@ _SPECIAL: dict[Any, Any] = {
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
     aten.resize_.default: _resize_,
-    aten.record_stream.default: _noop,
+    aten.record_stream.default: record_stream,
     aten.empty_like.default: _allocate,
     aten.new_empty.default: _allocate,
     aten.new_empty_strided.default: _allocate,
