@@ -397,6 +397,9 @@ def _stream_of(stream: Stream | None) -> Stream:
 class Event:
     """``torch_npu.npu.Event(enable_timing=False, blocking=False, interprocess=False)``."""
 
+    #: A wait that involves a capture (set by :mod:`.forkjoin`, which imports this module).
+    capture_wait: Callable[[Event, Stream], bool]
+
     def __init__(
         self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
     ) -> None:
@@ -408,6 +411,7 @@ class Event:
         self._providers: dict[int, Stream] = {}
         self._times: dict[int, float] = {}
         self._captured_in: Any = None  # graph whose capture holds the latest record
+        self._captured_at: Any = None  # (capture state, node) of that record
 
     def __repr__(self) -> str:
         return f"<graphlane sim {self.name}>"
@@ -420,9 +424,11 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            if s.capturing is not None:
-                self._captured_in = s.capturing.graph
-                s.capturing.add_node(EventRecordWork(self, None))
+            cap = s.capturing
+            if cap is not None:
+                node = EventRecordWork(self, None)
+                cap.add_node(node)
+                self._captured_in, self._captured_at = cap.graph, (cap, node)
                 return
             self._captured_in = None
             seq = self.issue_record_locked(s)
@@ -436,14 +442,10 @@ class Event:
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            if s.capturing is not None:
-                if self._captured_in is not s.capturing.graph:
-                    raise SimUsageError(
-                        f"{self.name}.wait() on {s.name} while it captures: the event was not "
-                        "recorded in the same capture (capture isolation; record it on the "
-                        "capturing stream first)"
-                    )
-                # Same stream, same capture: already ordered by the stream.
+            graph = self._captured_in
+            if (
+                s.capturing is not None or (graph is not None and graph.capturing is not None)
+            ) and Event.capture_wait(self, s):  # in a capture, or a fork (forkjoin.py)
                 return
             seq = self._issued
             if seq == 0:
