@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import capture_rules
 from .errors import SimUsageError
 from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
@@ -409,17 +410,23 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         staged = src
         if non_blocking and stream.capturing is None:
             staged = src.clone()  # pageable host memory is staged at issue time
-        _cross_copy(stream, dst._data, staged, non_blocking, "copy host->npu")
+        _cross_copy(stream, dst._data, staged, non_blocking, _H2D)
         return dst
     stream = current_stream(_index(src))  # device to host
     _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host")
     return dst
 
 
+_H2D = "copy host->npu"
+
+
 def _cross_copy(
     stream: Stream, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, label: str
 ) -> None:
     """A copy between host and device memory: queued, captured, and waited for if blocking."""
+    if stream.capturing is not None or capture_rules.LIVE:
+        host = src if label == _H2D else dst
+        capture_rules.check_host_copy(stream, label, non_blocking, host)
     if not non_blocking and stream.capturing is not None:
         raise SimUsageError(
             f"a blocking {label} on {stream.name} while it captures "

@@ -1,0 +1,61 @@
+"""What CANN refuses while a capture is underway, beyond the capture stream itself.
+
+``capture_error_mode`` (aclmdlRICaptureMode) decides which threads may make calls that
+are unsafe during a capture: in "global" mode no thread may, in "thread_local" mode the
+thread that began the capture may not, in "relaxed" mode all may. The one such call the
+sim sees is the stream synchronization torch_npu makes for a ``non_blocking`` copy
+between the device and *pageable* host memory (``process_non_blocking_copy``: memory it
+did not pin is copied synchronously); CANN refuses it with
+ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT (107030, EE1016). Host-device copies are also
+refused inside a task group (they are not Cube/Vector-core kernels).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import SimUsageError
+
+if TYPE_CHECKING:
+    from .graphs import CaptureState
+    from .streams import Stream
+
+#: The capture streams' states of the captures underway (kept by graphs.py).
+LIVE: list[CaptureState] = []
+
+
+def forbidding_capture() -> CaptureState | None:
+    """The capture underway whose mode forbids an unsafe call from this thread."""
+    for origin in list(LIVE):
+        if origin.stream.capturing is not origin:  # ended by a device reset
+            LIVE.remove(origin)
+        elif origin.mode == "global" or (
+            origin.mode == "thread_local" and origin.thread == threading.get_ident()
+        ):
+            return origin
+    return None
+
+
+def check_host_copy(stream: Stream, label: str, non_blocking: bool, host: torch.Tensor) -> None:
+    """A copy between the device and host memory ``host``, issued on ``stream``."""
+    cap: Any = stream.capturing
+    if cap is not None and cap.open_group is not None:
+        cap.refuse_in_group(label)
+    if not non_blocking or host.is_pinned():
+        return
+    origin = forbidding_capture()
+    if origin is None:
+        return
+    raise SimUsageError(
+        f"non_blocking {label} on {stream.name} with pageable host memory while "
+        f"{origin.graph.name} is captured in {origin.mode!r} mode: torch_npu synchronizes "
+        "the stream for a copy with host memory it did not pin, and the current thread is "
+        "in the capture state and the current operation cannot be performed; this "
+        "operation is supported only in the RELAXED mode (CANN "
+        "ACL_ERROR_RT_CAPTURE_MODE_NOT_SUPPORT, 107030). Copy before the capture, or "
+        "capture with capture_error_mode='relaxed' (pinned memory would do on the NPU; "
+        "the sim cannot pin host memory)"
+    )
