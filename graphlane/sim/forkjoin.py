@@ -89,8 +89,11 @@ def capture_wait(event: Event, s: Stream) -> bool:
     graph = event._captured_in
     cap = s.capturing
     origin = graph.capturing if graph is not None else None
-    if origin is not None and origin.stream.capturing is not origin:
-        origin = None  # that capture was ended by a device reset
+    if origin is not None and (
+        origin.stream.capturing is not origin  # that capture was ended by a device reset
+        or event._captured_at[0].origin is not origin  # recorded in an earlier capture
+    ):
+        origin = None
     if origin is None:
         if cap is None:
             return False

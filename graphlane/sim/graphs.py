@@ -339,7 +339,8 @@ class NPUGraph:
         s = self.capture_stream
         with RUNTIME.cond:
             cap = self.capturing
-            if s is None or cap is None:
+            if s is None or cap is None or s.capturing is not cap:  # (a device reset ends it)
+                self.capturing = None
                 raise SimUsageError(f"capture_end on {self.name}, which is not capturing")
             if current_stream() is not s:  # torch_npu's NPUGraph::capture_end
                 raise SimUsageError(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from graphlane.sim import SimUsageError
+from graphlane.sim import SimUsageError, reset_device
 
 
 def test_unknown_capture_error_mode_is_refused_and_nothing_captures() -> None:
@@ -190,3 +190,16 @@ def test_a_record_between_lets_the_wait_be_captured_again() -> None:
     g2 = _capture_wait(ev)
     g2.replay()  # consumes that record
     torch.npu.synchronize()
+
+
+def test_a_device_reset_ends_the_capture() -> None:
+    s, g = torch.npu.Stream(), torch.npu.NPUGraph()
+    x = torch.zeros(2).npu()
+    with torch.npu.stream(s):
+        g.capture_begin(capture_error_mode="global")
+        reset_device()
+        with pytest.raises(SimUsageError, match="not capturing"):
+            g.capture_end()
+    x.copy_(torch.ones(2), non_blocking=True)  # no global capture is underway any more
+    torch.npu.synchronize()
+    assert x.cpu().tolist() == [1.0, 1.0]

@@ -284,3 +284,21 @@ def test_an_event_of_an_ended_capture_is_an_ordinary_wait() -> None:
         y = x * 3
     torch.npu.synchronize()
     assert y.cpu().tolist() == [3.0, 3.0]
+
+
+def test_a_record_of_an_earlier_capture_does_not_fork_into_a_new_one() -> None:
+    s, side = torch.npu.Stream(), torch.npu.Stream()
+    x = torch.zeros(2).npu()
+    g = torch.npu.NPUGraph()
+    ev = torch.npu.Event()
+    with torch.npu.graph(g, stream=s):
+        ev.record(s)
+        x.add_(1)
+    g.reset()
+    with torch.npu.graph(g, stream=s):
+        x.add_(2)
+        ev.wait(side)  # the record belongs to the reset capture: an eager wait
+        assert not side.is_capturing()
+    g.replay()
+    torch.npu.synchronize()
+    assert x.cpu().tolist() == [2.0, 2.0]
