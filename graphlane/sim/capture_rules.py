@@ -44,8 +44,8 @@ def check_host_copy(stream: Stream, label: str, non_blocking: bool, host: torch.
     cap: Any = stream.capturing
     if cap is not None and cap.open_group is not None:
         cap.refuse_in_group(label)
-    if not non_blocking or host.is_pinned():
-        return
+    if not non_blocking or getattr(host, "_sim_pinned", False) or host.is_pinned():
+        return  # (_sim_pinned: memory torch pins itself, the output of .to("cpu", non_blocking))
     origin = forbidding_capture()
     if origin is None:
         return

@@ -458,6 +458,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if dtype == x.dtype:
         return _to_host(x, non_blocking)
     out_cpu = torch.empty(x.shape, dtype=dtype)
+    out_cpu._sim_pinned = non_blocking  # type: ignore[attr-defined]  # as _to_host's
     _copy_(aten.copy_.default, (out_cpu, x, non_blocking), {})
     return out_cpu
 
@@ -470,6 +471,8 @@ def _to_host(x: NpuTensor, non_blocking: bool) -> torch.Tensor:
     """A copy of ``x`` in new host memory: queued on the current stream, waited for
     unless ``non_blocking``."""
     out = torch.empty(x.shape, dtype=x.dtype)
+    if non_blocking:  # torch's _to_copy pins the output of a non_blocking copy to the host
+        out._sim_pinned = True  # type: ignore[attr-defined]
     stream = current_stream(_index(x))
     _cross_copy(stream, out, x._data, non_blocking, "copy npu->host")
     return out

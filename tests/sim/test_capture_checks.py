@@ -203,3 +203,17 @@ def test_a_device_reset_ends_the_capture() -> None:
     x.copy_(torch.ones(2), non_blocking=True)  # no global capture is underway any more
     torch.npu.synchronize()
     assert x.cpu().tolist() == [1.0, 1.0]
+
+
+def test_to_cpu_non_blocking_in_a_global_capture_is_fine_torch_pins_its_output() -> None:
+    s, g = torch.npu.Stream(), torch.npu.NPUGraph()
+    x = torch.full((2,), 3.0).npu()
+    with torch.npu.graph(g, stream=s):
+        y = x * 2
+        host = y.to("cpu", non_blocking=True)
+        host64 = y.to("cpu", torch.float64, non_blocking=True)
+        with pytest.raises(SimUsageError, match="pageable"):
+            torch.zeros(2).copy_(y, non_blocking=True)  # the caller's pageable memory
+    g.replay()
+    torch.npu.synchronize()
+    assert host.tolist() == [6.0, 6.0] and host64.tolist() == [6.0, 6.0]
