@@ -13,7 +13,7 @@ refused inside a task group (they are not Cube/Vector-core kernels).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +25,28 @@ if TYPE_CHECKING:
 
 #: The capture streams' states of the captures underway (kept by graphs.py).
 LIVE: list[CaptureState] = []
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in CAPTURE_ERROR_MODES:  # torch_npu's _NPUGraph.capture_begin (Graph.cpp)
+        raise SimUsageError(
+            "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, "
+            f"got {mode}"
+        )
+
+
+def refuse_in_group(cap: CaptureState, what: str) -> None:
+    """CANN packs only Cube/Vector-core kernels into a task group (EE1006)."""
+    group = cap.open_group
+    assert group is not None
+    raise SimUsageError(
+        f"{what} on {cap.stream.name} inside task group {group.index} of {cap.graph.name}: "
+        "adding the task to the task group failed. Only tasks running on Cube Core or Vector "
+        "Core can be added to a task group (CANN EE1006): event records and waits and "
+        "host-device copies go before graph_task_group_begin or after graph_task_group_end"
+    )
 
 
 def forbidding_capture() -> CaptureState | None:
@@ -41,9 +63,9 @@ def forbidding_capture() -> CaptureState | None:
 
 def check_host_copy(stream: Stream, label: str, non_blocking: bool, host: torch.Tensor) -> None:
     """A copy between the device and host memory ``host``, issued on ``stream``."""
-    cap: Any = stream.capturing
+    cap = stream.capturing
     if cap is not None and cap.open_group is not None:
-        cap.refuse_in_group(label)
+        refuse_in_group(cap, label)
     if not non_blocking or getattr(host, "_sim_pinned", False) or host.is_pinned():
         return  # (_sim_pinned: memory torch pins itself, the output of .to("cpu", non_blocking))
     origin = forbidding_capture()

@@ -200,9 +200,6 @@ class ReplayWork:
 
 
 # =================================================================== capture/update state
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-
 class CaptureState:
     """One stream's part in a capture: the capture stream's (``origin`` is itself) or a
     side stream's that joined it (:mod:`.forkjoin`); ``nodes`` is its branch."""
@@ -227,23 +224,11 @@ class CaptureState:
     def add_node(self, node: Any) -> None:
         group = self.open_group
         if group is not None and not isinstance(node, TaskNode):
-            self.refuse_in_group(node.label)
+            capture_rules.refuse_in_group(self, node.label)
         self.nodes.append(node)
         if group is not None:
             node.group = group
             node.call.tensor_keys()  # what a patch is checked against: capture-time keys
-
-    def refuse_in_group(self, what: str) -> None:
-        """CANN packs only Cube/Vector-core kernels into a task group (EE1006)."""
-        group = self.open_group
-        assert group is not None
-        raise SimUsageError(
-            f"{what} on {self.stream.name} inside task group {group.index} of "
-            f"{self.graph.name}: adding the task to the task group failed. Only tasks running "
-            "on Cube Core or Vector Core can be added to a task group (CANN EE1006): event "
-            "records and waits and host-device copies go before graph_task_group_begin or "
-            "after graph_task_group_end"
-        )
 
 
 class UpdateState:
@@ -310,11 +295,7 @@ class NPUGraph:
         return f"<graphlane sim {self.name}>"
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        if capture_error_mode not in CAPTURE_ERROR_MODES:  # torch_npu's Graph.cpp binding
-            raise SimUsageError(
-                "Unknown capture error mode. Expected `global`, `thread_local`, or `relaxed`, "
-                f"got {capture_error_mode}"
-            )
+        capture_rules.check_mode(capture_error_mode)
         s = current_stream()
         with RUNTIME.cond:
             if s.is_default:
