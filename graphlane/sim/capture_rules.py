@@ -12,6 +12,7 @@ refused inside a task group (they are not Cube/Vector-core kernels).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,8 @@ def forbidding_capture() -> CaptureState | None:
     """The capture underway whose mode forbids an unsafe call from this thread."""
     for origin in list(LIVE):
         if origin.stream.capturing is not origin:  # ended by a device reset
-            LIVE.remove(origin)
+            with contextlib.suppress(ValueError):  # (another thread may remove it too)
+                LIVE.remove(origin)
         elif origin.mode == "global" or (
             origin.mode == "thread_local" and origin.thread == threading.get_ident()
         ):

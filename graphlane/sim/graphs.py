@@ -16,6 +16,7 @@ HazardError naming the graph, the group and both operations.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -330,7 +331,7 @@ class NPUGraph:
                 )
             open_group = next((c.open_group for c in [cap, *cap.members] if c.open_group), None)
             self.capturing = s.capturing = None
-            if cap in capture_rules.LIVE:
+            with contextlib.suppress(ValueError):  # (pruned already after a device reset)
                 capture_rules.LIVE.remove(cap)
             unjoined = forkjoin.end_capture_locked(cap)
             if open_group is not None:
