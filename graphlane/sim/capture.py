@@ -48,7 +48,13 @@ class graph:
         if self.npu_graph.auto_dispatch_capture:
             self._mode = GraphDispatchMode(self.npu_graph)
             self._mode.__enter__()
-        self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
+        try:
+            self.npu_graph.capture_begin(self.pool, capture_error_mode=self.capture_error_mode)
+        except BaseException:  # no capture began: leave the stream and mode as they were
+            if self._mode is not None:
+                self._mode.__exit__(None, None, None)
+            self._stream_ctx.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: Any) -> None:
         try:

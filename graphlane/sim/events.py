@@ -72,10 +72,11 @@ class ExternalEvent:
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            self._host_waits = 0
             if s.capturing is not None:
                 s.capturing.add_node(ExtRecordWork(self))
+                self._host_waits = 0
                 return
+            self._host_waits = 0
             self.add_pending_locked(s)
             self.records_issued += 1
             s.issue_locked(ExtRecordWork(self))
@@ -84,28 +85,27 @@ class ExternalEvent:
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            if self._host_waits:
+            if self._host_waits:  # torch_npu's is_waited_, cleared only by record()
                 raise SimUsageError(
-                    f"{self.display}.wait() called twice without a record() between: an "
+                    "External event: A single record operation cannot be associated with "
+                    f"multiple wait operations. ({self.display}.wait() called again without a "
+                    "record() between, counting waits captured in graphs since reset: an "
                     "ExternalEvent is a binary flag that each wait consumes, so the second "
-                    "wait could never be released"
+                    "wait could never be released)"
                 )
-            self._host_waits += 1
             if s.capturing is not None:
                 graph = s.capturing.graph
-                self.waited_in = f"{graph.name} (before task group {len(graph.groups)})"
                 s.capturing.add_node(ExtWaitWork(self))
+                self._host_waits += 1
+                self.waited_in = f"{graph.name} (before task group {len(graph.groups)})"
                 return
+            self._host_waits += 1
             self.wait_issued_locked(f"on {s.name}")
             s.issue_locked(ExtWaitWork(self))
 
     def reset(self, stream: Stream | None = None) -> None:
         """Accepted and harmless: current CANN clears the flag in the consuming wait."""
         _stream_of(stream)
-
-    def forget_capture_locked(self) -> None:
-        """The graph that held this event's wait was reset: a new capture may wait again."""
-        self._host_waits = 0
 
     def wait_issued_locked(self, where: str) -> None:
         """A wait on this event is issued now. In ENPU mode, report it when no record

@@ -16,14 +16,16 @@ HazardError naming the graph, the group and both operations.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import capture_rules, forkjoin
 from .errors import HazardError, SimUsageError
-from .events import ExtWaitWork
 from .opcall import OpCall
 from .runtime import RUNTIME, Clock, clock_leq
 from .streams import Stream, current_stream
@@ -92,6 +94,7 @@ class TaskGroup:
     reads: dict[int, Access] = field(default_factory=dict)  # per stream actor
     patches: dict[int, Access] = field(default_factory=dict)  # per stream actor
     _tasks: list[TaskNode] | None = field(default=None, repr=False)
+    lane: list[Any] | None = field(default=None, repr=False)  # its branch's nodes
 
     @property
     def name(self) -> str:
@@ -102,7 +105,8 @@ class TaskGroup:
     def tasks(self) -> list[TaskNode]:
         tasks = self._tasks
         if tasks is None:
-            tasks = [n for n in self.graph.nodes[self.start : self.end] if isinstance(n, TaskNode)]
+            nodes = self.graph.nodes if self.lane is None else self.lane
+            tasks = [n for n in nodes[self.start : self.end] if isinstance(n, TaskNode)]
             if self.end >= 0:  # a closed group's tasks are fixed until the graph is reset
                 self._tasks = tasks
         return tasks
@@ -183,11 +187,13 @@ class Launch:
 
 
 class ReplayWork:
-    def __init__(self, graph: NPUGraph, launch: Launch) -> None:
+    def __init__(
+        self, graph: NPUGraph, launch: Launch, nodes: list[Any] | None = None, where: str = ""
+    ) -> None:
         self.graph = graph
         self.launch = launch
-        self.nodes = list(graph.nodes)
-        self.label = f"replay #{launch.number} of {graph.name}"
+        self.nodes = list(graph.nodes if nodes is None else nodes)
+        self.label = f"replay #{launch.number} of {graph.name}{where}"
 
     def run(self, ex: Stream) -> None:
         for node in self.nodes:
@@ -196,15 +202,33 @@ class ReplayWork:
 
 # =================================================================== capture/update state
 class CaptureState:
-    def __init__(self, graph: NPUGraph, stream: Stream) -> None:
+    """One stream's part in a capture: the capture stream's (``origin`` is itself) or a
+    side stream's that joined it (:mod:`.forkjoin`); ``nodes`` is its branch."""
+
+    def __init__(
+        self,
+        graph: NPUGraph,
+        stream: Stream,
+        mode: str = "global",
+        origin: CaptureState | None = None,
+        nodes: list[Any] | None = None,
+    ) -> None:
         self.graph = graph
         self.stream = stream
+        self.mode = mode  # capture_error_mode
+        self.thread = threading.get_ident()  # the thread that began the capture
+        self.origin = self if origin is None else origin
+        self.nodes: list[Any] = graph.nodes if nodes is None else nodes
+        self.members: list[CaptureState] = []  # the side streams that joined (origin only)
         self.open_group: TaskGroup | None = None
 
     def add_node(self, node: Any) -> None:
-        self.graph.nodes.append(node)
-        if isinstance(node, TaskNode) and self.open_group is not None:
-            node.group = self.open_group
+        group = self.open_group
+        if group is not None and not isinstance(node, TaskNode):
+            capture_rules.refuse_in_group(self, node.label)
+        self.nodes.append(node)
+        if group is not None:
+            node.group = group
             node.call.tensor_keys()  # what a patch is checked against: capture-time keys
 
 
@@ -264,11 +288,15 @@ class NPUGraph:
         self.auto_dispatch_capture = False
         self.graph_dispatch_mode = GraphDispatchState(self)
         self._pool = (id(self), 0)
+        self.capturing: CaptureState | None = None  # the capture stream's, during capture
+        self.branches: list[forkjoin.Branch] = []  # side-stream work (fork/join capture)
+        self.branch_streams: list[forkjoin.BranchStream] = []  # what branches replay on
 
     def __repr__(self) -> str:
         return f"<graphlane sim {self.name}>"
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        capture_rules.check_mode(capture_error_mode)
         s = current_stream()
         with RUNTIME.cond:
             if s.is_default:
@@ -284,22 +312,39 @@ class NPUGraph:
                 raise SimUsageError(f"{self.name} was captured already; reset() it first")
             self.nodes = []
             self.groups = []
+            self.branches = []
             self.capture_stream = s
-            s.capturing = CaptureState(self, s)
+            s.capturing = self.capturing = CaptureState(self, s, capture_error_mode)
+            capture_rules.LIVE.append(s.capturing)
 
     def capture_end(self) -> None:
         s = self.capture_stream
         with RUNTIME.cond:
-            if s is None or s.capturing is None or s.capturing.graph is not self:
+            cap = self.capturing
+            if s is None or cap is None or s.capturing is not cap:  # (a device reset ends it)
+                self.capturing = None
                 raise SimUsageError(f"capture_end on {self.name}, which is not capturing")
-            open_group = s.capturing.open_group
-            s.capturing = None
+            if current_stream() is not s:  # torch_npu's NPUGraph::capture_end
+                raise SimUsageError(
+                    "Capture must end on the same stream it began on. (capture_end of "
+                    f"{self.name} on {current_stream().name}; it began on {s.name})"
+                )
+            open_group = next((c.open_group for c in [cap, *cap.members] if c.open_group), None)
+            self.capturing = s.capturing = None
+            with contextlib.suppress(ValueError):  # (pruned already after a device reset)
+                capture_rules.LIVE.remove(cap)
+            unjoined = forkjoin.end_capture_locked(cap)
             if open_group is not None:
                 raise SimUsageError(
                     f"capture of {self.name} ended inside task group {open_group.index}: "
                     "call graph_task_group_end first"
                 )
+            if unjoined:
+                self.nodes, self.groups, self.branches = [], [], []
+                raise SimUsageError(unjoined)
             self.captured = True
+        if self.branches:
+            forkjoin.give_streams(self, s.device_index)
 
     def replay(self) -> None:
         s = current_stream()
@@ -312,16 +357,20 @@ class NPUGraph:
             launch = Launch(self, self.replays)
             for node in self.nodes:
                 node.launch_locked(launch, s)
+            for branch in self.branches:
+                branch.launch_locked(launch)
             s.issue_locked(ReplayWork(self, launch))
             RUNTIME.provider_added_locked(s)
+            for branch in self.branches:  # side-stream work, ordered by its captured events
+                branch.issue_locked(ReplayWork(self, launch, branch.nodes, branch.where))
 
     def reset(self) -> None:
+        """Delete the captured graph. An ExternalEvent a captured wait consumed keeps its
+        waited flag (torch_npu clears it only in ``record``)."""
         with RUNTIME.cond:
-            for node in self.nodes:
-                if isinstance(node, ExtWaitWork):
-                    node.event.forget_capture_locked()
             self.nodes = []
             self.groups = []
+            self.branches = []
             self.captured = False
             self.generation += 1
             self.graph_dispatch_mode.graph_dispatch_records = []
@@ -343,10 +392,12 @@ class NPUGraph:
 
     def debug_dump(self, debug_path: str) -> None:
         with open(debug_path, "w") as f:
-            for i, node in enumerate(self.nodes):
-                group = getattr(node, "group", None)
-                tag = f"  [group {group.index}]" if group is not None else ""
-                f.write(f"{i}: {node.label}{tag}\n")
+            lanes = [("", self.nodes)] + [(f"branch {b.index} ", b.nodes) for b in self.branches]
+            for prefix, nodes in lanes:
+                for i, node in enumerate(nodes):
+                    group = getattr(node, "group", None)
+                    tag = f"  [group {group.index}]" if group is not None else ""
+                    f.write(f"{prefix}{i}: {node.label}{tag}\n")
 
 
 # =================================================================== task groups
@@ -366,7 +417,7 @@ def graph_task_group_begin(stream: Stream) -> None:
                 "is still open (task groups cannot nest)"
             )
         graph = cap.graph
-        cap.open_group = TaskGroup(graph, len(graph.groups), len(graph.nodes))
+        cap.open_group = TaskGroup(graph, len(graph.groups), len(cap.nodes), lane=cap.nodes)
 
 
 def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
@@ -380,7 +431,7 @@ def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
                 f"that stream{hint}: begin and end must use the same capturing stream"
             )
         group = cap.open_group
-        group.end = len(cap.graph.nodes)
+        group.end = len(cap.nodes)
         cap.open_group = None
         if not group.tasks:
             raise SimUsageError(f"task group {group.index} of {cap.graph.name} holds no op")

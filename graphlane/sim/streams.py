@@ -78,20 +78,32 @@ class OpWork:
         self.fn()
 
 
-class Stream:
+_PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # type: ignore[call-overload]
+_by_id: dict[tuple[int, int], Stream] = {}  # (device index, stream id) -> stream
+
+
+class Stream(torch.Stream):
     """An in-order device queue with its own executor thread.
 
-    Same constructor as ``torch_npu.npu.Stream(device=None, priority=0)``.
+    Same constructor as ``torch_npu.npu.Stream(device=None, priority=0)``; a
+    ``torch.Stream`` (as torch_npu's is), so torch takes it wherever it takes a
+    stream (``Tensor.record_stream``); equality and hash are torch.Stream's (in C:
+    streams key hot dicts and sets), by device and stream id.
     """
 
     _count = 0
 
+    def __new__(cls, device: Any = None, priority: int = 0, *, _default: bool = False) -> Stream:
+        idx = device_index(device)
+        if not _default:
+            Stream._count += 1
+        sid = 0 if _default else Stream._count
+        return super().__new__(cls, stream_id=sid, device_index=idx, device_type=_PRIVATEUSE1)
+
     def __init__(self, device: Any = None, priority: int = 0, *, _default: bool = False) -> None:
-        self.device_index = device_index(device)
         self.priority = priority
         self.is_default = _default
-        Stream._count += 1
-        self.stream_id = 0 if _default else Stream._count
+        _by_id[(self.device_index, self.stream_id)] = self
         self.actor = new_actor_id()
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
@@ -115,17 +127,25 @@ class Stream:
         return f"{kind} of npu:{self.device_index}"
 
     @property
-    def device(self) -> Any:
-        return torch.device("npu", self.device_index)
-
-    @property
     def npu_stream(self) -> int:
         return id(self)
 
+    native_handle = npu_stream  # the aclrtStream of torch.Stream.native_handle
+
+    def is_capturing(self) -> bool:
+        return self.capturing is not None
+
+    def __enter__(self) -> Stream:  # ``with s:`` as torch.Stream: ``torch.npu.stream(s)``
+        scope = _StreamScope(self)
+        scope.__enter__()
+        _current.scopes.append(scope)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _current.scopes.pop().__exit__()
+
     def __repr__(self) -> str:
         return f"<graphlane sim Stream {self.name}>"
-
-    # Equality and hash are identity (object's, in C: streams key hot dicts and sets).
 
     # ------------------------------------------------------------ issue
     def issue(self, work: Work) -> None:
@@ -257,7 +277,7 @@ class Stream:
     def wait_event(self, event: Any) -> None:
         event.wait(self)
 
-    def wait_stream(self, stream: Stream) -> None:
+    def wait_stream(self, stream: Any) -> None:
         self.wait_event(stream.record_event())
 
     def record_event(self, event: Any = None) -> Any:
@@ -294,6 +314,7 @@ class Stream:
 class _Current(threading.local):
     def __init__(self) -> None:
         self.streams: dict[int, Stream] = {}
+        self.scopes: list[_StreamScope] = []  # ``with stream:`` blocks
 
 
 _current = _Current()
@@ -316,7 +337,22 @@ def current_stream(device: Any = None) -> Stream:
     return s if s is not None else default_stream(idx)
 
 
+def as_stream(s: Any) -> Stream:
+    """The sim stream ``s`` is: a sim Stream, or a ``torch.Stream`` of an npu stream."""
+    if isinstance(s, Stream):
+        return s
+    if isinstance(s, torch.Stream) and s.device.type == "npu":
+        if s.stream_id == 0:
+            return default_stream(s.device_index)
+        found = _by_id.get((s.device_index, s.stream_id))
+        if found is not None:
+            return found
+    raise TypeError(f"expected an npu stream (torch.npu.Stream), got {s!r}")
+
+
 def set_stream(stream: Stream) -> None:
+    if type(stream) is not Stream:
+        stream = as_stream(stream)
     _current.streams[stream.device_index] = stream
     set_current_device(stream.device_index)
 
@@ -327,7 +363,7 @@ class _StreamScope:
     __slots__ = ("prev", "prev_device", "s")
 
     def __init__(self, s: Stream | None) -> None:
-        self.s = s
+        self.s = s if s is None or type(s) is Stream else as_stream(s)
 
     def __enter__(self) -> Stream | None:
         s = self.s
@@ -361,6 +397,9 @@ def _stream_of(stream: Stream | None) -> Stream:
 class Event:
     """``torch_npu.npu.Event(enable_timing=False, blocking=False, interprocess=False)``."""
 
+    #: A wait that involves a capture (set by :mod:`.forkjoin`, which imports this module).
+    capture_wait: Callable[[Event, Stream], bool]
+
     def __init__(
         self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
     ) -> None:
@@ -372,6 +411,7 @@ class Event:
         self._providers: dict[int, Stream] = {}
         self._times: dict[int, float] = {}
         self._captured_in: Any = None  # graph whose capture holds the latest record
+        self._captured_at: Any = None  # (capture state, node) of that record
 
     def __repr__(self) -> str:
         return f"<graphlane sim {self.name}>"
@@ -384,9 +424,11 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            if s.capturing is not None:
-                self._captured_in = s.capturing.graph
-                s.capturing.add_node(EventRecordWork(self, None))
+            cap = s.capturing
+            if cap is not None:
+                node = EventRecordWork(self, None)
+                cap.add_node(node)
+                self._captured_in, self._captured_at = cap.graph, (cap, node)
                 return
             self._captured_in = None
             seq = self.issue_record_locked(s)
@@ -400,14 +442,10 @@ class Event:
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            if s.capturing is not None:
-                if self._captured_in is not s.capturing.graph:
-                    raise SimUsageError(
-                        f"{self.name}.wait() on {s.name} while it captures: the event was not "
-                        "recorded in the same capture (capture isolation; record it on the "
-                        "capturing stream first)"
-                    )
-                # Same stream, same capture: already ordered by the stream.
+            graph = self._captured_in
+            if (
+                s.capturing is not None or (graph is not None and graph.capturing is not None)
+            ) and Event.capture_wait(self, s):  # in a capture, or a fork (forkjoin.py)
                 return
             seq = self._issued
             if seq == 0:

@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
+from . import capture_rules
 from .errors import SimUsageError
 from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
 from .streams import OpWork, Stream, current_stream
+from .streamuse import record_stream
 
 aten = torch.ops.aten
 
@@ -408,17 +410,23 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         staged = src
         if non_blocking and stream.capturing is None:
             staged = src.clone()  # pageable host memory is staged at issue time
-        _cross_copy(stream, dst._data, staged, non_blocking, "copy host->npu")
+        _cross_copy(stream, dst._data, staged, non_blocking, _H2D)
         return dst
     stream = current_stream(_index(src))  # device to host
     _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host")
     return dst
 
 
+_H2D = "copy host->npu"
+
+
 def _cross_copy(
     stream: Stream, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, label: str
 ) -> None:
     """A copy between host and device memory: queued, captured, and waited for if blocking."""
+    if stream.capturing is not None or capture_rules.LIVE:
+        host = src if label == _H2D else dst
+        capture_rules.check_host_copy(stream, label, non_blocking, host)
     if not non_blocking and stream.capturing is not None:
         raise SimUsageError(
             f"a blocking {label} on {stream.name} while it captures "
@@ -450,6 +458,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if dtype == x.dtype:
         return _to_host(x, non_blocking)
     out_cpu = torch.empty(x.shape, dtype=dtype)
+    out_cpu._sim_pinned = non_blocking  # type: ignore[attr-defined]  # as _to_host's
     _copy_(aten.copy_.default, (out_cpu, x, non_blocking), {})
     return out_cpu
 
@@ -462,6 +471,8 @@ def _to_host(x: NpuTensor, non_blocking: bool) -> torch.Tensor:
     """A copy of ``x`` in new host memory: queued on the current stream, waited for
     unless ``non_blocking``."""
     out = torch.empty(x.shape, dtype=x.dtype)
+    if non_blocking:  # torch's _to_copy pins the output of a non_blocking copy to the host
+        out._sim_pinned = True  # type: ignore[attr-defined]
     stream = current_stream(_index(x))
     _cross_copy(stream, out, x._data, non_blocking, "copy npu->host")
     return out
@@ -475,10 +486,6 @@ def _resize_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "simulator; allocate the output with the right shape"
         )
     return t
-
-
-def _noop(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return None
 
 
 def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -502,7 +509,7 @@ _SPECIAL: dict[Any, Any] = {
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
     aten.resize_.default: _resize_,
-    aten.record_stream.default: _noop,
+    aten.record_stream.default: record_stream,
     aten.empty_like.default: _allocate,
     aten.new_empty.default: _allocate,
     aten.new_empty_strided.default: _allocate,
