@@ -10,7 +10,8 @@ That is most of the host cost of a task-group patch.
 :func:`call` issues the call itself when it is plain: keyword arguments only, each
 of the plain Python type its schema asks for (an npu tensor for a Tensor, an
 ``int`` for an int, a list of ``int`` for an int[] ...), for an op of the sim that
-returns nothing and has an issue-time check (``HOST_CHECKS``). It walks only the
+returns nothing, or only the ``out`` tensors it writes (then it returns None: the
+caller has them), and has an issue-time check (``HOST_CHECKS``). It walks only the
 arguments given, binds them as the dispatcher would (schema order, keyword-only
 ones as keywords, defaults filled in), runs the op's issue-time check and routes
 the call as :func:`.tensor.issue` does. Anything else (positional arguments, another
@@ -67,7 +68,13 @@ class _Binding:
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.check = HOST_CHECKS.get(func)
-        self.ok = self.check is not None and not schema.returns
+        # An op that returns nothing, or only what it wrote into its ``out`` argument
+        # (an ``.out`` overload: the caller holds those tensors already).
+        writes_out = any(
+            a.name == "out" and a.alias_info is not None and a.alias_info.is_write
+            for a in schema.arguments
+        )
+        self.ok = self.check is not None and (not schema.returns or writes_out)
         check = self.check
         self.varying = check.varying if isinstance(check, RememberedCheck) else frozenset()
         self.slots: dict[str, tuple[int, int, bool, type | None]] = {}  # name -> slot, kind

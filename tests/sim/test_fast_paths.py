@@ -161,6 +161,29 @@ def test_fused_binding_goes_through_an_active_dispatch_mode() -> None:
     assert torch.equal(layer.run(), layer.expected([2, 3]))
 
 
+def test_a_plain_fused_call_does_not_take_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path is taken: no call reaches the npu tensor's __torch_dispatch__ (it
+    once stopped applying when the op's schema came to return its out tensors, and
+    every patch silently took the dispatcher's path); a call it does not cover does."""
+    from graphlane.sim.tensor import NpuTensor
+
+    seen: list[Any] = []
+    through = NpuTensor.__torch_dispatch__.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        seen.append(func)
+        return through(cls, func, types, args, kwargs)
+
+    layer = Layer()
+    monkeypatch.setattr(NpuTensor, "__torch_dispatch__", classmethod(spy))
+    fused(layer.u, layer.handle, layer.ev, **layer.args([2, 3]))
+    assert fia.out not in seen
+    assert torch.equal(layer.run(), layer.expected([2, 3]))
+    fused(layer.u, layer.handle, layer.ev, **layer.args([4, 1], scale=1))  # an int: not plain
+    assert fia.out in seen
+    layer.run()
+
+
 def test_patch_keys_of_a_list_the_caller_mutates_afterwards_are_those_of_issue() -> None:
     layer = Layer()
     lengths = [6, 7]
