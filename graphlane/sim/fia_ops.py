@@ -50,11 +50,17 @@ class Signature:
 
 
 def _key_part(v: Any) -> Any:
+    t = type(v)
+    if t is int or t is str or t is float or t is bool:
+        return v
     if isinstance(v, torch.Tensor):
         return ("T", tuple(v.shape), v.dtype, v.device.type)
-    if isinstance(v, (list, tuple)):
-        return tuple(_key_part(e) for e in v)
+    if t is list or t is tuple:
+        return tuple([_key_part(e) for e in v])
     return v
+
+
+_UNKEYED = frozenset(("out", "workspace"))  # checked against the plan, not part of it
 
 
 Names = Mapping[str, str] | None
@@ -74,7 +80,11 @@ def usage_error(op_name: str, exc: AttentionArgumentError, names: Names) -> SimU
 def planned(op_name: str, a: dict[str, Any], names: Names = None) -> Plan:
     """The validated plan of a (v1-named) call, from the cache when seen before;
     errors name the arguments through ``names`` (see :func:`usage_error`)."""
-    key: Any = tuple((k, _key_part(v)) for k, v in a.items() if k not in ("out", "workspace"))
+    # None arguments are left out of the key: every call binds the same names, so the
+    # names that are there say which were None.
+    key: Any = tuple(
+        [(k, _key_part(v)) for k, v in a.items() if v is not None and k not in _UNKEYED]
+    )
     try:
         hit = _PLANS.get(key)
     except TypeError:
