@@ -30,7 +30,9 @@ def _blocks(text: str, lang: str) -> list[str]:
 def test_the_paged_walk_through_runs_as_written(start_daemon: Any) -> None:
     section = _section()
     (table,) = tomllib.loads(_blocks(section, "toml")[0])["programs"]
-    d: RunningDaemon = start_daemon(devices=1, programs=[table])
+    assert table["buckets"] == [1, 2, 4, 8]
+    # The script's steps are of batch 2: capturing the other buckets would only cost time.
+    d: RunningDaemon = start_daemon(devices=1, programs=[{**table, "buckets": [2]}])
     (script,) = _blocks(section, "python")
     assert "tcp://127.0.0.1:7450" in script
     out = io.StringIO()
