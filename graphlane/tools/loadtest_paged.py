@@ -36,7 +36,8 @@ The report (``report.json`` in ``report_dir``): ``tokens_per_s``, ``steps``,
 ``steps_per_s``, ``occupancy`` (mean batch / bucket), ``mean_batch``,
 ``request_bytes`` per step (the encoded request, measured: mean, min, max),
 ``verified`` / ``verify_failures`` / ``verify_max_abs_error``, ``sequences``
-(arrived, admitted, finished, cut, reprefilled), ``blocks_reused``, ``state_lost``,
+(arrived, admitted, finished, cut, never_admitted: still queued at the end,
+reprefilled), ``blocks_reused``, ``state_lost``,
 ``errors`` by code, ``latency_ms`` and a ``verdict`` (exit code 1 on any wrong
 number, a non-retryable error, or no step at all).
 """
@@ -407,6 +408,7 @@ class PagedRun:
                 "finished": c.finished,
                 "reprefilled": c.reprefilled,
                 "cut": c.cut,
+                "never_admitted": sum(len(lp.waiting) for lp in self.loops.values()),
             },
             "blocks_reused": sum(lp.sched.allocator.reused for lp in self.loops.values()),
             "state_lost": c.state_lost,
@@ -465,9 +467,12 @@ def print_paged_summary(report: dict[str, Any], console: Any = None) -> None:
     lat = report["latency_ms"]
     t.add_row("program / devices", f"{cfg['program']} on {cfg['devices'] or 'all'}")
     t.add_row("elapsed", f"{report['elapsed_s']:.2f} s (sending for {report['sending_s']:.2f} s)")
-    t.add_row("sequences", f"{seqs['arrived']} arrived, {seqs['admitted']} admitted, "
-              f"{seqs['finished']} finished, {seqs['cut']} cut at the end, "
-              f"{seqs['reprefilled']} prefilled again")  # fmt: skip
+    t.add_row(
+        "sequences",
+        f"{seqs['arrived']} arrived, {seqs['admitted']} admitted, {seqs['finished']} finished, "
+        f"{seqs['cut']} cut at the end, {seqs['never_admitted']} still queued, "
+        f"{seqs['reprefilled']} prefilled again",
+    )
     t.add_row("steps", f"{report['steps']} ({report['steps_per_s']:.1f}/s)")
     t.add_row("tokens", f"{report['tokens']} ({report['tokens_per_s']:.1f}/s)")
     t.add_row("batch occupancy", f"{report['occupancy']:.2f} (mean batch {report['mean_batch']})")
