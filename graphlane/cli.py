@@ -163,14 +163,21 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo",
         help="start a daemon on simulated NPUs, load-test it with verification, stop it",
-        description="Start the daemon on simulated NPUs, run a short closed-loop load test "
-        "against every device with a share of the outputs checked against eager attention, "
-        "print the summary and where the HTML report is, stop the daemon and exit.",
+        description="Start the daemon on simulated NPUs serving attention and "
+        "paged_attention, and drive every device for half the duration each: a closed-loop "
+        "attention load test with a share of the outputs checked against eager attention, "
+        "then a scheduler's paged decode loop (sequences prefilled with kv_write, "
+        "continuously batched decode steps, blocks reused) with a share of the steps checked "
+        "against SDPA over the demo's own copy of the KV. Print the summaries and where the "
+        "reports are, stop the daemon and exit: 0 when every checked number was right, 1 "
+        "otherwise.",
     )
     d.add_argument("--devices", type=int, default=2, help="simulated devices (default 2)")
     d.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")
     d.add_argument("--concurrency", type=int, default=8, help="calls in flight (default 8)")
-    d.add_argument("--verify", type=float, default=0.25, help="share of outputs checked (0.25)")
+    d.add_argument(
+        "--verify", type=float, default=0.25, help="share of outputs and steps checked (0.25)"
+    )
     d.add_argument("--report", metavar="DIR", help="report directory (default reports/demo-TIME)")
     d.add_argument(
         "--deadline",

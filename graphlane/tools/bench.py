@@ -6,7 +6,10 @@
 - control plane: a raw pyzmq+msgpack round trip between two processes against
   the daemon, in the same run: sequential round trips, windowed throughput, and
   large-tensor bandwidth (:mod:`.bench_control`);
-- scaling: windowed steps/s over 1, 2 and 4 simulated devices (:mod:`.bench_control`).
+- scaling: windowed steps/s over 1, 2 and 4 simulated devices (:mod:`.bench_control`);
+- paged decode: request bytes per step at three context lengths, and pipelined paged
+  decode through a daemon on the timed sim vs the limit and vs serial
+  (:mod:`.bench_paged`).
 
 The reliability figures (:mod:`.bench_reliability`) are a run of their own:
 ``benchmarks/reliability.py``.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bench_control
+from . import bench_control, bench_paged
 from . import bench_pipeline as pipeline_bench
 from .bench_goals import format_goals, progress
 
@@ -31,8 +34,14 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         bw = bench_control.bandwidth(10 if quick else 30)
     with progress("scaling over 1, 2 and 4 simulated devices"):
         sc = bench_control.scaling(steps=100 if quick else 200)
+    with progress("paged decode: request bytes, then pipelined vs serial daemons"):
+        paged = {
+            "request_bytes": bench_paged.request_bytes(),
+            "pipeline": bench_paged.pipeline(steps=steps, reps=2 if quick else 3),
+        }
     return {
         "pipeline": [r.as_dict() for r in pipe],
+        "paged": paged,
         "pipeline_table": pipeline_bench.table(pipe),
         "control_plane": cp,
         "bandwidth": bw,
@@ -83,4 +92,6 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(
             f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
         )
+    if "paged" in r:
+        lines += ["", *bench_paged.format_paged(r["paged"])]
     return "\n".join([*lines, "", *format_goals(r)])

@@ -198,8 +198,8 @@ class BenchDaemon:
                   for k, v in (settings or {}).items()]  # fmt: skip
         lines.append("[sim]")
         lines += [f"{k} = {v!r}".replace("'", '"') for k, v in sim.items()]
-        lines += ["[[programs]]", 'name = "attention"']
-        lines += [f"{k} = {v}" for k, v in program.items()]
+        lines += ["[[programs]]", f'name = "{program.get("name", "attention")}"']
+        lines += [f"{k} = {v}" for k, v in program.items() if k != "name"]
         cfg = Path(self.tmp.name, "bench.toml")
         cfg.write_text("\n".join(lines) + "\n")
         ready = Path(self.tmp.name, "ready")

@@ -1,12 +1,20 @@
 """``graphlane demo``: the daemon on simulated NPUs, driven as a scheduler would.
 
-Starts ``graphlane serve`` as a child process on a private ipc endpoint, waits
-until its workers are ready, runs a closed-loop load test against every device
-(random batch sizes and sequence lengths; a share of the steps carry their own
-query/key/value and their outputs are checked against eager attention),
-prints the summary and where the HTML report is, then stops the daemon with
-SIGTERM and exits: 0 when every verified output was right and the daemon
-stopped cleanly.
+Starts ``graphlane serve`` as a child process on a private ipc endpoint with two
+programs (:data:`DEMO_CONFIG`: ``attention`` and ``paged_attention``), waits until
+its workers are ready, and drives every device for half the duration each:
+
+1. a closed-loop load test of ``attention`` (random batch sizes and sequence
+   lengths; a share of the steps carry their own query/key/value and their
+   outputs are checked against eager attention);
+2. the paged decode workload of ``paged_attention`` (:mod:`.loadtest_paged`):
+   sequences prefilled through ``kv_write``, continuously batched decode steps,
+   blocks reused, a share of the steps checked against
+   ``scaled_dot_product_attention`` over the demo's own copy of the KV.
+
+It prints both summaries and where the reports are, then stops the daemon with
+SIGTERM and exits: 0 when every verified output of both was right and the
+daemon stopped cleanly, 1 otherwise.
 
 The demo cannot hang and leaves nothing behind: the whole run has a deadline
 (``deadline_s``; when it passes, the demo says what it was waiting for, stops
@@ -33,8 +41,28 @@ from graphlane.client import Client
 
 from .loadtest import LoadConfig, run_load
 from .loadtest_cli import print_summary
+from .loadtest_paged import PagedLoadConfig, print_paged_summary, run_paged
 
 _STOP_GRACE_S = 10.0  # from the daemon's SIGTERM to its SIGKILL
+
+#: The daemon's config (``listen`` and ``devices`` are added): the default ``attention``
+#: and a small ``paged_attention`` (16 blocks of 128 tokens per device, sequences of up
+#: to 512), so that sequences compete for blocks and blocks are reused.
+DEMO_CONFIG = """\
+[[programs]]
+name = "attention"
+[[programs]]
+name = "paged_attention"
+layers = 2
+num_heads = 8
+num_kv_heads = 2
+head_dim = 64
+block_size = 128
+num_blocks = 16
+max_blocks_per_seq = 4
+buckets = [1, 2, 4, 8]
+"""
+PAGED_SEQUENCES = 12  # live sequences of the paged workload, over all devices
 EXIT_DEADLINE = 3
 
 
@@ -173,35 +201,52 @@ def _run(
     report = Path(report_dir or f"reports/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     with tempfile.TemporaryDirectory(prefix="graphlane-demo-") as tmp:
         endpoint = f"ipc://{tmp}/daemon.sock"
-        serve_args = ["--listen", endpoint, "--devices", str(devices), "--log-level", "WARNING"]
-        cmd = [sys.executable, "-m", "graphlane", "serve", *serve_args]
+        config_path = Path(tmp, "demo.toml")
+        config_path.write_text(f'listen = "{endpoint}"\ndevices = {devices}\n' + DEMO_CONFIG)
+        cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(config_path),
+               "--log-level", "WARNING"]  # fmt: skip
         print(f"starting: graphlane serve --listen {endpoint} --devices {devices} (simulated NPUs)")
         daemon = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         watchdog.daemon = daemon
         code: int | None = None
         try:
             asyncio.run(_wait_ready(endpoint, daemon, phase))
+            half = duration_s / 2
             print(
-                f"load test: {duration_s:g} s, {concurrency} calls in flight, "
+                f"load test: attention for {half:g} s, {concurrency} calls in flight, "
                 f"{verify:.0%} of outputs verified against eager attention"
             )
             config = LoadConfig(
                 endpoint=endpoint,
-                duration_s=duration_s,
+                duration_s=half,
                 concurrency=concurrency,
                 verify=verify,
                 report_dir=str(report),
                 progress=sys.stderr.isatty(),
             )
-            phase("the load test to finish")
+            phase("the attention load test to finish")
             result = asyncio.run(run_load(config))
             print_summary(result)
             print(f"report: {report.resolve() / 'report.html'} (and report.json)")
+            print(
+                f"load test: paged_attention decode for {half:g} s, {PAGED_SEQUENCES} live "
+                f"sequences, {verify:.0%} of steps verified against SDPA over the demo's KV copy"
+            )
+            paged_config = PagedLoadConfig(
+                endpoint=endpoint,
+                duration_s=half,
+                concurrency=PAGED_SEQUENCES,
+                verify=verify,
+                report_dir=str(report / "paged"),
+            )
+            phase("the paged decode load test to finish")
+            paged = asyncio.run(run_paged(paged_config))
+            print_paged_summary(paged)
             phase("the daemon to stop")
             code = _stop(daemon)
             print(f"daemon stopped with exit code {code}")
         finally:
             if code is None:  # interrupted or failed: the daemon goes too
                 _stop(daemon)
-    verdict = int(result["verdict"]["exit_code"])
-    return 0 if verdict == 0 and code == 0 else 1
+    verdicts = (int(result["verdict"]["exit_code"]), int(paged["verdict"]["exit_code"]))
+    return 0 if verdicts == (0, 0) and code == 0 else 1

@@ -1,5 +1,8 @@
 """``graphlane loadtest``: drive a running daemon with attention steps and measure it.
 
+(A program with a paged KV cache, such as ``paged_attention``, gets a scheduler's
+decode workload instead: :mod:`.loadtest_paged`.)
+
 Two load models:
 
 * **closed loop** (``--concurrency C``): C callers, each sending its next step as

@@ -20,6 +20,13 @@ from graphlane.protocol.errors import GraphlaneError
 
 from .loadtest import LoadConfig, LoadTestError, Run, run_load
 from .loadtest_availability import MAX_UNAVAILABLE
+from .loadtest_paged import (
+    PagedLoadConfig,
+    PagedLoadError,
+    is_paged,
+    print_paged_summary,
+    run_paged,
+)
 from .loadtest_workload import SHAPE_KEYS
 
 
@@ -154,7 +161,21 @@ attention; the other steps send lengths and a query only.
 Errors are counted by code, never retried. After an error on a device, the
 closed loop holds that device back: a random pause in [d/2, d], d doubling per
 consecutive error from 10 ms up to 1 s, reset by a success; callers draw other
-devices meanwhile and wait only when every device is held."""
+devices meanwhile and wait only when every device is held.
+
+A program that keeps a paged KV cache on the device (its hello entry says so, e.g.
+--program paged_attention) gets a scheduler's decode workload instead, with its
+shapes from the daemon's hello: sequences arrive (--concurrency C: C live
+sequences, a new one when one ends; --rate R: R sequence arrivals/s), get blocks
+from a client-side allocator, have a random prompt (--prompt-lens) written into
+their slots with kv_write, and decode --decode-tokens tokens in continuously
+batched steps (one step in flight per device; arrivals join, finished sequences
+leave and their blocks are reused). A --verify share of the steps (default 0.2)
+is checked against scaled_dot_product_attention over the client's own copy of
+the KV. After a worker restart (STATE_LOST) the live sequences are written again;
+nothing computed on an emptied cache counts as verified. It reports tokens/s,
+batch occupancy (mean batch / bucket), request bytes per step, verified/wrong,
+and writes DIR/report.json."""
 
 _EPILOG = """\
 exit status:
@@ -211,7 +232,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="how long to send steps; calls in flight then get at most --timeout more",
     )
     p.add_argument(
-        "--program", default="attention", metavar="NAME", help="program to step (attention)"
+        "--program",
+        default="attention",
+        metavar="NAME",
+        help="program to step (default attention); a program with a paged KV cache "
+        "(e.g. paged_attention) runs the paged decode workload described above",
     )
     p.add_argument(
         "--devices",
@@ -228,10 +253,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--verify",
         type=_number("--verify"),
-        default=0.0,
+        default=None,
         metavar="FRACTION",
-        help="fraction of steps (0..1) sent with full inputs and checked against eager "
-        "attention computed here (default 0)",
+        help="fraction of steps (0..1) checked against eager attention computed here "
+        "(default 0; 0.2 for a paged program)",
+    )
+    p.add_argument(
+        "--prompt-lens",
+        type=_int_list("--prompt-lens"),
+        metavar="LO,HI",
+        help="paged program: prompt lengths drawn uniformly in LO..HI "
+        "(default 1..half the longest sequence)",
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=_int_list("--decode-tokens"),
+        default=(4, 32),
+        metavar="LO,HI",
+        help="paged program: tokens each sequence decodes, drawn uniformly in LO..HI "
+        "(default 4,32)",
     )
     p.add_argument(
         "--report",
@@ -299,7 +339,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         program=args.program,
         devices=args.devices,
         batch_sizes=args.batch_sizes,
-        verify=args.verify,
+        verify=args.verify or 0.0,
         report_dir=args.report,
         seed=args.seed,
         timeout_s=args.timeout,
@@ -375,8 +415,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
     try:
+        paged = asyncio.run(_paged_config(args, config))
+        if paged is not None:
+            report = asyncio.run(_run_interruptible(paged))
+            print_paged_summary(report)
+            return int(report["verdict"]["exit_code"])
         report = asyncio.run(_run_interruptible(config))
-    except (ValueError, LoadTestError, GraphlaneError) as exc:
+    except (ValueError, LoadTestError, PagedLoadError, GraphlaneError) as exc:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -386,7 +431,33 @@ def main(args: argparse.Namespace) -> int:
     return int(report["verdict"]["exit_code"])
 
 
-async def _run_interruptible(config: LoadConfig) -> dict[str, Any]:
+async def _paged_config(args: argparse.Namespace, config: LoadConfig) -> PagedLoadConfig | None:
+    """The paged workload's config when the daemon describes ``--program`` as paged."""
+    keys = {"server_key": config.server_key, "client_key": config.client_key}
+    if not await is_paged(config.endpoint, config.program, **keys):
+        return None
+    prompt = args.prompt_lens
+    for flag, pair in (("--prompt-lens", prompt), ("--decode-tokens", args.decode_tokens)):
+        if pair is not None and len(pair) != 2:
+            raise ValueError(f"{flag} takes two integers LO,HI")
+    return PagedLoadConfig(
+        endpoint=config.endpoint,
+        duration_s=config.duration_s,
+        concurrency=config.concurrency,
+        rate=config.rate,
+        program=config.program,
+        devices=config.devices,
+        verify=0.2 if args.verify is None else args.verify,
+        prompt_lens=(prompt[0], prompt[1]) if prompt else None,
+        decode_tokens=(args.decode_tokens[0], args.decode_tokens[1]),
+        seed=config.seed,
+        timeout_s=config.timeout_s,
+        report_dir=config.report_dir,
+        **keys,
+    )
+
+
+async def _run_interruptible(config: LoadConfig | PagedLoadConfig) -> dict[str, Any]:
     """run_load where the first Ctrl-C ends sending early (the report is still written)
     and a second one aborts."""
     stop = asyncio.Event()
@@ -401,8 +472,16 @@ async def _run_interruptible(config: LoadConfig) -> dict[str, Any]:
     try:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
-        return await run_load(config)
+        return await _run_either(config)
     try:
-        return await run_load(config, stop=stop)
+        return await _run_either(config, stop)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+
+
+async def _run_either(
+    config: LoadConfig | PagedLoadConfig, stop: asyncio.Event | None = None
+) -> dict[str, Any]:
+    if isinstance(config, PagedLoadConfig):
+        return await run_paged(config, stop=stop)
+    return await run_load(config, stop=stop)
