@@ -125,9 +125,14 @@ class Plan:
         """Scores and probabilities in float32 per head over the used lengths, plus a
         fixed system part: grows with the lengths, so a workspace sized for short
         lengths cannot hold longer ones."""
-        rows = sum(q * -(-kv // 128) * 128 for q, kv in zip(self.q_lens, self.kv_lens, strict=True))
-        total = _WORKSPACE_BASE + 2 * 4 * self.num_heads * rows
-        return -(-total // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+        return workspace_bytes(self.num_heads, self.q_lens, self.kv_lens)
+
+
+def workspace_bytes(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
+    """See :meth:`Plan.workspace_bytes`."""
+    rows = sum(q * -(-kv // 128) * 128 for q, kv in zip(q_lens, kv_lens, strict=True))
+    total = _WORKSPACE_BASE + 2 * 4 * num_heads * rows
+    return -(-total // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
 
 
 def out_shape(layout: str, b: int, n: int, s: int, dv: int, t: int) -> tuple[int, ...]:

@@ -124,6 +124,11 @@ def check_workspace(op_name: str, workspace: Any, needed: int, getter: str) -> N
         )
     have = workspace.numel()
     if have < needed:
+        refuse_short_workspace(op_name, have, needed, getter)
+
+
+def refuse_short_workspace(op_name: str, have: int, needed: int, getter: str) -> None:
+    if have < needed:
         raise SimUsageError(
             f"{op_name}: workspace holds {have} bytes but this call needs {needed} ({getter} "
             "for these shapes and lengths). A workspace sized at capture for shorter lengths "
@@ -201,6 +206,10 @@ class Kernels:
 
     def out_meta(self, *args: Any, **kwargs: Any) -> Outputs:
         p, a = self.planned(args, kwargs)
+        return self.check_out_call(p, a)
+
+    def check_out_call(self, p: Plan, a: dict[str, Any]) -> Outputs:
+        """The ``.out`` op's checks beyond the plan: workspace and outputs."""
         check_workspace(self.out_name, a.get("workspace"), p.workspace_bytes(),
                         self.workspace_getter)  # fmt: skip
         o, lse = check_out(self.out_name, a.get("out"), p, a["query"].dtype)

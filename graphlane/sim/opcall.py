@@ -57,12 +57,14 @@ class RememberedCheck:
         full: Callable[..., Any],
         rest: Callable[[Any, list[Any]], None],
         varying: tuple[str, ...],
-        positions: tuple[int, ...],
+        positions: tuple[int, ...] = (),
     ) -> None:
+        """``positions``: where the varying arguments are when passed positionally, in
+        the order of ``varying`` (none: they are keyword-only)."""
         self.full, self.rest = full, rest
         self.varying = frozenset(varying)
         self.names = varying
-        self._at = dict(zip(positions, range(len(varying)), strict=True))
+        self._at = dict(zip(positions, range(len(positions)), strict=True))
         self._passed: dict[Any, Any] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
@@ -94,7 +96,7 @@ class RememberedCheck:
         token = self._passed.get(key, _UNKNOWN) if key is not None else _UNKNOWN
         if token is _UNKNOWN:
             token = self.full(*args, **kwargs)
-            if key is not None:
+            if key is not None and token is not None:  # None: check this call in full
                 if len(self._passed) >= self.MAX:
                     self._passed.clear()
                 self._passed[key] = token
