@@ -11,13 +11,18 @@ import argparse
 import json
 
 from graphlane.tools import bench_control as bench
+from graphlane.tools import bench_worker
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    report = {"control_plane": bench.control_plane(), "bandwidth": bench.bandwidth()}
+    report = {
+        "control_plane": bench.control_plane(),
+        "bandwidth": bench.bandwidth(),
+        "worker_in_process": bench_worker.per_step_us(),
+    }
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -26,6 +31,9 @@ def main() -> None:
             "control plane, timed sim": report["control_plane"]["sim"],
             "tensor bandwidth, null device": report["bandwidth"]["null"],
             "tensor bandwidth, timed sim": report["bandwidth"]["sim"],
+            "worker CPU per bundled step (us), in-process, null device": {
+                "per_step_us": report["worker_in_process"]["per_step_us"]
+            },
         }
         for section, figures in sections.items():
             print(section)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bench_control, bench_paged
+from . import bench_control, bench_paged, bench_worker
 from . import bench_pipeline as pipeline_bench
 from .bench_goals import format_goals, progress
 
@@ -30,6 +30,8 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         pipe = pipeline_bench.run(steps=steps)
     with progress("the control plane against raw pyzmq+msgpack, null device then timed sim"):
         cp = bench_control.control_plane(200 if quick else 500)
+    with progress("the worker's own CPU time per bundled step, in-process, null device"):
+        cp["worker_in_process"] = bench_worker.per_step_us(1000 if quick else 2000)
     with progress("tensor bandwidth against raw pyzmq, null device then timed sim"):
         bw = bench_control.bandwidth(10 if quick else 30)
     with progress("scaling over 1, 2 and 4 simulated devices"):
@@ -85,6 +87,9 @@ def format_report(r: dict[str, Any]) -> str:
             for b in ("null", "sim")
         ),
         f"  ({bw['null']['bytes_per_request'] / 2**20:.0f} MiB of inputs per request)",
+        f"  {'worker CPU per bundled step, us':<34} "
+        f"{cp['worker_in_process']['per_step_us']:>20.1f}  (in-process, bundles of "
+        f"{cp['worker_in_process']['bundle']})",
         "",
         f"scaling (timed sim 1000/1000 us, 4 layers, {sc['cpu_cores']} CPU cores):",
     ]
