@@ -511,7 +511,8 @@ class Worker:
             self._reply_error(step.ident, step.request_id, as_error(error), step.bundled)
         else:
             now = time.perf_counter()
-            self.metrics.observe_step(step.plan.program, step.kind.value, now - step.received)
+            held = now - step.received
+            self.metrics.observe_step(step.plan.program, step.kind._value_, held)
             if step.dispatch_s:
                 self.metrics.dispatch_seconds.observe(step.dispatch_s)
             if step.replay_at:
@@ -525,8 +526,7 @@ class Worker:
                 bucket,
                 instance,
                 step.patched,
-                # Time the worker held the request: decode to reply (device work included).
-                round((now - step.received) * 1e6, 1),
+                held * 1e6,  # the time it held the request, decode to reply, device work in
                 self.spec.generation,
             )
             try:
