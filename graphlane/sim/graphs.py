@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .access import ISSUED, Footprint, TaskAccess
 from .errors import HazardError, SimUsageError
 from .events import ExtWaitWork
 from .opcall import OpCall
@@ -33,10 +34,13 @@ _graph_ids = itertools.count(1)
 
 # =================================================================== nodes
 class TaskNode:
-    """A captured op. Its ``call`` arguments are what patches replace."""
+    """A captured op. Its ``call`` arguments are what patches replace; its
+    ``footprint`` (what memory it reads and writes) is fixed at capture, as a patch
+    changes parameters, not tensors."""
 
-    def __init__(self, call: OpCall) -> None:
+    def __init__(self, call: OpCall, footprint: Footprint = ()) -> None:
         self.call = call
+        self.footprint = TaskAccess(footprint)
         self.group: TaskGroup | None = None
         self.label = call.label
 
@@ -51,10 +55,13 @@ class TaskNode:
         ex.resume_at = None
         ex.tick()
         group = self.group
-        if group is not None:
+        if group is not None or self.footprint:
             with RUNTIME.cond:
-                group.check_read_locked(ex, launch)
+                if group is not None:
+                    group.check_read_locked(ex, launch)
                 call = self.call
+                if self.footprint:
+                    self.footprint.touch_locked(ex, (launch.issued, (self.label, launch), ex))
         else:
             call = self.call
         if RUNTIME.config.mode == "timed":
@@ -180,6 +187,7 @@ class Launch:
     graph: NPUGraph
     number: int
     seqs: dict[Any, int] = field(default_factory=dict)
+    issued: int = field(default_factory=ISSUED.__next__)  # issue order, for messages
 
 
 class ReplayWork:
