@@ -321,12 +321,13 @@ def route(
             if config.mode != "timed" or config.patch_us <= 0:
                 stream.issue_locked(patch)  # nothing to charge: issue it right away
                 return
-        footprint = footprint or partial(access.of_call, call)
-        if stream.capturing is not None:
-            stream.capturing.add_node(TaskNode(call, footprint()))
         else:
-            stream.issue_locked(access.AccessWork(call.label, call.execute, footprint))
-        return
+            footprint = footprint or partial(access.of_call, call)
+            if stream.capturing is not None:
+                stream.capturing.add_node(TaskNode(call, footprint()))
+            else:
+                stream.issue_locked(access.AccessWork(call.label, call.execute, footprint))
+            return
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
     # from the start of its dispatch: the sim's own Python is inside it.
     if RUNTIME.config.mode == "timed":

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from test_host_ordering import Stack, lengths_for
 
 from graphlane.sim import HazardError, configure, fault, reset_device, torch_npu  # noqa: F401
 
@@ -284,3 +285,25 @@ def test_per_layer_refill_while_the_replay_reads_earlier_layers_runs_clean() -> 
 def test_refilling_a_layer_after_releasing_it_is_reported() -> None:
     text = str(raised(lambda: layered(fenced=False)))
     assert "mul.out in replay #" in text and "copy host->npu" in text
+
+
+def test_a_timed_patch_is_a_patch_not_an_eager_op() -> None:
+    """In timed mode a patch is charged host time and then issued: it must still patch
+    the task, not run the op on the update stream (which reads and writes the graph's
+    buffers there, unordered with the replay: a race)."""
+    old = configure()
+    configure(mode="timed", task_us=0.0, patch_us=20.0)
+    try:
+        stack = Stack(11)
+        done = None
+        for step in range(4):  # replay then update, as the daemon's pipeline
+            if done is not None:
+                stack.update.wait_event(done)
+            stack.replay()
+            stack.patch_all(lengths_for(step))
+            done = npu.Event()
+            done.record(stack.capture)
+        npu.synchronize()
+    finally:
+        configure(mode=old.mode, task_us=old.task_us, patch_us=old.patch_us)
+    assert fault() is None
