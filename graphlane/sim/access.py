@@ -89,7 +89,11 @@ def fresh(t: torch.Tensor) -> None:
 def _holder(key: int, t: torch.Tensor) -> Accesses:
     global _prune_at
     h = _STATE[key] = Accesses(t)
-    if len(_STATE) > _prune_at:  # forget storages whose tensors are all gone
+    # Forget storages whose first-seen tensor (the allocation, which its views keep
+    # alive) is gone. A storage kept alive only by an alias that is not a view of it
+    # (``detach()``, a tensor rebuilt from its storage) loses its history here: a
+    # missed race at worst, never a false one.
+    if len(_STATE) > _prune_at:
         for k, v in list(_STATE.items()):
             if v.ref() is None and v is not h:
                 _STATE.pop(k, None)
