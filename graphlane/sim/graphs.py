@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import capture_rules, forkjoin
+from .access import ISSUED, Footprint, TaskAccess
 from .errors import HazardError, SimUsageError
 from .opcall import OpCall
 from .runtime import RUNTIME, Clock, clock_leq
@@ -35,10 +36,13 @@ _graph_ids = itertools.count(1)
 
 # =================================================================== nodes
 class TaskNode:
-    """A captured op. Its ``call`` arguments are what patches replace."""
+    """A captured op. Its ``call`` arguments are what patches replace; its
+    ``footprint`` (what memory it reads and writes) is fixed at capture, as a patch
+    changes parameters, not tensors."""
 
-    def __init__(self, call: OpCall) -> None:
+    def __init__(self, call: OpCall, footprint: Footprint = ()) -> None:
         self.call = call
+        self.footprint = TaskAccess(footprint)
         self.group: TaskGroup | None = None
         self.label = call.label
 
@@ -53,10 +57,13 @@ class TaskNode:
         ex.resume_at = None
         ex.tick()
         group = self.group
-        if group is not None:
+        if group is not None or self.footprint:
             with RUNTIME.cond:
-                group.check_read_locked(ex, launch)
+                if group is not None:
+                    group.check_read_locked(ex, launch)
                 call = self.call
+                if self.footprint:
+                    self.footprint.touch_locked(ex, (launch.issued, (self.label, launch), ex))
         else:
             call = self.call
         if RUNTIME.config.mode == "timed":
@@ -184,6 +191,7 @@ class Launch:
     graph: NPUGraph
     number: int
     seqs: dict[Any, int] = field(default_factory=dict)
+    issued: int = field(default_factory=ISSUED.__next__)  # issue order, for messages
 
 
 class ReplayWork:

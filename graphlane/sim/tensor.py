@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
-from . import capture_rules
+from . import access, capture_rules
 from .errors import SimUsageError
 from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .runtime import RUNTIME, CostClock
-from .streams import OpWork, Stream, current_stream
+from .streams import Stream, current_stream
 from .streamuse import record_stream
 
 aten = torch.ops.aten
@@ -268,6 +270,7 @@ def issue(
             if not isinstance(m, torch.Tensor):
                 return m
             cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+            access.fresh(cpu)
             allocated.append(cpu)
             return NpuTensor(cpu, index)
 
@@ -282,7 +285,7 @@ def issue(
         }
         host = {id(t) for t in flat(cpu_args, cpu_kwargs) if getattr(t, "_sim_host", False)}
     call = OpCall(func, cpu_args, cpu_kwargs, outs, host)
-    route(stream, call, func, started)
+    route(stream, call, func, started, partial(access.of_op, func, args, kwargs, outs, NpuTensor))
     return result
 
 
@@ -300,7 +303,15 @@ def _unwrap_cpu(v: Any) -> Any:
     return _cpu_device(_unwrap(v))
 
 
-def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> None:
+def route(
+    stream: Stream,
+    call: OpCall,
+    func: Any,
+    started: float | None,
+    footprint: Callable[[], access.Footprint] | None = None,
+) -> None:
+    """Patch, capture or queue ``call`` on ``stream``. ``footprint`` gives the device
+    memory it reads and writes (default: every tensor of the call but ``call.host``)."""
     with RUNTIME.cond:
         update = stream.updating
         if update is not None:
@@ -311,11 +322,12 @@ def route(stream: Stream, call: OpCall, func: Any, started: float | None) -> Non
             if config.mode != "timed" or config.patch_us <= 0:
                 stream.issue_locked(patch)  # nothing to charge: issue it right away
                 return
-        elif stream.capturing is not None:
-            stream.capturing.add_node(TaskNode(call))
-            return
         else:
-            stream.issue_locked(OpWork(call.label, call.execute))
+            footprint = footprint or partial(access.of_call, call)
+            if stream.capturing is not None:
+                stream.capturing.add_node(TaskNode(call, footprint()))
+            else:
+                stream.issue_locked(access.AccessWork(call.label, call.execute, footprint))
             return
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
     # from the start of its dispatch: the sim's own Python is inside it.
@@ -394,7 +406,15 @@ def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[st
             f"{func} reads device data on the host while {stream.name} captures a graph"
         )
     cargs, ckwargs = map_args(_unwrap, args), map_kwargs(_unwrap, kwargs)
-    return stream.run_now(f"host read {func}", lambda: func(*cargs, **ckwargs))
+    result: list[Any] = []
+    footprint = partial(access.of_op, func, args, kwargs, None, NpuTensor)
+    stream.issue(
+        access.AccessWork(
+            f"host read {func}", lambda: result.append(func(*cargs, **ckwargs)), footprint
+        )
+    )
+    stream.synchronize()
+    return result[0]
 
 
 # ---------------------------------------------------------------- copies
@@ -410,10 +430,10 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         staged = src
         if non_blocking and stream.capturing is None:
             staged = src.clone()  # pageable host memory is staged at issue time
-        _cross_copy(stream, dst._data, staged, non_blocking, _H2D)
+        _cross_copy(stream, dst._data, staged, non_blocking, _H2D, write=True)
         return dst
     stream = current_stream(_index(src))  # device to host
-    _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host")
+    _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host", write=False)
     return dst
 
 
@@ -421,9 +441,16 @@ _H2D = "copy host->npu"
 
 
 def _cross_copy(
-    stream: Stream, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool, label: str
+    stream: Stream,
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    non_blocking: bool,
+    label: str,
+    *,
+    write: bool,
 ) -> None:
-    """A copy between host and device memory: queued, captured, and waited for if blocking."""
+    """A copy between host and device memory: queued, captured, and waited for if
+    blocking. ``write``: it writes device memory (``dst``), else it reads it (``src``)."""
     if stream.capturing is not None or capture_rules.LIVE:
         host = src if label == _H2D else dst
         capture_rules.check_host_copy(stream, label, non_blocking, host)
@@ -434,7 +461,9 @@ def _cross_copy(
         )
     call = OpCall(aten.copy_.default, (dst, src), {})
     call.label = label
-    route(stream, call, None, None)
+    device = access.item(dst, True, "self") if write else access.item(src, False, "src")
+    footprint: access.Footprint = (device,) if device is not None else ()
+    route(stream, call, None, None, lambda: footprint)
     if not non_blocking:
         stream.synchronize()
 
@@ -450,7 +479,9 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     non_blocking = bool(kwargs.get("non_blocking", False))
     if target.type == "npu":  # host to device
         index = target.index or 0
-        out = NpuTensor(torch.empty(x.shape, dtype=dtype), index)
+        cpu = torch.empty(x.shape, dtype=dtype)
+        access.fresh(cpu)
+        out = NpuTensor(cpu, index)
         _copy_(aten.copy_.default, (out, x, non_blocking), {})
         return out
     if target.type != "cpu":
@@ -474,7 +505,7 @@ def _to_host(x: NpuTensor, non_blocking: bool) -> torch.Tensor:
     if non_blocking:  # torch's _to_copy pins the output of a non_blocking copy to the host
         out._sim_pinned = True  # type: ignore[attr-defined]
     stream = current_stream(_index(x))
-    _cross_copy(stream, out, x._data, non_blocking, "copy npu->host")
+    _cross_copy(stream, out, x._data, non_blocking, "copy npu->host", write=False)
     return out
 
 
@@ -502,7 +533,9 @@ def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         first = _first_npu(args, kwargs)
         index = _index(first) if first is not None else 0
     m = _check_meta(func, args, kwargs)
-    return NpuTensor(torch.empty_strided(m.shape, m.stride(), dtype=m.dtype), index)
+    cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+    access.fresh(cpu)
+    return NpuTensor(cpu, index)
 
 
 _SPECIAL: dict[Any, Any] = {
@@ -534,7 +567,9 @@ def factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     if op in (aten.empty.memory_format, aten.empty_strided.default):
         cpu_kwargs = {k: _cpu_device(v) for k, v in kwargs.items()}
         cpu_kwargs.pop("pin_memory", None)
-        return NpuTensor(op(*args, **cpu_kwargs), index)
+        cpu = op(*args, **cpu_kwargs)
+        access.fresh(cpu)
+        return NpuTensor(cpu, index)
     if op is aten._to_copy.default:
         return _to_copy(op, args, kwargs)
     if op is aten.copy_.default:

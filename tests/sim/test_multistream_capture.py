@@ -277,7 +277,8 @@ def test_an_event_of_an_ended_capture_is_an_ordinary_wait() -> None:
         ev.record(s)
     ev.wait(side)  # not a fork: the capture has ended
     assert not side.is_capturing()
-    g.replay()
+    with torch.npu.stream(s):  # the replay writes x on s: side reads it after ev
+        g.replay()
     ev.record(s)
     ev.wait(side)
     with torch.npu.stream(side):
