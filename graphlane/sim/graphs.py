@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import capture_rules, forkjoin
+from .allocation import capture_begin, capture_end, graph_reset, replay_issued_locked
 from .errors import HazardError, SimUsageError
 from .opcall import OpCall
 from .runtime import RUNTIME, Clock, clock_leq
@@ -314,6 +315,7 @@ class NPUGraph:
             self.groups = []
             self.branches = []
             self.capture_stream = s
+            self._pool = capture_begin(self, pool, s)  # allocations come from its pool
             s.capturing = self.capturing = CaptureState(self, s, capture_error_mode)
             capture_rules.LIVE.append(s.capturing)
 
@@ -343,6 +345,7 @@ class NPUGraph:
                 self.nodes, self.groups, self.branches = [], [], []
                 raise SimUsageError(unjoined)
             self.captured = True
+            capture_end(self)
         if self.branches:
             forkjoin.give_streams(self, s.device_index)
 
@@ -360,6 +363,7 @@ class NPUGraph:
             for branch in self.branches:
                 branch.launch_locked(launch)
             s.issue_locked(ReplayWork(self, launch))
+            replay_issued_locked(self, s)
             RUNTIME.provider_added_locked(s)
             for branch in self.branches:  # side-stream work, ordered by its captured events
                 branch.issue_locked(ReplayWork(self, launch, branch.nodes, branch.where))
@@ -374,6 +378,7 @@ class NPUGraph:
             self.captured = False
             self.generation += 1
             self.graph_dispatch_mode.graph_dispatch_records = []
+            graph_reset(self)
 
     def pool(self) -> tuple[int, int]:
         return self._pool
@@ -489,7 +494,3 @@ def abandon_update(stream: Stream) -> None:
 
 def is_current_stream_capturing() -> bool:
     return current_stream().capturing is not None
-
-
-def graph_pool_handle() -> tuple[int, int]:
-    return (0, next(_graph_ids))
