@@ -29,6 +29,7 @@ from .memory import (
     live_overlap,
     observe,
 )
+from .memory_stats import reset_accumulated, reset_peak, stats_of
 from .runtime import RUNTIME, Clock
 
 _pool_handles = itertools.count(1)
@@ -241,7 +242,7 @@ def _synced_stats(device: Any) -> dict[str, int]:
     observed: list[Clock] = []
     with LOCK:
         drain_locked(observed)
-        stats = dm.memory_stats()
+        stats = stats_of(dm)
     observe(observed)
     return stats
 
@@ -281,12 +282,12 @@ def max_memory_reserved(device: Any = None) -> int:
 def reset_peak_memory_stats(device: Any = None) -> None:
     _synced_stats(device)
     with LOCK:
-        _dm(device).reset_peak()
+        reset_peak(_dm(device))
 
 
 def reset_accumulated_memory_stats(device: Any = None) -> None:
     with LOCK:
-        _dm(device).reset_accumulated()
+        reset_accumulated(_dm(device))
 
 
 def reset_max_memory_allocated(device: Any = None) -> None:

@@ -200,9 +200,9 @@ _STATS = (
     "allocated", "allocated_bytes", "requested_bytes", "active", "active_bytes",
     "segment", "reserved_bytes", "inactive_split", "inactive_split_bytes",
 )  # fmt: skip
-_ALLOC_STATS = ("allocated", "allocated_bytes", "requested_bytes", "active", "active_bytes")
-_POOLS = ("all", "small_pool", "large_pool")
-_METRICS = ("current", "peak", "allocated", "freed")
+ALLOC_STATS = ("allocated", "allocated_bytes", "requested_bytes", "active", "active_bytes")
+POOLS = ("all", "small_pool", "large_pool")
+METRICS = ("current", "peak", "allocated", "freed")
 
 
 def _bump(stat: list[list[int]], small: bool, amount: int) -> None:
@@ -226,8 +226,8 @@ class DeviceMemory:
         self.private: dict[Any, PrivatePool] = {}
         self.deferred: list[Block] = []  # freed, waiting for record_stream work
         self.reserved = 0
-        self.stats = {k: [[0, 0, 0, 0] for _ in _POOLS] for k in _STATS}
-        # The allocation statistics (_ALLOC_STATS), kept apart as they change at every
+        self.stats = {k: [[0, 0, 0, 0] for _ in POOLS] for k in _STATS}
+        # The allocation statistics (ALLOC_STATS), kept apart as they change at every
         # malloc and free: current, allocated and freed of the small and large pools,
         # peaks of small, large and all.
         self.cur = [[0] * 5 for _ in range(2)]
@@ -413,66 +413,6 @@ class DeviceMemory:
             p = self.private[pool_id]
             if not (p.small.segments or p.large.segments):
                 del self.private[pool_id]
-
-    # ------------------------------------------------------------ statistics
-    def memory_stats(self) -> dict[str, int]:
-        split = [[0, 0] for _ in _POOLS]  # inactive split blocks: scanned, not tracked
-        for pool in (self.small, self.large, *self._private_pools()):
-            for seg in pool.segments:
-                b, run = seg.head, 0  # a run of free blocks is one (merged) block
-                while b is not None:
-                    if b.state == FREE:
-                        run += b.size
-                    if run and (b.next is None or b.next.state != FREE):
-                        if run < seg.size:
-                            for i in (0, 1 if pool.small else 2):
-                                split[i][0] += 1
-                                split[i][1] += run
-                        run = 0
-                    b = b.next
-        for name, k in (("inactive_split", 0), ("inactive_split_bytes", 1)):
-            for i, arr in enumerate(self.stats[name]):
-                arr[0] = split[i][k]
-                arr[1] = max(arr[1], arr[0])
-        for k, name in enumerate(_ALLOC_STATS):
-            for row, arr in enumerate(self.stats[name]):
-                pools = (0, 1) if row == 0 else (row - 1,)
-                arr[0] = sum(self.cur[i][k] for i in pools)
-                arr[1] = self.peak[2 if row == 0 else row - 1][k]
-                arr[2] = sum(self.cum[i][k] for i in pools)
-                arr[3] = sum(self.freed[i][k] for i in pools)
-        out: dict[str, int] = {}
-        for name, arrays in self.stats.items():
-            for pool_name, arr in zip(_POOLS, arrays, strict=True):
-                for metric, value in zip(_METRICS, arr, strict=True):
-                    out[f"{name}.{pool_name}.{metric}"] = value
-        out.update(self.counters)
-        out["num_sync_all_streams"] = 0
-        out["max_split_size"] = -1
-        for name in ("oversize_allocations", "oversize_segments"):
-            for metric in _METRICS:
-                out[f"{name}.{metric}"] = 0
-        return dict(sorted(out.items()))
-
-    def _private_pools(self) -> list[BlockPool]:
-        return [bp for p in self.private.values() for bp in (p.small, p.large)]
-
-    def reset_peak(self) -> None:
-        for arrays in self.stats.values():
-            for arr in arrays:
-                arr[1] = arr[0]
-        for i in range(2):
-            self.peak[i][:] = self.cur[i]
-        self.peak[2][:] = [a + b for a, b in zip(self.cur[0], self.cur[1], strict=True)]
-
-    def reset_accumulated(self) -> None:
-        for arrays in self.stats.values():
-            for arr in arrays:
-                arr[2] = arr[3] = 0
-        for i in range(2):
-            self.cum[i][:] = self.freed[i][:] = [0] * 5
-        for k in ("num_alloc_retries", "num_ooms"):
-            self.counters[k] = 0
 
 
 def _clip(hazards: list[Any], lo: int, hi: int) -> list[Any] | None:
