@@ -8,7 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from graphlane.sim import HazardError, configure
+from graphlane.orchestrator.config import ConfigError, from_mapping
+from graphlane.sim import HazardError, SimConfig, configure
 
 npu = torch.npu
 
@@ -116,6 +117,24 @@ def test_out_of_memory_is_the_npus_error(small_device: None) -> None:
     assert npu.memory_stats()["num_ooms"] == ooms + 1
     del kept  # freed and cached: the next request releases it and retries
     torch.empty(20 << 20, dtype=torch.uint8, device="npu")
+
+
+def test_device_memory_is_configured_like_the_other_sim_settings(
+    small_device: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert configure(device_memory=1 << 30).device_memory == 1 << 30
+    assert npu.mem_get_info()[1] == 1 << 30
+    with pytest.raises(ValueError, match="device_memory"):
+        configure(device_memory=0)
+    monkeypatch.setenv("GRAPHLANE_SIM_DEVICE_MEMORY", str(8 << 30))
+    assert SimConfig.from_env().device_memory == 8 << 30
+    monkeypatch.setenv("GRAPHLANE_SIM_DEVICE_MEMORY", "lots")
+    with pytest.raises(ValueError, match="GRAPHLANE_SIM_DEVICE_MEMORY"):
+        SimConfig.from_env()
+    assert from_mapping({"sim": {"device_memory": 1 << 30}}).sim.device_memory == 1 << 30
+    assert from_mapping({}).sim.device_memory == 64 << 30
+    with pytest.raises(ConfigError, match="device_memory"):
+        from_mapping({"sim": {"device_memory": "16G"}})
 
 
 # ---------------------------------------------------------------- cross-stream frees
