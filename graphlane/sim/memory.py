@@ -106,11 +106,11 @@ class Allocation:
     def __init__(self, block: Block) -> None:
         self.block = block
 
-    def __del__(self) -> None:
+    def __del__(self, _freed: deque[Block] = _FREED) -> None:  # bound: survives exit
         block = self.block
         if block.recorded:  # the "events" record_stream's free inserts on those streams
             block.events = [s._last for s in block.recorded]
-        _FREED.append(block)
+        _freed.append(block)
 
 
 class BlockPool:
