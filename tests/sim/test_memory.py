@@ -26,43 +26,47 @@ def small_device() -> Iterator[None]:
     configure(device_memory=old)
 
 
+# Each test allocates a size no other test uses: a freed block goes to the next
+# allocation of its size only when no lower free block of that size is cached.
+
+
 def test_a_freed_tensor_is_reallocated_at_its_address_with_its_bytes() -> None:
-    x = torch.full((256,), 7.0, device="npu")
+    x = torch.full((3001,), 7.0, device="npu")
     ptr = x.data_ptr()
     del x
-    y = torch.empty(256, device="npu")
+    y = torch.empty(3001, device="npu")
     assert y.data_ptr() == ptr
-    assert torch.equal(y.cpu(), torch.full((256,), 7.0))  # the old tensor's bytes
+    assert torch.equal(y.cpu(), torch.full((3001,), 7.0))  # the old tensor's bytes
 
 
 def test_a_view_keeps_the_memory_allocated() -> None:
-    x = torch.zeros(256, device="npu")
+    x = torch.zeros(3003, device="npu")
     v = x[:16]
     ptr = x.data_ptr()
     del x
-    assert torch.empty(256, device="npu").data_ptr() != ptr
+    assert torch.empty(3003, device="npu").data_ptr() != ptr
     del v
-    assert torch.empty(256, device="npu").data_ptr() == ptr
+    assert torch.empty(3003, device="npu").data_ptr() == ptr
 
 
 def test_freed_blocks_are_cached_per_stream(side: npu.Stream) -> None:
     with npu.stream(side):
-        x = torch.zeros(256, device="npu")
+        x = torch.zeros(3005, device="npu")
     ptr = x.data_ptr()
     del x
-    assert torch.empty(256, device="npu").data_ptr() != ptr  # another stream
+    assert torch.empty(3005, device="npu").data_ptr() != ptr  # another stream
     with npu.stream(side):
-        assert torch.empty(256, device="npu").data_ptr() == ptr
+        assert torch.empty(3005, device="npu").data_ptr() == ptr
 
 
 def test_op_outputs_come_from_the_allocator() -> None:
-    x = torch.ones(256, device="npu")
+    x = torch.ones(3007, device="npu")
     y = x + 1
     ptr = y.data_ptr()
     del y
     z = x * 3
     assert z.data_ptr() == ptr
-    assert torch.equal(z.cpu(), torch.full((256,), 3.0))
+    assert torch.equal(z.cpu(), torch.full((3007,), 3.0))
 
 
 def test_untyped_storage_is_the_allocation() -> None:
@@ -138,8 +142,8 @@ def test_device_memory_is_configured_like_the_other_sim_settings(
 
 
 # ---------------------------------------------------------------- cross-stream frees
-def _used_on(side: npu.Stream) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.ones(256, device="npu")
+def _used_on(side: npu.Stream, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.ones(n, device="npu")
     side.wait_stream(npu.current_stream())
     with npu.stream(side):
         y = x * 2  # x used on a stream it was not allocated on
@@ -147,10 +151,10 @@ def _used_on(side: npu.Stream) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_freeing_a_tensor_another_stream_still_uses_is_reported(side: npu.Stream) -> None:
-    x, _ = _used_on(side)
+    x, _ = _used_on(side, 3011)
     ptr = x.data_ptr()
     del x
-    z = torch.empty(256, device="npu")
+    z = torch.empty(3011, device="npu")
     assert z.data_ptr() == ptr  # reused at once on the allocation stream, as on the NPU
     z.fill_(0)
     with pytest.raises(HazardError, match=r"record_stream") as err:
@@ -160,7 +164,7 @@ def test_freeing_a_tensor_another_stream_still_uses_is_reported(side: npu.Stream
 
 def test_record_stream_holds_the_memory_until_that_streams_work_ran(side: npu.Stream) -> None:
     gate = npu.ExternalEvent()
-    x = torch.ones(256, device="npu")
+    x = torch.ones(3013, device="npu")
     side.wait_stream(npu.current_stream())
     gate.wait(side)  # side's use of x cannot run before the gate is recorded
     with npu.stream(side):
@@ -168,31 +172,37 @@ def test_record_stream_holds_the_memory_until_that_streams_work_ran(side: npu.St
     x.record_stream(side)
     ptr = x.data_ptr()
     del x
-    z = torch.empty(256, device="npu")
+    z = torch.empty(3013, device="npu")
     assert z.data_ptr() != ptr  # side's work has not run
     z.fill_(0)
     gate.record(npu.current_stream())
     npu.synchronize()
-    assert torch.equal(y.cpu(), torch.full((256,), 2.0))
-    assert torch.empty(256, device="npu").data_ptr() == ptr  # released once it ran
+    assert torch.equal(y.cpu(), torch.full((3013,), 2.0))
+    assert torch.empty(3013, device="npu").data_ptr() == ptr  # released once it ran
 
 
 def test_a_fence_before_the_free_is_enough(side: npu.Stream) -> None:
-    x, _y = _used_on(side)
+    x, _y = _used_on(side, 3015)
     npu.current_stream().wait_stream(side)
+    ptr = x.data_ptr()
     del x
-    torch.empty(256, device="npu").fill_(0)
+    z = torch.empty(3015, device="npu")
+    assert z.data_ptr() == ptr
+    z.fill_(0)
     npu.synchronize()
-    x, _y = _used_on(side)
+    x, _y = _used_on(side, 3017)
     side.synchronize()  # the host saw side's use end
+    ptr = x.data_ptr()
     del x
-    torch.empty(256, device="npu").fill_(0)
+    z = torch.empty(3017, device="npu")
+    assert z.data_ptr() == ptr
+    z.fill_(0)
     npu.synchronize()
 
 
 # ---------------------------------------------------------------- graph pools
 def test_capture_temporaries_are_reused_within_the_capture_not_outside(side: npu.Stream) -> None:
-    x = torch.ones(256, device="npu")
+    x = torch.ones(3017, device="npu")
     g = npu.NPUGraph()
     with npu.graph(g, stream=side):
         t = x * 2
@@ -201,14 +211,14 @@ def test_capture_temporaries_are_reused_within_the_capture_not_outside(side: npu
         u = x * 3
     assert u.data_ptr() == tmp  # the freed temporary, reused by the capture
     with npu.stream(side):  # eager work on the capture stream: not from the graph's pool
-        assert torch.empty(256, device="npu").data_ptr() != tmp
+        assert torch.empty(3017, device="npu").data_ptr() != tmp
     g.replay()
-    assert torch.equal(u.cpu(), torch.full((256,), 3.0))
+    assert torch.equal(u.cpu(), torch.full((3017,), 3.0))
 
 
 def test_graphs_sharing_a_pool_alias_and_out_of_order_replays_overwrite(side: npu.Stream) -> None:
-    x = torch.ones(256, device="npu")
-    y = torch.full((256,), 10.0, device="npu")
+    x = torch.ones(3019, device="npu")
+    y = torch.full((3019,), 10.0, device="npu")
     pool = npu.graph_pool_handle()
     assert pool != npu.graph_pool_handle()
     g1, g2 = npu.NPUGraph(), npu.NPUGraph()
@@ -223,15 +233,15 @@ def test_graphs_sharing_a_pool_alias_and_out_of_order_replays_overwrite(side: np
     assert out2.data_ptr() == tmp_ptr  # g2's output sits in g1's freed temporary
     g1.replay()
     g2.replay()
-    assert torch.equal(out2.cpu(), torch.full((256,), 15.0))  # capture order: right
+    assert torch.equal(out2.cpu(), torch.full((3019,), 15.0))  # capture order: right
     g2.replay()
     g1.replay()  # writes its temporary over g2's output, as on the NPU
-    assert torch.equal(out2.cpu(), torch.full((256,), 2.0))
-    assert torch.equal(out1.cpu(), torch.full((256,), 4.0))
+    assert torch.equal(out2.cpu(), torch.full((3019,), 2.0))
+    assert torch.equal(out1.cpu(), torch.full((3019,), 4.0))
 
 
 def test_replay_reading_a_freed_and_reallocated_input_is_reported(side: npu.Stream) -> None:
-    inp = torch.ones(256, device="npu")
+    inp = torch.ones(3021, device="npu")
     g = npu.NPUGraph()
     with npu.graph(g, stream=side):
         out = inp * 2
@@ -241,7 +251,7 @@ def test_replay_reading_a_freed_and_reallocated_input_is_reported(side: npu.Stre
     del inp  # the graph does not keep it alive: its capture did not allocate it
     g.replay()  # freed but not reused yet: stale bytes, nothing to report
     npu.synchronize()
-    other = torch.zeros(256, device="npu")
+    other = torch.zeros(3021, device="npu")
     assert other.data_ptr() == ptr
     g.replay()
     with pytest.raises(HazardError, match=r"freed after the capture") as err:
@@ -251,7 +261,7 @@ def test_replay_reading_a_freed_and_reallocated_input_is_reported(side: npu.Stre
 
 
 def test_a_graph_keeps_its_pool_until_reset(side: npu.Stream) -> None:
-    x = torch.ones(256, device="npu")
+    x = torch.ones(3023, device="npu")
     npu.empty_cache()
     before = npu.memory_reserved()
     g = npu.NPUGraph()
