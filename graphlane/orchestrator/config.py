@@ -36,6 +36,7 @@ patch_us = 0.0                     # timed: host time per task-group patch
 watchdog_s = 30.0                  # a device wait that nothing satisfies is a deadlock after this
 event_mode = "cann"                # or "enpu": an ExternalEvent wait issued before its record is
                                    #   reported (ENPU hangs there; current CANN allows it)
+device_memory = 68719476736        # bytes of each simulated device (default 64 GiB)
 
 [faults]                           # for tests only: fail_start = true,
                                    #   hang_device_after = N, device_fault_after = N
@@ -86,6 +87,7 @@ class SimSettings:
     patch_us: float = 0.0  # timed: host time per task-group patch
     watchdog_s: float = 30.0  # a device wait nothing can satisfy is a deadlock after this
     event_mode: str = "cann"  # or "enpu": report an ExternalEvent wait issued before its record
+    device_memory: int = 64 << 30  # bytes of each simulated device (out of memory beyond)
 
 
 @dataclass(frozen=True)
@@ -191,9 +193,11 @@ def _sim(raw: Any) -> SimSettings:
     if not isinstance(raw, Mapping):
         raise ConfigError("sim", "must be a table")
     for k in raw:
-        if k not in ("mode", "task_us", "patch_us", "watchdog_s", "event_mode"):
+        if k not in ("mode", "task_us", "patch_us", "watchdog_s", "event_mode", "device_memory"):
             raise ConfigError(
-                f"sim.{k}", "unknown key (known: mode, task_us, patch_us, watchdog_s, event_mode)"
+                f"sim.{k}",
+                "unknown key (known: mode, task_us, patch_us, watchdog_s, event_mode, "
+                "device_memory)",
             )
     mode = raw.get("mode", "compute")
     if mode not in ("compute", "timed"):
@@ -207,7 +211,14 @@ def _sim(raw: Any) -> SimSettings:
         patch_us=_number("sim.patch_us", raw.get("patch_us", 0.0)),
         watchdog_s=_number("sim.watchdog_s", raw.get("watchdog_s", 30.0), 0.001),
         event_mode=event_mode,
+        device_memory=_bytes("sim.device_memory", raw.get("device_memory", 64 << 30)),
     )
+
+
+def _bytes(key: str, v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(key, f"must be a whole number of bytes > 0, not {v!r}")
+    return v
 
 
 def _programs(raw: Any) -> tuple[dict[str, Any], ...]:

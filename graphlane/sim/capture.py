@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import device
+from .allocation import empty_cache
 from .autodispatch import GraphDispatchMode
 from .graphs import NPUGraph
 from .streams import Stream
@@ -43,6 +44,7 @@ class graph:
 
     def __enter__(self) -> None:
         device.synchronize(self.capture_stream.device_index)
+        empty_cache()  # as torch_npu's graph does
         self._stream_ctx = stream_ctx(self.capture_stream)
         self._stream_ctx.__enter__()
         if self.npu_graph.auto_dispatch_capture:

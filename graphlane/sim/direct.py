@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .allocation import note_uses
 from .opcall import HOST_CHECKS, OpCall, RememberedCheck, _tensor_key
 from .streams import current_stream
 from .tensor import NpuTensor, route
@@ -157,7 +158,9 @@ class _Binding:
         call = OpCall(func, tuple(cpu_pos), cpu_kw)
         call._keys = keys
         first = tensors[0][3]
-        route(current_stream(first.device.index or 0), call, func, started)
+        stream = current_stream(first.device.index or 0)
+        route(stream, call, func, started)
+        note_uses(stream, (), kwargs)  # memory used on another stream than its own
         return True
 
 

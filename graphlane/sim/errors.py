@@ -41,8 +41,10 @@ class HazardError(_KindedError):
     """Operations that real hardware would run in an unsafe order.
 
     ``kind`` is "race" (the default: a task-group patch not ordered with a
-    replay that reads the group) or "lost-release" (an ExternalEvent record
-    that can merge with an unconsumed one).
+    replay that reads the group), "lost-release" (an ExternalEvent record
+    that can merge with an unconsumed one) or "use-after-free" (memory freed
+    while work of another stream used it, reused unordered with that work; a
+    replay using a freed tensor whose memory another tensor holds).
     """
 
     default_kind = "race"

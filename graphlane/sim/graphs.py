@@ -26,6 +26,7 @@ from typing import Any
 
 from . import capture_rules, forkjoin
 from .access import ISSUED, Footprint, TaskAccess
+from .allocation import capture_begin, capture_end, graph_reset, replay_issued_locked
 from .errors import HazardError, SimUsageError
 from .opcall import OpCall
 from .runtime import RUNTIME, Clock, clock_leq
@@ -322,6 +323,7 @@ class NPUGraph:
             self.groups = []
             self.branches = []
             self.capture_stream = s
+            self._pool = capture_begin(self, pool, s)  # allocations come from its pool
             s.capturing = self.capturing = CaptureState(self, s, capture_error_mode)
             capture_rules.LIVE.append(s.capturing)
 
@@ -351,6 +353,7 @@ class NPUGraph:
                 self.nodes, self.groups, self.branches = [], [], []
                 raise SimUsageError(unjoined)
             self.captured = True
+            capture_end(self)
         if self.branches:
             forkjoin.give_streams(self, s.device_index)
 
@@ -368,6 +371,7 @@ class NPUGraph:
             for branch in self.branches:
                 branch.launch_locked(launch)
             s.issue_locked(ReplayWork(self, launch))
+            replay_issued_locked(self, s)
             RUNTIME.provider_added_locked(s)
             for branch in self.branches:  # side-stream work, ordered by its captured events
                 branch.issue_locked(ReplayWork(self, launch, branch.nodes, branch.where))
@@ -382,6 +386,7 @@ class NPUGraph:
             self.captured = False
             self.generation += 1
             self.graph_dispatch_mode.graph_dispatch_records = []
+            graph_reset(self)
 
     def pool(self) -> tuple[int, int]:
         return self._pool
@@ -497,7 +502,3 @@ def abandon_update(stream: Stream) -> None:
 
 def is_current_stream_capturing() -> bool:
     return current_stream().capturing is not None
-
-
-def graph_pool_handle() -> tuple[int, int]:
-    return (0, next(_graph_ids))

@@ -10,12 +10,25 @@ from typing import Any
 
 import torch
 
+from .allocation import (
+    empty_cache,
+    graph_pool_handle,
+    max_memory_allocated,
+    max_memory_reserved,
+    mem_get_info,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_stats_as_nested_dict,
+    reset_accumulated_memory_stats,
+    reset_max_memory_allocated,
+    reset_peak_memory_stats,
+)
 from .capture import graph
 from .device import current_device, device, device_count, set_device, synchronize
 from .events import ExternalEvent
 from .graphs import (
     NPUGraph,
-    graph_pool_handle,
     graph_task_group_begin,
     graph_task_group_end,
     graph_task_update_begin,
@@ -99,10 +112,6 @@ def get_device_name(device: Any = None) -> str:
     return "graphlane simulated NPU"
 
 
-def empty_cache() -> None:
-    pass
-
-
 def host_empty_cache() -> None:
     pass
 
@@ -136,6 +145,16 @@ __all__ = [
     "make_graphed_callables",
     "manual_seed",
     "manual_seed_all",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "mem_get_info",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "reset_accumulated_memory_stats",
+    "reset_max_memory_allocated",
+    "reset_peak_memory_stats",
     "reset_stream_limit",
     "seed",
     "seed_all",

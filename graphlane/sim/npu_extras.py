@@ -83,9 +83,10 @@ def get_npu_format(tensor: torch.Tensor) -> Format:
 class DeviceStorage:
     """What ``_construct_storage_from_data_pointer`` returns: a live device storage."""
 
-    def __init__(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+    def __init__(self, storage: torch.UntypedStorage, device: torch.device, alloc: Any) -> None:
         self.storage = storage
         self.device = device
+        self.alloc = alloc  # the allocation it is (kept alive by the tensors built on it)
 
     def nbytes(self) -> int:
         return self.storage.nbytes()
@@ -99,10 +100,10 @@ def _construct_storage_from_data_pointer(data_ptr: int, device: Any, nbytes: int
     as this is a recovery path)."""
     for obj in gc.get_objects():
         if isinstance(obj, NpuTensor):
-            st = obj._data.untyped_storage()
+            st = obj.untyped_storage()
             base = st.data_ptr()
             if base <= data_ptr < base + max(st.nbytes(), 1) and st.nbytes() >= nbytes:
-                return DeviceStorage(st, obj.device)
+                return DeviceStorage(st, obj.device, obj._alloc)
     raise SimUsageError(f"no live npu storage holds data pointer {data_ptr:#x}")
 
 
@@ -115,7 +116,7 @@ def _construct_NPU_Tensor_From_Storage_And_Metadata(
     offset = int(metadata.get("storage_offset", 0))
     offset += (int(metadata.get("data_ptr", storage.data_ptr())) - storage.data_ptr()) // itemsize
     cpu = base.set_(storage.storage, offset, tuple(metadata["size"]), tuple(metadata["stride"]))
-    return NpuTensor(cpu, storage.device.index or 0)
+    return NpuTensor(cpu, storage.device.index or 0, storage.alloc)
 
 
 def make_graphed_callables(

@@ -87,6 +87,8 @@ class SimConfig:
     event_mode: "cann" (current CANN: an ExternalEvent wait may be issued before
         its record) or "enpu" (ENPU: a wait issued before a record that releases
         it hangs on the device, so the sim reports it as a HazardError).
+    device_memory: bytes of each simulated device (``mem_get_info``'s total; an
+        allocation that does not fit raises ``torch.OutOfMemoryError``).
     """
 
     mode: str = "compute"
@@ -94,6 +96,7 @@ class SimConfig:
     patch_us: float = 0.0
     watchdog_s: float = 30.0
     event_mode: str = "cann"
+    device_memory: int = 64 << 30
 
     def __post_init__(self) -> None:
         if self.mode not in ("compute", "timed"):
@@ -108,6 +111,8 @@ class SimConfig:
                 f"sim event_mode must be 'cann' or 'enpu', not {self.event_mode!r} "
                 "(GRAPHLANE_SIM_EVENT_MODE)"
             )
+        if self.device_memory <= 0:
+            raise ValueError("sim device_memory must be > 0 bytes (GRAPHLANE_SIM_DEVICE_MEMORY)")
 
     @classmethod
     def from_env(cls) -> SimConfig:
@@ -118,8 +123,17 @@ class SimConfig:
             raise ValueError(
                 f"GRAPHLANE_SIM_WATCHDOG_S must be a number of seconds, not {raw!r}"
             ) from None
+        raw = os.environ.get("GRAPHLANE_SIM_DEVICE_MEMORY", str(64 << 30))
+        try:
+            memory = int(raw)
+        except ValueError:
+            raise ValueError(
+                f"GRAPHLANE_SIM_DEVICE_MEMORY must be a number of bytes, not {raw!r}"
+            ) from None
         return cls(
-            watchdog_s=watchdog, event_mode=os.environ.get("GRAPHLANE_SIM_EVENT_MODE", "cann")
+            watchdog_s=watchdog,
+            event_mode=os.environ.get("GRAPHLANE_SIM_EVENT_MODE", "cann"),
+            device_memory=memory,
         )
 
 
@@ -371,6 +385,7 @@ def configure(
     patch_us: float | None = None,
     watchdog_s: float | None = None,
     event_mode: str | None = None,
+    device_memory: int | None = None,
 ) -> SimConfig:
     """Change the device's cost model, watchdog or ExternalEvent mode; returns the
     config now in force."""
@@ -381,6 +396,7 @@ def configure(
         patch_us=old.patch_us if patch_us is None else patch_us,
         watchdog_s=old.watchdog_s if watchdog_s is None else watchdog_s,
         event_mode=old.event_mode if event_mode is None else event_mode,
+        device_memory=old.device_memory if device_memory is None else device_memory,
     )
     RUNTIME.config = new
     return new

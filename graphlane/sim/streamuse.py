@@ -13,20 +13,18 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
-
+from . import allocation
 from .errors import SimUsageError
 from .streams import Stream, as_stream
 
-# Allocation (the host storage an npu tensor is simulated in, one object per
-# storage, shared by its views) -> streams.
-_uses: weakref.WeakKeyDictionary[torch.UntypedStorage, set[Stream]] = (
-    weakref.WeakKeyDictionary()
-)
+# Allocation (what an npu tensor and its views hold of their memory: the caching
+# allocator's handle, or for memory it did not give, the host storage) -> streams.
+_uses: weakref.WeakKeyDictionary[Any, set[Stream]] = weakref.WeakKeyDictionary()
 
 
-def _allocation(t: Any) -> torch.UntypedStorage:
-    return t._data.untyped_storage()
+def _allocation(t: Any) -> Any:
+    alloc = t._alloc
+    return alloc if alloc is not None else t._data.untyped_storage()
 
 
 def record_stream(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -41,6 +39,7 @@ def record_stream(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> N
             "unpacks it as an NPUStream)"
         ) from None
     _uses.setdefault(_allocation(t), set()).add(stream)
+    allocation.record_stream(t, stream)  # the allocator holds the block back at its free
 
 
 def stream_uses(t: Any) -> frozenset[Stream]:

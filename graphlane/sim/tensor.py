@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import access, capture_rules
+from .allocation import allocate, note_uses, storage_of
 from .errors import SimUsageError
 from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
@@ -43,10 +44,11 @@ class NpuTensor(torch.Tensor):
     """A tensor on the simulated NPU."""
 
     _data: torch.Tensor
-    __slots__ = ("_data",)
+    _alloc: Any  # memory.Allocation: the memory it views, freed with its last tensor
+    __slots__ = ("_alloc", "_data")
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, index: int = 0) -> NpuTensor:
+    def __new__(cls, data: torch.Tensor, index: int = 0, alloc: Any = None) -> NpuTensor:
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
@@ -57,6 +59,7 @@ class NpuTensor(torch.Tensor):
             requires_grad=False,
         )
         r._data = data
+        r._alloc = alloc
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
@@ -73,7 +76,10 @@ class NpuTensor(torch.Tensor):
         ``data_ptr()`` and ``nbytes()`` are the device allocation's; its ``device`` is
         the CPU). The wrapper's own storage holds no memory, so torch's would refuse
         ``data_ptr()`` (torchair's ``get_tensor_metadata`` reads it)."""
-        return self._data.untyped_storage()
+        alloc = self._alloc
+        if alloc is None:
+            return self._data.untyped_storage()
+        return storage_of(alloc)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
         """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the
@@ -225,8 +231,9 @@ def dispatch(
     index = _index(first) if first is not None else 0
     if _is_view(func):
         result = func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
+        alloc = first._alloc if first is not None else None
         return map_value(
-            lambda r: NpuTensor(r, index) if isinstance(r, torch.Tensor) else r, result
+            lambda r: NpuTensor(r, index, alloc) if isinstance(r, torch.Tensor) else r, result
         )
     stream = current_stream(index)
     if not _returns_tensors(func) and _schema(func).n_returns:
@@ -269,10 +276,9 @@ def issue(
         def alloc(m: Any) -> Any:
             if not isinstance(m, torch.Tensor):
                 return m
-            cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
-            access.fresh(cpu)
-            allocated.append(cpu)
-            return NpuTensor(cpu, index)
+            t = _new_tensor(m.shape, m.stride(), m.dtype, index, stream)
+            allocated.append(t._data)
+            return t
 
         result = map_value(alloc, meta)
         outs = allocated
@@ -280,12 +286,20 @@ def issue(
     if func in PATCHABLE_OPS:
         # Host tensors (context_lens of paged attention) are parameters the dispatch
         # reads at issue time, as on the NPU: snapshot them, and let a patch change them.
-        cpu_args, cpu_kwargs = _snapshot_host(args, cpu_args), {
-            k: _snapshot_host((kwargs[k],), (v,))[0] for k, v in cpu_kwargs.items()
-        }
+        cpu_args, cpu_kwargs = (
+            _snapshot_host(args, cpu_args),
+            {k: _snapshot_host((kwargs[k],), (v,))[0] for k, v in cpu_kwargs.items()},
+        )
         host = {id(t) for t in flat(cpu_args, cpu_kwargs) if getattr(t, "_sim_host", False)}
     call = OpCall(func, cpu_args, cpu_kwargs, outs, host)
-    route(stream, call, func, started, partial(access.of_op, func, args, kwargs, outs, NpuTensor))
+    footprint = None
+    if stream.updating is None:  # a patch touches no memory (its task's footprint holds)
+        # Taken now, of the CPU views: queued work must not hold the npu tensors, whose
+        # last reference frees their memory (as on the device, queued work or not).
+        fp = access.of_op(func, args, kwargs, outs, NpuTensor)
+        footprint = lambda: fp  # noqa: E731
+    route(stream, call, func, started, footprint)
+    note_uses(stream, args, kwargs)
     return result
 
 
@@ -407,7 +421,8 @@ def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[st
         )
     cargs, ckwargs = map_args(_unwrap, args), map_kwargs(_unwrap, kwargs)
     result: list[Any] = []
-    footprint = partial(access.of_op, func, args, kwargs, None, NpuTensor)
+    fp = access.of_op(func, args, kwargs, None, NpuTensor)  # see issue(): no npu tensors held
+    footprint = lambda: fp  # noqa: E731
     stream.issue(
         access.AccessWork(
             f"host read {func}", lambda: result.append(func(*cargs, **ckwargs)), footprint
@@ -431,9 +446,11 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if non_blocking and stream.capturing is None:
             staged = src.clone()  # pageable host memory is staged at issue time
         _cross_copy(stream, dst._data, staged, non_blocking, _H2D, write=True)
+        note_uses(stream, (dst,), {})
         return dst
     stream = current_stream(_index(src))  # device to host
     _cross_copy(stream, dst, src._data, non_blocking, "copy npu->host", write=False)
+    note_uses(stream, (src,), {})
     return dst
 
 
@@ -479,9 +496,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     non_blocking = bool(kwargs.get("non_blocking", False))
     if target.type == "npu":  # host to device
         index = target.index or 0
-        cpu = torch.empty(x.shape, dtype=dtype)
-        access.fresh(cpu)
-        out = NpuTensor(cpu, index)
+        out = _new_tensor(x.shape, _contiguous(x.shape), dtype, index, current_stream(index))
         _copy_(aten.copy_.default, (out, x, non_blocking), {})
         return out
     if target.type != "cpu":
@@ -506,6 +521,7 @@ def _to_host(x: NpuTensor, non_blocking: bool) -> torch.Tensor:
         out._sim_pinned = True  # type: ignore[attr-defined]
     stream = current_stream(_index(x))
     _cross_copy(stream, out, x._data, non_blocking, "copy npu->host", write=False)
+    note_uses(stream, (x,), {})
     return out
 
 
@@ -533,9 +549,25 @@ def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         first = _first_npu(args, kwargs)
         index = _index(first) if first is not None else 0
     m = _check_meta(func, args, kwargs)
-    cpu = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype)
+    return _new_tensor(m.shape, m.stride(), m.dtype, index, current_stream(index))
+
+
+def _new_tensor(
+    shape: Any, stride: Any, dtype: torch.dtype, index: int, stream: Stream
+) -> NpuTensor:
+    """A device tensor in new memory from the caching allocator (``stream``'s); the
+    access history of whatever held that memory before is forgotten."""
+    cpu, alloc = allocate(shape, stride, dtype, index, stream)
     access.fresh(cpu)
-    return NpuTensor(cpu, index)
+    return NpuTensor(cpu, index, alloc)
+
+
+def _contiguous(shape: Any) -> tuple[int, ...]:
+    strides, n = [], 1
+    for d in reversed(tuple(shape)):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 _SPECIAL: dict[Any, Any] = {
@@ -565,11 +597,8 @@ def factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(device, torch.device) and device.type == "npu":
         index = device.index or 0
     if op in (aten.empty.memory_format, aten.empty_strided.default):
-        cpu_kwargs = {k: _cpu_device(v) for k, v in kwargs.items()}
-        cpu_kwargs.pop("pin_memory", None)
-        cpu = op(*args, **cpu_kwargs)
-        access.fresh(cpu)
-        return NpuTensor(cpu, index)
+        m = _check_meta(op, args, kwargs)
+        return _new_tensor(m.shape, m.stride(), m.dtype, index, current_stream(index))
     if op is aten._to_copy.default:
         return _to_copy(op, args, kwargs)
     if op is aten.copy_.default:

@@ -1,0 +1,318 @@
+"""What the rest of the sim asks of device memory (:mod:`.memory`): a tensor's memory,
+the uses that decide when freed memory may be reused, graph pools, and the
+``torch.npu`` memory functions (``memory_allocated``, ``memory_stats``,
+``mem_get_info``, ``empty_cache``, ...).
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .device import device_index
+from .errors import HazardError
+from .memory import (
+    ALLOCATED,
+    LOCK,
+    RELEASED,
+    Allocation,
+    Block,
+    PrivatePool,
+    block_at,
+    device_memory,
+    drain_locked,
+    live_overlap,
+    observe,
+)
+from .memory_stats import reset_accumulated, reset_peak, stats_of
+from .runtime import RUNTIME, Clock
+
+_pool_handles = itertools.count(1)
+
+
+def allocate(
+    shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype, index: int, stream: Any
+) -> tuple[torch.Tensor, Allocation | None]:
+    """CPU memory for a device tensor allocated on ``stream`` (its graph's pool while it
+    captures), and the handle its npu tensors hold; raises ``torch.OutOfMemoryError``."""
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+    nbytes = 0 if 0 in shape else dtype.itemsize * span
+    if nbytes == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype), None
+    dm = device_memory(index)
+    observed: list[Clock] = []
+    with LOCK:
+        drain_locked(observed)
+        block = dm.malloc(nbytes, stream)
+    if observed:
+        observe(observed)
+    return block.segment.tensor(block.ptr, block.size, shape, stride, dtype), Allocation(block)
+
+
+def storage_of(alloc: Allocation) -> torch.UntypedStorage:
+    """The allocation's bytes as a storage of their own (``untyped_storage()``)."""
+    block = alloc.block
+    seg = block.segment
+    off = block.ptr - seg.base
+    return seg.bytes.untyped_storage()[off : off + block.requested]
+
+
+def note_uses(stream: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Work just queued on ``stream`` uses these tensors: remember uses on a stream other
+    than the allocation's (a free does not wait for them), and check the first use of
+    memory reused while such a use was unordered with it."""
+    if stream.capturing is not None or stream.updating is not None:
+        return
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, (list, tuple)):
+            for e in v:
+                alloc = getattr(e, "_alloc", None)
+                if alloc is not None:
+                    _use(stream, alloc.block)
+            continue
+        alloc = getattr(v, "_alloc", None)
+        if alloc is not None:
+            _use(stream, alloc.block)
+
+
+def _use(stream: Any, block: Block) -> None:
+    if block.stream is stream and not block.hazards:
+        return
+    entry = stream._last
+    with LOCK:
+        hazards = block.hazards
+        block.hazards = None
+        if block.stream is not stream and block.state == ALLOCATED:
+            if block.uses is None:
+                block.uses = {}
+            block.uses[stream] = entry
+    if hazards:
+        stream.issue(FreeHazardCheck(hazards, entry.work.label, block.stream))
+
+
+class FreeHazardCheck:
+    """Queued after the first use of reused memory: reports when work of another stream
+    that used the memory before its free is not ordered before this point."""
+
+    def __init__(self, hazards: list[Any], label: str, owner: Any) -> None:
+        self.hazards = hazards
+        self.label = f"check of {label}"
+        self.use = label
+        self.owner = owner
+
+    def run(self, ex: Any, launch: Any = None) -> None:
+        with RUNTIME.cond:
+            for _lo, _hi, s, e in self.hazards:
+                if e.epoch != RUNTIME.epoch:
+                    continue  # before a device reset: finished or dropped since
+                tick = e.done_clock.get(s.actor) if e.done else None
+                if tick is not None and ex.clock.get(s.actor, 0) >= tick:
+                    continue
+                RUNTIME.report(
+                    HazardError(
+                        f"use after free: {self.use} on {ex.name} uses memory that a tensor "
+                        f"freed by the host was still used by {e.work.label} on {s.name}, "
+                        "and that work is not ordered before this use: the allocator gave "
+                        f"the memory back to {self.owner.name} at the free without waiting "
+                        f"for {s.name}. Call tensor.record_stream(s) with s = {s.name} "
+                        "before freeing a tensor used on a stream it was not allocated on "
+                        f"(or make {self.owner.name} wait for {s.name} before the free)",
+                        kind="use-after-free",
+                    )
+                )
+                return
+
+
+def record_stream(tensor: Any, stream: Any) -> None:
+    """``tensor.record_stream(stream)`` (a sim stream, :mod:`.streamuse` checks it): the
+    memory is not reused until the work queued on ``stream`` when the tensor is freed
+    has run."""
+    alloc = getattr(tensor, "_alloc", None)
+    if alloc is None:
+        return
+    block = alloc.block
+    with LOCK:
+        if stream is not block.stream:
+            if block.recorded is None:
+                block.recorded = []
+            if stream not in block.recorded:
+                block.recorded.append(stream)
+
+
+# ---------------------------------------------------------------- graph pools
+def graph_pool_handle() -> tuple[int, int]:
+    """``torch.npu.graph_pool_handle()``: an id for a pool that captures may share."""
+    return (0, next(_pool_handles))
+
+
+def capture_begin(graph: Any, pool: Any, stream: Any) -> Any:
+    """Allocations on ``stream`` while it captures ``graph`` come from the pool ``pool``
+    (a pool id; None: the graph's own). Returns the pool id (``NPUGraph.pool()``)."""
+    pool_id = tuple(pool) if pool is not None else graph._pool
+    dm = device_memory(stream.device_index)
+    with LOCK:
+        private = dm.private.get(pool_id)
+        if private is None:
+            private = dm.private[pool_id] = PrivatePool(pool_id, dm)
+        private.use_count += 1
+    graph._mempool = private
+    graph._mempool_release = weakref.finalize(graph, _release, private)
+    return pool_id
+
+
+def _release(private: PrivatePool) -> None:
+    RELEASED.append(private)  # may run inside the allocator (a graph collected by the GC)
+
+
+def capture_end(graph: Any) -> None:
+    """Remember the allocations the captured work uses (what a replay checks)."""
+    refs: dict[Block, tuple[int, int, int]] = {}
+    with LOCK:
+        branches = getattr(graph, "branches", ())  # fork/join capture: side-stream nodes
+        for node in (*graph.nodes, *(n for b in branches for n in b.nodes)):
+            call = getattr(node, "call", None)
+            if call is None:
+                continue
+            for v in (*call.args, *call.kwargs.values(), *(call.outs or ())):
+                for t in v if isinstance(v, (list, tuple)) else (v,):
+                    if isinstance(t, torch.Tensor) and t.numel():
+                        b = block_at(t.data_ptr())
+                        if b is not None and b.state == ALLOCATED:
+                            refs[b] = (b.seq, b.ptr, b.size)
+    graph._mem_refs = [(b, *r) for b, r in refs.items()]
+
+
+def replay_issued_locked(graph: Any, stream: Any) -> None:
+    """A replay of ``graph`` was just queued on ``stream``. Caller holds RUNTIME.cond."""
+    refs = getattr(graph, "_mem_refs", None)
+    if not refs:
+        return
+    entry = stream._last
+    own = getattr(graph, "_mempool", None)
+    observed: list[Clock] = []
+    with LOCK:
+        drain_locked(observed)
+        for block, seq, ptr, size in refs:
+            if block.seq == seq and block.state == ALLOCATED:
+                if block.stream is not stream:
+                    if block.uses is None:
+                        block.uses = {}
+                    block.uses[stream] = entry
+                continue
+            if own is not None and block.pool.owner is own:
+                continue  # the graph's pool keeps it: only captures into the pool reuse it
+            other = live_overlap(ptr, ptr + size)
+            if other is not None:
+                RUNTIME.report(
+                    HazardError(
+                        f"use after free: replay #{graph.replays} of {graph.name} on "
+                        f"{stream.name} uses {size} bytes at {ptr:#x} of a tensor it captured, "
+                        "but that tensor was freed after the capture and the memory now "
+                        f"belongs to another tensor (allocated on {other.stream.name}). A "
+                        "graph keeps alive only what its capture allocated: keep a reference "
+                        "to every tensor a captured graph uses (static inputs and outputs) "
+                        "for as long as the graph is replayed",
+                        kind="use-after-free",
+                    )
+                )
+                break
+    observe(observed, runtime_locked=True)
+
+
+def graph_reset(graph: Any) -> None:
+    """``NPUGraph.reset()``: the graph no longer uses its pool (freed when unused)."""
+    release = getattr(graph, "_mempool_release", None)
+    if release is not None:
+        release()
+    graph._mempool = graph._mempool_release = graph._mem_refs = None
+
+
+# ---------------------------------------------------------------- torch.npu functions
+def _dm(device: Any) -> Any:
+    return device_memory(device_index(device))
+
+
+def _synced_stats(device: Any) -> dict[str, int]:
+    dm = _dm(device)
+    observed: list[Clock] = []
+    with LOCK:
+        drain_locked(observed)
+        stats = stats_of(dm)
+    observe(observed)
+    return stats
+
+
+def memory_stats(device: Any = None) -> dict[str, int]:
+    """torch_npu's statistics, flat and sorted ("allocated_bytes.all.current", ...)."""
+    return _synced_stats(device)
+
+
+def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in _synced_stats(device).items():
+        parts = key.split(".")
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1]] = value
+    return out
+
+
+def memory_allocated(device: Any = None) -> int:
+    return _synced_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: Any = None) -> int:
+    return _synced_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: Any = None) -> int:
+    return _synced_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: Any = None) -> int:
+    return _synced_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: Any = None) -> None:
+    _synced_stats(device)
+    with LOCK:
+        reset_peak(_dm(device))
+
+
+def reset_accumulated_memory_stats(device: Any = None) -> None:
+    with LOCK:
+        reset_accumulated(_dm(device))
+
+
+def reset_max_memory_allocated(device: Any = None) -> None:
+    warnings.warn(
+        "torch_npu.npu.reset_max_memory_allocated now calls torch_npu.npu.reset_peak_memory_stats, "
+        "which resets /all/ peak memory stats.",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    reset_peak_memory_stats(device)
+
+
+def mem_get_info(device: Any = None) -> tuple[int, int]:
+    """(free, total) bytes of the simulated device: total is ``SimConfig.device_memory``,
+    free what the allocator has not reserved."""
+    dm = _dm(device)
+    total = RUNTIME.config.device_memory
+    return max(0, total - dm.reserved), total
+
+
+def empty_cache() -> None:
+    """Give the cached free segments back to the device (every device index)."""
+    observed: list[Clock] = []
+    with LOCK:
+        drain_locked(observed)
+        for i in range(RUNTIME.device_count):
+            device_memory(i).release_cached()
+    observe(observed)
