@@ -93,6 +93,20 @@ class NpuTensor(torch.Tensor):
             return _to_host(self, bool(kwargs.get("non_blocking", False)))
         return super().to(*args, **kwargs)
 
+    def copy_(self, src: Any, non_blocking: bool = False) -> Any:
+        """``Tensor.copy_``; a copy from a plain host tensor of this shape and dtype (the
+        engine's input copies, every step) skips the dispatcher round trip and does what
+        its ``copy_`` does (:func:`_copy_`); anything else goes through the dispatcher."""
+        if (
+            type(src) is torch.Tensor
+            and src.dtype == self.dtype
+            and src.shape == self.shape
+            and not (src.requires_grad or self.requires_grad)
+            and not _modes_active()
+        ):
+            return _copy_(aten.copy_.default, (self, src, non_blocking), {})
+        return super().copy_(src, non_blocking)
+
     def cpu(self, memory_format: Any = torch.preserve_format) -> torch.Tensor:
         """``Tensor.cpu``: a blocking copy to new host memory, as ``_to_copy`` does it."""
         return _to_host(self, False)
@@ -114,6 +128,11 @@ class NpuTensor(torch.Tensor):
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise TypeError("npu tensors cannot be pickled; move them to the CPU first")
+
+
+def _modes_active() -> bool:
+    """A dispatch or function mode is on: ops must go through the dispatcher to reach it."""
+    return bool(torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
 
 
 def _index(t: NpuTensor) -> int:
