@@ -7,7 +7,7 @@ deterministically by an ExternalEvent wait (a "gate") that only the host release
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,21 +17,8 @@ from graphlane.sim import (
     DeviceFaultError,
     HazardError,
     SimUsageError,
-    configure,
 )
 from graphlane.sim.streams import Stream
-
-
-@pytest.fixture
-def watchdog() -> Iterator[Callable[[float], None]]:
-    """Set the deadlock watchdog for one test; the previous value is restored afterwards."""
-    old = configure()
-
-    def set_watchdog(seconds: float) -> None:
-        configure(watchdog_s=seconds)
-
-    yield set_watchdog
-    configure(watchdog_s=old.watchdog_s)
 
 
 def read_on(stream: Stream, t: torch.Tensor) -> torch.Tensor:

@@ -7,12 +7,11 @@ The reference attention is written here, independently of the sim's kernel.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from graphlane.sim import DeadlockError, HazardError, configure, torch_npu
+from graphlane.sim import DeadlockError, HazardError, torch_npu
 
 B, N, NKV, D, MAXKV, LAYERS, STEPS = 3, 4, 2, 16, 32, 3, 20
 
@@ -97,15 +96,6 @@ def lengths_for(step: int) -> list[int]:
 
 def check(got: torch.Tensor, lengths: list[int], stack: Stack) -> None:
     torch.testing.assert_close(got.cpu(), stack.expected(lengths), atol=2e-3, rtol=2e-3)
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    """A hang must not be rescued by the watchdog in tests that expect immediate reports."""
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
 
 
 # ============================================================ correct orderings

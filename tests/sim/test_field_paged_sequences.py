@@ -8,22 +8,13 @@ sim must report. (test_field_orderings.py covers the dense BNSD orderings.)
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from graphlane.sim import HazardError, configure, torch_npu
+from graphlane.sim import HazardError, torch_npu
 
 B, N, D, BS, NB, LAYERS, STEPS = 3, 4, 16, 16, 16, 2, 20
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
 
 
 def lengths(step: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ first call's replay without it. The tests run that MTP pattern for 20 steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,19 +51,11 @@ from paged_reference import (
     make_weights,
 )
 
-from graphlane.sim import HazardError, configure, torch_npu
+from graphlane.sim import HazardError, torch_npu
 
 STEPS = 20
 FIA_OUT = torch.ops.npu.npu_fused_infer_attention_score.out
 FIA_WS = torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
 
 
 @dataclass

@@ -29,7 +29,6 @@ step. Everything around it is xLLM's sequence:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,17 +51,9 @@ from paged_reference import (
     make_weights,
 )
 
-from graphlane.sim import HazardError, configure, torch_npu
+from graphlane.sim import HazardError, torch_npu
 
 STEPS = 20
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
 
 
 @dataclass

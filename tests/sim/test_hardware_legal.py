@@ -6,21 +6,11 @@ Each correct use runs clean; its fence-less mutation is still reported."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from test_host_ordering import LAYERS, STEPS, Stack, lengths_for
 
-from graphlane.sim import HazardError, SimUsageError, configure
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
+from graphlane.sim import HazardError, SimUsageError
 
 
 # ================================================================ update on the idle capture stream

@@ -13,23 +13,15 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from graphlane.sim import HazardError, configure, torch_npu
+from graphlane.sim import HazardError, torch_npu
 from graphlane.sim.runtime import RUNTIME
 
 B, N, NKV, D, MAXKV, LAYERS, STEPS = 2, 4, 2, 16, 32, 2, 8
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
 
 
 def reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: list[int]):

@@ -2,20 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from graphlane.sim import HazardError, configure, torch_npu  # noqa: F401  (sets the device up)
-
-
-@pytest.fixture
-def watchdog_off() -> Iterator[None]:
-    old = configure().watchdog_s
-    configure(watchdog_s=600)
-    yield
-    configure(watchdog_s=old)
 
 
 def test_lost_release_names_the_graph_that_waits_on_the_event(watchdog_off: None) -> None:

@@ -9,29 +9,18 @@ own, ordered by the captured edges only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
 
-from graphlane.sim import HazardError, SimUsageError, configure, fault
+from graphlane.sim import HazardError, SimUsageError, fault
 
 
 def _npu_stream_switch(target: Any, enabled: bool = True) -> Any:
     return torch.npu.stream(target) if enabled else nullcontext()
-
-
-@pytest.fixture
-def watchdog() -> Iterator[Callable[[float], None]]:
-    old = configure()
-
-    def set_watchdog(seconds: float) -> None:
-        configure(watchdog_s=seconds)
-
-    yield set_watchdog
-    configure(watchdog_s=old.watchdog_s)
 
 
 # ------------------------------------------------------------------ the upstream patterns
