@@ -167,6 +167,7 @@ class Worker:
         # Replies to bundled requests waiting to go back as one bundle per sender:
         # the sender's routing id -> its reply envelopes; None when none is open.
         self._outbox: dict[bytes, list[bytes]] | None = None
+        self._outbox_since = 0.0  # when the open outbox last went out (or opened)
 
     @property
     def inflight(self) -> int:
@@ -337,13 +338,16 @@ class Worker:
             yield
             return
         self._outbox = {}
+        self._outbox_since = time.perf_counter()
         try:
             yield
         finally:
             self._run_safely(self._flush_outbox)
 
-    def _flush_outbox(self) -> None:
-        outbox, self._outbox = self._outbox, None
+    def _flush_outbox(self, keep_open: bool = False) -> None:
+        """Send the outbox's replies; with ``keep_open`` it stays open for more."""
+        outbox, self._outbox = self._outbox, ({} if keep_open else None)
+        self._outbox_since = time.perf_counter()
         for ident, envelopes in (outbox or {}).items():
             for _, payload in wire.bundles(envelopes):
                 self.metrics.bytes_out += len(payload)
@@ -374,6 +378,13 @@ class Worker:
         with self._replies_together():
             for req in reqs:
                 self._request(ident, req, received, True)
+                # Steps that take long to issue (patches that cost host time) must not
+                # hold the answers of steps finished meanwhile until the bundle's end:
+                # those go out at most _HOLD_S after the outbox last went out.
+                if self._woken:
+                    self._take_wakeups()
+                if time.perf_counter() - self._outbox_since > _HOLD_S:
+                    self._flush_outbox(keep_open=True)
 
     def _request(
         self, ident: Any, req: wire.Request | wire.DecodeError, received: float, bundled: bool
@@ -555,6 +566,7 @@ class Worker:
 
 
 _BATCH = 64  # requests taken from the socket per turn of the loop
+_HOLD_S = 0.0005  # the longest a reply waits in the outbox for the others of its bundle
 
 
 def _nbytes(frame: Any) -> int:
