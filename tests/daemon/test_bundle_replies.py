@@ -6,15 +6,15 @@ import zmq
 
 from graphlane.protocol import ops, wire
 
-SLOW_PATCH_US = 60_000.0  # each step's issue costs 60 ms of modelled host time
+SLOW_PATCH_US = 150_000.0  # each step's issue costs 150 ms of modelled host time
 PROGRAM = {"name": "attention", "layers": 1, "num_heads": 2, "num_kv_heads": 1,
            "head_dim": 8, "max_kv_len": 8, "buckets": [1]}  # fmt: skip
 
 
 def test_a_finished_steps_reply_does_not_wait_for_the_rest_of_its_bundle(start_daemon) -> None:
-    """Three steps in one bundle, each taking 60 ms to issue (one patched layer): the
-    first step's replay is done long before the third is issued, and its reply goes
-    out then, not with the last one in a single message 180 ms later."""
+    """Three steps in one bundle, each taking 150 ms to issue (one patched layer): the
+    first step's replay is done long before the second's issue ends, and its reply
+    goes out then, not with the second's or with the whole bundle's."""
     d = start_daemon(
         devices=1,
         sim={"mode": "timed", "patch_us": SLOW_PATCH_US, "task_us": 100.0},
@@ -24,6 +24,11 @@ def test_a_finished_steps_reply_does_not_wait_for_the_rest_of_its_bundle(start_d
     sock = ctx.socket(zmq.DEALER)
     sock.connect(d.worker(0)["endpoint"])
     try:
+        # A first step alone: the first replay's one-time costs are not the bundle's.
+        sock.send(bytes(wire.encode_request(9, "step", ops.Step(
+            "attention", 0, {"actual_seq_lengths_kv": [8]}, outputs=["out"]))[0]))  # fmt: skip
+        assert sock.poll(30_000), "no reply to the first step within 30 s"
+        sock.recv_multipart()
         envelopes = [
             bytes(wire.encode_request(i, "step", ops.Step(
                 "attention", 0, {"actual_seq_lengths_kv": [1 + i]}, outputs=["out"]))[0])
