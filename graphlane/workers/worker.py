@@ -423,8 +423,7 @@ class Worker:
             )
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
-        if body.generation is not None or self.engine.programs[body.program].state_ops:
-            self._check_generation(body)
+        self._check_generation(body)
         step = self._step(body, req.op)
         step.ident, step.request_id, step.bundled, step.received = ident, req.id, bundled, received
         if body.timeout_ms is not None:

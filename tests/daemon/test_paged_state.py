@@ -76,12 +76,13 @@ def test_a_restart_mid_decode_refuses_steps_until_the_kv_is_written_again(
             # its copy of the KV (rewritten below, after the restart).
             inputs, lengths = sched.decode([0, 1])
             while not outcomes or outcomes[-1] != "STATE_LOST":
+                assert len(outcomes) < 20, f"no STATE_LOST after the restart: {outcomes}"
                 try:
                     await c.step("paged_attention", 0, {"actual_seq_lengths_kv": lengths}, inputs)
                 except GraphlaneError as exc:
                     outcomes.append(str(exc.code))
                     if exc.code == "WORKER_LOST":
-                        await asyncio.sleep(0.05)
+                        await c.wait_ready(timeout=60)  # the restarted worker is up
                     continue
                 pytest.fail("a step after the restart returned numbers")
             assert set(outcomes) <= {"WORKER_LOST", "STATE_LOST"}

@@ -230,14 +230,18 @@ def test_query_true_in_one_thread_orders_a_patch_in_another() -> None:
             seen = threading.Event()
 
             def poll(done: torch.npu.Event = done, seen: threading.Event = seen) -> None:
-                while not done.query():
+                deadline = time.monotonic() + 30
+                while not done.query():  # the pattern under test: a thread polls query()
+                    if time.monotonic() > deadline:
+                        return  # never seen: the main thread's assert reports it
                     time.sleep(0.0005)
                 seen.set()
 
             t = threading.Thread(target=poll)
             t.start()
-            seen.wait(30)  # the program's own order: the poller saw it, then we patch
-            t.join()
+            # the program's own order: the poller saw it, then we patch
+            assert seen.wait(30), "the replay's end was never observed"
+            t.join(30)
         stack.patch_all(lengths)
         stack.replay()
     stack.check(lengths_for(STEPS - 1))

@@ -31,16 +31,16 @@ from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
     DTYPES,
+    FIA_OUT,
+    FIA_WORKSPACE,
     GraphProgram,
     OpCall,
     StepError,
     StepPlan,
     check_attention_config,
     config_values,
+    kv_lengths,
 )
-
-_FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every layer's task group runs
-_WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class AttentionProgram(GraphProgram):
         full = [c.max_kv_len] * bucket
         sizing = self._arguments(bufs, 0, full)
         del sizing["out"], sizing["workspace"]
-        workspace = backend.call(_WORKSPACE, (), sizing)
+        workspace = backend.call(FIA_WORKSPACE, (), sizing)
         if workspace is not None:  # None: a backend without a device (null)
             bufs["workspace"] = workspace
         return bufs
@@ -172,7 +172,7 @@ class AttentionProgram(GraphProgram):
         for layer in range(self.config.layers):
             events[layer].wait(stream)
             backend.task_group_begin(stream)
-            backend.call(_FIA_OUT, (), self._arguments(buffers, layer, full))
+            backend.call(FIA_OUT, (), self._arguments(buffers, layer, full))
             handles.append(backend.task_group_end(stream))
         return handles, [tuple(full)] * self.config.layers
 
@@ -182,25 +182,7 @@ class AttentionProgram(GraphProgram):
     ) -> StepPlan:
         c = self.config
         bucket = self.bucket_for(batch)
-        for key in params:
-            if key != "actual_seq_lengths_kv":
-                raise StepError(f"params.{key}", "unknown parameter (known: actual_seq_lengths_kv)")
-        if "actual_seq_lengths_kv" not in params:
-            raise StepError("params.actual_seq_lengths_kv", "is required")
-        lengths = params["actual_seq_lengths_kv"]
-        if not isinstance(lengths, (list, tuple)) or len(lengths) != batch:
-            raise StepError(
-                "params.actual_seq_lengths_kv",
-                f"must be a list of {batch} lengths (one per batch entry)",
-            )
-        for i, n in enumerate(lengths):
-            if type(n) is int and 1 <= n <= c.max_kv_len:  # the common case first
-                continue
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= c.max_kv_len:
-                raise StepError(
-                    f"params.actual_seq_lengths_kv[{i}]",
-                    f"{n!r} is not a length in 1..{c.max_kv_len} (max_kv_len)",
-                )
+        lengths = kv_lengths(params, batch, c.max_kv_len, "max_kv_len")
         if inputs:
             self._check_inputs(batch, inputs)
         padded = tuple(lengths) + (1,) * (bucket - batch)
@@ -229,7 +211,7 @@ class AttentionProgram(GraphProgram):
         return plan.values["lengths"]
 
     def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
-        return _FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
+        return FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int

@@ -58,6 +58,33 @@ def config_values(fields: Iterable[str], raw: Mapping[str, Any], where: str) -> 
     return values
 
 
+FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every attention layer's group runs
+FIA_WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
+LENGTHS = "actual_seq_lengths_kv"  # the one parameter of the attention-shaped programs
+
+
+def kv_lengths(params: Mapping[str, Any], batch: int, limit: int, why: str) -> Any:
+    """A step's ``actual_seq_lengths_kv``, its only parameter: ``batch`` ints in
+    1..``limit`` (``why`` says where the limit comes from); StepError naming the
+    parameter otherwise."""
+    for key in params:
+        if key != LENGTHS:
+            raise StepError(f"params.{key}", f"unknown parameter (known: {LENGTHS})")
+    if LENGTHS not in params:
+        raise StepError(f"params.{LENGTHS}", "is required")
+    lengths = params[LENGTHS]
+    if not isinstance(lengths, (list, tuple)) or len(lengths) != batch:
+        raise StepError(f"params.{LENGTHS}", f"must be a list of {batch} lengths (one per row)")
+    for i, n in enumerate(lengths):
+        if type(n) is int and 1 <= n <= limit:  # the common case first
+            continue
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= limit:
+            raise StepError(
+                f"params.{LENGTHS}[{i}]", f"{n!r} is not a length in 1..{limit} ({why})"
+            )
+    return lengths
+
+
 def check_attention_config(config: Any, ints: Iterable[str], where: str) -> None:
     """The checks every attention-shaped config shares: positive ``ints``, heads that
     group (GQA, at most 64 query heads per KV head), distinct positive buckets, a dtype."""

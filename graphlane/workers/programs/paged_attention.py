@@ -61,6 +61,8 @@ from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
     DTYPES,
+    FIA_OUT,
+    FIA_WORKSPACE,
     GraphProgram,
     OpCall,
     ProgramConfigError,
@@ -68,10 +70,8 @@ from .base import (
     StepPlan,
     check_attention_config,
     config_values,
+    kv_lengths,
 )
-
-_FIA_OUT = "npu_fused_infer_attention_score.out"  # the op every layer's task group runs
-_WORKSPACE = "_npu_fused_infer_attention_score_get_max_workspace"
 
 _INTS = ("layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks",
          "max_blocks_per_seq")  # fmt: skip
@@ -246,7 +246,7 @@ class PagedAttentionProgram(GraphProgram):
             table = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
             args = dict(args, key=big, value=big, block_table=table)
         del args["out"], args["workspace"]
-        workspace = backend.call(_WORKSPACE, (), args)
+        workspace = backend.call(FIA_WORKSPACE, (), args)
         if workspace is not None:  # None: a backend without a device (null)
             bufs["workspace"] = workspace
         return bufs
@@ -285,7 +285,7 @@ class PagedAttentionProgram(GraphProgram):
                 cache = self._rows(buffers[f"{kind}_cache_{layer}"])
                 cache.index_copy_(0, slots, buffers[f"new_{kind}"][layer])
             backend.task_group_begin(stream)
-            backend.call(_FIA_OUT, (), self._arguments(buffers, layer, lengths))
+            backend.call(FIA_OUT, (), self._arguments(buffers, layer, lengths))
             handles.append(backend.task_group_end(stream))
         return handles, [tuple(lengths)] * self.config.layers
 
@@ -295,21 +295,7 @@ class PagedAttentionProgram(GraphProgram):
     ) -> StepPlan:
         c = self.config
         bucket = self.bucket_for(batch)
-        for key in params:
-            if key != "actual_seq_lengths_kv":
-                raise StepError(f"params.{key}", "unknown parameter (known: actual_seq_lengths_kv)")
-        lengths = params.get("actual_seq_lengths_kv")
-        if not isinstance(lengths, (list, tuple)) or len(lengths) != batch:
-            raise StepError(
-                "params.actual_seq_lengths_kv",
-                f"must be a list of {batch} lengths (one per batch row)",
-            )
-        for i, n in enumerate(lengths):
-            if type(n) is not int or not 1 <= n <= c.max_kv_len:
-                raise StepError(
-                    f"params.actual_seq_lengths_kv[{i}]",
-                    f"{n!r} is not a length in 1..{c.max_kv_len} (max_blocks_per_seq * block_size)",
-                )
+        lengths = kv_lengths(params, batch, c.max_kv_len, "max_blocks_per_seq * block_size")
         self._check_inputs(batch, lengths, inputs)
         padded = tuple(lengths) + (1,) * (bucket - batch)
         return StepPlan(self.name, batch, bucket, {"lengths": padded}, dict(inputs))
@@ -344,7 +330,7 @@ class PagedAttentionProgram(GraphProgram):
         return plan.values["lengths"]
 
     def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
-        return _FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
+        return FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
