@@ -25,11 +25,11 @@ class Issuer:
     def __init__(
         self, backend: DeviceBackend, programs: Sequence[GraphProgram], **options: Any
     ) -> None:
-        self.finished: list[tuple[Step, int]] = []
+        self.finished: list[tuple[Step, str]] = []  # (step, the thread that answered it)
         self.engine = StepEngine(backend, programs, on_done=self._on_done, **options)
 
     def _on_done(self, step: Step) -> None:
-        self.finished.append((step, threading.get_ident()))
+        self.finished.append((step, threading.current_thread().name))
 
     def __enter__(self) -> Issuer:
         self.engine.start()

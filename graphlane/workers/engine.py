@@ -1,32 +1,41 @@
 """The step engine: the instance ring, update/replay fencing, completion.
 
 One engine owns one device: a capture stream S (replays), an update stream U
-(patches and input copies), the captured graph instances and a *completion
-thread*. The worker's socket thread is its only issuer: it takes an in-flight
-permit (:meth:`StepEngine.reserve`, ``max_inflight`` in all) and issues a
-:class:`~graphlane.workers.step.Step` (:meth:`StepEngine.issue`). When the
-step's device work is over, the engine calls ``on_done(step)``: in the issuer's
-thread if the work was already complete when its issue returned (no hand-off),
-else in the completion thread, which waits for it.
+(patches and input copies), the captured graph instances, an *update thread*
+and a *completion thread*. The worker's socket thread is its only issuer: it
+takes an in-flight permit (:meth:`StepEngine.reserve`, ``max_inflight`` in all)
+and issues a :class:`~graphlane.workers.step.Step` (:meth:`StepEngine.issue`),
+which launches the step's work on S and hands its work on U to the update
+thread, or dispatches it itself when the step is alone in the engine (the update
+thread is idle then, and a lone step's latency gains nothing from a hand-off).
+When the step's device work is over, the engine calls ``on_done(step)``: in the
+thread that dispatched its work on U if the work was already complete then (no
+further hand-off), else in the completion thread, which waits for it.
 
 A pipelined step on graph instance g (``depth`` instances per bucket, used in
 turn) is issued as:
 
-    U: wait done[g]                  the previous replay of g is finished with it
-    S: replay g                      layer l waits ev[l] before its task group
-    S: copy the outputs to the host, record done[g]
-    U: for each group l: copy l's inputs, patch l if its parameters changed,
-       record ev[l]                  exactly one record per captured wait
+    issuer, on S:  replay g          layer l waits ev[l] before its task group
+                   copy the outputs to the host, record done[g]
+    update thread, on U:
+                   wait done[g]      of the previous replay of g: it is finished with g
+                   for each group l: copy l's inputs, patch l if its parameters
+                   changed, record ev[l]    exactly one record per captured wait
 
-The replay is launched first, so the replay of layer k overlaps the host's
-dispatch of the patch of layer k+1, and the next step's dispatch overlaps this
-step's replay. U never waits on S for a replay issued after its own records
-(that would deadlock); inputs of step N+1 are copied on U after done[g] of
-step N, so they never overwrite buffers that replay N still reads.
+The update thread dispatches the patches (the host-bound part: on an NPU, the
+tiling of every patched op) while the socket thread decodes, launches and
+answers other steps, as sglang dispatches ``NPUGraph.update`` from a thread of
+its own: the replay of layer k overlaps the dispatch of the patch of layer k+1,
+and the next step's dispatch overlaps this step's replay. One thread issues on
+U and one on S, so each stream's order is the order of issue. U never waits on
+S for a replay issued after its own records (that would deadlock); inputs of
+step N+1 are copied on U after done[g] of step N, so they never overwrite
+buffers that replay N still reads.
 
 ``pipeline=False`` keeps a serial mode for comparison: patches, then the replay,
 then the issuer waits for the step's end before it returns (a host barrier:
-the next step is issued after the host saw this one finish).
+the next step is issued after the host saw this one finish). It issues U's work
+itself; no update thread runs.
 
 Schedulers that drive the two halves themselves send ``update`` (patch an
 instance of the bucket and keep it *staged*, no release) and ``replay``
@@ -83,6 +92,7 @@ OnDone = Callable[[Step], None]
 """Called once per issued step, with its results or its ``error`` filled in."""
 
 _STOP = object()
+_S_ONLY = object()  # what _issue returns for a step with no work on U
 
 
 class _Permits:
@@ -106,6 +116,11 @@ class _Permits:
                 self._waiting -= 1
             self._free -= 1
             return True
+
+    def alone(self) -> bool:
+        """Whether the caller's permit is the only one taken. (Permits come back only
+        after a step's dispatch on U is over, so then nothing else is on U.)"""
+        return self._free == self._max - 1
 
     def release(self) -> None:
         with self._lock:
@@ -148,16 +163,20 @@ class StepEngine:
         self._next: dict[tuple[str, int], int] = {}  # (program, bucket) -> next instance
         self._rings: dict[tuple[str, int], list[CapturedGraph]] = {}  # instances in order
         self._staged: dict[tuple[str, int], CapturedGraph] = {}
+        # Work on U, in issue order: (step, the event U waits for first, or None).
+        self._updates: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._failure: BaseException | None = None
         self._closed = False
         self._started = False
         self._thread: threading.Thread | None = None
+        self._updater: threading.Thread | None = None
         self.steps_done = 0
         self._count_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Capture every program (largest bucket first), then start the completion thread."""
+        """Capture every program (largest bucket first), then start the completion thread
+        (and, pipelined, the update thread)."""
         if self._started:
             return
         b = self.backend
@@ -173,6 +192,11 @@ class StepEngine:
             target=self._completion_loop, name="graphlane-completion", daemon=True
         )
         self._thread.start()
+        if self.pipeline:
+            self._updater = threading.Thread(
+                target=self._update_loop, name="graphlane-update", daemon=True
+            )
+            self._updater.start()
 
     def _capture(self, program: GraphProgram, bucket: int, instance: int) -> None:
         b = self.backend
@@ -191,10 +215,13 @@ class StepEngine:
         log.debug("captured %s", key)
 
     def close(self) -> None:
-        """Complete the steps on the device, stop the completion thread. Idempotent."""
+        """Complete the steps on the device, stop the engine's threads. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._updater is not None:  # it feeds the completion thread: stop it first
+            self._updates.put(_STOP)
+            self._updater.join()
         if self._thread is not None:
             self._completions.put(_STOP)
             self._thread.join()
@@ -269,91 +296,98 @@ class StepEngine:
 
     def issue(self, step: Step) -> None:
         """Issue one step's device work on a permit the caller holds. Only one thread
-        issues. ``on_done(step)`` runs once: here if the work failed to issue, is
-        already complete, or the engine is serial (it waits here for the step), else
-        in the completion thread."""
+        issues. ``on_done(step)`` runs once: here if the work failed to issue, or the
+        engine is serial (it waits here for the step); else in the update thread or
+        the completion thread (see the module doc)."""
         if self._failure is not None:
-            self._permits.release()
-            step.error = EngineError(f"engine failed: {self._failure}")
-            self.on_done(step)
+            self._abandon(step, EngineError(f"engine failed: {self._failure}"))
             return
         try:
-            self._issue(step)
+            fence = self._issue(step)
+            # Alone in the engine (no other step holds a permit, so the update thread
+            # is idle), a step's work on U is dispatched right here: no hand-off.
+            inline = fence is not _S_ONLY and (not self.pipeline or self._permits.alone())
+            if inline:
+                self._on_update_stream(step, fence)
         except BaseException as exc:  # a device fault or a misuse: fail loudly
-            self._permits.release()
             self._fail(exc)
-            step.error = exc
-            step.results = None
-            self.on_done(step)
+            self._abandon(step, exc)
             return
         if not self.pipeline:  # serial: the issuer waits for the step (a host barrier)
             self._complete(step)
-            return
-        try:
-            finished = step.done.query()
-        except BaseException:  # a fault: synchronize() in _complete reports it
-            finished = True
-        if finished:
-            self._complete(step)
+        elif inline or fence is _S_ONLY:
+            self._hand_over(step)
         else:
-            self._completions.put(step)
+            self._updates.put((step, fence))
+
+    def _abandon(self, step: Step, error: BaseException) -> None:
+        self._permits.release()
+        step.error = error
+        step.results = None
+        self.on_done(step)
 
     def _next_graph(self, ring_key: tuple[str, int]) -> CapturedGraph:
         i = self._next.get(ring_key, 0)
         self._next[ring_key] = (i + 1) % self.depth
         return self._rings[ring_key][i]
 
-    def _issue(self, step: Step) -> None:
-        b = self.backend
-        U = self.update_stream
+    def _issue(self, step: Step) -> Any:
+        """Issue ``step``'s work on S; return the event its work on U waits for first
+        (None: nothing to wait for), or ``_S_ONLY`` if it has no work on U."""
         plan = step.plan
         program = self.programs[plan.program]
         if step.kind is OpKind.STATE:
             self._issue_state(program, step)
-            return
+            return _S_ONLY
         ring_key = (plan.program, plan.bucket)
-        if step.kind is OpKind.UPDATE:
+        if step.kind is OpKind.UPDATE:  # its work is all on U
             g = self._staged.get(ring_key) or self._next_graph(ring_key)
             self._staged[ring_key] = g
             step.graph = g
-            if g.last_done is not None:
-                b.wait(U, g.last_done)
-            t0 = time.perf_counter()
-            step.patched = self._patch_groups(program, g, plan, release=False)
-            step.dispatch_s = time.perf_counter() - t0
-            step.results = {}
-            step.done = b.new_event()
-            b.record(step.done, U)
-            return
+            return g.last_done
         staged = self._staged.pop(ring_key, None) if self._staged else None
         g = staged if staged is not None else self._next_graph(ring_key)
         step.graph = g
-        if step.kind is OpKind.REPLAY:
-            if g.last_done is not None:
-                b.wait(U, g.last_done)
-            step.replay_at = time.perf_counter()
-            b.replay(g.graph, self.capture_stream)
-            with b.use_stream(U):
-                for event in g.events:
-                    b.record(event, U)
-        elif not self.pipeline:
+        previous = g.last_done  # the previous replay of g; U waits for it
+        b = self.backend
+        if step.kind is OpKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
             step.patched = self._patch_groups(program, g, plan, release=True)
             step.replay_at = time.perf_counter()
             step.dispatch_s = step.replay_at - t0
             b.replay(g.graph, self.capture_stream)
-        else:
-            if g.last_done is not None:
-                b.wait(U, g.last_done)  # previous replay of g is done with it
-            step.replay_at = time.perf_counter()
-            b.replay(g.graph, self.capture_stream)
-            # The patches go first: the replay waits for layer 0's release. The
-            # output copy is queued behind the replay on S, so issuing it after
-            # the patches costs the device nothing.
-            t0 = time.perf_counter()
-            step.patched = self._patch_groups(program, g, plan, release=True)
-            step.dispatch_s = time.perf_counter() - t0
+            self._collect(program, g, step)
+            return _S_ONLY
+        # Pipelined, the replay goes first: it waits for layer 0's release. The output
+        # copy is queued behind the replay on S, so queueing it before the patches
+        # costs the device nothing.
+        step.replay_at = time.perf_counter()
+        b.replay(g.graph, self.capture_stream)
         self._collect(program, g, step)
+        return previous
+
+    def _on_update_stream(self, step: Step, previous: Any) -> None:
+        """``step``'s work on U: wait for ``previous`` (the previous replay of its graph
+        instance), then patch (a step or an update) or release (a replay)."""
+        b = self.backend
+        U = self.update_stream
+        g = step.graph
+        assert g is not None
+        if previous is not None:
+            b.wait(U, previous)
+        if step.kind is OpKind.REPLAY:
+            with b.use_stream(U):
+                for event in g.events:
+                    b.record(event, U)
+            return
+        release = step.kind is OpKind.STEP
+        t0 = time.perf_counter()
+        step.patched = self._patch_groups(self.programs[step.plan.program], g, step.plan, release)
+        step.dispatch_s = time.perf_counter() - t0
+        if not release:  # an update: staged, done when its patches are
+            step.results = {}
+            step.done = b.new_event()
+            b.record(step.done, U)
 
     def _issue_state(self, program: GraphProgram, step: Step) -> None:
         """A device-state operation, on the capture stream S: every replay reads and
@@ -405,7 +439,36 @@ class StepEngine:
                     b.record(g.events[group], U)
         return patched
 
-    # ------------------------------------------------------------ completion
+    # ------------------------------------------------------------ the engine's threads
+    def _update_loop(self) -> None:
+        self.backend.enter_thread()
+        while True:
+            item = self._updates.get()
+            if item is _STOP:
+                return
+            step, previous = item
+            if self._failure is not None:  # its replay waits for releases that never come
+                self._abandon(step, EngineError(f"engine failed: {self._failure}"))
+                continue
+            try:
+                self._on_update_stream(step, previous)
+            except BaseException as exc:  # a device fault or a misuse: fail loudly
+                self._fail(exc)
+                self._abandon(step, exc)
+                continue
+            self._hand_over(step)
+
+    def _hand_over(self, step: Step) -> None:
+        """Complete ``step`` here if its device work is over, else in the completion thread."""
+        try:
+            finished = step.done.query()
+        except BaseException:  # a fault: synchronize() in _complete reports it
+            finished = True
+        if finished:
+            self._complete(step)
+        else:
+            self._completions.put(step)
+
     def _completion_loop(self) -> None:
         while True:
             item = self._completions.get()
@@ -425,7 +488,7 @@ class StepEngine:
             return
         self._permits.release()
         step.done_at = time.perf_counter()
-        with self._count_lock:  # completions run in the issuer and the completion thread
+        with self._count_lock:  # completions run in any of the engine's threads
             self.steps_done += 1
         self.on_done(step)
 

@@ -5,10 +5,12 @@ Threads and their roles:
 - the main thread owns the worker's ROUTER socket and is the step engine's only
   issuer: a plain zmq poll loop receives requests, decodes and validates them,
   issues steps on the device at once (or queues them, bounded, while
-  ``max_inflight`` steps are on the device) and sends every reply. A step whose
-  device work is already complete when its issue returns is answered on the
-  spot; otherwise the engine's *completion thread* waits for it and hands the
-  result back through a wake-up pipe the loop polls beside the socket;
+  ``max_inflight`` steps are on the device) and sends every reply. It launches
+  each step's replay; the engine's *update thread* dispatches the step's patches
+  (unless the step is alone in the engine: then the main thread does); a step
+  whose device work is complete by the end of its dispatch is answered at once,
+  otherwise the engine's *completion thread* waits for it. Either thread hands
+  the result back through a wake-up pipe the loop polls beside the socket;
 - the *lifeline* thread reads the pipe to the orchestrator: commands (drain,
   stop, ping; run on the main thread, through the same wake-up pipe) and, when
   the orchestrator dies, end-of-file, on which the worker exits at once so that

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -222,10 +223,12 @@ def test_null_backend_runs_the_engine_without_a_device() -> None:
 class _Gate:
     """A done event that completes when the test opens it."""
 
-    def __init__(self, opened: threading.Event) -> None:
+    def __init__(self, opened: threading.Event, queried: list[None]) -> None:
         self.opened = opened
+        self.queried = queried
 
     def query(self) -> bool:
+        self.queried.append(None)
         return self.opened.is_set()
 
     def synchronize(self) -> None:
@@ -236,35 +239,54 @@ class _Gate:
 
 
 class _GatedBackend(NullBackend):
-    """No device; a step's done event completes when ``opened`` is set."""
+    """No device; the done event of a step issued while ``hold`` is set completes when
+    ``opened`` is set, the others at once."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.hold = True
         self.opened = threading.Event()
+        self.queried: list[None] = []  # one entry per query() of a gated event
 
-    def new_event(self) -> _Gate:
-        return _Gate(self.opened)
+    def new_event(self) -> Any:
+        return _Gate(self.opened, self.queried) if self.hold else super().new_event()
 
 
-def test_complete_steps_are_answered_on_the_spot_and_others_from_the_completion_thread() -> None:
-    """A step already complete when its issue returns is answered in the issuer's
-    thread, the others in the completion thread, and no more than max_inflight steps
-    are ever on the device."""
+def test_where_steps_are_answered_and_the_in_flight_bound() -> None:
+    """A step alone in the engine is dispatched by the issuer, and answered there if
+    already complete; a step issued behind others is dispatched by the update thread,
+    and answered there if complete by then; the rest are answered by the completion
+    thread; and no more than max_inflight steps are ever on the device."""
     backend = _GatedBackend()
+    issuer = threading.current_thread().name
     with Issuer(backend, [AttentionProgram(CFG)], max_inflight=2) as it:
         try:
-            for _ in range(2):
-                it.step(1, [2])
+            gated = [it.step(1, [2]), it.step(1, [3])]
             assert not it.engine.reserve(blocking=False)  # both permits are on the device
+            # both dispatched, found unfinished and handed to the completion thread
+            wait_for(lambda: len(backend.queried) == 2, 30, "both steps' dispatch")
             assert it.finished == []
             backend.opened.set()
             wait_for(lambda: len(it.finished) == 2, 30, "both steps to complete")
-            assert [s.error for s, _ in it.finished] == [None, None]
-            assert all(thread != threading.get_ident() for _, thread in it.finished)
+            assert [(s, name) for s, name in it.finished] == [
+                (gated[0], "graphlane-completion"),
+                (gated[1], "graphlane-completion"),
+            ]
+            assert [s.error for s in gated] == [None, None]
             assert it.engine.reserve(blocking=False)  # permits came back
-            it.engine.issue(it.plan(1, [2]))  # complete at once: answered right here
-            assert len(it.finished) == 3 and it.finished[2][1] == threading.get_ident()
-            assert it.engine.steps_done == 3
+            it.engine.issue(lone := it.plan(1, [2]))  # alone and complete at once
+            assert it.finished[2] == (lone, issuer)
+
+            backend.opened.clear()
+            first = it.step(1, [4])  # alone: dispatched here, then waits in the completion thread
+            backend.hold = False
+            behind = it.step(1, [5])  # behind it: dispatched by the update thread, done there
+            wait_for(lambda: len(it.finished) == 4, 30, "the step behind")
+            assert it.finished[3] == (behind, "graphlane-update")
+            backend.opened.set()
+            wait_for(lambda: len(it.finished) == 5, 30, "the first step")
+            assert it.finished[4] == (first, "graphlane-completion")
+            assert it.engine.steps_done == 5
         finally:
             backend.opened.set()
 

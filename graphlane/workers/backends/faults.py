@@ -96,6 +96,9 @@ class FaultyBackend:
     def synchronize(self) -> None:
         self.inner.synchronize()
 
+    def enter_thread(self) -> None:
+        self.inner.enter_thread()
+
     def new_graph(self) -> Any:
         return self.inner.new_graph()
 

@@ -64,6 +64,9 @@ class NpuBackend:
     def synchronize(self) -> None:
         self.npu.synchronize(self.device)
 
+    def enter_thread(self) -> None:
+        self.npu.set_device(self.device.index)
+
     # ------------------------------------------------------------ graphs
     def new_graph(self) -> Any:
         return self.npu.NPUGraph()

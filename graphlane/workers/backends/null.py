@@ -63,6 +63,9 @@ class NullBackend:
     def synchronize(self) -> None:
         pass
 
+    def enter_thread(self) -> None:
+        pass
+
     def new_graph(self) -> Any:
         return object()
 
