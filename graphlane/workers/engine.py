@@ -1,7 +1,8 @@
 """The step engine: the instance ring, update/replay fencing, completion.
 
 One engine owns one device: a capture stream S (replays), an update stream U
-(patches and input copies), the captured graph instances, an *update thread*
+(patches), a copy stream C (a pipelined step's inputs), the captured graph
+instances, an *update thread*
 and a *completion thread*. The worker's socket thread is its only issuer: it
 takes an in-flight permit (:meth:`StepEngine.reserve`, ``max_inflight`` in all)
 and issues a :class:`~graphlane.workers.step.Step` (:meth:`StepEngine.issue`),
@@ -15,12 +16,15 @@ further hand-off), else in the completion thread, which waits for it.
 A pipelined step on graph instance g (``depth`` instances per bucket, used in
 turn) is issued as:
 
-    issuer, on S:  replay g          layer l waits ev[l] before its task group
+    issuer, on C:  wait done[g]      (only if the step has inputs) the previous
+                   copy the inputs   replay of g is finished with its buffers
+                   record copied
+            on S:  wait copied, replay g    layer l waits ev[l] before its task group
                    copy the outputs to the host, record done[g]
     update thread, on U:
                    wait done[g]      of the previous replay of g: it is finished with g
-                   for each group l: copy l's inputs, patch l if its parameters
-                   changed, record ev[l]    exactly one record per captured wait
+                   for each group l: patch l if its parameters changed,
+                   record ev[l]      exactly one record per captured wait
 
 The update thread dispatches the patches (the host-bound part: on an NPU, the
 tiling of every patched op) while the socket thread decodes, launches and
@@ -28,9 +32,11 @@ answers other steps, as sglang dispatches ``NPUGraph.update`` from a thread of
 its own: the replay of layer k overlaps the dispatch of the patch of layer k+1,
 and the next step's dispatch overlaps this step's replay. One thread issues on
 U and one on S, so each stream's order is the order of issue. U never waits on
-S for a replay issued after its own records (that would deadlock); inputs of
-step N+1 are copied on U after done[g] of step N, so they never overwrite
-buffers that replay N still reads.
+S for a replay issued after its own records (that would deadlock). Inputs of
+step N+1 are copied on C after done[g] of the step before it on g, so they never
+overwrite buffers that replay still reads; the issuer copies them, so the update
+thread's time per step is its patches alone (and with ``depth`` >= 2 the copies
+are done on the device long before S reaches the replay that waits for them).
 
 ``pipeline=False`` keeps a serial mode for comparison: patches, then the replay,
 then the issuer waits for the step's end before it returns (a host barrier:
@@ -182,6 +188,7 @@ class StepEngine:
         b = self.backend
         self.capture_stream = b.new_stream()
         self.update_stream = b.new_stream()
+        self.copy_stream = b.new_stream()
         for program in self.programs.values():
             for bucket in sorted(program.buckets, reverse=True):
                 for instance in range(self.depth):
@@ -352,12 +359,14 @@ class StepEngine:
         b = self.backend
         if step.kind is OpKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
-            step.patched = self._patch_groups(program, g, plan, release=True)
+            step.patched = self._patch_groups(program, g, plan, release=True, copy=True)
             step.replay_at = time.perf_counter()
             step.dispatch_s = step.replay_at - t0
             b.replay(g.graph, self.capture_stream)
             self._collect(program, g, step)
             return _S_ONLY
+        if plan.inputs:
+            self._copy_inputs(program, g, plan, previous)
         # Pipelined, the replay goes first: it waits for layer 0's release. The output
         # copy is queued behind the replay on S, so queueing it before the patches
         # costs the device nothing.
@@ -365,6 +374,23 @@ class StepEngine:
         b.replay(g.graph, self.capture_stream)
         self._collect(program, g, step)
         return previous
+
+    def _copy_inputs(
+        self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, previous: Any
+    ) -> None:
+        """Copy a pipelined step's inputs into g's buffers on C, after ``previous`` (the
+        previous replay of g) and before this replay (S waits for the copies)."""
+        b = self.backend
+        C = self.copy_stream
+        if previous is not None:
+            b.wait(C, previous)
+        with b.use_stream(C):
+            for group in range(program.num_groups):
+                for dst, src in program.input_writes(g.buffers, plan, group):
+                    b.copy_in(dst, src)
+        copied = b.new_event()
+        b.record(copied, C)
+        b.wait(self.capture_stream, copied)
 
     def _on_update_stream(self, step: Step, previous: Any) -> None:
         """``step``'s work on U: wait for ``previous`` (the previous replay of its graph
@@ -380,9 +406,10 @@ class StepEngine:
                 for event in g.events:
                     b.record(event, U)
             return
-        release = step.kind is OpKind.STEP
+        release = step.kind is OpKind.STEP  # a step's inputs are on C already
         t0 = time.perf_counter()
-        step.patched = self._patch_groups(self.programs[step.plan.program], g, step.plan, release)
+        program = self.programs[step.plan.program]
+        step.patched = self._patch_groups(program, g, step.plan, release, copy=not release)
         step.dispatch_s = time.perf_counter() - t0
         if not release:  # an update: staged, done when its patches are
             step.results = {}
@@ -417,17 +444,19 @@ class StepEngine:
         b.record(step.done, S)
 
     def _patch_groups(
-        self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, release: bool
+        self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, release: bool, copy: bool
     ) -> int:
-        """Copy inputs and patch changed groups on U; with ``release``, record every
-        group's event once (after its patch, if any)."""
+        """Patch changed groups on U, with ``copy`` copying each group's inputs before
+        its patch; with ``release``, record every group's event once (after its patch,
+        if any)."""
         b = self.backend
         U = self.update_stream
         patched = 0
         with b.use_stream(U):
             for group in range(program.num_groups):
-                for dst, src in program.input_writes(g.buffers, plan, group):
-                    b.copy_in(dst, src)
+                if copy and plan.inputs:
+                    for dst, src in program.input_writes(g.buffers, plan, group):
+                        b.copy_in(dst, src)
                 sig = program.group_signature(plan, group)
                 if sig != g.signatures[group]:
                     op, args, kwargs = program.group_call(g.buffers, plan, group)
