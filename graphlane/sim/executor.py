@@ -22,8 +22,9 @@ from .errors import DeadlockError, DeviceFaultError, SimError, SimUsageError
 from .runtime import RUNTIME, Clock, CostClock, new_actor_id
 
 if TYPE_CHECKING:
-    from .graphs import CaptureState, UpdateState
+    from .graphs import CaptureState
     from .streams import Stream
+    from .task_groups import UpdateState
 
 
 class Dropped(Exception):

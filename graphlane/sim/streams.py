@@ -29,7 +29,8 @@ from .executor import StreamExecutor
 from .runtime import RUNTIME, Clock, clock_join, new_event_id
 
 if TYPE_CHECKING:
-    from .graphs import CaptureState, Launch, UpdateState
+    from .graphs import CaptureState, Launch
+    from .task_groups import UpdateState
 
 
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # type: ignore[call-overload]
