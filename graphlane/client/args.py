@@ -7,10 +7,10 @@ A caller's mistake is answered at the call, in one line naming the argument:
   device "not served";
 * ``timeout`` must be a positive number of seconds: 0, a negative number or NaN
   is an :class:`InvalidArgument` (a ValueError too), not a TIMEOUT that says to
-  retry;
+  retry; it is also the worker's deadline for the call (:func:`deadline_ms`);
 * numpy values, as schedulers have them, are accepted: the wire's encoder makes
   numpy integers and floats Python numbers and numpy arrays in ``params`` lists;
-  numpy arrays in ``inputs`` are viewed as tensors (``client._inputs``);
+  numpy arrays in ``inputs`` are viewed as tensors (:func:`as_tensors`);
 * without ``batch=``, the batch size is the length of the program's
   ``batch_param`` as ``hello`` describes the program (:func:`infer_batch`); a
   parameter that is missing or misspelt is reported by its name.
@@ -30,8 +30,12 @@ from graphlane.protocol.errors import BadRequest, UnknownProgram
 __all__ = [
     "BatchParams",
     "InvalidArgument",
+    "as_params",
+    "as_tensors",
+    "call_timeout",
     "check_device",
     "check_timeout",
+    "deadline_ms",
     "infer_batch",
 ]
 
@@ -138,3 +142,46 @@ def infer_batch(
     raise BadRequest(
         f"params.{name}: must be a list with one entry per batch row, not {type(value).__name__}"
     )
+
+
+def call_timeout(default: float, timeout: float | None) -> float:
+    if timeout is None:
+        return default
+    check_timeout(timeout)  # 0 or negative: refused here, not a retryable TIMEOUT
+    return float(timeout)
+
+
+def deadline_ms(default: float, timeout: float | None) -> int:
+    """The call's deadline for the worker: a step not yet issued by then is answered
+    TIMEOUT without running (its caller has given up on it)."""
+    return max(1, int(call_timeout(default, timeout) * 1000))
+
+
+def as_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(params, Mapping):
+        raise InvalidArgument(f"params must be a mapping, got {type(params).__name__}")
+    for name, value in params.items():
+        if type(value) in _SENT_AS_IS:  # the common case: a list, a number, a string
+            continue
+        if isinstance(value, set | frozenset | dict | bytes | bytearray):
+            # msgpack would send a set as a list in no particular order: refuse it here
+            raise InvalidArgument(
+                f"params.{name}: cannot send a value of type {type(value).__name__} "
+                "(a number, a string or a list of numbers)"
+            )
+    return dict(params)
+
+
+_SENT_AS_IS = frozenset((list, int, float, str, bool, type(None), tuple))
+
+
+def as_tensors(inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
+    """Input tensors (numpy arrays are viewed as tensors, without a copy)."""
+    if not inputs:
+        return {}
+    out = {}
+    for name, value in inputs.items():
+        if isinstance(value, np.ndarray):
+            value = torch.from_numpy(np.ascontiguousarray(value))
+        out[name] = value
+    return out

@@ -42,7 +42,6 @@ from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from graphlane.protocol import ops
@@ -50,8 +49,9 @@ from graphlane.protocol.endpoints import check_endpoint
 from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
 from graphlane.protocol.security import ClientKeys
 
-from .args import BatchParams, InvalidArgument, check_device, check_timeout
-from .transport import _BUNDLE_MAX, Channel, Sockets, _expand
+from .args import as_params, as_tensors, call_timeout, check_device, deadline_ms
+from .hosts import Host, expand
+from .transport import _BUNDLE_MAX, Channel, Sockets
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,43 +71,6 @@ class StepReply:
 
 
 Device = int | tuple[int | str, int]
-
-
-class _Host:
-    """One daemon: its control channel and its workers' channels."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.daemon: Channel | None = None
-        self.workers: dict[int, Channel] = {}
-        self.hello: dict[str, Any] = {}
-        self.lock = asyncio.Lock()
-        self.batch_params = BatchParams()
-        # The worker generation each device's requests name: taken from the hello that
-        # first reached the device, changed only by Client.reset_state (a restart must
-        # never be adopted silently: the device state it lost would be taken as kept).
-        self.generations: dict[int, int] = {}
-        # (device, program) -> whether it keeps device state, as self._stateful_of says
-        self._stateful: dict[tuple[int, str], bool] = {}
-        self._stateful_of: dict[str, Any] | None = None
-
-    def generation_for(self, device: int, program: str | None) -> int | None:
-        """What a request to ``program`` (None: a KV op) names: the adopted generation
-        when the program keeps device state, else nothing."""
-        if program is not None:
-            if self._stateful_of is not self.hello:  # a new hello: look again
-                self._stateful, self._stateful_of = {}, self.hello
-            stateful = self._stateful.get((device, program))
-            if stateful is None:
-                entry: dict[str, Any] = next(
-                    (w for w in self.hello.get("workers", ()) if w.get("device") == device), {}
-                )
-                described = (entry.get("programs") or {}).get(program)
-                stateful = isinstance(described, dict) and bool(described.get("state_ops"))
-                self._stateful[(device, program)] = stateful
-            if not stateful:
-                return None
-        return self.generations.get(device)
 
 
 class Client:
@@ -152,7 +115,7 @@ class Client:
         # Closes whatever is still open when the client is collected unclosed, or at
         # interpreter exit; it holds the sockets, never the client.
         self._finalizer = weakref.finalize(self, self._sockets.close_all)
-        self._hosts: list[_Host] = []
+        self._hosts: list[Host] = []
         self._ids = itertools.count(1)
         self._closing = False
 
@@ -165,11 +128,11 @@ class Client:
             if not self._hosts:
                 endpoints: list[str] = []
                 for ep in self.requested:
-                    for resolved in await _expand(ep):
+                    for resolved in await expand(ep):
                         if resolved not in endpoints:
                             endpoints.append(resolved)
                 for ep in endpoints:
-                    host = _Host(ep)
+                    host = Host(ep)
                     self._hosts.append(host)
                     host.daemon = Channel(self._sockets, ep, f"daemon at {ep}", self.keys)
             return await self.hello()
@@ -211,9 +174,9 @@ class Client:
         self, ch: Channel, op: str, body: Any, timeout: float | None
     ) -> Coroutine[Any, Any, Any]:
         """The call's coroutine (the reply's typed body; its error raised)."""
-        return ch.call(next(self._ids), ops.OPS[op], body, _timeout(self.timeout, timeout))
+        return ch.call(next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout))
 
-    def _channel(self, host: _Host | None = None) -> Channel:
+    def _channel(self, host: Host | None = None) -> Channel:
         if self._closing:
             raise WorkerLost("the client was closed")
         if not self._hosts:
@@ -224,7 +187,7 @@ class Client:
         assert ch is not None
         return ch
 
-    def _resolve(self, device: Device) -> tuple[_Host, int]:
+    def _resolve(self, device: Device) -> tuple[Host, int]:
         if type(device) is not int:
             check_device(device)  # "0" is a type error, not a device that is not served
             if not isinstance(device, tuple):
@@ -248,7 +211,7 @@ class Client:
     async def _worker(self, device: Device) -> Channel:
         return await self._worker_at(*self._resolve(device))
 
-    async def _worker_at(self, host: _Host, local: int) -> Channel:
+    async def _worker_at(self, host: Host, local: int) -> Channel:
         ch = host.workers.get(local)
         if ch is not None and not ch.lost:
             return ch
@@ -288,7 +251,7 @@ class Client:
             )
             return ch
 
-    async def _hello_on(self, host: _Host, timeout: float | None = None) -> dict[str, Any]:
+    async def _hello_on(self, host: Host, timeout: float | None = None) -> dict[str, Any]:
         hello = ops.Hello(client=self.name)
         host.hello = await self._call(self._channel(host), "hello", hello, timeout)
         return host.hello
@@ -358,11 +321,11 @@ class Client:
         body = ops.Step(
             program,
             local,
-            _params(params),
-            _inputs(inputs),
+            as_params(params),
+            as_tensors(inputs),
             list(outputs),
             batch,
-            _deadline_ms(self.timeout, timeout),
+            deadline_ms(self.timeout, timeout),
             host.generation_for(local, program),
         )
         return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
@@ -379,12 +342,14 @@ class Client:
     ) -> StepReply:
         """Patch the next replay of the bucket (no replay); ``batch`` as in :meth:`step`."""
         host, local = self._resolve(device)
-        deadline = _deadline_ms(self.timeout, timeout)
+        deadline = deadline_ms(self.timeout, timeout)
         ch = await self._worker_at(host, local)
         if batch is None:
             batch = host.batch_params.infer(host.hello, local, program, params)
         gen = host.generation_for(local, program)
-        body = ops.Update(program, local, _params(params), _inputs(inputs), batch, deadline, gen)
+        body = ops.Update(
+            program, local, as_params(params), as_tensors(inputs), batch, deadline, gen
+        )
         return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
 
     async def replay(
@@ -398,7 +363,7 @@ class Client:
     ) -> StepReply:
         """Replay the bucket's updated (or next) graph instance."""
         host, local = self._resolve(device)
-        deadline = _deadline_ms(self.timeout, timeout)
+        deadline = deadline_ms(self.timeout, timeout)
         ch = await self._worker_at(host, local)
         gen = host.generation_for(local, program)
         body = ops.Replay(program, local, batch, list(outputs), deadline, gen)
@@ -419,10 +384,10 @@ class Client:
         sent before and after it."""
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
-        t = _inputs({"slots": slots, "key": key, "value": value})
+        t = as_tensors({"slots": slots, "key": key, "value": value})
         body = ops.KvWrite(
             program, local, t["slots"], t["key"], t["value"],
-            host.generation_for(local, None), _deadline_ms(self.timeout, timeout),
+            host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
         return _reply(host.endpoint, local, await self._call(ch, "kv_write", body, timeout))
 
@@ -433,8 +398,8 @@ class Client:
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
         body = ops.KvRead(
-            program, local, _inputs({"slots": slots})["slots"],
-            host.generation_for(local, None), _deadline_ms(self.timeout, timeout),
+            program, local, as_tensors({"slots": slots})["slots"],
+            host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
         return _reply(host.endpoint, local, await self._call(ch, "kv_read", body, timeout))
 
@@ -472,51 +437,8 @@ class Client:
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
-def _no_host() -> _Host:
+def _no_host() -> Host:
     raise RuntimeError("the client is not connected: use 'async with Client(...)' or connect()")
-
-
-def _timeout(default: float, timeout: float | None) -> float:
-    if timeout is None:
-        return default
-    check_timeout(timeout)  # 0 or negative: refused here, not a retryable TIMEOUT
-    return float(timeout)
-
-
-def _deadline_ms(default: float, timeout: float | None) -> int:
-    """The call's deadline for the worker: a step not yet issued by then is answered
-    TIMEOUT without running (its caller has given up on it)."""
-    return max(1, int(_timeout(default, timeout) * 1000))
-
-
-def _params(params: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(params, Mapping):
-        raise InvalidArgument(f"params must be a mapping, got {type(params).__name__}")
-    for name, value in params.items():
-        if type(value) in _SENT_AS_IS:  # the common case: a list, a number, a string
-            continue
-        if isinstance(value, set | frozenset | dict | bytes | bytearray):
-            # msgpack would send a set as a list in no particular order: refuse it here
-            raise InvalidArgument(
-                f"params.{name}: cannot send a value of type {type(value).__name__} "
-                "(a number, a string or a list of numbers)"
-            )
-    return dict(params)
-
-
-_SENT_AS_IS = frozenset((list, int, float, str, bool, type(None), tuple))
-
-
-def _inputs(inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
-    """Input tensors (numpy arrays are viewed as tensors, without a copy)."""
-    if not inputs:
-        return {}
-    out = {}
-    for name, value in inputs.items():
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(np.ascontiguousarray(value))
-        out[name] = value
-    return out
 
 
 def _reply(host: str, device: int, done: ops.StepDone) -> StepReply:

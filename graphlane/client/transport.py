@@ -5,7 +5,7 @@ id by the event loop's reader callback for that socket. Sockets belong to the
 event loop that created them (its thread is their only user); a send is one
 message sent without a pause (``wire.send_message``), so frames of concurrent calls
 never interleave. Every call has
-a deadline (:class:`_Deadlines`, one loop timer per channel).
+a deadline (:class:`~.deadlines.Deadlines`, one loop timer per channel).
 
 A call made while others are in flight on the same worker, and whose request
 is one frame (no tensor large enough for a frame of its own), is not sent at
@@ -15,22 +15,15 @@ bundle going at once, and ``wire.BUNDLE_BYTES``, 64 KiB: a larger request
 goes alone), when the daemon says its workers take bundles. A call alone on its
 connection is sent at once. Bundling saves a message per call on both sides
 and changes nothing else: each call keeps its own id, deadline and reply.
-
-:func:`_expand` turns a tcp endpoint whose name resolves to several addresses
-into one endpoint per address (one daemon per host).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import ipaddress
 import logging
 import os
-import socket
 import threading
-import time
 from typing import Any, cast
 
 import zmq
@@ -40,12 +33,13 @@ from graphlane.protocol import wire
 from graphlane.protocol.errors import (
     GraphlaneError,
     InternalError,
-    Timeout,
     Unauthorized,
     WorkerLost,
 )
 from graphlane.protocol.ops import Op
 from graphlane.protocol.security import ClientKeys
+
+from .deadlines import Deadlines
 
 log = logging.getLogger("graphlane.client")
 
@@ -89,7 +83,7 @@ class Channel:
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
         self._retries: set[asyncio.Task[None]] = set()
-        self._deadlines = _Deadlines(self._loop, name)
+        self._deadlines = Deadlines(self._loop, name)
         self._fds = [self.sock.FD, self.monitor.FD]
         sockets.watch(self._loop, self._fds[0], self._readable)
         sockets.watch(self._loop, self._fds[1], self._watch)
@@ -400,109 +394,3 @@ def _fail(futs: list[asyncio.Future[wire.Reply]], exc: BaseException) -> None:
     for fut in futs:
         if not fut.done():
             fut.set_exception(exc)
-
-
-def _expire(fut: asyncio.Future[Any], what: str, timeout: float) -> None:
-    if not fut.done():
-        fut.set_exception(Timeout(f"{what} got no reply within {timeout:g} s"))
-
-
-class _Deadlines:
-    """The deadlines of one channel's calls, with one loop timer, armed for the earliest.
-
-    A loop timer per call costs a handle, a heap push and the pop of the cancelled
-    handle, several microseconds a call. Calls with the same timeout expire in the
-    order they were made, so a queue per timeout value stays sorted for the cost of
-    an append. An entry whose call ended stays in its queue until the timer passes
-    it or ended entries crowd the queue (then it is compacted: bounded memory). A
-    call with an unusual timeout (more than ``_TIMEOUT_QUEUES`` distinct values in
-    use) gets a loop timer of its own, as before.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
-        self._loop = loop
-        self._name = name
-        # timeout -> [queue of (deadline, future, op), length that triggers compaction]
-        self._queues: dict[float, list[Any]] = {}
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = float("inf")
-
-    def add(self, fut: asyncio.Future[Any], timeout: float, op: str) -> asyncio.TimerHandle | None:
-        """Fail ``fut`` with TIMEOUT after ``timeout`` s unless it is done by then; a
-        loop timer to cancel when the call ends, or None when nothing needs doing."""
-        entry = self._queues.get(timeout)
-        if entry is None:
-            if len(self._queues) >= _TIMEOUT_QUEUES:
-                what = f"{op} to {self._name}"
-                return self._loop.call_later(timeout, _expire, fut, what, timeout)
-            entry = self._queues[timeout] = [collections.deque(), _COMPACT_AT]
-        when = self._loop.time() + timeout
-        queue: collections.deque[tuple[float, asyncio.Future[Any], str]] = entry[0]
-        queue.append((when, fut, op))
-        if len(queue) >= entry[1]:  # mostly ended calls: keep the live ones
-            entry[0] = queue = collections.deque(e for e in queue if not e[1].done())
-            entry[1] = max(_COMPACT_AT, 2 * len(queue))
-        if when < self._timer_at:
-            self._arm(when)
-        return None
-
-    def close(self) -> None:
-        """Forget every deadline (the channel failed its calls already)."""
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer, self._timer_at = None, float("inf")
-        self._queues.clear()
-
-    def _arm(self, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer = self._loop.call_at(when, self._expire)
-        self._timer_at = when
-
-    def _expire(self) -> None:
-        """Fail the calls whose deadline passed; drop ended calls from the queues'
-        fronts (so that the next wake-up is for a live call); re-arm."""
-        self._timer, self._timer_at = None, float("inf")
-        now = self._loop.time() + _CLOCK_RESOLUTION  # the loop runs a timer that early
-        earliest = float("inf")
-        for timeout, entry in list(self._queues.items()):
-            queue = entry[0]
-            while queue:
-                when, fut, op = queue[0]
-                if not fut.done():
-                    if when > now:
-                        earliest = min(earliest, when)
-                        break
-                    _expire(fut, f"{op} to {self._name}", timeout)
-                queue.popleft()
-            if not queue:
-                del self._queues[timeout]
-        if earliest < float("inf"):
-            self._arm(earliest)
-
-
-_TIMEOUT_QUEUES = 8  # distinct timeout values with a queue of their own, per channel
-_COMPACT_AT = 1024  # the least queue length at which ended calls are dropped
-_CLOCK_RESOLUTION = time.get_clock_info("monotonic").resolution
-
-
-async def _expand(endpoint: str) -> list[str]:
-    """A tcp endpoint whose name resolves to several addresses: one endpoint each."""
-    if not endpoint.startswith("tcp://"):
-        return [endpoint]
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-        return [endpoint]
-    except ValueError:
-        pass
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except (OSError, ValueError):
-        return [endpoint]  # let the socket report the problem
-    addresses = sorted({str(info[4][0]) for info in infos})
-    # A name for one machine (localhost: 127.0.0.1 and ::1) is one host, not several.
-    if len(addresses) <= 1 or any(ipaddress.ip_address(a).is_loopback for a in addresses):
-        return [endpoint]
-    return [f"tcp://[{a}]:{port}" if ":" in a else f"tcp://{a}:{port}" for a in addresses]

@@ -2,9 +2,10 @@
 
 Transport: ZeroMQ, a scheduler's DEALER to the daemon's ROUTER; every request
 gets exactly one reply carrying the request's id. Encoding: msgpack, with one
-typed definition per message (:mod:`graphlane.protocol.wire` for envelopes and
-tensors, :mod:`graphlane.protocol.ops` for each operation's body, msgspec
-Structs that the client encodes and the server decodes). No pickle, anywhere.
+typed definition per message (:mod:`graphlane.protocol.wire` for envelopes,
+:mod:`graphlane.protocol.tensors` for tensors, :mod:`graphlane.protocol.ops` for
+each operation's body, msgspec Structs that the client encodes and the server
+decodes). No pickle, anywhere.
 
 Frame layout
 ============
@@ -228,13 +229,11 @@ from graphlane.protocol.ops import (
     StepDone,
     Update,
 )
+from graphlane.protocol.tensors import DTYPES, INLINE_TENSOR_BYTES, TENSOR_KEY, tensor_ref
 from graphlane.protocol.wire import (
     BUNDLE_BYTES,
     DEFAULT_LIMITS,
-    DTYPES,
-    INLINE_TENSOR_BYTES,
     PROTOCOL_VERSION,
-    TENSOR_KEY,
     DecodeError,
     FrameLike,
     Limits,
@@ -247,7 +246,6 @@ from graphlane.protocol.wire import (
     encode_error,
     encode_reply,
     encode_request,
-    tensor_ref,
 )
 
 __all__ = [

@@ -14,21 +14,10 @@ from typing import Any
 
 import torch
 
+from .blocks import ALLOCATED, Block, PrivatePool, block_at, live_overlap
 from .device import device_index
 from .errors import HazardError
-from .memory import (
-    ALLOCATED,
-    LOCK,
-    RELEASED,
-    Allocation,
-    Block,
-    PrivatePool,
-    block_at,
-    device_memory,
-    drain_locked,
-    live_overlap,
-    observe,
-)
+from .memory import LOCK, RELEASED, Allocation, device_memory, drain_locked, observe
 from .memory_stats import reset_accumulated, reset_peak, stats_of
 from .runtime import RUNTIME, Clock
 

@@ -30,16 +30,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import ops
 from .errors import SimUsageError, UpdateKeyIgnoredWarning
 from .events import ExternalEvent
-from .graphs import (
-    GraphDispatchState,
-    NPUGraph,
+from .graphs import GraphDispatchState, NPUGraph
+from .streams import Stream, current_stream
+from .streams import stream as stream_ctx
+from .task_groups import (
     graph_task_group_begin,
     graph_task_group_end,
     graph_task_update_begin,
     graph_task_update_end,
 )
-from .streams import Stream, current_stream
-from .streams import stream as stream_ctx
 
 
 @dataclass

@@ -33,8 +33,9 @@ import torch
 
 from .allocation import note_uses
 from .opcall import HOST_CHECKS, OpCall, RememberedCheck, _tensor_key
+from .routing import route
 from .streams import current_stream
-from .tensor import NpuTensor, route
+from .tensor import NpuTensor
 
 # What the fast path accepts for an argument, by schema type.
 _TENSOR, _TENSOR_LIST, _INT_LIST, _SCALAR = range(4)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from .fia_layout import Plan, fail, out_shape
+from .fia_args import fail, out_shape
+from .fia_layout import Plan
 
 
 def _dense_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:

@@ -6,9 +6,9 @@ arguments against the op-plugin document ``torch_npu-npu_fused_infer_attention_s
 (:mod:`fia_kernel`) needs except tensor data. Plans depend on shapes and on the
 length lists only, so callers cache them; nothing here reads a device tensor.
 
-A call that breaks a rule raises :class:`AttentionArgumentError` naming the argument;
-the registered ops (:mod:`fia_ops`) turn it into a :class:`SimUsageError`. The rules
-followed:
+A call that breaks a rule raises :class:`~.fia_args.AttentionArgumentError` naming
+the argument (:mod:`fia_args` reads the arguments); the registered ops
+(:mod:`fia_ops`) turn it into a :class:`SimUsageError`. The rules followed:
 
 * Dense BSH/BSND/BNSD: ``D = H / N``; ``num_heads`` equals query's N axis (BSND/BNSD) or
   divides H (BSH). ``num_key_value_heads`` 0 means ``num_heads``; it divides
@@ -42,41 +42,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import index as _as_index
 from typing import Any
 
 import torch
 
+from .fia_args import check_int, cumulative, fail, int_list, out_shape, per_batch, split_layout
+
 INT32_MAX = 2147483647
 OPT_MASK = 2048
-_IN_LAYOUTS = ("BSH", "BSND", "BNSD", "TND", "NTD")
-_LAYOUTS = {
-    "BSH": ("BSH", "BSH"),
-    "BSND": ("BSND", "BSND"),
-    "BNSD": ("BNSD", "BNSD"),
-    "TND": ("TND", "TND"),
-    "BNSD_BSND": ("BNSD", "BSND"),
-    "BSH_NBSD": ("BSH", "NBSD"),
-    "BSND_NBSD": ("BSND", "NBSD"),
-    "BNSD_NBSD": ("BNSD", "NBSD"),
-    "TND_NTD": ("TND", "NTD"),
-    "NTD_TND": ("NTD", "TND"),
-}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _WORKSPACE_BASE = 64 * 1024
 _WORKSPACE_ALIGN = 512
-
-
-class AttentionArgumentError(ValueError):
-    """An argument of the fused inference attention op is invalid or not implemented.
-
-    The message starts with the offending argument's name.
-    """
-
-
-def fail(argument: str, message: str) -> AttentionArgumentError:
-    return AttentionArgumentError(f"{argument}: {message}")
 
 
 @dataclass(frozen=True)
@@ -133,87 +110,6 @@ def workspace_bytes(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int
     rows = sum(q * -(-kv // 128) * 128 for q, kv in zip(q_lens, kv_lens, strict=True))
     total = _WORKSPACE_BASE + 2 * 4 * num_heads * rows
     return -(-total // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
-
-
-def out_shape(layout: str, b: int, n: int, s: int, dv: int, t: int) -> tuple[int, ...]:
-    return {
-        "BSH": (b, s, n * dv), "BSND": (b, s, n, dv), "BNSD": (b, n, s, dv),
-        "NBSD": (n, b, s, dv), "TND": (t, n, dv), "NTD": (n, t, dv),
-    }[layout]  # fmt: skip
-
-
-def split_layout(input_layout: object) -> tuple[str, str]:
-    if not isinstance(input_layout, str):
-        raise fail("input_layout", f"expected a str, got {type(input_layout).__name__}")
-    if input_layout not in _LAYOUTS:
-        raise fail("input_layout", f"unknown layout {input_layout!r} (documented: "
-                   f"{', '.join(_LAYOUTS)})")  # fmt: skip
-    return _LAYOUTS[input_layout]
-
-
-def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise fail(name, f"expected an int, got {type(value).__name__}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise fail(name, f"{value} is outside [{lo}, {hi}]")
-    return value
-
-
-def int_list(name: str, values: object) -> list[int] | None:
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        if values.device.type not in ("cpu", "meta") or values.dim() != 1:
-            raise fail(name, "expected a list of ints (or a 1-D host tensor)")
-        return [int(v) for v in values.tolist()]
-    if not isinstance(values, (list, tuple)):
-        raise fail(name, f"expected a list of ints, got {type(values).__name__}")
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool):
-            raise fail(name, f"entry {i} is a bool, expected an int")
-        try:
-            out.append(_as_index(v))
-        except TypeError:
-            raise fail(name, f"entry {i} is {type(v).__name__}, expected an int") from None
-    return out
-
-
-def per_batch(name: str, values: list[int] | None, batch: int, limit: int) -> tuple[int, ...]:
-    """The document's rule: one entry applies to every batch, else the first B entries."""
-    if values is None:
-        return (limit,) * batch
-    if len(values) == 1:
-        values = values * batch
-    elif len(values) >= batch:
-        values = values[:batch]
-    else:
-        raise fail(name, f"has {len(values)} entries; expected 1 or at least the batch size "
-                   f"({batch})")  # fmt: skip
-    for b, v in enumerate(values):
-        if not 0 <= v <= limit:
-            raise fail(name, f"value {v} for batch {b} is outside [0, {limit}]")
-    return tuple(values)
-
-
-def cumulative(name: str, values: list[int] | None, total: int) -> tuple[tuple[int, ...], ...]:
-    """(lengths, starts) from TND cumulative ends."""
-    if values is None:
-        raise fail(name, "is required for the TND/NTD layouts (cumulative ends per batch)")
-    if not values:
-        raise fail(name, "must not be empty for the TND/NTD layouts")
-    prev = 0
-    lens, starts = [], []
-    for i, v in enumerate(values):
-        if v < prev:
-            raise fail(name, f"entry {i} ({v}) is smaller than the entry before ({prev}): "
-                       "TND lengths are cumulative and must not decrease")  # fmt: skip
-        lens.append(v - prev)
-        starts.append(prev)
-        prev = v
-    if prev > total:
-        raise fail(name, f"the last cumulative end {prev} exceeds T = {total}")
-    return tuple(lens), tuple(starts)
 
 
 def _tensor(name: str, t: object) -> torch.Tensor:

@@ -17,7 +17,8 @@ import torch
 
 from . import fia_kernel
 from .errors import SimUsageError
-from .fia_layout import AttentionArgumentError, Plan, out_shape, plan, query_dims, split_layout
+from .fia_args import AttentionArgumentError, out_shape, split_layout
+from .fia_layout import Plan, plan, query_dims
 
 _PLANS: dict[Any, Plan] = {}
 _PLANS_MAX = 4096

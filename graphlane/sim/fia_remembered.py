@@ -19,15 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .fia_layout import (
-    AttentionArgumentError,
-    Plan,
-    _kv_paged,
-    fail,
-    int_list,
-    per_batch,
-    workspace_bytes,
-)
+from .fia_args import AttentionArgumentError, fail, int_list, per_batch
+from .fia_layout import Plan, _kv_paged, workspace_bytes
 from .fia_ops import Kernels, refuse_short_workspace, usage_error
 from .opcall import RememberedCheck
 

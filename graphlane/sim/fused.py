@@ -15,15 +15,15 @@ from typing import Any
 
 from . import direct
 from .errors import SimUsageError
-from .graphs import (
+from .ops import fused_infer_attention_score
+from .streams import Stream
+from .streams import stream as stream_ctx
+from .task_groups import (
     TaskGroupHandle,
     abandon_update,
     graph_task_update_begin,
     graph_task_update_end,
 )
-from .ops import fused_infer_attention_score
-from .streams import Stream
-from .streams import stream as stream_ctx
 
 _OUT = fused_infer_attention_score.out
 

@@ -4,7 +4,8 @@ Device memory is cut from *segments*, CPU buffers reserved from a simulated devi
 of ``SimConfig.device_memory`` bytes, as torch_npu's NPUCachingAllocator (CUDA's)
 cuts blocks from ``aclrtMalloc`` segments: sizes round up to 512 bytes; requests up
 to 1 MiB share 2 MiB segments, up to 10 MiB 20 MiB segments, larger ones get their
-own (rounded to 2 MiB); the smallest cached block that fits is split.
+own (rounded to 2 MiB); the smallest cached block that fits is split. (Segments,
+blocks and the pools that cache free ones are in :mod:`.blocks`.)
 
 - A freed block is cached for the stream it was allocated on and goes to the next
   allocation on that stream that fits, so addresses are reused and a reallocated
@@ -29,7 +30,6 @@ freed since the capture whose memory another live tensor now holds.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import threading
 from collections import deque
@@ -37,6 +37,18 @@ from typing import Any
 
 import torch
 
+from .blocks import (
+    ALLOCATED,
+    DEAD,
+    FREE,
+    PENDING,
+    Block,
+    BlockPool,
+    PrivatePool,
+    Segment,
+    add_segment,
+    drop_segment,
+)
 from .runtime import RUNTIME, Clock
 
 MIN_BLOCK = 512
@@ -46,59 +58,10 @@ LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
 
-ALLOCATED, PENDING, FREE, DEAD = 0, 1, 2, 3
-
 LOCK = threading.Lock()  # never taken before RUNTIME.cond by the same thread
 _FREED: deque[Block] = deque()  # blocks whose last tensor went away, not yet processed
 RELEASED: deque[PrivatePool] = deque()  # pools a graph stopped using, not yet processed
 _seqs = itertools.count(1)
-
-
-class Segment:
-    """One reservation from the device: a CPU buffer cut into blocks."""
-
-    __slots__ = ("base", "bytes", "head", "pool", "size", "storage")
-
-    def __init__(self, size: int, pool: BlockPool) -> None:
-        self.bytes = torch.empty(size, dtype=torch.uint8)
-        self.base = self.bytes.data_ptr()
-        self.size = size
-        self.pool = pool
-        self.head: Block | None = None
-        self.storage = self.bytes.untyped_storage()
-
-    def tensor(
-        self, ptr: int, size: int, shape: Any, stride: Any, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A CPU tensor over the ``size`` bytes of the segment at ``ptr``, on a storage of
-        their own (a slice of the segment's): its ``untyped_storage()`` is the block, so
-        what keys memory by storage (the sim's access tracking) sees one allocation, not
-        the whole segment."""
-        off = ptr - self.base
-        block = self.storage[off : off + size]
-        return torch.empty(0, dtype=dtype).set_(block, 0, shape, stride)
-
-
-class Block:
-    """A piece of a segment, allocated or cached free for ``stream``."""
-
-    __slots__ = (
-        "events", "hazards", "next", "pool", "prev", "ptr", "recorded", "requested",
-        "segment", "seq", "size", "state", "stream", "uses",
-    )  # fmt: skip
-
-    def __init__(self, segment: Segment, ptr: int, size: int, stream: Any) -> None:
-        self.segment, self.ptr, self.size, self.stream = segment, ptr, size, stream
-        self.pool = segment.pool
-        self.prev: Block | None = None
-        self.next: Block | None = None
-        self.state = FREE
-        self.seq = 0  # which allocation holds it (changes at every allocation)
-        self.requested = 0
-        self.uses: dict[Any, Any] | None = None  # other stream -> its latest entry using it
-        self.recorded: list[Any] | None = None  # record_stream streams
-        self.events: list[Any] | None = None  # their latest entries at the free
-        self.hazards: list[tuple[int, int, Any, Any]] | None = None  # (lo, hi, stream, entry)
 
 
 class Allocation:
@@ -115,89 +78,6 @@ class Allocation:
         if block.recorded:  # the "events" record_stream's free inserts on those streams
             block.events = [s._last for s in block.recorded]
         _freed.append(block)
-
-
-class BlockPool:
-    """Cached free blocks of one size class, per stream: exact-size bins, sizes sorted."""
-
-    def __init__(self, small: bool, device: DeviceMemory, owner: PrivatePool | None) -> None:
-        self.small = small
-        self.device = device
-        self.owner = owner
-        self.bins: dict[Any, dict[int, list[Block]]] = {}
-        self.sizes: dict[Any, list[int]] = {}
-        self.segments: list[Segment] = []
-
-    def insert(self, block: Block) -> None:
-        block.state = FREE
-        bins = self.bins.setdefault(block.stream, {})
-        same = bins.get(block.size)
-        if same is None:
-            bins[block.size] = [block]
-            bisect.insort(self.sizes.setdefault(block.stream, []), block.size)
-        else:
-            same.append(block)
-
-    def remove(self, block: Block) -> None:
-        bins = self.bins[block.stream]
-        same = bins[block.size]
-        same.remove(block)
-        if not same:
-            del bins[block.size]
-            sizes = self.sizes[block.stream]
-            del sizes[bisect.bisect_left(sizes, block.size)]
-
-    def coalesce(self, stream: Any) -> bool:
-        """Merge adjacent free blocks of ``stream`` (frees cache blocks as they are, so
-        that the next allocation of the same size takes the same block at once; CUDA
-        merges at every free, to the same effect). True if anything merged."""
-        merged = False
-        for seg in self.segments:
-            b = seg.head
-            while b is not None:
-                nb = b.next
-                if nb is not None and b.state == FREE and nb.state == FREE and b.stream is stream:
-                    self.remove(b)
-                    self.remove(nb)
-                    b.size += nb.size
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-                    if nb.hazards:
-                        b.hazards = (b.hazards or []) + nb.hazards
-                    nb.state, nb.seq = DEAD, -1
-                    self.insert(b)
-                    merged = True
-                    continue
-                b = nb
-        return merged
-
-    def take(self, stream: Any, size: int) -> Block | None:
-        """The smallest cached block of ``stream`` that fits (lowest address first)."""
-        sizes = self.sizes.get(stream)
-        if not sizes:
-            return None
-        i = bisect.bisect_left(sizes, size)
-        if i == len(sizes):
-            return None
-        same = self.bins[stream][sizes[i]]
-        block = same[0] if len(same) == 1 else min(same, key=_ptr)
-        self.remove(block)
-        return block
-
-
-def _ptr(b: Block) -> int:
-    return b.ptr
-
-
-class PrivatePool:
-    """A graph's private memory pool (one per pool id, shared through ``pool=``)."""
-
-    def __init__(self, pool_id: Any, device: DeviceMemory) -> None:
-        self.id = pool_id
-        self.use_count = 0
-        self.small = BlockPool(True, device, self)
-        self.large = BlockPool(False, device, self)
 
 
 _STATS = (
@@ -334,7 +214,7 @@ class DeviceMemory:
         seg = Segment(seg_size, pool)
         seg.head = block = Block(seg, seg.base, seg_size, stream)
         pool.segments.append(seg)
-        _add_segment(seg)
+        add_segment(seg)
         self.reserved += seg_size
         self.counters["num_device_alloc"] += 1
         _bump(self.stats["segment"], pool.small, 1)
@@ -405,7 +285,7 @@ class DeviceMemory:
                 if head is not None and head.state == FREE and head.next is None:
                     pool.remove(head)
                     head.state, head.seq = DEAD, -1
-                    _drop_segment(seg)
+                    drop_segment(seg)
                     self.reserved -= seg.size
                     self.counters["num_device_free"] += 1
                     _bump(self.stats["segment"], pool.small, -1)
@@ -432,47 +312,6 @@ def format_size(n: int) -> str:
     if n <= 1 << 30:
         return f"{n / (1 << 20):.2f} MiB"
     return f"{n / (1 << 30):.2f} GiB"
-
-
-# ---------------------------------------------------------------- segments by address
-_BASES: list[int] = []
-_SEGMENTS: dict[int, Segment] = {}
-
-
-def _add_segment(seg: Segment) -> None:
-    bisect.insort(_BASES, seg.base)
-    _SEGMENTS[seg.base] = seg
-
-
-def _drop_segment(seg: Segment) -> None:
-    del _BASES[bisect.bisect_left(_BASES, seg.base)]
-    del _SEGMENTS[seg.base]
-
-
-def block_at(ptr: int) -> Block | None:
-    """The block (allocated or free) holding device address ``ptr``."""
-    i = bisect.bisect_right(_BASES, ptr) - 1
-    if i < 0:
-        return None
-    seg = _SEGMENTS[_BASES[i]]
-    if ptr >= seg.base + seg.size:
-        return None
-    b = seg.head
-    while b is not None and not (b.ptr <= ptr < b.ptr + b.size):
-        b = b.next
-    return b
-
-
-def live_overlap(lo: int, hi: int) -> Block | None:
-    ptr = lo
-    while ptr < hi:
-        b = block_at(ptr)
-        if b is None:
-            return None
-        if b.state in (ALLOCATED, PENDING):
-            return b
-        ptr = b.ptr + b.size
-    return None
 
 
 # ---------------------------------------------------------------- process-wide state

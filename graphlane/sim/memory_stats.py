@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .memory import ALLOC_STATS, FREE, METRICS, POOLS, BlockPool, DeviceMemory
+from .blocks import FREE, BlockPool
+from .memory import ALLOC_STATS, METRICS, POOLS, DeviceMemory
 
 
 def stats_of(dm: DeviceMemory) -> dict[str, int]:

@@ -27,14 +27,7 @@ from .allocation import (
 from .capture import graph
 from .device import current_device, device, device_count, set_device, synchronize
 from .events import ExternalEvent
-from .graphs import (
-    NPUGraph,
-    graph_task_group_begin,
-    graph_task_group_end,
-    graph_task_update_begin,
-    graph_task_update_end,
-    is_current_stream_capturing,
-)
+from .graphs import NPUGraph, is_current_stream_capturing
 from .npu_extras import (
     get_stream_limit,
     make_graphed_callables,
@@ -43,6 +36,12 @@ from .npu_extras import (
 )
 from .runtime import RUNTIME
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
+from .task_groups import (
+    graph_task_group_begin,
+    graph_task_group_end,
+    graph_task_update_begin,
+    graph_task_update_end,
+)
 
 
 def is_available() -> bool:

@@ -11,8 +11,9 @@ the PrivateUse1 fallback, so *any* torch op behaves as on a device:
   record no task, inside a task group or an update they are no task of it;
 - other ops are queued on the current stream (or recorded into the graph it
   captures, or turned into a task patch while it is between
-  ``graph_task_update_begin/end``); their outputs are allocated at issue time
-  (shapes from the op's meta kernel) and filled when the stream runs them;
+  ``graph_task_update_begin/end``: :mod:`.routing`); their outputs are allocated
+  at issue time (shapes from the op's meta kernel: :mod:`.opmeta`) and filled
+  when the stream runs them;
 - host reads (``.cpu()``, ``.item()``, ``torch.equal``, printing) queue the read
   on the current stream and wait for it, as a blocking device-to-host copy does;
   ``non_blocking`` copies do not wait.
@@ -20,10 +21,7 @@ the PrivateUse1 fallback, so *any* torch op behaves as on a device:
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
@@ -31,9 +29,17 @@ import torch
 from . import access, capture_rules
 from .allocation import allocate, note_uses, storage_of
 from .errors import SimUsageError
-from .graphs import TaskNode
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
-from .runtime import RUNTIME, CostClock
+from .opmeta import (
+    aliased_result,
+    check_meta,
+    is_view,
+    meta_like,
+    returns_tensors,
+    schema,
+    written_args,
+)
+from .routing import route
 from .streams import Stream, current_stream
 from .streamuse import record_stream
 
@@ -144,14 +150,6 @@ def _unwrap(x: Any) -> Any:
     return x._data if isinstance(x, NpuTensor) else x
 
 
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-    if isinstance(x, torch.device) and x.type == "npu":
-        return torch.device("meta")
-    return x
-
-
 def _cpu_device(x: Any) -> Any:
     if isinstance(x, torch.device) and x.type == "npu":
         return torch.device("cpu")
@@ -165,78 +163,6 @@ def _first_npu(args: Any, kwargs: Any) -> NpuTensor | None:
     return None
 
 
-# ---------------------------------------------------------------- schema helpers
-class _Schema:
-    """What dispatch needs of an op's schema, read once per op: reading a schema
-    through its bindings costs microseconds per argument, on every issue."""
-
-    __slots__ = ("is_view", "n_returns", "returns_tensors", "written")
-
-    def __init__(self, func: Any) -> None:
-        rets = func._schema.returns
-        self.n_returns = len(rets)
-        self.is_view = bool(rets) and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in rets
-        )
-        self.returns_tensors = any("Tensor" in str(r.type) for r in rets)
-        # (position, name, keyword-only) of each argument the op writes (Tensor(a!)).
-        self.written = tuple(
-            (i, a.name, a.kwarg_only)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-
-
-_SCHEMAS: dict[Any, _Schema] = {}
-
-
-def _schema(func: Any) -> _Schema:
-    info = _SCHEMAS.get(func)
-    if info is None:
-        info = _SCHEMAS[func] = _Schema(func)
-    return info
-
-
-def _is_view(func: Any) -> bool:
-    return _schema(func).is_view
-
-
-def _returns_tensors(func: Any) -> bool:
-    return _schema(func).returns_tensors
-
-
-def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """The arguments the op writes (``Tensor(a!)``), in schema order."""
-    out = []
-    for i, name, kwarg_only in _schema(func).written:
-        v = kwargs.get(name) if kwarg_only or i >= len(args) else args[i]
-        if v is not None:
-            out.append(v)
-    return out
-
-
-def _aliased_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Result of a mutating op: the written inputs, shaped like the schema's returns."""
-    n = _schema(func).n_returns
-    if not n:
-        return None
-    written: list[Any] = []
-    for v in _written_args(func, args, kwargs):  # a Tensor(a!)[] out gives its tensors
-        written.extend(v if isinstance(v, (list, tuple)) else [v])
-    if n == 1:
-        return written[0]
-    return tuple(written[:n])
-
-
-# ---------------------------------------------------------------- host-side costs
-class _HostCost(threading.local):
-    def __init__(self) -> None:
-        self.clock = CostClock()
-
-
-_host_cost = _HostCost()
-
-
 # ---------------------------------------------------------------- dispatch
 def dispatch(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float | None = None
@@ -248,14 +174,14 @@ def dispatch(
         return special(func, args, kwargs)
     first = _first_npu(args, kwargs)
     index = _index(first) if first is not None else 0
-    if _is_view(func):
+    if is_view(func):
         result = func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
         alloc = first._alloc if first is not None else None
         return map_value(
             lambda r: NpuTensor(r, index, alloc) if isinstance(r, torch.Tensor) else r, result
         )
     stream = current_stream(index)
-    if not _returns_tensors(func) and _schema(func).n_returns:
+    if not returns_tensors(func) and schema(func).n_returns:
         return _host_read(stream, func, args, kwargs)
     return issue(stream, func, args, kwargs, index, started)
 
@@ -269,7 +195,7 @@ def issue(
     started: float | None = None,
 ) -> Any:
     """Queue, capture or patch one op on ``stream``; return its (future) result."""
-    info = _schema(func)
+    info = schema(func)
     # One pass, inline: most arguments are None, scalars or npu tensors.
     cpu_args = tuple(
         [
@@ -284,11 +210,11 @@ def issue(
     result: Any
     host_check = HOST_CHECKS.get(func)
     if host_check is not None:
-        meta = map_value(_meta_like, host_check(*cpu_args, **cpu_kwargs))
+        meta = map_value(meta_like, host_check(*cpu_args, **cpu_kwargs))
     else:
-        meta = _check_meta(func, args, kwargs)
-    if info.written and _written_args(func, args, kwargs):
-        result = _aliased_result(func, args, kwargs)
+        meta = check_meta(func, args, kwargs)
+    if info.written and written_args(func, args, kwargs):
+        result = aliased_result(func, args, kwargs)
     else:
         allocated: list[torch.Tensor] = []
 
@@ -334,103 +260,6 @@ def _snapshot_host(orig: tuple[Any, ...], cpu: tuple[Any, ...]) -> tuple[Any, ..
 
 def _unwrap_cpu(v: Any) -> Any:
     return _cpu_device(_unwrap(v))
-
-
-def route(
-    stream: Stream,
-    call: OpCall,
-    func: Any,
-    started: float | None,
-    footprint: Callable[[], access.Footprint] | None = None,
-) -> None:
-    """Patch, capture or queue ``call`` on ``stream``. ``footprint`` gives the device
-    memory it reads and writes (default: every tensor of the call but ``call.host``)."""
-    with RUNTIME.cond:
-        update = stream.updating
-        if update is not None:
-            if update.next == 0 and started is not None:
-                started = min(started, update.begun)  # the group's host work began there
-            patch = update.patch_for(call, stream)
-            config = RUNTIME.config
-            if config.mode != "timed" or config.patch_us <= 0:
-                stream.issue_locked(patch)  # nothing to charge: issue it right away
-                return
-        else:
-            footprint = footprint or partial(access.of_call, call)
-            if stream.capturing is not None:
-                stream.capturing.add_node(TaskNode(call, footprint()))
-            else:
-                stream.issue_locked(access.AccessWork(call.label, call.execute, footprint))
-            return
-    # The host-side dispatch of an update (tiling on the real NPU) costs host time,
-    # from the start of its dispatch: the sim's own Python is inside it.
-    if RUNTIME.config.mode == "timed":
-        _host_cost.clock.charge(RUNTIME.config.patch_us, started)
-    with RUNTIME.cond:
-        stream.issue_locked(patch)
-
-
-_META_CACHE: dict[Any, Any] = {}
-_META_CACHE_MAX = 4096
-
-
-def _meta_key_part(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return ("T", tuple(v.shape), v.stride(), v.dtype)
-    if isinstance(v, (list, tuple)):
-        return tuple(_meta_key_part(e) for e in v)
-    if isinstance(v, torch.device):
-        return ("D", v.type)
-    if isinstance(v, (bool, int, float, complex)):
-        return (type(v), v)  # 2, 2.0 and True give different result dtypes
-    return v
-
-
-def _check_meta(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run the op's meta kernel: validates arguments at issue time and gives output shapes.
-
-    Results depend only on shapes, strides, dtypes and the other argument values,
-    so they are cached by those (a meta run costs ~300 us of Python). An op that
-    would resize a tensor it writes is refused: a device tensor's shape is fixed.
-    """
-    try:
-        key = (func, _meta_key_part(args), _meta_key_part(tuple(kwargs.items())))
-        hash(key)
-    except TypeError:
-        key = None
-    hit = _META_CACHE.get(key) if key is not None else None
-    if hit is None:
-        meta_args, meta_kwargs = map_args(_to_meta, args), map_kwargs(_to_meta, kwargs)
-        meta = func(*meta_args, **meta_kwargs)
-        before = _written_tensors(func, args, kwargs)
-        after = _written_tensors(func, meta_args, meta_kwargs)
-        resized = [tuple(m.shape) for t, m in zip(before, after, strict=True) if t.shape != m.shape]
-        hit = (map_value(_meta_like, meta), resized)
-        if key is not None:
-            if len(_META_CACHE) >= _META_CACHE_MAX:
-                _META_CACHE.clear()
-            _META_CACHE[key] = hit
-    result, resized = hit
-    if resized:
-        raise SimUsageError(
-            f"{func} would resize a device tensor it writes to {list(resized[0])}: the "
-            "simulated NPU cannot resize device tensors; allocate the output with its final "
-            "shape, or build the data on the CPU and move it with .npu()"
-        )
-    return map_value(_meta_like, result)
-
-
-def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    out: list[Any] = []
-    for v in _written_args(func, args, kwargs):
-        out.extend(v if isinstance(v, (list, tuple)) else [v])
-    return out
-
-
-def _meta_like(m: Any) -> Any:
-    if isinstance(m, torch.Tensor):
-        return torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device="meta")
-    return m
 
 
 def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -567,7 +396,7 @@ def _allocate(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     else:
         first = _first_npu(args, kwargs)
         index = _index(first) if first is not None else 0
-    m = _check_meta(func, args, kwargs)
+    m = check_meta(func, args, kwargs)
     return _new_tensor(m.shape, m.stride(), m.dtype, index, current_stream(index))
 
 
@@ -616,7 +445,7 @@ def factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
     if isinstance(device, torch.device) and device.type == "npu":
         index = device.index or 0
     if op in (aten.empty.memory_format, aten.empty_strided.default):
-        m = _check_meta(op, args, kwargs)
+        m = check_meta(op, args, kwargs)
         return _new_tensor(m.shape, m.stride(), m.dtype, index, current_stream(index))
     if op is aten._to_copy.default:
         return _to_copy(op, args, kwargs)

@@ -17,7 +17,6 @@ from . import ops as _ops
 from .backend import setup
 from .fia_v2 import fused_infer_attention_score_v2
 from .fused import fused_update_out_graph
-from .graphs import TaskGroupHandle
 from .npu_extras import (
     Format,
     _construct_NPU_Tensor_From_Storage_And_Metadata,
@@ -25,6 +24,7 @@ from .npu_extras import (
     get_npu_format,
 )
 from .paged_attention import paged_attention
+from .task_groups import TaskGroupHandle
 
 setup()
 

@@ -39,8 +39,9 @@ from types import FrameType
 
 from graphlane.client import Client
 
-from .loadtest import LoadConfig, run_load
+from .loadtest import run_load
 from .loadtest_cli import print_summary
+from .loadtest_config import LoadConfig
 from .loadtest_paged import PagedLoadConfig, print_paged_summary, run_paged
 
 _STOP_GRACE_S = 10.0  # from the daemon's SIGTERM to its SIGKILL

@@ -50,9 +50,9 @@ measured; it also opens the connections): a daemon whose program has other
 shapes refuses it with BAD_REQUEST naming the field, and the load test stops
 there with that message.
 
-The report (:func:`run_load` returns it; :mod:`.report` writes it as
-``report.json`` and ``report.html`` with PNG plots): successful ``steps``,
-``throughput`` (steps/s over the whole run, tail included), ``latency_ms``
+The report (:func:`run_load` returns it, :mod:`.loadtest_report` builds it and
+:mod:`.report` writes it as ``report.json`` and ``report.html`` with PNG plots):
+successful ``steps``, ``throughput`` (steps/s over the whole run, tail included), ``latency_ms``
 (min, mean, p50, p90, p99, p99.9, max from an HDR histogram of microseconds
 with 3 significant digits; its encoding is ``latency_hdr_us``), ``errors`` by
 code, ``verified`` / ``verify_failures``, ``per_device`` and ``per_batch``
@@ -76,33 +76,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import math
 import random
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from types import MappingProxyType
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from graphlane import __version__
 from graphlane.client import Client, StepReply
-from graphlane.protocol.errors import RETRYABLE, GraphlaneError
-from graphlane.workers.programs.attention import AttentionConfig
-from graphlane.workers.programs.base import ProgramConfigError
+from graphlane.protocol.errors import GraphlaneError
 
-from .loadtest_availability import MAX_UNAVAILABLE, DeviceBackoff
-from .loadtest_record import DeviceStats, Recorder, summary, window_for
-from .loadtest_workload import (
-    SHAPE_KEYS,
-    TOLERANCE,
-    Plan,
-    Step,
-    Workload,
-    check_output,
-    resolve_plan,
-)
+from .loadtest_availability import DeviceBackoff
+from .loadtest_config import LoadConfig
+from .loadtest_record import Recorder, window_for
+from .loadtest_report import CLIENT_DEADLINE, CLIENT_OVERLOAD, assess, build_report
+from .loadtest_workload import Plan, Step, Workload, check_output, resolve_plan
 
 __all__ = [
     "CLIENT_DEADLINE",
@@ -115,133 +103,8 @@ __all__ = [
 ]
 
 
-#: Error codes of the load generator itself (never on the wire).
-CLIENT_OVERLOAD = "CLIENT_OVERLOAD"
-CLIENT_DEADLINE = "CLIENT_DEADLINE"
-_CLIENT_RETRYABLE = frozenset({CLIENT_OVERLOAD, CLIENT_DEADLINE})
-
-
 class LoadTestError(RuntimeError):
     """The load test could not start against this daemon (shapes, program, ...)."""
-
-
-# ---------------------------------------------------------------------------- config
-@dataclass(frozen=True)
-class LoadConfig:
-    """One load test. Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop).
-
-    ``shape`` overrides AttentionConfig's defaults for the keys in
-    :data:`SHAPE_KEYS`; ``layers`` defaults to the task groups the daemon's
-    ``hello`` reports. ``max_outstanding`` caps the open loop's calls in flight
-    (None: 10 s worth of arrivals, clamped to 100..10,000). Invalid values raise
-    ValueError naming the command-line flag.
-    """
-
-    endpoint: str
-    duration_s: float
-    concurrency: int | None = None
-    rate: float | None = None
-    program: str = "attention"
-    devices: tuple[int, ...] | None = None
-    batch_sizes: tuple[int, ...] | None = None
-    verify: float = 0.0
-    report_dir: str | None = None
-    seed: int = 0
-    timeout_s: float = 30.0
-    progress: bool = True
-    shape: Mapping[str, Any] = field(default_factory=dict)
-    max_outstanding: int | None = None
-    max_unavailable: float = MAX_UNAVAILABLE
-    server_key: str | None = None  # CurveZMQ: the daemon's server.key
-    client_key: str | None = None  # CurveZMQ: this client's NAME.key_secret
-
-    def __post_init__(self) -> None:
-        if self.devices is not None:
-            object.__setattr__(self, "devices", tuple(self.devices))
-        if self.batch_sizes is not None:
-            object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
-        object.__setattr__(self, "shape", MappingProxyType(dict(self.shape or {})))
-        self.validate()
-
-    @property
-    def mode(self) -> str:
-        return "closed" if self.concurrency is not None else "open"
-
-    def validate(self) -> None:
-        if not self.endpoint:
-            raise ValueError("--connect must name an endpoint (tcp://HOST:PORT or ipc://PATH)")
-        if (self.concurrency is None) == (self.rate is None):
-            raise ValueError(
-                "give exactly one of --concurrency (closed loop) or --rate (open loop)"
-            )
-        if self.concurrency is not None and (not _is_int(self.concurrency) or self.concurrency < 1):
-            raise ValueError(f"--concurrency must be an integer >= 1, not {self.concurrency!r}")
-        if self.rate is not None and not (_is_real(self.rate) and 0 < self.rate < math.inf):
-            raise ValueError(f"--rate must be > 0 (steps per second), not {self.rate!r}")
-        if not (_is_real(self.duration_s) and 0 < self.duration_s < math.inf):
-            raise ValueError(f"--duration must be > 0 seconds, not {self.duration_s!r}")
-        if not (_is_real(self.timeout_s) and 0 < self.timeout_s < math.inf):
-            raise ValueError(f"--timeout must be > 0 seconds, not {self.timeout_s!r}")
-        if not (_is_real(self.verify) and 0.0 <= self.verify <= 1.0):
-            raise ValueError(f"--verify must be a fraction in [0, 1], not {self.verify!r}")
-        if not (_is_real(self.max_unavailable) and 0.0 <= self.max_unavailable <= 1.0):
-            raise ValueError(
-                f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}"
-            )
-        if (self.server_key is None) != (self.client_key is None):
-            from graphlane.cli_support import key_flags_problem
-
-            raise ValueError(key_flags_problem(self.server_key, self.client_key))
-        if not isinstance(self.program, str) or not self.program:
-            raise ValueError("--program must name a program")
-        if not _is_int(self.seed):
-            raise ValueError(f"--seed must be an integer, not {self.seed!r}")
-        if self.devices is not None:
-            if not self.devices:
-                raise ValueError("--devices must list at least one device")
-            if any(not _is_int(d) or d < 0 for d in self.devices):
-                raise ValueError(f"--devices must be device ids >= 0, not {list(self.devices)}")
-            if len(set(self.devices)) != len(self.devices):
-                raise ValueError(f"--devices lists a device twice: {list(self.devices)}")
-        if self.batch_sizes is not None:
-            if not self.batch_sizes:
-                raise ValueError("--batch-sizes must list at least one batch size")
-            if any(not _is_int(b) or b < 1 for b in self.batch_sizes):
-                raise ValueError(f"--batch-sizes must be >= 1, not {list(self.batch_sizes)}")
-        if self.max_outstanding is not None and (
-            not _is_int(self.max_outstanding) or self.max_outstanding < 1
-        ):
-            raise ValueError(f"--max-outstanding must be >= 1, not {self.max_outstanding!r}")
-        unknown = sorted(set(self.shape) - set(SHAPE_KEYS))
-        if unknown:
-            raise ValueError(f"--shape: unknown key(s) {unknown} (known: {', '.join(SHAPE_KEYS)})")
-        try:
-            AttentionConfig.from_mapping(dict(self.shape), "--shape")
-        except ProgramConfigError as exc:
-            raise ValueError(str(exc)) from None
-        except TypeError as exc:
-            raise ValueError(f"--shape: {exc}") from None
-
-    def outstanding_cap(self) -> int:
-        if self.max_outstanding is not None:
-            return self.max_outstanding
-        return min(10_000, max(100, math.ceil(10 * (self.rate or 0.0))))
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["devices"] = None if self.devices is None else list(self.devices)
-        out["batch_sizes"] = None if self.batch_sizes is None else list(self.batch_sizes)
-        out["shape"] = dict(self.shape)
-        out["mode"] = self.mode
-        return out
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -527,126 +390,3 @@ async def run_load(config: LoadConfig, *, stop: asyncio.Event | None = None) -> 
         json_path, html_path = write_report(report, config.report_dir)
         report["files"] = {"json": str(json_path), "html": str(html_path)}
     return report
-
-
-def build_report(
-    config: LoadConfig,
-    plan: Plan,
-    rec: Recorder,
-    hello: Mapping[str, Any],
-    preflight: dict[str, str],
-    started_at: str,
-    start: float,
-    end: float,
-    *,
-    sent_until: float | None = None,
-    interrupted: bool = False,
-) -> dict[str, Any]:
-    elapsed = max(end - start, 1e-9)
-    sending_s = max((end if sent_until is None else sent_until) - start, 1e-9)
-    unavailable_s = rec.availability.total(start + sending_s)
-    resolved = config.to_dict()
-    resolved.update(
-        devices=list(plan.devices),
-        batch_sizes=list(plan.batch_sizes),
-        shape=plan.shape_dict(),
-        buckets=list(plan.buckets),
-        window_s=rec.window_s,
-    )
-    if config.mode == "open":
-        resolved["max_outstanding"] = config.outstanding_cap()
-    per_device = {}
-    for d in plan.devices:
-        s = rec.devices.get(d) or DeviceStats()
-        lat = summary(s.hist)
-        per_device[str(d)] = {
-            "steps": s.steps,
-            "errors": dict(sorted(s.errors.items())),
-            "verified": s.verified,
-            "verify_failures": s.verify_failures,
-            "p50_ms": lat["p50"],
-            "p99_ms": lat["p99"],
-        }
-    per_batch = {}
-    for b in sorted(rec.batches):
-        lat = summary(rec.batches[b])
-        per_batch[str(b)] = {"steps": lat["count"], "p50_ms": lat["p50"], "p99_ms": lat["p99"]}
-    report: dict[str, Any] = {
-        "tool": f"graphlane loadtest {__version__}",
-        "started_at": started_at,
-        "config": resolved,
-        "server": {
-            "server": hello.get("server"),
-            "protocol_version": hello.get("version"),
-            "backend": (hello.get("capabilities") or {}).get("backend"),
-        },
-        "mode": config.mode,
-        "duration_s": config.duration_s,
-        "sending_s": round(sending_s, 3),
-        "elapsed_s": round(elapsed, 3),
-        "interrupted": interrupted,
-        "arrivals": rec.arrivals,
-        "sent": rec.sent,
-        "steps": rec.steps,
-        "throughput": round(rec.steps / elapsed, 3),
-        "offered_rate": config.rate,
-        "latency_ms": summary(rec.latency),
-        "latency_basis": "scheduled arrival time" if config.mode == "open" else "send time",
-        "errors_total": rec.errors_total,
-        "errors": dict(sorted(rec.errors.items())),
-        "non_retryable_errors": rec.non_retryable,
-        "unavailable_s": round(unavailable_s, 3),
-        "unavailable_share": round(min(1.0, unavailable_s / sending_s), 4),
-        "max_unavailable": config.max_unavailable,
-        "error_examples": dict(sorted(rec.error_examples.items())),
-        "verify_fraction": config.verify,
-        "verified": rec.verified,
-        "verify_failures": rec.verify_failures,
-        "verify_max_abs_error": rec.verify_max_error,
-        "verify_tolerance": TOLERANCE.get(plan.dtype, 1e-2),
-        "verify_failure_examples": rec.failure_examples,
-        "per_device": per_device,
-        "per_batch": per_batch,
-        "preflight": preflight,
-        "timeseries": rec.timeseries(end),
-        "latency_cdf": rec.cdf(),
-        "latency_samples": {
-            "t_s": [round(t, 4) for t, _ in sorted(rec.samples)],
-            "latency_ms": [round(1000 * v, 3) for _, v in sorted(rec.samples)],
-        },
-        "latency_hdr_us": rec.latency.encode().decode("ascii"),
-    }
-    if config.mode == "open":
-        report["send_lag_ms"] = summary(rec.send_lag)
-    code, reasons = assess(report)
-    report["verdict"] = {"exit_code": code, "ok": code == 0, "reasons": reasons}
-    return report
-
-
-def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
-    """The exit status of a finished run and why (see the module docstring)."""
-    reasons = []
-    if report.get("verify_failures", 0):
-        reasons.append(
-            f"{report['verify_failures']} of {report.get('verified', 0)} verified outputs "
-            "differ from eager attention"
-        )
-    if report.get("non_retryable_errors", 0):
-        codes = [
-            c for c in report.get("errors", {}) if c not in RETRYABLE and c not in _CLIENT_RETRYABLE
-        ]
-        reasons.append(
-            f"{report['non_retryable_errors']} errors that are not retryable "
-            f"({', '.join(codes) or 'marked non-retryable by the server'})"
-        )
-    share = report.get("unavailable_share", 0.0)
-    if report.get("steps", 0) and share > report.get("max_unavailable", MAX_UNAVAILABLE):
-        reasons.append(
-            f"the server was unavailable for {report.get('unavailable_s', 0.0):.1f} s, "
-            f"{100 * share:.0f}% of the {report.get('sending_s', 0.0):g} s of sending "
-            f"(more than --max-unavailable {report.get('max_unavailable', MAX_UNAVAILABLE):g}): "
-            "no step served, calls got WORKER_LOST, SHUTTING_DOWN or TIMEOUT"
-        )
-    if not report.get("steps", 0):
-        reasons.append("no step succeeded")
-    return (1 if reasons else 0), reasons

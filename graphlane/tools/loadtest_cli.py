@@ -18,8 +18,9 @@ from typing import Any
 from graphlane.orchestrator.config import DEFAULT_LISTEN
 from graphlane.protocol.errors import GraphlaneError
 
-from .loadtest import LoadConfig, LoadTestError, Run, run_load
+from .loadtest import LoadTestError, Run, run_load
 from .loadtest_availability import MAX_UNAVAILABLE
+from .loadtest_config import LoadConfig
 from .loadtest_paged import (
     PagedLoadConfig,
     PagedLoadError,

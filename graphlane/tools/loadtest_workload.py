@@ -19,7 +19,7 @@ import torch
 from graphlane.workers.programs.attention import AttentionConfig
 
 if TYPE_CHECKING:
-    from .loadtest import LoadConfig
+    from .loadtest_config import LoadConfig
 
 #: Keys of ``--shape`` / ``LoadConfig.shape`` (defaults from AttentionConfig).
 SHAPE_KEYS = ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len", "dtype")

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from graphlane.client import transport as client_mod
-from graphlane.client.transport import _Deadlines
+from graphlane.client import deadlines as deadlines_mod
+from graphlane.client.deadlines import Deadlines
 from graphlane.protocol.errors import Timeout
 
 
@@ -18,7 +18,7 @@ def _run(coro):  # type: ignore[no-untyped-def]
 def test_a_call_fails_with_timeout_at_its_deadline_and_an_ended_one_does_not() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        d = _Deadlines(loop, "worker 0")
+        d = Deadlines(loop, "worker 0")
         slow, answered = loop.create_future(), loop.create_future()
         assert d.add(slow, 0.05, "step") is None  # no loop timer of its own
         d.add(answered, 0.05, "step")
@@ -34,7 +34,7 @@ def test_a_call_fails_with_timeout_at_its_deadline_and_an_ended_one_does_not() -
 def test_a_shorter_timeout_made_later_expires_first() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        d = _Deadlines(loop, "w")
+        d = Deadlines(loop, "w")
         long, short = loop.create_future(), loop.create_future()
         d.add(long, 60.0, "step")
         d.add(short, 0.02, "status")
@@ -51,7 +51,7 @@ def test_a_shorter_timeout_made_later_expires_first() -> None:
 def test_ended_calls_at_the_front_do_not_keep_the_timer_busy() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        d = _Deadlines(loop, "w")
+        d = Deadlines(loop, "w")
         done = [loop.create_future() for _ in range(100)]
         for fut in done:
             d.add(fut, 0.01, "step")
@@ -71,11 +71,11 @@ def test_ended_calls_at_the_front_do_not_keep_the_timer_busy() -> None:
 
 
 def test_queues_of_ended_calls_are_compacted(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_mod, "_COMPACT_AT", 16)
+    monkeypatch.setattr(deadlines_mod, "_COMPACT_AT", 16)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        d = _Deadlines(loop, "w")
+        d = Deadlines(loop, "w")
         live = []
         for i in range(1000):
             fut = loop.create_future()
@@ -96,8 +96,8 @@ def test_queues_of_ended_calls_are_compacted(monkeypatch: pytest.MonkeyPatch) ->
 def test_more_distinct_timeouts_than_queues_still_expire() -> None:
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        d = _Deadlines(loop, "w")
-        futs = [loop.create_future() for _ in range(client_mod._TIMEOUT_QUEUES + 4)]
+        d = Deadlines(loop, "w")
+        futs = [loop.create_future() for _ in range(deadlines_mod._TIMEOUT_QUEUES + 4)]
         timers = [d.add(fut, 0.01 + i * 0.001, "step") for i, fut in enumerate(futs)]
         assert timers[0] is None and timers[-1] is not None  # the overflow: own loop timers
         for fut in futs:

@@ -48,8 +48,8 @@ from graphlane.protocol import (
     ops,
     pipe,
 )
+from graphlane.protocol.bounds import MAX_ITEMS, MAX_NAME
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, MAX_PARAMS
-from graphlane.protocol.wire import MAX_ITEMS, MAX_NAME
 
 BAD = ErrorCode.BAD_REQUEST
 MISSING = object()

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphlane.sim import SimUsageError, torch_npu
-from graphlane.sim.graphs import abandon_update
+from graphlane.sim.task_groups import abandon_update
 
 fused = torch_npu._C._npu_fused_infer_attention_score_out_graph
 fia = torch_npu.npu_fused_infer_attention_score

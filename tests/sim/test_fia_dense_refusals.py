@@ -13,7 +13,7 @@ import torch
 from dense_reference import make_qkv, to_layout
 
 from graphlane.sim import SimUsageError, torch_npu
-from graphlane.sim.fia_layout import AttentionArgumentError
+from graphlane.sim.fia_args import AttentionArgumentError
 
 OP = "npu_fused_infer_attention_score"
 F16, BOOL = torch.float16, torch.bool

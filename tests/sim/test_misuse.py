@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from graphlane.sim import SimUsageError, UpdateKeyIgnoredWarning, torch_npu
-from graphlane.sim.graphs import NPUGraph, TaskGroupHandle
+from graphlane.sim.graphs import NPUGraph
 from graphlane.sim.streams import Stream
+from graphlane.sim.task_groups import TaskGroupHandle
 
 BATCH, HEADS, S_KV, HEAD_DIM = 1, 2, 16, 8
 FIA_KW: dict[str, object] = {

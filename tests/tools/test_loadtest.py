@@ -17,9 +17,11 @@ from daemons import SMALL
 from reference import decode_stack
 
 from graphlane.client import Client
-from graphlane.tools.loadtest import LoadConfig, assess, build_report, run_load
+from graphlane.tools.loadtest import run_load
 from graphlane.tools.loadtest_cli import add_parser, main
+from graphlane.tools.loadtest_config import LoadConfig
 from graphlane.tools.loadtest_record import Recorder
+from graphlane.tools.loadtest_report import assess, build_report
 from graphlane.tools.loadtest_workload import SHAPE_KEYS, Plan, Workload, check_output
 from graphlane.tools.report import write_report
 from graphlane.workers.programs.attention import AttentionConfig

@@ -15,7 +15,7 @@ from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.kv import KvRead, KvWrite
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
-from graphlane.protocol.wire import body_decoder
+from graphlane.protocol.tensors import body_decoder
 
 __all__ = [
     "MAX_OUTPUTS",

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
-from graphlane.protocol.wire import Count
+from graphlane.protocol.bounds import Count
 
 
 class Hello(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

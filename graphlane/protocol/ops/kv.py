@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from msgspec import Struct
 
+from graphlane.protocol.bounds import Count, Name
 from graphlane.protocol.ops.steps import Deadline
-from graphlane.protocol.wire import Count, Name, Tensor
+from graphlane.protocol.tensors import Tensor
 
 
 class KvWrite(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -15,7 +15,8 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from graphlane.protocol.wire import MAX_ITEMS, Count, Name, Positive, Tensor
+from graphlane.protocol.bounds import MAX_ITEMS, Count, Name, Positive
+from graphlane.protocol.tensors import Tensor
 
 MAX_OUTPUTS = 16
 MAX_PARAMS = 64

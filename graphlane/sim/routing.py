@@ -1,0 +1,63 @@
+"""Where a dispatched op call goes on its stream.
+
+:func:`route` patches it into the task-group update open on the stream, records
+it into the graph the stream captures, or queues it on the stream; a timed
+patch also costs the host its dispatch time (the tiling of an update on the
+NPU), charged on this thread's cost clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from . import access
+from .graphs import TaskNode
+from .opcall import OpCall
+from .runtime import RUNTIME, CostClock
+from .streams import Stream
+
+
+# ---------------------------------------------------------------- host-side costs
+class _HostCost(threading.local):
+    def __init__(self) -> None:
+        self.clock = CostClock()
+
+
+_host_cost = _HostCost()
+
+
+def route(
+    stream: Stream,
+    call: OpCall,
+    func: Any,
+    started: float | None,
+    footprint: Callable[[], access.Footprint] | None = None,
+) -> None:
+    """Patch, capture or queue ``call`` on ``stream``. ``footprint`` gives the device
+    memory it reads and writes (default: every tensor of the call but ``call.host``)."""
+    with RUNTIME.cond:
+        update = stream.updating
+        if update is not None:
+            if update.next == 0 and started is not None:
+                started = min(started, update.begun)  # the group's host work began there
+            patch = update.patch_for(call, stream)
+            config = RUNTIME.config
+            if config.mode != "timed" or config.patch_us <= 0:
+                stream.issue_locked(patch)  # nothing to charge: issue it right away
+                return
+        else:
+            footprint = footprint or partial(access.of_call, call)
+            if stream.capturing is not None:
+                stream.capturing.add_node(TaskNode(call, footprint()))
+            else:
+                stream.issue_locked(access.AccessWork(call.label, call.execute, footprint))
+            return
+    # The host-side dispatch of an update (tiling on the real NPU) costs host time,
+    # from the start of its dispatch: the sim's own Python is inside it.
+    if RUNTIME.config.mode == "timed":
+        _host_cost.clock.charge(RUNTIME.config.patch_us, started)
+    with RUNTIME.cond:
+        stream.issue_locked(patch)

@@ -1,0 +1,136 @@
+"""The configuration of ``graphlane loadtest``: :class:`LoadConfig`, checked where it is made.
+
+See :mod:`graphlane.tools.loadtest`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
+
+from graphlane.workers.programs.attention import AttentionConfig
+from graphlane.workers.programs.base import ProgramConfigError
+
+from .loadtest_availability import MAX_UNAVAILABLE
+from .loadtest_workload import SHAPE_KEYS
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """One load test. Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop).
+
+    ``shape`` overrides AttentionConfig's defaults for the keys in
+    :data:`SHAPE_KEYS`; ``layers`` defaults to the task groups the daemon's
+    ``hello`` reports. ``max_outstanding`` caps the open loop's calls in flight
+    (None: 10 s worth of arrivals, clamped to 100..10,000). Invalid values raise
+    ValueError naming the command-line flag.
+    """
+
+    endpoint: str
+    duration_s: float
+    concurrency: int | None = None
+    rate: float | None = None
+    program: str = "attention"
+    devices: tuple[int, ...] | None = None
+    batch_sizes: tuple[int, ...] | None = None
+    verify: float = 0.0
+    report_dir: str | None = None
+    seed: int = 0
+    timeout_s: float = 30.0
+    progress: bool = True
+    shape: Mapping[str, Any] = field(default_factory=dict)
+    max_outstanding: int | None = None
+    max_unavailable: float = MAX_UNAVAILABLE
+    server_key: str | None = None  # CurveZMQ: the daemon's server.key
+    client_key: str | None = None  # CurveZMQ: this client's NAME.key_secret
+
+    def __post_init__(self) -> None:
+        if self.devices is not None:
+            object.__setattr__(self, "devices", tuple(self.devices))
+        if self.batch_sizes is not None:
+            object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
+        object.__setattr__(self, "shape", MappingProxyType(dict(self.shape or {})))
+        self.validate()
+
+    @property
+    def mode(self) -> str:
+        return "closed" if self.concurrency is not None else "open"
+
+    def validate(self) -> None:
+        if not self.endpoint:
+            raise ValueError("--connect must name an endpoint (tcp://HOST:PORT or ipc://PATH)")
+        if (self.concurrency is None) == (self.rate is None):
+            raise ValueError(
+                "give exactly one of --concurrency (closed loop) or --rate (open loop)"
+            )
+        if self.concurrency is not None and (not _is_int(self.concurrency) or self.concurrency < 1):
+            raise ValueError(f"--concurrency must be an integer >= 1, not {self.concurrency!r}")
+        if self.rate is not None and not (_is_real(self.rate) and 0 < self.rate < math.inf):
+            raise ValueError(f"--rate must be > 0 (steps per second), not {self.rate!r}")
+        if not (_is_real(self.duration_s) and 0 < self.duration_s < math.inf):
+            raise ValueError(f"--duration must be > 0 seconds, not {self.duration_s!r}")
+        if not (_is_real(self.timeout_s) and 0 < self.timeout_s < math.inf):
+            raise ValueError(f"--timeout must be > 0 seconds, not {self.timeout_s!r}")
+        if not (_is_real(self.verify) and 0.0 <= self.verify <= 1.0):
+            raise ValueError(f"--verify must be a fraction in [0, 1], not {self.verify!r}")
+        if not (_is_real(self.max_unavailable) and 0.0 <= self.max_unavailable <= 1.0):
+            raise ValueError(
+                f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}"
+            )
+        if (self.server_key is None) != (self.client_key is None):
+            from graphlane.cli_support import key_flags_problem
+
+            raise ValueError(key_flags_problem(self.server_key, self.client_key))
+        if not isinstance(self.program, str) or not self.program:
+            raise ValueError("--program must name a program")
+        if not _is_int(self.seed):
+            raise ValueError(f"--seed must be an integer, not {self.seed!r}")
+        if self.devices is not None:
+            if not self.devices:
+                raise ValueError("--devices must list at least one device")
+            if any(not _is_int(d) or d < 0 for d in self.devices):
+                raise ValueError(f"--devices must be device ids >= 0, not {list(self.devices)}")
+            if len(set(self.devices)) != len(self.devices):
+                raise ValueError(f"--devices lists a device twice: {list(self.devices)}")
+        if self.batch_sizes is not None:
+            if not self.batch_sizes:
+                raise ValueError("--batch-sizes must list at least one batch size")
+            if any(not _is_int(b) or b < 1 for b in self.batch_sizes):
+                raise ValueError(f"--batch-sizes must be >= 1, not {list(self.batch_sizes)}")
+        if self.max_outstanding is not None and (
+            not _is_int(self.max_outstanding) or self.max_outstanding < 1
+        ):
+            raise ValueError(f"--max-outstanding must be >= 1, not {self.max_outstanding!r}")
+        unknown = sorted(set(self.shape) - set(SHAPE_KEYS))
+        if unknown:
+            raise ValueError(f"--shape: unknown key(s) {unknown} (known: {', '.join(SHAPE_KEYS)})")
+        try:
+            AttentionConfig.from_mapping(dict(self.shape), "--shape")
+        except ProgramConfigError as exc:
+            raise ValueError(str(exc)) from None
+        except TypeError as exc:
+            raise ValueError(f"--shape: {exc}") from None
+
+    def outstanding_cap(self) -> int:
+        if self.max_outstanding is not None:
+            return self.max_outstanding
+        return min(10_000, max(100, math.ceil(10 * (self.rate or 0.0))))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["devices"] = None if self.devices is None else list(self.devices)
+        out["batch_sizes"] = None if self.batch_sizes is None else list(self.batch_sizes)
+        out["shape"] = dict(self.shape)
+        out["mode"] = self.mode
+        return out
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

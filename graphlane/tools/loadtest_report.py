@@ -1,0 +1,146 @@
+"""The report of a finished ``graphlane loadtest`` run (:func:`build_report`) and its
+verdict (:func:`assess`): the dict :mod:`.report` writes as report.json and report.html.
+
+See :mod:`graphlane.tools.loadtest` (what the report holds, the exit status).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from graphlane import __version__
+from graphlane.protocol.errors import RETRYABLE
+
+from .loadtest_availability import MAX_UNAVAILABLE
+from .loadtest_config import LoadConfig
+from .loadtest_record import DeviceStats, Recorder, summary
+from .loadtest_workload import TOLERANCE, Plan
+
+#: Error codes of the load generator itself (never on the wire).
+CLIENT_OVERLOAD = "CLIENT_OVERLOAD"
+CLIENT_DEADLINE = "CLIENT_DEADLINE"
+_CLIENT_RETRYABLE = frozenset({CLIENT_OVERLOAD, CLIENT_DEADLINE})
+
+
+def build_report(
+    config: LoadConfig,
+    plan: Plan,
+    rec: Recorder,
+    hello: Mapping[str, Any],
+    preflight: dict[str, str],
+    started_at: str,
+    start: float,
+    end: float,
+    *,
+    sent_until: float | None = None,
+    interrupted: bool = False,
+) -> dict[str, Any]:
+    elapsed = max(end - start, 1e-9)
+    sending_s = max((end if sent_until is None else sent_until) - start, 1e-9)
+    unavailable_s = rec.availability.total(start + sending_s)
+    resolved = config.to_dict()
+    resolved.update(
+        devices=list(plan.devices),
+        batch_sizes=list(plan.batch_sizes),
+        shape=plan.shape_dict(),
+        buckets=list(plan.buckets),
+        window_s=rec.window_s,
+    )
+    if config.mode == "open":
+        resolved["max_outstanding"] = config.outstanding_cap()
+    per_device = {}
+    for d in plan.devices:
+        s = rec.devices.get(d) or DeviceStats()
+        lat = summary(s.hist)
+        per_device[str(d)] = {
+            "steps": s.steps,
+            "errors": dict(sorted(s.errors.items())),
+            "verified": s.verified,
+            "verify_failures": s.verify_failures,
+            "p50_ms": lat["p50"],
+            "p99_ms": lat["p99"],
+        }
+    per_batch = {}
+    for b in sorted(rec.batches):
+        lat = summary(rec.batches[b])
+        per_batch[str(b)] = {"steps": lat["count"], "p50_ms": lat["p50"], "p99_ms": lat["p99"]}
+    report: dict[str, Any] = {
+        "tool": f"graphlane loadtest {__version__}",
+        "started_at": started_at,
+        "config": resolved,
+        "server": {
+            "server": hello.get("server"),
+            "protocol_version": hello.get("version"),
+            "backend": (hello.get("capabilities") or {}).get("backend"),
+        },
+        "mode": config.mode,
+        "duration_s": config.duration_s,
+        "sending_s": round(sending_s, 3),
+        "elapsed_s": round(elapsed, 3),
+        "interrupted": interrupted,
+        "arrivals": rec.arrivals,
+        "sent": rec.sent,
+        "steps": rec.steps,
+        "throughput": round(rec.steps / elapsed, 3),
+        "offered_rate": config.rate,
+        "latency_ms": summary(rec.latency),
+        "latency_basis": "scheduled arrival time" if config.mode == "open" else "send time",
+        "errors_total": rec.errors_total,
+        "errors": dict(sorted(rec.errors.items())),
+        "non_retryable_errors": rec.non_retryable,
+        "unavailable_s": round(unavailable_s, 3),
+        "unavailable_share": round(min(1.0, unavailable_s / sending_s), 4),
+        "max_unavailable": config.max_unavailable,
+        "error_examples": dict(sorted(rec.error_examples.items())),
+        "verify_fraction": config.verify,
+        "verified": rec.verified,
+        "verify_failures": rec.verify_failures,
+        "verify_max_abs_error": rec.verify_max_error,
+        "verify_tolerance": TOLERANCE.get(plan.dtype, 1e-2),
+        "verify_failure_examples": rec.failure_examples,
+        "per_device": per_device,
+        "per_batch": per_batch,
+        "preflight": preflight,
+        "timeseries": rec.timeseries(end),
+        "latency_cdf": rec.cdf(),
+        "latency_samples": {
+            "t_s": [round(t, 4) for t, _ in sorted(rec.samples)],
+            "latency_ms": [round(1000 * v, 3) for _, v in sorted(rec.samples)],
+        },
+        "latency_hdr_us": rec.latency.encode().decode("ascii"),
+    }
+    if config.mode == "open":
+        report["send_lag_ms"] = summary(rec.send_lag)
+    code, reasons = assess(report)
+    report["verdict"] = {"exit_code": code, "ok": code == 0, "reasons": reasons}
+    return report
+
+
+def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
+    """The exit status of a finished run and why (see the module docstring)."""
+    reasons = []
+    if report.get("verify_failures", 0):
+        reasons.append(
+            f"{report['verify_failures']} of {report.get('verified', 0)} verified outputs "
+            "differ from eager attention"
+        )
+    if report.get("non_retryable_errors", 0):
+        codes = [
+            c for c in report.get("errors", {}) if c not in RETRYABLE and c not in _CLIENT_RETRYABLE
+        ]
+        reasons.append(
+            f"{report['non_retryable_errors']} errors that are not retryable "
+            f"({', '.join(codes) or 'marked non-retryable by the server'})"
+        )
+    share = report.get("unavailable_share", 0.0)
+    if report.get("steps", 0) and share > report.get("max_unavailable", MAX_UNAVAILABLE):
+        reasons.append(
+            f"the server was unavailable for {report.get('unavailable_s', 0.0):.1f} s, "
+            f"{100 * share:.0f}% of the {report.get('sending_s', 0.0):g} s of sending "
+            f"(more than --max-unavailable {report.get('max_unavailable', MAX_UNAVAILABLE):g}): "
+            "no step served, calls got WORKER_LOST, SHUTTING_DOWN or TIMEOUT"
+        )
+    if not report.get("steps", 0):
+        reasons.append("no step succeeded")
+    return (1 if reasons else 0), reasons
