@@ -65,6 +65,7 @@ import torch
 
 from graphlane.workers.backends.base import DeviceBackend
 from graphlane.workers.input_check import check_inputs
+from graphlane.workers.permits import Permits
 from graphlane.workers.programs.base import (
     CapturedGraph,
     GraphKey,
@@ -101,42 +102,6 @@ _STOP = object()
 _S_ONLY = object()  # what _issue returns for a step with no work on U
 
 
-class _Permits:
-    """A counting semaphore for the in-flight bound, cheap when nobody waits (the
-    issuer takes a permit per step; completions give it back from either thread)."""
-
-    def __init__(self, n: int) -> None:
-        self._free = n
-        self._max = n
-        self._lock = threading.Lock()
-        self._freed = threading.Condition(self._lock)
-        self._waiting = 0
-
-    def acquire(self, blocking: bool = True) -> bool:
-        with self._lock:
-            while not self._free:
-                if not blocking:
-                    return False
-                self._waiting += 1
-                self._freed.wait()
-                self._waiting -= 1
-            self._free -= 1
-            return True
-
-    def alone(self) -> bool:
-        """Whether the caller's permit is the only one taken. (Permits come back only
-        after a step's dispatch on U is over, so then nothing else is on U.)"""
-        return self._free == self._max - 1
-
-    def release(self) -> None:
-        with self._lock:
-            if self._free >= self._max:
-                raise ValueError("permit released more often than taken")
-            self._free += 1
-            if self._waiting:
-                self._freed.notify()
-
-
 class StepEngine:
     """Runs steps of graph programs on one device, issued from one thread."""
 
@@ -165,7 +130,7 @@ class StepEngine:
         self._completions: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Steps issued to the device and not yet complete: the issuer may run ahead
         # of the device by this much, no more (bounded memory, bounded latency).
-        self._permits = _Permits(max_inflight)
+        self._permits = Permits(max_inflight)
         self._next: dict[tuple[str, int], int] = {}  # (program, bucket) -> next instance
         self._rings: dict[tuple[str, int], list[CapturedGraph]] = {}  # instances in order
         self._staged: dict[tuple[str, int], CapturedGraph] = {}
