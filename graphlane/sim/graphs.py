@@ -64,7 +64,7 @@ class TaskNode:
         else:
             call = self.call
         if RUNTIME.config.mode == "timed":
-            ex.cost.charge(RUNTIME.config.task_us, started)
+            ex.cost.add(RUNTIME.config.task_us, started)  # the replay settles it
         else:
             call.execute()
 
@@ -88,8 +88,14 @@ class ReplayWork:
         self.label = f"replay #{launch.number} of {graph.name}{where}"
 
     def run(self, ex: Stream) -> None:
+        # Tasks in a row are charged together (CostClock.add); anything else (a wait,
+        # a record, a fork or join) first waits until the tasks before it are over.
+        cost = ex.cost
         for node in self.nodes:
+            if type(node) is not TaskNode:
+                cost.settle()
             node.run(ex, self.launch)
+        cost.settle()
 
 
 # =================================================================== capture state

@@ -419,6 +419,12 @@ class CostClock:
     closely (within ``SLACK_S``), else ``started``. The simulator's own Python
     overhead and a sleep's oversleep are thereby counted inside the modelled
     cost instead of being added to it, as long as they are smaller than it.
+
+    :meth:`add` charges without waiting and :meth:`settle` waits for what was
+    added: a stream running several tasks in a row with nothing in between that
+    another stream or the host could observe (no record, no wait) sleeps once for
+    all of them, so its sleeps' oversleep and wake-ups are paid once, as a
+    device that runs them back to back pays nothing between them.
     """
 
     SLACK_S = 0.0005
@@ -426,13 +432,20 @@ class CostClock:
     def __init__(self) -> None:
         self.end = 0.0
 
-    def charge(self, cost_us: float, started: float | None = None) -> None:
+    def add(self, cost_us: float, started: float | None = None) -> None:
         if cost_us <= 0:
             return
         t0 = time.perf_counter() if started is None else started
         start = self.end if t0 < self.end + self.SLACK_S else t0
         self.end = start + cost_us * 1e-6
+
+    def settle(self) -> None:
         busy_until(self.end)
+
+    def charge(self, cost_us: float, started: float | None = None) -> None:
+        if cost_us > 0:
+            self.add(cost_us, started)
+            busy_until(self.end)
 
 
 def streams_named(streams: Iterable[Stream]) -> str:

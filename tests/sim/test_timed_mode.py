@@ -6,6 +6,7 @@ check the mode's semantics and its configuration.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -59,3 +60,21 @@ def test_eager_ops_still_compute_in_timed_mode(restore_config: None) -> None:
 def test_invalid_config_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         SimConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_tasks_in_a_row_cost_their_sum_before_anything_after_them(restore_config: None) -> None:
+    """Tasks in a row sleep once for all of them (CostClock.add, then settle), but what
+    follows them (here the replay's end, seen by synchronize) comes no earlier than
+    their summed modelled time. A lower bound on elapsed time: the sim must never
+    finish modelled work early, however late the machine runs it."""
+    x = torch.ones(4).npu()
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        for _ in range(3):
+            x.add_(1)
+    configure(mode="timed", task_us=20_000)
+    torch.npu.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.npu.synchronize()
+    assert time.perf_counter() - t0 >= 3 * 0.020
