@@ -335,23 +335,23 @@ class PagedAttentionProgram(GraphProgram):
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # Everything lands before group 0: five copies, not two per layer (every layer's
+        # new K/V goes in one copy each; fewer, larger host-to-device copies).
+        if group:
+            return []
         b, bucket, inputs = plan.batch, plan.bucket, plan.inputs
-        writes = []
-        if group == 0:
-            writes += [
-                (buffers["query"][:b], inputs["query"]),
-                (buffers["slot_mapping"][:b], inputs["slot_mapping"]),
-                (buffers["block_table"][:b], inputs["block_table"]),
-            ]
-            if b < bucket:  # rows of an earlier, larger step must not write the cache
-                writes += [
-                    (buffers["slot_mapping"][b:], self._pad_slots[: bucket - b]),
-                    (buffers["block_table"][b:], self._pad_table[: bucket - b]),
-                ]
-        writes += [
-            (buffers["new_key"][group, :b], inputs["key"][group]),
-            (buffers["new_value"][group, :b], inputs["value"][group]),
+        writes = [
+            (buffers["query"][:b], inputs["query"]),
+            (buffers["slot_mapping"][:b], inputs["slot_mapping"]),
+            (buffers["block_table"][:b], inputs["block_table"]),
+            (buffers["new_key"][:, :b], inputs["key"]),
+            (buffers["new_value"][:, :b], inputs["value"]),
         ]
+        if b < bucket:  # rows of an earlier, larger step must not write the cache
+            writes += [
+                (buffers["slot_mapping"][b:], self._pad_slots[: bucket - b]),
+                (buffers["block_table"][b:], self._pad_table[: bucket - b]),
+            ]
         return writes
 
     def output_views(
