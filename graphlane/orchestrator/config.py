@@ -9,8 +9,8 @@ listen = "tcp://127.0.0.1:7450"   # the daemon's endpoint (tcp or ipc); the work
                                    # device d listens on port + 1 + d (ipc: NAME-worker-d.sock)
 backend = "sim"                    # "sim" (simulated NPU), "npu" (torch_npu) or "null" (no device)
 devices = 2                        # a count (0..N-1) or a list of device ids, e.g. [0, 3]
-depth = 2                          # graph instances per bucket (a ring): 2 measured best
-                                   #   through the daemon (see ServeConfig.depth)
+depth = 2                          # graph instances per bucket (a ring); why 2: see
+                                   #   ServeConfig.depth
 pipeline = true                    # false: serial update, replay, wait (the baseline)
 max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
 startup_timeout_s = 120.0          # a worker's capture and handshake must end within this
@@ -95,16 +95,20 @@ class ServeConfig:
     listen: str = DEFAULT_LISTEN
     backend: str = "sim"
     devices: tuple[int, ...] = (0, 1)
-    #: Graph instances per bucket, used in turn. 2 by measurement (``graphlane bench``'s
-    #: pipeline part at depth 1, 2, 3 through a daemon, timed sim, 4 layers, 8 steps in
-    #: flight): update-bound (1800/600 us) went from 0.57 of the limit at depth 1 to
-    #: 0.84 at 2 (0.79 at 3), balanced (1500/1500) 0.69 -> 0.72 (0.75), replay-bound
-    #: (600/1800) 0.96 -> 0.95 (0.95), and single-step latency 1.3-1.9x the floor at 1
-    #: against 1.3-1.5x at 2. With one instance, step N+1's patches must wait on the
-    #: device for replay N to finish with the graph; with two they land on the other
-    #: instance. A third adds nothing measurable and costs another copy of every static
-    #: buffer (a program's device memory grows with depth; steps rotate over instances,
-    #: so a step without key/value sees what the latest step on its instance wrote).
+    #: Graph instances per bucket, used in turn. 2, by measurement and by what the sim
+    #: does not model. Since the engine's update thread dispatches the patches, depth 1,
+    #: 2 and 3 measure alike through a daemon (``benchmarks/pipeline.py --depths``,
+    #: timed sim, 4 layers, 8 steps in flight: balanced 1500/1500 us 0.98/0.97/0.98 of
+    #: the limit, update-bound 1800/600 0.93/0.93/0.96, replay-bound 600/1800
+    #: 0.92/0.89/0.99, single-step latency 1.25-1.41x the floor at each): the host's
+    #: dispatch of step N+1's patches overlaps replay N at any depth. The device
+    #: differs: with one instance, U applies step N+1's updates only once replay N is
+    #: done with the graph, between the two replays, which costs the NPU each update's
+    #: device time per step (the sim charges it as zero); with two they are applied on
+    #: the other instance during replay N. A third adds nothing measurable and costs
+    #: another copy of every static buffer (a program's device memory grows with
+    #: depth; steps rotate over instances, so a step without key/value sees what the
+    #: latest step on its instance wrote).
     depth: int = 2
     pipeline: bool = True
     sim: SimSettings = field(default_factory=SimSettings)

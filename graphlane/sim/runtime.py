@@ -402,13 +402,14 @@ def configure(
     return new
 
 
-def busy_until(deadline: float) -> None:
-    """Occupy the calling thread until ``deadline`` (monotonic seconds), GIL released."""
+def busy_until(deadline: float) -> float:
+    """Occupy the calling thread until ``deadline`` (monotonic seconds), GIL released;
+    returns when it got control back (``deadline`` plus the sleep's oversleep)."""
     while True:
-        left = deadline - time.perf_counter()
-        if left <= 0:
-            return
-        time.sleep(left)
+        now = time.perf_counter()
+        if now >= deadline:
+            return now
+        time.sleep(deadline - now)
 
 
 class CostClock:
@@ -419,6 +420,11 @@ class CostClock:
     closely (within ``SLACK_S``), else ``started``. The simulator's own Python
     overhead and a sleep's oversleep are thereby counted inside the modelled
     cost instead of being added to it, as long as they are smaller than it.
+
+    The window of ``SLACK_S`` opens when the thread got control back from its
+    last wait for a charge, not at the charge's modelled end: a sleep that wakes
+    late (the machine was busy, or another thread held the interpreter) is the
+    simulator's delay, not work of the thread's, so it does not eat the window.
 
     :meth:`add` charges without waiting and :meth:`settle` waits for what was
     added: a stream running several tasks in a row with nothing in between that
@@ -431,21 +437,23 @@ class CostClock:
 
     def __init__(self) -> None:
         self.end = 0.0
+        self.woke = 0.0  # when the last wait for a charge returned
 
     def add(self, cost_us: float, started: float | None = None) -> None:
         if cost_us <= 0:
             return
         t0 = time.perf_counter() if started is None else started
-        start = self.end if t0 < self.end + self.SLACK_S else t0
+        start = self.end if t0 < max(self.end, self.woke) + self.SLACK_S else t0
         self.end = start + cost_us * 1e-6
 
     def settle(self) -> None:
-        busy_until(self.end)
+        if self.end > self.woke:
+            self.woke = busy_until(self.end)
 
     def charge(self, cost_us: float, started: float | None = None) -> None:
         if cost_us > 0:
             self.add(cost_us, started)
-            busy_until(self.end)
+            self.woke = busy_until(self.end)
 
 
 def streams_named(streams: Iterable[Stream]) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from graphlane.sim import SimConfig, configure, torch_npu
+from graphlane.sim.runtime import CostClock
 
 
 @pytest.fixture
@@ -78,3 +79,19 @@ def test_tasks_in_a_row_cost_their_sum_before_anything_after_them(restore_config
     g.replay()
     torch.npu.synchronize()
     assert time.perf_counter() - t0 >= 3 * 0.020
+
+
+def test_a_late_wake_up_does_not_eat_the_slack_window() -> None:
+    """Work that follows a charge within SLACK_S of the thread's wake-up from it starts
+    at the charge's modelled end: a sleep that woke late is the simulator's delay, not
+    the thread's. Work that follows later starts when it started (synthetic times)."""
+    slack = CostClock.SLACK_S
+    clock = CostClock()
+    clock.end, clock.woke = 10.0, 10.0 + 4 * slack  # woke four windows late
+    clock.add(1500, started=clock.woke + slack / 2)
+    assert clock.end == 10.0 + 1500e-6  # back to back with the previous charge
+
+    clock = CostClock()
+    clock.end, clock.woke = 10.0, 10.0  # woke on time
+    clock.add(1500, started=10.0 + 4 * slack)  # the thread did something else meanwhile
+    assert clock.end == 10.0 + 4 * slack + 1500e-6
