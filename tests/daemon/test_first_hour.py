@@ -142,8 +142,8 @@ def test_the_docs_program_serves_by_module_path_and_bad_inputs_get_bad_request(
 
 
 # ---------------------------------------------------------------------------- 7. client API
-def test_client_takes_numpy_and_names_a_caller_s_mistake(start_daemon) -> None:
-    d = start_daemon(devices=1)
+def test_client_takes_numpy_and_names_a_caller_s_mistake(shared_daemon) -> None:
+    d = shared_daemon(devices=1)
     c = SMALL
 
     async def calls() -> None:
