@@ -55,10 +55,25 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """A loopback port nothing listens on, the kernel's choice, with the ``span - 1``
+    ports above it free too: a daemon's workers listen on its port + 1 + device id."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + span <= 65536 and all(_bindable(port + i) for i in range(1, span)):
+            return port
+    raise RuntimeError(f"no {span} free ports in a row on loopback")
 
 
 def _toml(value: Any) -> str:
@@ -147,7 +162,7 @@ def launch(
     if transport == "ipc":
         listen = f"ipc://{tmp_dir}/{name}/daemon.sock"
     else:
-        listen = f"tcp://127.0.0.1:{free_port()}"
+        listen = f"tcp://127.0.0.1:{free_port(1 + devices)}"
     cfg = {"listen": listen, "devices": devices, **config}
     path = write_config(tmp_dir / f"{name}.toml", cfg)
     ready = tmp_dir / f"{name}.ready"

@@ -206,7 +206,7 @@ def _serve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]
 
 
 def test_status_wait_covers_a_daemon_that_is_not_up_yet(start_daemon) -> None:
-    port = free_port()
+    port = free_port(2)  # the daemon and its worker
     endpoint = f"tcp://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "graphlane", "status", "--connect", endpoint,
            "--wait", "120", "--timeout", "1"]  # fmt: skip
