@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from daemons import shared_daemon, shared_daemons  # noqa: F401  (fixtures)
 
 from graphlane.sim import reset_device, torch_npu  # noqa: F401  (sets the device up)
 

@@ -5,6 +5,8 @@ stopped with SIGTERM at the end and must exit 0 leaving no worker behind."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -53,10 +55,25 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def free_port() -> int:
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """A loopback port nothing listens on, the kernel's choice, with the ``span - 1``
+    ports above it free too: a daemon's workers listen on its port + 1 + device id."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + span <= 65536 and all(_bindable(port + i) for i in range(1, span)):
+            return port
+    raise RuntimeError(f"no {span} free ports in a row on loopback")
 
 
 def _toml(value: Any) -> str:
@@ -132,49 +149,164 @@ class RunningDaemon:
         return code
 
 
-@pytest.fixture
-def start_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
-    started: list[RunningDaemon] = []
+def launch(
+    tmp_dir: Path,
+    name: str,
+    transport: str = "ipc",
+    devices: int = 2,
+    client_keys: dict[str, str] | None = None,
+    **config: Any,
+) -> RunningDaemon:
+    """``graphlane serve`` in a child process, its files under ``tmp_dir`` named by
+    ``name``; returned once its workers are ready and it answers status."""
+    if transport == "ipc":
+        listen = f"ipc://{tmp_dir}/{name}/daemon.sock"
+    else:
+        listen = f"tcp://127.0.0.1:{free_port(1 + devices)}"
+    cfg = {"listen": listen, "devices": devices, **config}
+    path = write_config(tmp_dir / f"{name}.toml", cfg)
+    ready = tmp_dir / f"{name}.ready"
+    log_path = tmp_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(path),
+           "--ready-file", str(ready)]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    d = RunningDaemon(listen, proc, log_path, client_keys=dict(client_keys or {}))
 
-    def start(
-        transport: str = "ipc",
-        devices: int = 2,
-        client_keys: dict[str, str] | None = None,
-        **config: Any,
-    ) -> RunningDaemon:
-        n = len(started)
-        if transport == "ipc":
-            listen = f"ipc://{tmp_path}/run{n}/daemon.sock"
-        else:
-            listen = f"tcp://127.0.0.1:{free_port()}"
-        cfg = {"listen": listen, "devices": devices, **config}
-        path = write_config(tmp_path / f"daemon{n}.toml", cfg)
-        ready = tmp_path / f"ready{n}"
-        log_path = tmp_path / f"daemon{n}.log"
-        cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(path),
-               "--ready-file", str(ready)]  # fmt: skip
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        d = RunningDaemon(listen, proc, log_path, client_keys=dict(client_keys or {}))
-        started.append(d)
+    def is_ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"daemon exited with {proc.returncode}:\n{d.log()[-3000:]}")
+        return ready.exists() and ready.stat().st_size > 0
 
-        def is_ready() -> bool:
-            if proc.poll() is not None:
-                pytest.fail(f"daemon exited with {proc.returncode}:\n{d.log()[-3000:]}")
-            return ready.exists() and ready.stat().st_size > 0
-
+    try:
         wait_for(is_ready, 120, "the daemon's workers to be ready")
         d.endpoint = ready.read_text()
         d.status()
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    return d
+
+
+def finish(d: RunningDaemon) -> None:
+    """Stop ``d`` unless the test did: it must exit 0 and leave no worker behind."""
+    if not d.stopped:
+        code = d.stop()
+        assert code == 0, f"daemon exit code {code}:\n{d.log()[-3000:]}"
+    pids = list(d.worker_pids_seen)
+    wait_for(lambda: not any(map(pid_alive, pids)), 10, f"workers {pids} to exit")
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path) -> Iterator[Callable[..., RunningDaemon]]:
+    """A daemon of the test's own, for a test that changes its state (kills, drains,
+    stops it) or needs a configuration no other test shares."""
+    started: list[RunningDaemon] = []
+
+    def start(*args: Any, **kwargs: Any) -> RunningDaemon:
+        d = launch(tmp_path, f"daemon{len(started)}", *args, **kwargs)
+        started.append(d)
         return d
 
     yield start
     for d in started:
-        if not d.stopped:
-            code = d.stop()
-            assert code == 0, f"daemon exit code {code}:\n{d.log()[-3000:]}"
-        pids = list(d.worker_pids_seen)
-        wait_for(lambda pids=pids: not any(map(pid_alive, pids)), 10, f"workers {pids} to exit")
+        finish(d)
+
+
+#: Pids of the daemons that outlive a test (shared by several): not a test's leak.
+SHARED_PIDS: set[int] = set()
+
+
+class SharedDaemons:
+    """One daemon per configuration, started when a test first asks for it and stopped
+    at the end of the session (where it must exit 0 and leave no worker behind)."""
+
+    def __init__(self, tmp_dir: Path) -> None:
+        self.tmp_dir = tmp_dir
+        self.daemons: dict[str, RunningDaemon] = {}
+        self.count = 0
+
+    def get(self, transport: str = "ipc", devices: int = 2, **config: Any) -> RunningDaemon:
+        key = json.dumps([transport, devices, config], sort_keys=True)
+        d = self.daemons.get(key)
+        if d is not None and d.proc.poll() is not None:
+            self.discard(d)  # it died between tests: the test that used it last failed
+            d = None
+        if d is None:
+            d = launch(self.tmp_dir, f"shared{self.count}", transport, devices, **config)
+            self.count += 1
+            self.daemons[key] = d
+            SHARED_PIDS.add(d.proc.pid)
+        return d
+
+    def discard(self, d: RunningDaemon) -> None:
+        """Stop a daemon a test left unhealthy: the next test gets a new one."""
+        for key, other in list(self.daemons.items()):
+            if other is d:
+                del self.daemons[key]
+        try:
+            if d.proc.poll() is None:
+                d.proc.terminate()
+                try:
+                    d.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    d.proc.kill()
+                    d.proc.wait()
+        finally:
+            SHARED_PIDS.discard(d.proc.pid)
+
+    def close(self) -> None:
+        try:
+            for d in self.daemons.values():
+                finish(d)
+        finally:
+            SHARED_PIDS.difference_update(d.proc.pid for d in self.daemons.values())
+            self.daemons.clear()
+
+
+@pytest.fixture(scope="session")
+def shared_daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedDaemons]:
+    pool = SharedDaemons(tmp_path_factory.mktemp("shared"))
+    yield pool
+    pool.close()
+
+
+def _health(d: RunningDaemon) -> dict[int, tuple[Any, ...]]:
+    """Per device: the worker's pid, state and restarts."""
+    return {w["device"]: (w["pid"], w["state"], w["restarts"]) for w in d.status()["workers"]}
+
+
+@pytest.fixture
+def shared_daemon(shared_daemons: SharedDaemons) -> Iterator[Callable[..., RunningDaemon]]:
+    """A daemon shared with other tests of the same configuration (same arguments as
+    ``start_daemon``), for a test that leaves it as it found it: it must not stop it,
+    drain, kill or restart a worker, or depend on counters starting at zero. After the
+    test the daemon must be running with the same workers, all ready; otherwise the
+    test fails and the daemon is replaced for the next."""
+    used: dict[int, tuple[RunningDaemon, dict[int, tuple[Any, ...]]]] = {}
+
+    def get(*args: Any, **kwargs: Any) -> RunningDaemon:
+        d = shared_daemons.get(*args, **kwargs)
+        if id(d) not in used:
+            before = _health(d)
+            assert all(state == "ready" for _, state, _ in before.values()), before
+            used[id(d)] = (d, before)
+        return d
+
+    yield get
+    for d, before in used.values():
+        after = None
+        if d.proc.poll() is None and not d.signalled:
+            with contextlib.suppress(Exception):
+                after = _health(d)
+        if after != before:
+            shared_daemons.discard(d)
+            pytest.fail(
+                f"the test left a shared daemon changed: workers {before} -> {after} "
+                f"(exit {d.proc.returncode}):\n{d.log()[-3000:]}"
+            )
 
 
 @pytest.fixture(autouse=True)
@@ -192,7 +324,7 @@ def no_leaked_children() -> Iterator[None]:
                         fields = f.read().split(")")[-1].split()
                 except OSError:
                     continue
-                if int(fields[1]) == me and fields[0] != "Z":
+                if int(fields[1]) == me and fields[0] != "Z" and int(entry) not in SHARED_PIDS:
                     out.append(int(entry))
         return out
 

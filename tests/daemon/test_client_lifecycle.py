@@ -150,8 +150,8 @@ def test_the_cli_answers_a_malformed_endpoint_in_one_line(endpoint: str) -> None
 
 # ------------------------------------------------------------ against a daemon
 @pytest.fixture
-def daemon(start_daemon) -> RunningDaemon:
-    d: RunningDaemon = start_daemon(transport="tcp", devices=1)
+def daemon(shared_daemon) -> RunningDaemon:
+    d: RunningDaemon = shared_daemon(transport="tcp", devices=1)
     return d
 
 

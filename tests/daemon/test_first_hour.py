@@ -142,8 +142,8 @@ def test_the_docs_program_serves_by_module_path_and_bad_inputs_get_bad_request(
 
 
 # ---------------------------------------------------------------------------- 7. client API
-def test_client_takes_numpy_and_names_a_caller_s_mistake(start_daemon) -> None:
-    d = start_daemon(devices=1)
+def test_client_takes_numpy_and_names_a_caller_s_mistake(shared_daemon) -> None:
+    d = shared_daemon(devices=1)
     c = SMALL
 
     async def calls() -> None:
@@ -206,7 +206,7 @@ def _serve(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]
 
 
 def test_status_wait_covers_a_daemon_that_is_not_up_yet(start_daemon) -> None:
-    port = free_port()
+    port = free_port(2)  # the daemon and its worker
     endpoint = f"tcp://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "graphlane", "status", "--connect", endpoint,
            "--wait", "120", "--timeout", "1"]  # fmt: skip

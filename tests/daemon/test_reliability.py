@@ -59,7 +59,7 @@ def test_a_hung_worker_is_replaced_and_its_call_gets_worker_lost(start_daemon) -
     assert w["restarts"] == 1
 
 
-def test_a_worker_failing_at_start_is_retried_then_marked_failed(start_daemon, tmp_path) -> None:
+def test_a_worker_failing_at_start_is_retried_then_marked_failed(shared_daemon, tmp_path) -> None:
     """A device whose worker cannot start is restarted with backoff, then marked failed
     after the cap, while another daemon's device serves on beside it; a daemon whose
     every worker failed exits 1 saying why."""
@@ -83,7 +83,7 @@ def test_a_worker_failing_at_start_is_retried_then_marked_failed(start_daemon, t
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    healthy = start_daemon(devices=1)
+    healthy = shared_daemon(devices=1)
     try:
         assert proc.wait(90) == 1
         text = log_path.read_text()
@@ -96,8 +96,8 @@ def test_a_worker_failing_at_start_is_retried_then_marked_failed(start_daemon, t
             proc.wait(60)
 
 
-def test_a_flood_of_hostile_frames_leaves_the_daemon_serving(start_daemon) -> None:
-    d = start_daemon(devices=1)
+def test_a_flood_of_hostile_frames_leaves_the_daemon_serving(shared_daemon) -> None:
+    d = shared_daemon(devices=1)
     worker = d.worker(0)["endpoint"]
     rng = random.Random(7)
     good = [
@@ -296,9 +296,9 @@ def test_metrics_and_json_logs(start_daemon) -> None:
 
 
 @pytest.mark.parametrize("seconds", [float(os.environ.get("GRAPHLANE_SOAK_S", "60"))])
-def test_soak_steady_load_keeps_memory_fds_and_threads_flat(start_daemon, seconds: float) -> None:
+def test_soak_steady_load_keeps_memory_fds_and_threads_flat(shared_daemon, seconds: float) -> None:
     """A bounded soak (GRAPHLANE_SOAK_S seconds, default 60 in the suite)."""
-    d = start_daemon(devices=1)
+    d = shared_daemon(devices=1)
     pid = d.worker(0)["pid"]
 
     def usage() -> tuple[int, int, int]:

@@ -72,11 +72,11 @@ def test_concurrent_steps_across_devices_match_the_reference(start_daemon, trans
     assert st["ready"] and all(w["restarts"] == 0 for w in st["workers"])
 
 
-def test_calls_made_together_go_as_bundles_and_each_gets_its_own_answer(start_daemon) -> None:
+def test_calls_made_together_go_as_bundles_and_each_gets_its_own_answer(shared_daemon) -> None:
     """Steps without data frames made in one turn of the loop travel to the worker as
     bundles; every call still gets the reply for its own batch, and calls made one
     after another are not bundled."""
-    d = start_daemon(devices=1)
+    d = shared_daemon(devices=1)
 
     async def main() -> None:
         async with Client(d.endpoint) as c:
@@ -98,11 +98,11 @@ def test_calls_made_together_go_as_bundles_and_each_gets_its_own_answer(start_da
     asyncio.run(main())
 
 
-def test_large_calls_made_together_are_each_answered(start_daemon) -> None:
+def test_large_calls_made_together_are_each_answered(shared_daemon) -> None:
     """Requests of 600 kB made together would make a bundle over the worker's 1 MiB
     envelope limit, refused whole: large requests go alone, smaller ones in bundles
     that fit, and each gets its own answer (here BAD_REQUEST: no such parameter)."""
-    d = start_daemon(devices=1)
+    d = shared_daemon(devices=1)
 
     async def main() -> None:
         async with Client(d.endpoint, timeout=10) as c:
@@ -120,8 +120,8 @@ def test_large_calls_made_together_are_each_answered(start_daemon) -> None:
     asyncio.run(main())
 
 
-def test_split_update_then_replay_and_status(start_daemon) -> None:
-    d = start_daemon(devices=1)
+def test_split_update_then_replay_and_status(shared_daemon) -> None:
+    d = shared_daemon(devices=1)
 
     async def main() -> None:
         gen = torch.Generator().manual_seed(5)
@@ -160,8 +160,8 @@ def test_cancelled_call_loses_nothing_and_the_client_stays_usable(start_daemon) 
     asyncio.run(main())
 
 
-def test_sync_client_is_the_async_client(start_daemon) -> None:
-    d = start_daemon(devices=1)
+def test_sync_client_is_the_async_client(shared_daemon) -> None:
+    d = shared_daemon(devices=1)
     with SyncClient(d.endpoint, timeout=30) as c:
         r = c.step("attention", 0, {"actual_seq_lengths_kv": [3, 9]})
         assert r.outputs["out"].shape == (2, N, 1, D)
@@ -171,8 +171,8 @@ def test_sync_client_is_the_async_client(start_daemon) -> None:
         assert err.value.code == "BAD_REQUEST"
 
 
-def test_status_cli(start_daemon) -> None:
-    d = start_daemon(devices=2)
+def test_status_cli(shared_daemon) -> None:
+    d = shared_daemon(devices=2)
     cli = [sys.executable, "-m", "graphlane", "status", "--connect", d.endpoint]
     out = subprocess.run(
         [*cli, "--json", "--wait", "30"], capture_output=True, text=True, timeout=60
@@ -196,9 +196,9 @@ def test_status_wait_fails_at_the_deadline_when_nothing_answers(tmp_path) -> Non
     assert "TIMEOUT" in out.stderr
 
 
-def test_one_client_across_two_daemons_acting_as_two_hosts(start_daemon) -> None:
-    a = start_daemon("tcp", devices=1)
-    b = start_daemon("tcp", devices=2)
+def test_one_client_across_two_daemons_acting_as_two_hosts(shared_daemon) -> None:
+    a = shared_daemon("tcp", devices=1)
+    b = shared_daemon("tcp", devices=2)
 
     async def main() -> None:
         async with Client([a.endpoint, b.endpoint], timeout=30) as c:
@@ -225,10 +225,10 @@ def test_one_client_across_two_daemons_acting_as_two_hosts(start_daemon) -> None
     assert out.stdout.count("daemon running") == 2 and out.stdout.count(": ready") == 3
 
 
-def test_close_with_calls_still_resolving_their_worker_does_not_hang(start_daemon) -> None:
+def test_close_with_calls_still_resolving_their_worker_does_not_hang(shared_daemon) -> None:
     """close() while steps are still finding their worker's socket closes every socket
     (a socket left open would make close() wait forever)."""
-    d = start_daemon(devices=2)
+    d = shared_daemon(devices=2)
 
     async def main() -> None:
         c = Client(d.endpoint, timeout=30)
@@ -254,11 +254,11 @@ def _cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
-def test_an_idle_worker_sleeps_after_serving(start_daemon) -> None:
+def test_an_idle_worker_sleeps_after_serving(shared_daemon) -> None:
     """After a burst answered from the completion thread (the sim's steps are not done
     when issued), the worker's loop goes back to sleep: a lost or stale wake-up would
     spin it, burning a core while nothing happens."""
-    d: RunningDaemon = start_daemon(devices=1)
+    d: RunningDaemon = shared_daemon(devices=1)
     pid = d.worker(0)["pid"]
 
     async def burst() -> None:

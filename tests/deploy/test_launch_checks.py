@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from daemons import start_daemon  # noqa: F401  (fixture)
 from test_deploy import LAUNCH, output, small_config
 
 
@@ -25,11 +24,8 @@ def _launch(tmp_path: Path, *args: str | Path) -> subprocess.CompletedProcess[st
     )
 
 
-def test_launch_sh_start_refuses_someone_else_s_daemon(
-    start_daemon,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    other = start_daemon(transport="tcp", devices=2)
+def test_launch_sh_start_refuses_someone_else_s_daemon(shared_daemon, tmp_path: Path) -> None:
+    other = shared_daemon(transport="tcp", devices=2)
     run_dir = tmp_path / "run"
     started = _launch(
         tmp_path, "start", "--backend", "sim", "--devices", "4", "--run-dir", run_dir,

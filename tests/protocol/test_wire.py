@@ -287,7 +287,11 @@ def test_garbage_and_no_frames_are_refused_without_an_id() -> None:
     refused_unread([])
 
 
-@pytest.mark.parametrize("frames", [[b"\x80", 5], b"\x80", [object()]], ids=repr)
+@pytest.mark.parametrize(
+    "frames",
+    [[b"\x80", 5], b"\x80", [object()]],
+    ids=["[b'\\x80', 5]", "b'\\x80'", "[object()]"],  # the same in every process (xdist)
+)
 def test_frames_that_are_not_byte_buffers(frames: Any) -> None:
     refused_unread(frames)
 

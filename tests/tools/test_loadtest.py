@@ -59,8 +59,8 @@ def check_latency(lat: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- real daemons
-def test_closed_loop_with_verification_writes_a_sane_report(start_daemon, tmp_path: Path) -> None:
-    d = start_daemon(devices=2)
+def test_closed_loop_with_verification_writes_a_sane_report(shared_daemon, tmp_path: Path) -> None:
+    d = shared_daemon(devices=2)
     out = tmp_path / "report"
     config = LoadConfig(
         d.endpoint, 2.0, concurrency=4, verify=0.5, report_dir=str(out), shape=SHAPE,
@@ -111,19 +111,21 @@ async def stall_client_when_serving(
 
 
 def test_open_loop_keeps_the_arrival_rate_and_measures_from_the_schedule(
-    start_daemon,
+    shared_daemon,
 ) -> None:
-    d = start_daemon(devices=1)
+    d = shared_daemon(devices=1)
     config = LoadConfig(
         d.endpoint, 2.0, rate=50, shape=SHAPE, progress=False, verify=0.2, batch_sizes=(1, 3)
     )
     stall_s = 0.5
 
     async def scenario() -> dict[str, Any]:
+        async with Client(d.endpoint, timeout=10) as c:
+            before = (await c.worker_status(0))["steps"]  # the daemon may have served others
         load = asyncio.create_task(run_load(config))
         # The client stalls for 0.5 s once steps flow (preflight = 1 step): the ~25 arrivals
         # scheduled meanwhile are sent late, and their latency counts from their schedule.
-        await stall_client_when_serving(d.endpoint, load, 1 + 3, stall_s)
+        await stall_client_when_serving(d.endpoint, load, before + 1 + 3, stall_s)
         return await load
 
     report = asyncio.run(scenario())
