@@ -286,7 +286,12 @@ class Client:
             result: dict[str, Any] = await self._each("drain", ops.Drain(), timeout)
             return result
         host, local = self._resolve(device)
-        return await self._call(self._channel(host), "drain", ops.Drain(local), timeout)
+        result = await self._call(self._channel(host), "drain", ops.Drain(local), timeout)
+        # The daemon passes the drain on to the worker without waiting for it; the
+        # worker's own answer means it refuses new steps from now on, so a step sent
+        # after drain() returns is never served (the race was seen under load).
+        await self._call(await self._worker_at(host, local), "drain", ops.Drain(local), timeout)
+        return result
 
     async def shutdown(self, timeout: float | None = None) -> dict[str, Any]:
         result: dict[str, Any] = await self._each("shutdown", ops.Shutdown(), timeout)
