@@ -126,7 +126,7 @@ class _Deadline:
 
 
 class _Interrupted(BaseException):
-    """SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt does for SIGINT."""
+    """SIGINT, SIGTERM or SIGHUP arrived: unwinds the run from wherever it is."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -135,13 +135,16 @@ class _Interrupted(BaseException):
 
 @contextlib.contextmanager
 def _signals_end_the_run() -> Iterator[None]:
-    """SIGTERM and SIGHUP end the run like Ctrl-C does (the exception unwinds through
-    the ``finally`` that stops the daemon); the previous handlers come back afterwards."""
+    """SIGINT, SIGTERM and SIGHUP end the run at once: the exception unwinds through the
+    ``finally`` that stops the daemon. (SIGINT too: left to asyncio.run, Ctrl-C only
+    cancels the main task, and a loaded machine showed code under way holding that
+    up past a minute.) The previous handlers come back afterwards."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
         raise _Interrupted(signum)
 
-    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    ending = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {sig: signal.signal(sig, handler) for sig in ending}
     try:
         yield
     finally:

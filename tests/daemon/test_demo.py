@@ -57,6 +57,8 @@ def test_an_interrupted_demo_stops_its_daemon_and_workers(tmp_path: Path, sig: i
         code = demo.wait(timeout=60)
     except subprocess.TimeoutExpired:
         demo.kill()
+        demo.wait()
+        demo.stdout.close()
         pytest.fail(f"the demo did not exit after {sig!r}")
     demo.stdout.close()
     assert code == 128 + sig, code
