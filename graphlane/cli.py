@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--devices", metavar="N|LIST", help="device count (2) or ids (0,3)")
     s.add_argument(
+        "--cpu-affinity",
+        choices=["auto", "off"],
+        help="auto (default): each sim/null worker on a core of its own; off: no pinning "
+        "(cores per device: cpu_affinity in --config)",
+    )
+    s.add_argument(
         "--listen", metavar="ENDPOINT", help=f"tcp:// or ipc:// (default {DEFAULT_LISTEN})"
     )
     s.add_argument(
@@ -269,6 +275,7 @@ def _serve(args: argparse.Namespace) -> int:
             {
                 "backend": args.backend,
                 "devices": args.devices,
+                "cpu_affinity": args.cpu_affinity,
                 "listen": args.listen,
                 "metrics_port": args.metrics_port,
                 "log_format": args.log_format,

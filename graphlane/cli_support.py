@@ -80,6 +80,7 @@ def check_config(path: str) -> int:
     print(f"{path}: ok")
     print(f"  listen {conf.listen} (workers: {conf.worker_endpoint(conf.devices[0])} ...)")
     print(f"  backend {conf.backend}, devices {list(conf.devices)}, depth {conf.depth}")
+    print(f"  cpu_affinity {conf.cpu_affinity}")
     for p in conf.programs:
         keys = ", ".join(f"{k}={v}" for k, v in p.items() if k != "name")
         print(f"  program {p['name']}" + (f": {keys}" if keys else ""))

@@ -12,6 +12,10 @@ devices = 2                        # a count (0..N-1) or a list of device ids, e
 depth = 2                          # graph instances per bucket (a ring); why 2: see
                                    #   ServeConfig.depth
 pipeline = true                    # false: serial update, replay, wait (the baseline)
+cpu_affinity = "auto"              # "auto": each sim/null worker on a core of its own (its
+                                   #   threads share one interpreter lock; why: see
+                                   #   graphlane/workers/affinity.py), npu workers unpinned;
+                                   #   "off"; or cores per device, e.g. [[0, 1], [2, 3]]
 max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
 startup_timeout_s = 120.0          # a worker's capture and handshake must end within this
 max_restarts = 5                   # restarts of a device's worker within restart_window_s,
@@ -111,6 +115,8 @@ class ServeConfig:
     #: latest step on its instance wrote).
     depth: int = 2
     pipeline: bool = True
+    #: "auto", "off", or one tuple of cores per device (graphlane.workers.affinity).
+    cpu_affinity: str | tuple[tuple[int, ...], ...] = "auto"
     sim: SimSettings = field(default_factory=SimSettings)
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     max_queued: int = 256
@@ -219,6 +225,30 @@ def _sim(raw: Any) -> SimSettings:
     )
 
 
+def _cpu_affinity(key: str, v: Any) -> str | tuple[tuple[int, ...], ...]:
+    """"auto", "off", or a non-empty list of core lists, each core one this process may use."""
+    if v in ("auto", "off"):
+        return str(v)
+    if not isinstance(v, list) or not v or not all(isinstance(c, list) and c for c in v):
+        raise ConfigError(
+            key, f"must be 'auto', 'off' or a list of core lists, e.g. [[0], [1]], not {v!r}"
+        )
+    from graphlane.workers.affinity import available
+
+    cores = set(available())
+    out = []
+    for i, cpus in enumerate(v):
+        for j, c in enumerate(cpus):
+            _int(f"{key}[{i}][{j}]", c)
+            if cores and c not in cores:
+                raise ConfigError(
+                    f"{key}[{i}][{j}]",
+                    f"core {c} is not available to this process (available: {sorted(cores)})",
+                )
+        out.append(tuple(cpus))
+    return tuple(out)
+
+
 def _bytes(key: str, v: Any) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ConfigError(key, f"must be a whole number of bytes > 0, not {v!r}")
@@ -268,6 +298,8 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
         if not isinstance(raw["pipeline"], bool):
             raise ConfigError("pipeline", "must be true or false")
         values["pipeline"] = raw["pipeline"]
+    if "cpu_affinity" in raw:
+        values["cpu_affinity"] = _cpu_affinity("cpu_affinity", raw["cpu_affinity"])
     if "sim" in raw:
         values["sim"] = _sim(raw["sim"])
     if "programs" in raw:
@@ -324,6 +356,12 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
             raise ConfigError("log_format", "must be 'text' or 'json'")
         values["log_format"] = raw["log_format"]
     cfg = replace(cfg, **values)
+    if not isinstance(cfg.cpu_affinity, str) and len(cfg.cpu_affinity) != len(cfg.devices):
+        raise ConfigError(
+            "cpu_affinity",
+            f"gives cores for {len(cfg.cpu_affinity)} device(s), but {len(cfg.devices)} are "
+            "served: one list of cores per device",
+        )
     from graphlane.protocol.security import SecurityError, check_bind
 
     try:

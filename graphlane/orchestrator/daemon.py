@@ -31,6 +31,7 @@ from graphlane import __version__
 from graphlane.logs import Throttled
 from graphlane.protocol import ops, pipe, security, wire
 from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownDevice, as_error
+from graphlane.workers import affinity
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig
@@ -49,6 +50,9 @@ class Daemon:
         self.started = time.time()
         self.counters = {"requests": 0, "undecodable": 0, "errors": 0}
         self._dropped_log = Throttled(log)
+        cores = affinity.plan(
+            config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
+        )
         specs = [
             WorkerSpec(
                 device=d,
@@ -63,8 +67,9 @@ class Daemon:
                 log_format=config.log_format,
                 faults=dict(config.faults),
                 auth_dir=config.auth_dir,
+                cpus=cpus,
             )
-            for d in config.devices
+            for d, cpus in zip(config.devices, cores, strict=True)
         ]
         self.supervisor = Supervisor(
             specs,

@@ -83,6 +83,7 @@ class WorkerHandle:
             "generation": self.generation,
             "endpoint": self.info.get("endpoint"),
             "programs": self.info.get("programs", {}),
+            "cpus": list(self.spec.cpus) if self.spec.cpus else None,  # None: not pinned
             "last_exit": self.last_exit,
             "last_error": self.last_error or None,
         }

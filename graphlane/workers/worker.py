@@ -51,6 +51,7 @@ from graphlane.protocol.errors import (
     UnknownProgram,
     as_error,
 )
+from graphlane.workers import affinity
 from graphlane.workers.engine import StepEngine
 from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.memory import keep_freed_buffers
@@ -81,6 +82,7 @@ class WorkerSpec:
     # Fault injection for tests: "fail_start": true, "hang_device_after": N,
     # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None  # the cores its threads run on (None: any; affinity.py)
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -89,6 +91,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
     keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)
     try:
+        affinity.pin(spec.cpus)  # before any thread starts: they all inherit it
         worker = Worker(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
@@ -129,6 +132,7 @@ class Worker(WorkerLoop):
         )
         self.engine.start()  # this process's main thread issues (see _issue)
         self.ctx: zmq.Context[Any] = zmq.Context()
+        affinity.free_io_threads(self.ctx)  # a pinned worker's sockets do I/O on every core
         self.auth: Any = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         if spec.auth_dir is not None:
@@ -187,6 +191,7 @@ class Worker(WorkerLoop):
             "programs": {name: p.describe() for name, p in self.engine.programs.items()},
             "depth": self.spec.depth,
             "pipeline": self.spec.pipeline,
+            "cpus": list(self.spec.cpus) if self.spec.cpus else None,
         }
 
     def status(self) -> dict[str, Any]:

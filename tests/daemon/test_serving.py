@@ -306,3 +306,53 @@ def test_large_inputs_do_not_page_fault_the_worker_step_after_step(start_daemon)
 
     faults = asyncio.run(steps())
     assert max(faults) < 500, faults  # without the malloc settings: ~4 000 every other step
+
+
+def _threads(pid: int) -> dict[int, str]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            out[int(tid)] = f.read().strip()
+    return out
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or not os.path.exists("/proc/self/task"),
+    reason="pinning needs two cores to choose from, and Linux's /proc to look at threads",
+)
+def test_each_sim_worker_runs_on_a_core_of_its_own_unless_told_not_to(start_daemon) -> None:
+    """cpu_affinity = "auto" (the default): every thread of a sim worker is on the one
+    core status names, under SCHED_BATCH, but ZeroMQ's I/O threads, which are on every
+    core; the two workers have different cores. "off": nothing is pinned."""
+    every = set(os.sched_getaffinity(0))
+    d = start_daemon(devices=2)
+    workers = d.status()["workers"]
+    cores = [tuple(w["cpus"]) for w in workers]
+    assert all(len(c) == 1 for c in cores) and cores[0] != cores[1], cores
+    for w in workers:
+        threads = _threads(w["pid"])
+        io = [t for t, name in threads.items() if name.startswith("ZMQbg/IO")]
+        assert io, threads
+        for tid, name in threads.items():
+            if name.startswith("ZMQbg/"):
+                assert os.sched_getaffinity(tid) == every, (name, os.sched_getaffinity(tid))
+                assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        # the main thread and those it started: the engine's update and completion
+        # threads, the simulated streams' (Python's thread names do not reach /proc)
+        pinned = [t for t in threads if os.sched_getaffinity(t) == set(w["cpus"])]
+        assert w["pid"] in pinned and len(pinned) >= 5, (pinned, threads)
+        assert os.sched_getscheduler(w["pid"]) == os.SCHED_BATCH
+    asyncio.run(_one_step(d))  # and they serve
+
+    off = start_daemon(devices=1, cpu_affinity="off")
+    w = off.worker(0)
+    assert w["cpus"] is None
+    assert os.sched_getaffinity(w["pid"]) == every
+    assert os.sched_getscheduler(w["pid"]) == os.SCHED_OTHER
+
+
+async def _one_step(d: RunningDaemon) -> None:
+    async with Client(d.endpoint, timeout=60) as c:
+        for device in (0, 1):
+            r = await c.step("attention", device, {"actual_seq_lengths_kv": [3]})
+            assert r.outputs["out"].shape[0] == 1

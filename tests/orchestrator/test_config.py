@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from graphlane.orchestrator.config import (
     load,
     parse_devices,
 )
+from graphlane.workers import affinity
 
 
 def test_defaults_serve_attention_on_two_simulated_devices_on_loopback() -> None:
@@ -56,6 +58,11 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ({"faults": {"explode": True}}, "faults.explode"),
         ({"auth_dir": "/nonexistent"}, "auth_dir"),
         ({"unknown": 1}, "unknown"),
+        ({"cpu_affinity": "fast"}, "cpu_affinity"),
+        ({"cpu_affinity": [[0], []]}, "cpu_affinity"),
+        ({"cpu_affinity": [[0]], "devices": 2}, "cpu_affinity"),  # one list per device
+        ({"cpu_affinity": [[0], [-1]]}, "cpu_affinity[1][0]"),
+        ({"cpu_affinity": [[0], [4096]]}, "cpu_affinity[1][0]"),  # not a core of this host
     ],
 )
 def test_errors_name_the_key(raw: dict, key: str) -> None:
@@ -79,3 +86,25 @@ def test_device_lists() -> None:
     assert parse_devices("d", "2") == (0, 1)
     assert parse_devices("d", "[0, 5]") == (0, 5)
     assert parse_devices("d", [2]) == (2,)
+
+
+def test_cpu_affinity_auto_off_or_cores_per_device() -> None:
+    assert load().cpu_affinity == "auto"
+    assert from_mapping({"cpu_affinity": "off"}).cpu_affinity == "off"
+    cores = sorted(os.sched_getaffinity(0))
+    cfg = from_mapping({"devices": 2, "cpu_affinity": [[cores[0]], cores]})
+    assert cfg.cpu_affinity == ((cores[0],), tuple(cores))
+
+
+def test_auto_pins_each_sim_or_null_worker_to_a_core_of_its_own() -> None:
+    cores = affinity.available()
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to choose (auto pins nothing)")
+    for backend in ("sim", "null"):
+        plan = affinity.plan("auto", backend, 2, offset=7)
+        assert all(p is not None and len(p) == 1 for p in plan)
+        assert plan[0] != plan[1] and {p[0] for p in plan if p} <= set(cores)
+    # npu: the patches' host work runs outside the interpreter lock; off: nothing pinned
+    assert affinity.plan("auto", "npu", 2, offset=7) == [None, None]
+    assert affinity.plan("off", "sim", 2, offset=7) == [None, None]
+    assert affinity.plan(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
