@@ -18,7 +18,6 @@ before it is left to release it is reported as a HazardError of kind
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 from .errors import HazardError, SimUsageError
@@ -173,7 +172,7 @@ class ExtRecordWork:
                 )
                 return
             ev.flag = True
-            ev._set_at = time.perf_counter()
+            ev._set_at = ex.timed_now()
             ev._record_clock = dict(ex.clock)
             ev._record_by = where
             RUNTIME.wake_locked()
@@ -205,10 +204,11 @@ class ExtWaitWork:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event
-        began = time.perf_counter()
+        began = ex.timed_now()
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
             ex.resume_at = max(began, ev._set_at)  # when the device could go on
+            ex.model_time = max(ex.model_time, ex.resume_at)
             ev.flag = False
             clock_join(ex.clock, ev._record_clock)
             ex.tick()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import DeadlockError, DeviceFaultError, SimError, SimUsageError
-from .runtime import RUNTIME, Clock, CostClock, new_actor_id
+from .runtime import RUNTIME, Clock, CostClock, model_now, new_actor_id
 
 if TYPE_CHECKING:
     from .graphs import CaptureState
@@ -50,12 +50,13 @@ class WaitInfo(Protocol):
 
 
 class _Entry:
-    __slots__ = ("clock", "done", "done_clock", "epoch", "work")
+    __slots__ = ("clock", "done", "done_clock", "epoch", "model", "work")
 
-    def __init__(self, work: Work, clock: Clock, epoch: int) -> None:
+    def __init__(self, work: Work, clock: Clock, epoch: int, model: float) -> None:
         self.work = work
         self.clock = clock
         self.epoch = epoch
+        self.model = model  # the issuing host's time in the timed model (0: compute mode)
         self.done = False
         self.done_clock: Clock = {}
 
@@ -87,6 +88,8 @@ class StreamExecutor:
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
         self.resume_at: float | None = None  # when the last device wait was satisfied
+        # Timed mode: where this stream is in modelled time (see ``timed_now``).
+        self.model_time = 0.0
         self._queue: deque[_Entry] = deque()
         self._last: _Entry | None = None
         self._wake = threading.Condition(RUNTIME.cond._lock)  # type: ignore[attr-defined]
@@ -106,7 +109,8 @@ class StreamExecutor:
             self.issue_locked(work)
 
     def issue_locked(self, work: Work) -> None:
-        entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch)
+        model = model_now() if RUNTIME.config.mode == "timed" else 0.0
+        entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch, model)
         self._queue.append(entry)
         self._last = entry
         if self._thread is None:
@@ -125,6 +129,15 @@ class StreamExecutor:
     # ------------------------------------------------------------ executor thread
     def tick(self) -> None:
         self.clock[self.actor] += 1
+
+    def timed_now(self) -> float:
+        """When this stream's current work happens: in timed mode its modelled time (its
+        entry's issue in the host's model, the waits it passed, the device time it was
+        charged), which leaves out the simulator's own delays in getting to it; in
+        compute mode the wall clock."""
+        if RUNTIME.config.mode == "timed":
+            return self.model_time
+        return time.perf_counter()
 
     def _loop(self) -> None:
         cond = RUNTIME.cond
@@ -148,6 +161,8 @@ class StreamExecutor:
                     if self.clock.get(k, 0) < v:
                         self.clock[k] = v
                 self.resume_at = None  # a wait's release time holds within one entry
+                if entry.model > self.model_time:  # it could not start before its issue
+                    self.model_time = entry.model
                 try:
                     entry.work.run(self)  # type: ignore[arg-type]  # self is a Stream
                 except Dropped:

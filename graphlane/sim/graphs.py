@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,9 +47,10 @@ class TaskNode:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         assert launch is not None
-        # The task's device time runs from when the stream could start it: when the
-        # wait before it was satisfied, not when this thread got round to it.
-        started = ex.resume_at if ex.resume_at is not None else time.perf_counter()
+        # The task's device time runs from when the stream could start it in modelled
+        # time (when the wait before it was satisfied, the tasks before it ended, or its
+        # replay was issued), not from when this thread got round to it.
+        started = ex.resume_at if ex.resume_at is not None else ex.timed_now()
         ex.resume_at = None
         ex.tick()
         group = self.group
@@ -64,7 +64,7 @@ class TaskNode:
         else:
             call = self.call
         if RUNTIME.config.mode == "timed":
-            ex.cost.add(RUNTIME.config.task_us, started)  # the replay settles it
+            ex.cost.add_at(RUNTIME.config.task_us, started)  # the replay settles it
         else:
             call.execute()
 
@@ -94,8 +94,12 @@ class ReplayWork:
         for node in self.nodes:
             if type(node) is not TaskNode:
                 cost.settle()
+                if cost.end > ex.model_time:  # the tasks before it end there
+                    ex.model_time = cost.end
             node.run(ex, self.launch)
         cost.settle()
+        if cost.end > ex.model_time:
+            ex.model_time = cost.end
 
 
 # =================================================================== capture state

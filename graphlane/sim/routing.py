@@ -8,7 +8,6 @@ NPU), charged on this thread's cost clock.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -16,17 +15,10 @@ from typing import Any
 from . import access
 from .graphs import TaskNode
 from .opcall import OpCall
-from .runtime import RUNTIME, CostClock
+from .runtime import HOST_COST, RUNTIME
 from .streams import Stream
 
-
-# ---------------------------------------------------------------- host-side costs
-class _HostCost(threading.local):
-    def __init__(self) -> None:
-        self.clock = CostClock()
-
-
-_host_cost = _HostCost()
+_host_cost = HOST_COST  # each host thread's charged time
 
 
 def route(

@@ -446,6 +446,12 @@ class CostClock:
         start = self.end if t0 < max(self.end, self.woke) + self.SLACK_S else t0
         self.end = start + cost_us * 1e-6
 
+    def add_at(self, cost_us: float, at: float) -> None:
+        """Charge work that starts at modelled time ``at`` (no simulator delay in it, so
+        no slack applies), or when the previous charge ends if that is later."""
+        if cost_us > 0:
+            self.end = max(self.end, at) + cost_us * 1e-6
+
     def settle(self) -> None:
         if self.end > self.woke:
             self.woke = busy_until(self.end)
@@ -458,3 +464,27 @@ class CostClock:
 
 def streams_named(streams: Iterable[Stream]) -> str:
     return ", ".join(s.name for s in streams)
+
+
+class _HostCost(threading.local):
+    def __init__(self) -> None:
+        self.clock = CostClock()
+
+
+#: Each host thread's charged time (a timed patch's host dispatch: routing.py).
+HOST_COST = _HostCost()
+
+
+def model_now() -> float:
+    """The calling host thread's time in the timed cost model: the end of its last
+    charge while it is within ``SLACK_S`` of it (its Python since then is hidden inside
+    that charge, as CostClock hides it between charges), else now.
+
+    Work the host issues carries it (see :class:`.executor.StreamExecutor`), so what
+    the device does after a charged patch starts from the patch's modelled end, not
+    from when the simulator's threads got round to it."""
+    now = time.perf_counter()
+    c = HOST_COST.clock
+    if c.end and now < max(c.end, c.woke) + CostClock.SLACK_S:
+        return min(now, c.end)
+    return now

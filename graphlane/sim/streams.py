@@ -277,9 +277,9 @@ class Event:
             return (end_event._times[b] - self._times[a]) * 1000.0
 
     # -------------------------------------------------------------- device side
-    def complete_locked(self, seq: int, clock: Clock) -> None:
+    def complete_locked(self, seq: int, clock: Clock, at: float | None = None) -> None:
         self._clocks[seq] = dict(clock)
-        self._times[seq] = time.perf_counter()
+        self._times[seq] = time.perf_counter() if at is None else at
         self._providers.pop(seq, None)
         if seq > self._done:
             self._done = seq
@@ -305,7 +305,7 @@ class EventRecordWork:
         assert seq is not None
         ex.tick()
         with RUNTIME.cond:
-            self.event.complete_locked(seq, ex.clock)
+            self.event.complete_locked(seq, ex.clock, ex.timed_now())
 
 
 class _EventWait:
@@ -333,11 +333,12 @@ class EventWaitWork:
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev, seq = self.event, self.seq
-        began = time.perf_counter()
+        began = ex.timed_now()
         with RUNTIME.cond:
             ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), ex.run_epoch)
             clock = ev._clocks.get(seq)
             if clock is not None:
                 clock_join(ex.clock, clock)
             ex.resume_at = max(began, ev._times.get(seq, began))
+            ex.model_time = max(ex.model_time, ex.resume_at)
         ex.tick()

@@ -8,6 +8,7 @@ HazardError naming both accesses and the fence, on every run, whatever the timin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -121,7 +122,8 @@ def test_kv_write_on_a_side_stream_fenced_before_the_replay_runs_clean() -> None
 def test_kv_write_on_a_side_stream_without_a_fence_is_reported() -> None:
     text = str(raised(lambda: kv_steps(fenced=False)))
     assert "the write of `self` by index_copy_.default on stream" in text
-    assert "the read of `self` by sum.IntList_out in replay #1" in text
+    # Which replay's read meets the unordered write first depends on the threads' timing.
+    assert re.search(r"the read of `self` by sum\.IntList_out in replay #\d+", text), text
 
 
 # ================================================================ output read on another stream

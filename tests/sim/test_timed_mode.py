@@ -95,3 +95,27 @@ def test_a_late_wake_up_does_not_eat_the_slack_window() -> None:
     clock.end, clock.woke = 10.0, 10.0  # woke on time
     clock.add(1500, started=10.0 + 4 * slack)  # the thread did something else meanwhile
     assert clock.end == 10.0 + 4 * slack + 1500e-6
+
+
+def test_event_times_are_modelled_device_time(restore_config: None) -> None:
+    """Events on a stream around a replay of timed tasks are as far apart as the tasks'
+    modelled device time, exactly: the sleeps' oversleep and the simulator's own Python
+    in between are not device time (they are what timed mode hides). The stream is held
+    by a wait until everything is issued, so the host's issue times do not show."""
+    g, _ = _captured()
+    S, other = torch.npu.Stream(), torch.npu.Stream()
+    configure(mode="timed", task_us=700, patch_us=0)
+    for _ in range(3):
+        hold = torch_npu.npu.ExternalEvent()
+        hold.wait(S)
+        start = torch.npu.Event(enable_timing=True)
+        end = torch.npu.Event(enable_timing=True)
+        with torch.npu.stream(S):
+            start.record(S)
+            g.replay()
+            g.replay()
+            end.record(S)
+        hold.record(other)
+        end.synchronize()
+        # two replays of one task back to back: 2 x 700 us of device time
+        assert start.elapsed_time(end) == pytest.approx(1.4, abs=1e-6)
