@@ -125,7 +125,7 @@ class Channel:
         while limit is None or n < limit:
             try:
                 # Asking first is cheaper than the exception of an empty receive.
-                if not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if not cast(int, sock.getsockopt(wire.EVENTS)) & wire.POLLIN:
                     return False
                 frames = wire.recv_message(sock, 1, wire.NOBLOCK)
             except zmq.ZMQError:  # closed under us
@@ -230,7 +230,7 @@ class Channel:
             raise InternalError(f"undecodable reply to {op.name}: {exc.message}") from None
 
     def _check_readable(self) -> None:
-        if cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if cast(int, self.sock.getsockopt(wire.EVENTS)) & wire.POLLIN:
             self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
 
     def _queue(self, request_id: int, envelope: bytes) -> None:

@@ -33,6 +33,7 @@ from msgspec import Raw, Struct
 
 from graphlane.protocol.bounds import Name, RequestId
 from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_class, error_from_wire
+from graphlane.protocol.ops.steps import StepDone
 from graphlane.protocol.tensors import TENSOR_FIELDS, Frames, tensor_ref, with_tensors
 
 PROTOCOL_VERSION = 1
@@ -223,7 +224,31 @@ def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
 
 
 def encode_reply(request_id: int, body: Any) -> list[Frame]:
-    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": body})
+    return _encode(_OkReply(PROTOCOL_VERSION, request_id, True, body))
+
+
+def encode_done(
+    request_id: int,
+    outputs: dict[str, torch.Tensor],
+    bucket: int,
+    instance: int,
+    patched: int,
+    server_us: float,
+    generation: int,
+) -> list[Frame]:
+    """The frames of a worker's answer to a device request: what
+    ``encode_reply(request_id, ops.StepDone(outputs, ...))`` makes, byte for byte,
+    with each output made a tensor reference here rather than through the
+    encoder's hook (a step's reply is the worker's most frequent message).
+    Raises ``ValueError`` for an output that cannot be sent."""
+    frames: list[Frame] = []
+    refs = {name: tensor_ref(t, frames) for name, t in outputs.items()}
+    done = StepDone(refs, bucket, instance, patched, server_us, generation)  # type: ignore[arg-type]
+    try:
+        head = _encoder.encode(_OkReply(PROTOCOL_VERSION, request_id, True, done))
+    except (TypeError, OverflowError, NotImplementedError, RecursionError) as exc:
+        raise ValueError(f"cannot encode: {exc}") from None
+    return [head, *frames] if frames else [head]
 
 
 def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
@@ -232,7 +257,17 @@ def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
     return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": wire})
 
 
-def _encode(envelope: dict[str, Any]) -> list[Frame]:
+class _OkReply(Struct, frozen=True):
+    """An ok reply's envelope for the encoder: the map ``{"v", "id", "ok", "body"}``,
+    as a dict of those keys in that order would be, packed without a dict."""
+
+    v: int
+    id: int
+    ok: bool
+    body: Any
+
+
+def _encode(envelope: Any) -> list[Frame]:
     frames: list[Frame] = []
     _local.out = frames
     try:
@@ -279,7 +314,9 @@ def _envelopes(frames: Sequence[FrameLike], limits: Limits) -> list[tuple[Any, F
             raise DecodeError(f"unreadable bundle: {exc}") from None
         if not items:
             raise DecodeError("an empty bundle")
-        return [(item, Frames((), limits)) for item in items]
+        # One empty Frames serves every item: with no frames it never changes.
+        none = Frames((), limits)
+        return [(item, none) for item in items]
     return [(head, data)]
 
 
@@ -388,6 +425,10 @@ def _envelope_message(exc: Exception) -> str:
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 NOBLOCK = int(zmq.NOBLOCK)
+# Plain ints: zmq's enums cost an enum call per ``getsockopt(EVENTS) & POLLIN`` test,
+# which the socket loops make several times per message.
+EVENTS = int(zmq.EVENTS)
+POLLIN = int(zmq.POLLIN)
 
 
 def send_message(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:

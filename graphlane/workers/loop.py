@@ -136,14 +136,15 @@ class WorkerLoop:
         sock = self.sock
         events = cast(Callable[[int], int], sock.getsockopt)  # EVENTS is an int option
         wake = self._wake_r
+        opt, pollin = wire.EVENTS, wire.POLLIN
         while not self._stopping:
             woken = False
-            if not events(zmq.EVENTS) & zmq.POLLIN:  # nothing waiting: sleep
+            if not events(opt) & pollin:  # nothing waiting: sleep
                 woken = any(fd == wake for fd, _ in poller.poll(1000))
             if woken or self._woken:
                 self._take_wakeups()
             for _ in range(_BATCH):
-                if self._stopping or not events(zmq.EVENTS) & zmq.POLLIN:
+                if self._stopping or not events(opt) & pollin:
                     break
                 self._handle(wire.recv_message(sock, 2, wire.NOBLOCK))
                 if self._woken:  # finished steps are answered between requests, not after
