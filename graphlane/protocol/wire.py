@@ -425,9 +425,7 @@ def _envelope_message(exc: Exception) -> str:
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 NOBLOCK = int(zmq.NOBLOCK)
-# Plain ints: zmq's enums cost an enum call per ``getsockopt(EVENTS) & POLLIN`` test,
-# which the socket loops make several times per message.
-EVENTS = int(zmq.EVENTS)
+# A plain int: zmq's flags are enums, and an enum costs a call where it is combined.
 POLLIN = int(zmq.POLLIN)
 
 
