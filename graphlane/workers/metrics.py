@@ -96,14 +96,24 @@ class WorkerMetrics:
             self._take_done()
 
     def _take_done(self) -> None:
+        """Sort the answered steps into their histograms' pending values (binned by each
+        histogram as ever)."""
         done, self.done = self.done, []
-        dispatch, replay = self.dispatch_seconds, self.replay_seconds
+        steps = self.step_seconds
+        dispatch, replay = self.dispatch_seconds.pending, self.replay_seconds.pending
         for program, op, held, dispatch_s, replay_at, done_at in done:
-            self.observe_step(program, op, held)
+            h = steps.get((program, op))
+            if h is None:
+                h = steps[(program, op)] = Histogram()
+            h.pending.append(held)
             if dispatch_s:
-                dispatch.observe(dispatch_s)
+                dispatch.append(dispatch_s)
             if replay_at:
-                replay.observe(max(0.0, done_at - replay_at))
+                took = done_at - replay_at
+                replay.append(took if took > 0.0 else 0.0)
+        for h in (*steps.values(), self.dispatch_seconds, self.replay_seconds):
+            if len(h.pending) >= PENDING_MAX:
+                h._bin()
 
     def snapshot(self) -> dict[str, Any]:
         self._take_done()

@@ -25,7 +25,17 @@ def test_batched_step_metrics_snapshot_as_single_observations() -> None:
             single.dispatch_seconds.observe(dispatch)
         if replay_at:
             single.replay_seconds.observe(max(0.0, done_at - replay_at))
-    assert batched.snapshot() == single.snapshot()
+    fast, slow = batched.snapshot(), single.snapshot()
+    for got, want in [
+        *zip(fast["step_seconds"], slow["step_seconds"], strict=True),
+        (fast["dispatch_seconds"], slow["dispatch_seconds"]),
+        (fast["replay_seconds"], slow["replay_seconds"]),
+    ]:
+        assert got["sum"] == pytest.approx(want["sum"], rel=1e-12)  # summed in other groups
+        assert {**got, "sum": 0} == {**want, "sum": 0}
+    assert {**fast, "step_seconds": 0, "dispatch_seconds": 0, "replay_seconds": 0} == {
+        **slow, "step_seconds": 0, "dispatch_seconds": 0, "replay_seconds": 0
+    }
 
 
 def test_attention_group_call_is_its_arguments_with_the_steps_lengths() -> None:
