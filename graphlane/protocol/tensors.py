@@ -146,6 +146,10 @@ class Frames:
     def count(self) -> int:
         return len(self._frames)
 
+    def fresh(self) -> Frames:
+        """The same frames, none handed out yet."""
+        return Frames(self._frames, self.limits)
+
     def check_all_used(self) -> None:
         if self._used != (1 << (len(self._frames) + 1)) - 2:
             unused = [i + 1 for i in range(len(self._frames)) if not self._used & (1 << (i + 1))]

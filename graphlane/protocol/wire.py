@@ -145,15 +145,19 @@ _raw_list = msgspec.msgpack.Decoder(list[Raw])
 
 
 class Request(Struct, frozen=True):
-    """A decoded request envelope whose body is still bytes (see :meth:`body`)."""
+    """A decoded request envelope whose body is still bytes (see :meth:`body`), or
+    decoded already (``decoded``, by :mod:`graphlane.protocol.requests`)."""
 
     id: int
     op: str
     raw: Raw
     frames: Frames
+    decoded: Any = None
 
     def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
         """The body, typed; :class:`DecodeError` (with this id) if it does not fit."""
+        if self.decoded is not None:
+            return self.decoded
         return decode_body(decoder, self.raw, self.frames, self.id)
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.backend import zmq_poll
 
-from graphlane.protocol import pipe, wire
+from graphlane.protocol import pipe, requests, wire
 from graphlane.protocol.errors import GraphlaneError, as_error
 
 if TYPE_CHECKING:
@@ -241,7 +241,8 @@ class WorkerLoop:
         self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
         ident = frames[0]  # bytes (see wire.recv_message): the outbox groups replies by it
         try:
-            reqs: list[wire.Request | wire.DecodeError] = wire.decode_requests(
+            # Bodies decoded with their envelopes (the same requests and errors as wire's).
+            reqs: list[wire.Request | wire.DecodeError] = requests.decode_requests(
                 frames[1:], self.spec.limits
             )
         except wire.DecodeError as exc:
