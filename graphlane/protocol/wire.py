@@ -240,11 +240,8 @@ def encode_done(
     server_us: float,
     generation: int,
 ) -> list[Frame]:
-    """The frames of a worker's answer to a device request: what
-    ``encode_reply(request_id, ops.StepDone(outputs, ...))`` makes, byte for byte,
-    with each output made a tensor reference here rather than through the
-    encoder's hook (a step's reply is the worker's most frequent message).
-    Raises ``ValueError`` for an output that cannot be sent."""
+    """``encode_reply(request_id, StepDone(outputs, ...))``, byte for byte, the outputs
+    made references here, not by the encoder's hook; ValueError if one cannot be sent."""
     frames: list[Frame] = []
     refs = {name: tensor_ref(t, frames) for name, t in outputs.items()}
     done = StepDone(refs, bucket, instance, patched, server_us, generation)  # type: ignore[arg-type]
@@ -262,8 +259,7 @@ def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
 
 
 class _OkReply(Struct, frozen=True):
-    """An ok reply's envelope for the encoder: the map ``{"v", "id", "ok", "body"}``,
-    as a dict of those keys in that order would be, packed without a dict."""
+    """An ok reply's envelope: packs as the map ``{"v", "id", "ok", "body"}`` would."""
 
     v: int
     id: int
@@ -299,6 +295,15 @@ def decode_requests(
 def decode_replies(
     frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
 ) -> list[Reply | DecodeError]:
+    # The common reply, one envelope as bytes within its limit and no bundle, at once.
+    head = frames[0] if len(frames) == 1 else None
+    if (
+        type(head) is bytes
+        and 0 < len(head) <= limits.max_envelope_bytes
+        and not 0x90 <= head[0] <= 0x9F
+        and head[0] not in (0xDC, 0xDD)
+    ):
+        return [_reply(head, Frames((), limits))]
     return [
         _reply(raw, data) if type(raw) is not DecodeError else raw
         for raw, data in _envelopes(frames, limits)

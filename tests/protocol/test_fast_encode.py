@@ -50,3 +50,42 @@ def test_an_ok_envelope_packs_as_its_dict_did() -> None:
 def test_encode_done_refuses_what_cannot_be_sent() -> None:
     with pytest.raises(ValueError, match="complex64"):
         wire.encode_done(1, {"out": torch.zeros(1, dtype=torch.complex64)}, 0, 0, 0, 0.0, 0)
+
+
+def _replies(frames: list[object], limits: wire.Limits) -> object:
+    try:
+        items = wire.decode_replies(frames, limits)  # type: ignore[arg-type]
+    except wire.DecodeError as exc:
+        return ("refused", exc.message, exc.request_id)
+    out: list[object] = []
+    for item in items:
+        if isinstance(item, wire.DecodeError):
+            out.append(("error", item.message, item.code, item.request_id))
+        else:
+            error = None if item.error is None else (item.error.code, item.error.message)
+            out.append((item.id, bytes(item.raw), error, item.frames.count))
+    return out
+
+
+_ok = wire.encode_reply(3, ops.StepDone({"out": torch.ones(2)}, 1))[0]
+_error = wire.encode_error(4, wire.DecodeError("bad").to_error())[0]
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        _ok,
+        _error,
+        wire.bundle([_ok, _error]),
+        b"",
+        b"\x93\x01",
+        b"\xc1",
+        msgspec.msgpack.encode({"v": 1, "id": 5, "ok": True, "body": {}, "x": 1}),
+        msgspec.msgpack.encode({"v": 2, "id": 5, "ok": True}),
+        b"\xdc\x00\x01" + _ok,
+    ],
+)
+@pytest.mark.parametrize("limit", [1 << 20, 8])
+def test_a_one_frame_reply_reads_as_any_other_buffer_does(frame: bytes, limit: int) -> None:
+    limits = wire.Limits(max_envelope_bytes=limit)
+    assert _replies([frame], limits) == _replies([bytearray(frame)], limits)
