@@ -317,7 +317,10 @@ class Client:
         names it: ``actual_seq_lengths_kv`` for attention); a program without one
         needs ``batch=``. numpy arrays and scalars are accepted in ``params`` and
         ``inputs``."""
-        host, local = self._resolve(device)
+        if type(device) is int and len(self._hosts) == 1 and not self._closing:
+            host, local = self._hosts[0], device  # what _resolve says, without the call
+        else:
+            host, local = self._resolve(device)
         ch = host.workers.get(local)
         if ch is None or ch.lost:
             ch = await self._worker_at(host, local)
@@ -333,7 +336,9 @@ class Client:
             deadline_ms(self.timeout, timeout),
             host.generation_for(local, program),
         )
-        return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
+        seconds = self.timeout if timeout is None else call_timeout(self.timeout, timeout)
+        done = await ch.call(next(self._ids), _STEP, body, seconds)
+        return _reply(host.endpoint, local, done)
 
     async def update(
         self,
@@ -440,6 +445,9 @@ class Client:
             if time.monotonic() >= deadline:
                 raise Timeout(f"workers not ready within {timeout:g} s")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+_STEP = ops.OPS["step"]
 
 
 def _no_host() -> Host:

@@ -118,11 +118,12 @@ class Frames:
                 f"{path}: {len(shape)} dimensions, at most {self.limits.max_tensor_dims}"
             )
         dtype = DTYPES[spec.dtype]
-        nbytes = math.prod(shape) * dtype.itemsize
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
         # Zero-sized dimensions count as one: an empty tensor whose other dimensions
         # are huge would overflow torch's stride computation.
-        if math.prod(d or 1 for d in shape) * dtype.itemsize > self.limits.max_tensor_bytes:
-            limit = self.limits.max_tensor_bytes
+        limit = self.limits.max_tensor_bytes
+        if (count or math.prod(d or 1 for d in shape)) * dtype.itemsize > limit:
             raise ValueError(f"{path}: shape {shape} of {spec.dtype} is over {limit} bytes")
         if (spec.frame is None) == (spec.data is None):
             raise ValueError(f"{path}: exactly one of $tensor.frame and $tensor.data")
@@ -145,6 +146,10 @@ class Frames:
     @property
     def count(self) -> int:
         return len(self._frames)
+
+    def fresh(self) -> Frames:
+        """The same frames, none handed out yet."""
+        return Frames(self._frames, self.limits)
 
     def check_all_used(self) -> None:
         if self._used != (1 << (len(self._frames) + 1)) - 2:

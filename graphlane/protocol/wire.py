@@ -33,6 +33,7 @@ from msgspec import Raw, Struct
 
 from graphlane.protocol.bounds import Name, RequestId
 from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_class, error_from_wire
+from graphlane.protocol.ops.steps import StepDone
 from graphlane.protocol.tensors import TENSOR_FIELDS, Frames, tensor_ref, with_tensors
 
 PROTOCOL_VERSION = 1
@@ -144,15 +145,19 @@ _raw_list = msgspec.msgpack.Decoder(list[Raw])
 
 
 class Request(Struct, frozen=True):
-    """A decoded request envelope whose body is still bytes (see :meth:`body`)."""
+    """A decoded request envelope whose body is still bytes (see :meth:`body`), or
+    decoded already (``decoded``, by :mod:`graphlane.protocol.requests`)."""
 
     id: int
     op: str
     raw: Raw
     frames: Frames
+    decoded: Any = None
 
     def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
         """The body, typed; :class:`DecodeError` (with this id) if it does not fit."""
+        if self.decoded is not None:
+            return self.decoded
         return decode_body(decoder, self.raw, self.frames, self.id)
 
 
@@ -223,7 +228,28 @@ def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
 
 
 def encode_reply(request_id: int, body: Any) -> list[Frame]:
-    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "body": body})
+    return _encode(_OkReply(PROTOCOL_VERSION, request_id, True, body))
+
+
+def encode_done(
+    request_id: int,
+    outputs: dict[str, torch.Tensor],
+    bucket: int,
+    instance: int,
+    patched: int,
+    server_us: float,
+    generation: int,
+) -> list[Frame]:
+    """``encode_reply(request_id, StepDone(outputs, ...))``, byte for byte, the outputs
+    made references here, not by the encoder's hook; ValueError if one cannot be sent."""
+    frames: list[Frame] = []
+    refs = {name: tensor_ref(t, frames) for name, t in outputs.items()}
+    done = StepDone(refs, bucket, instance, patched, server_us, generation)  # type: ignore[arg-type]
+    try:
+        head = _encoder.encode(_OkReply(PROTOCOL_VERSION, request_id, True, done))
+    except (TypeError, OverflowError, NotImplementedError, RecursionError) as exc:
+        raise ValueError(f"cannot encode: {exc}") from None
+    return [head, *frames] if frames else [head]
 
 
 def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
@@ -232,7 +258,16 @@ def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
     return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": wire})
 
 
-def _encode(envelope: dict[str, Any]) -> list[Frame]:
+class _OkReply(Struct, frozen=True):
+    """An ok reply's envelope: packs as the map ``{"v", "id", "ok", "body"}`` would."""
+
+    v: int
+    id: int
+    ok: bool
+    body: Any
+
+
+def _encode(envelope: Any) -> list[Frame]:
     frames: list[Frame] = []
     _local.out = frames
     try:
@@ -260,6 +295,15 @@ def decode_requests(
 def decode_replies(
     frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
 ) -> list[Reply | DecodeError]:
+    # The common reply, one envelope as bytes within its limit and no bundle, at once.
+    head = frames[0] if len(frames) == 1 else None
+    if (
+        type(head) is bytes
+        and 0 < len(head) <= limits.max_envelope_bytes
+        and not 0x90 <= head[0] <= 0x9F
+        and head[0] not in (0xDC, 0xDD)
+    ):
+        return [_reply(head, Frames((), limits))]
     return [
         _reply(raw, data) if type(raw) is not DecodeError else raw
         for raw, data in _envelopes(frames, limits)
@@ -279,7 +323,9 @@ def _envelopes(frames: Sequence[FrameLike], limits: Limits) -> list[tuple[Any, F
             raise DecodeError(f"unreadable bundle: {exc}") from None
         if not items:
             raise DecodeError("an empty bundle")
-        return [(item, Frames((), limits)) for item in items]
+        # One empty Frames serves every item: with no frames it never changes.
+        none = Frames((), limits)
+        return [(item, none) for item in items]
     return [(head, data)]
 
 
@@ -388,6 +434,8 @@ def _envelope_message(exc: Exception) -> str:
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 NOBLOCK = int(zmq.NOBLOCK)
+# A plain int: zmq's flags are enums, and an enum costs a call where it is combined.
+POLLIN = int(zmq.POLLIN)
 
 
 def send_message(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:

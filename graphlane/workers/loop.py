@@ -21,11 +21,12 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import zmq
+from zmq.backend import zmq_poll
 
-from graphlane.protocol import pipe, wire
+from graphlane.protocol import pipe, requests, wire
 from graphlane.protocol.errors import GraphlaneError, as_error
 
 if TYPE_CHECKING:
@@ -130,24 +131,34 @@ class WorkerLoop:
             self._stopping = True
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
         sock = self.sock
-        events = cast(Callable[[int], int], sock.getsockopt)  # EVENTS is an int option
         wake = self._wake_r
+        # zmq_poll itself, not zmq.Poller (its Python), nor getsockopt(EVENTS) (an enum
+        # call per test): the socket's readiness is one C call either way.
+        both: list[Any] = [(sock, wire.POLLIN), (wake, wire.POLLIN)]
+        just_sock = [(sock, wire.POLLIN)]
+        recv = wire.recv_message
         while not self._stopping:
-            woken = False
-            if not events(zmq.EVENTS) & zmq.POLLIN:  # nothing waiting: sleep
-                woken = any(fd == wake for fd, _ in poller.poll(1000))
+            readable = woken = False
+            for which, _ in zmq_poll(both, 1000):  # at once when anything waits
+                if which is sock:
+                    readable = True
+                else:
+                    woken = True
             if woken or self._woken:
                 self._take_wakeups()
-            for _ in range(_BATCH):
-                if self._stopping or not events(zmq.EVENTS) & zmq.POLLIN:
+            taken = 0
+            while readable and not self._stopping:
+                try:
+                    frames = recv(sock, 2, wire.NOBLOCK)
+                except zmq.Again:
                     break
-                self._handle(wire.recv_message(sock, 2, wire.NOBLOCK))
+                self._handle(frames)
                 if self._woken:  # finished steps are answered between requests, not after
                     self._take_wakeups()
+                taken += 1
+                # _BATCH requests per turn at most: then the wake-up pipe is looked at
+                readable = taken < _BATCH and bool(zmq_poll(just_sock, 0))
             self._pump()
 
     def _take_wakeups(self) -> None:
@@ -230,7 +241,8 @@ class WorkerLoop:
         self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
         ident = frames[0]  # bytes (see wire.recv_message): the outbox groups replies by it
         try:
-            reqs: list[wire.Request | wire.DecodeError] = wire.decode_requests(
+            # Bodies decoded with their envelopes (the same requests and errors as wire's).
+            reqs: list[wire.Request | wire.DecodeError] = requests.decode_requests(
                 frames[1:], self.spec.limits
             )
         except wire.DecodeError as exc:

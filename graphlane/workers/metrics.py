@@ -67,6 +67,9 @@ class WorkerMetrics:
     errors: Counter[str] = field(default_factory=Counter)  # wire code -> count
     bytes_in: int = 0
     bytes_out: int = 0
+    # Answered steps not yet in the histograms: (program, op, held, dispatch_s,
+    # replay_at, done_at) each, one append per step; sorted in by _take_done.
+    done: list[tuple[str, str, float, float, float, float]] = field(default_factory=list)
 
     def observe_step(self, program: str, op: str, seconds: float) -> None:
         h = self.step_seconds.get((program, op))
@@ -74,7 +77,46 @@ class WorkerMetrics:
             h = self.step_seconds[(program, op)] = Histogram()
         h.observe(seconds)
 
+    def observe_done(
+        self,
+        program: str,
+        op: str,
+        held: float,
+        dispatch_s: float,
+        replay_at: float,
+        done_at: float,
+    ) -> None:
+        """One answered step: the time it was held (``step_seconds``), its dispatch
+        (``dispatch_seconds``, when it had any) and replay (``replay_seconds``, from
+        ``replay_at`` to ``done_at``, when it replayed). Kept as one tuple and put in
+        the histograms in bulk (at a snapshot or every :data:`PENDING_MAX` steps)."""
+        done = self.done
+        done.append((program, op, held, dispatch_s, replay_at, done_at))
+        if len(done) >= PENDING_MAX:
+            self._take_done()
+
+    def _take_done(self) -> None:
+        """Sort the answered steps into their histograms' pending values (binned by each
+        histogram as ever)."""
+        done, self.done = self.done, []
+        steps = self.step_seconds
+        dispatch, replay = self.dispatch_seconds.pending, self.replay_seconds.pending
+        for program, op, held, dispatch_s, replay_at, done_at in done:
+            h = steps.get((program, op))
+            if h is None:
+                h = steps[(program, op)] = Histogram()
+            h.pending.append(held)
+            if dispatch_s:
+                dispatch.append(dispatch_s)
+            if replay_at:
+                took = done_at - replay_at
+                replay.append(took if took > 0.0 else 0.0)
+        for h in (*steps.values(), self.dispatch_seconds, self.replay_seconds):
+            if len(h.pending) >= PENDING_MAX:
+                h._bin()
+
     def snapshot(self) -> dict[str, Any]:
+        self._take_done()
         return {
             "step_seconds": [
                 {"program": p, "op": op, **h.snapshot()} for (p, op), h in self.step_seconds.items()

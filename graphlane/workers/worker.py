@@ -57,6 +57,7 @@ from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.programs import StepError
+from graphlane.workers.programs.base import GraphKey
 from graphlane.workers.step import OpKind, Step
 
 log = logging.getLogger("graphlane.worker")
@@ -229,7 +230,7 @@ class Worker(WorkerLoop):
         return self.exit_code
 
     def _dispatch(self, ident: bytes, req: wire.Request, received: float, bundled: bool) -> None:
-        op = ops.op_named(req.op)
+        op = ops.OPS.get(req.op) or ops.op_named(req.op)  # op_named: the unknown op's error
         body = req.body(op.request_decoder)
         if not op.device:
             self._control(ident, req.id, body, bundled)
@@ -244,7 +245,8 @@ class Worker(WorkerLoop):
             )
         if self.engine.failure is not None:
             raise InternalError(f"engine failed: {self.engine.failure}")
-        self._check_generation(body)
+        if body.generation != self.spec.generation:  # None too: is it required?
+            self._check_generation(body)
         step = self._step(body, req.op)
         step.ident, step.request_id, step.bundled, step.received = ident, req.id, bundled, received
         if body.timeout_ms is not None:
@@ -294,15 +296,15 @@ class Worker(WorkerLoop):
     def _step(self, body: Any, op: str) -> Step:
         """The step a device request's body asks for, validated (BAD_REQUEST if not)."""
         try:
+            if type(body) is ops.Step:  # the common case first
+                outputs = tuple(body.outputs)
+                return Step(OpKind.STEP, self.engine.plan(body, outputs), outputs)
             if type(body) is ops.KvWrite:
                 fields = {"slots": body.slots, "key": body.key, "value": body.value}
                 return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.KvRead:
                 fields = {"slots": body.slots}
                 return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
-            if type(body) is ops.Step:
-                outputs = tuple(body.outputs)
-                return Step(OpKind.STEP, self.engine.plan(body, outputs), outputs)
             if type(body) is ops.Update:
                 return Step(OpKind.UPDATE, self.engine.plan(body))
             outputs = tuple(body.outputs)
@@ -341,27 +343,27 @@ class Worker(WorkerLoop):
             error = step.error or InternalError("step ended without results")
             self._reply_error(step.ident, step.request_id, as_error(error), step.bundled)
         else:
-            now = time.perf_counter()
-            held = now - step.received
-            self.metrics.observe_step(step.plan.program, step.kind._value_, held)
-            if step.dispatch_s:
-                self.metrics.dispatch_seconds.observe(step.dispatch_s)
-            if step.replay_at:
-                self.metrics.replay_seconds.observe(max(0.0, step.done_at - step.replay_at))
+            held = time.perf_counter() - step.received
+            self.metrics.observe_done(
+                step.plan.program,
+                step.kind._value_,
+                held,
+                step.dispatch_s,
+                step.replay_at,
+                step.done_at,
+            )
             # A device-state operation runs on no graph instance: bucket and instance 0.
-            bucket, instance = (
-                (step.graph.key.bucket, step.graph.key.instance) if step.graph else (0, 0)
-            )
-            done = ops.StepDone(
-                step.results,
-                bucket,
-                instance,
-                step.patched,
-                held * 1e6,  # the time it held the request, decode to reply, device work in
-                self.spec.generation,
-            )
+            key = step.graph.key if step.graph is not None else _NO_GRAPH
             try:
-                frames = wire.encode_reply(step.request_id, done)
+                frames = wire.encode_done(
+                    step.request_id,
+                    step.results,
+                    key.bucket,
+                    key.instance,
+                    step.patched,
+                    held * 1e6,  # the time it held the request, decode to reply, device work in
+                    self.spec.generation,
+                )
             except Exception as exc:  # a program's outputs that cannot be sent: say so
                 log.exception("reply to request %s cannot be encoded", step.request_id)
                 self._reply_error(
@@ -384,5 +386,7 @@ class Worker(WorkerLoop):
             return
         self._maybe_stop()
 
+
+_NO_GRAPH = GraphKey("", 0, 0)
 
 __all__ = ["Worker", "WorkerSpec", "worker_main"]

@@ -90,6 +90,11 @@ class AttentionProgram(GraphProgram):
             scale=1.0 / math.sqrt(c.head_dim),
             softmax_lse_flag=False,
         )
+        # Per step: batch -> bucket for every batch a bucket holds; the last layer's
+        # output buffer; each instance's layer arguments but the lengths (group_call).
+        self._bucket_of = {b: self.bucket_for(b) for b in range(1, self.buckets[-1] + 1)}
+        self._out = f"out_{c.layers - 1}"
+        self._calls: dict[tuple[int, int], tuple[dict[str, torch.Tensor], dict[str, Any]]] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> AttentionProgram:
@@ -180,13 +185,17 @@ class AttentionProgram(GraphProgram):
     def plan(
         self, batch: int, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]
     ) -> StepPlan:
-        c = self.config
-        bucket = self.bucket_for(batch)
-        lengths = kv_lengths(params, batch, c.max_kv_len, "max_kv_len")
+        bucket = self._bucket_of.get(batch) if type(batch) is int else None
+        if bucket is None:
+            bucket = self.bucket_for(batch)  # not a batch any bucket holds: says why
+        lengths = kv_lengths(params, batch, self.config.max_kv_len, "max_kv_len")
         if inputs:
             self._check_inputs(batch, inputs)
-        padded = tuple(lengths) + (1,) * (bucket - batch)
-        return StepPlan(self.name, batch, bucket, {"lengths": padded}, dict(inputs))
+            inputs = dict(inputs)
+        else:
+            inputs = {}
+        padded = tuple(lengths) if bucket == batch else tuple(lengths) + (1,) * (bucket - batch)
+        return StepPlan(self.name, batch, bucket, {"lengths": padded}, inputs)
 
     def _check_inputs(self, batch: int, inputs: Mapping[str, torch.Tensor]) -> None:
         c = self.config
@@ -211,7 +220,16 @@ class AttentionProgram(GraphProgram):
         return plan.values["lengths"]
 
     def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
-        return FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
+        # The arguments but the lengths are the same for every step on an instance:
+        # made once, copied per call (the backend gets arguments of its own each time).
+        cached = self._calls.get((id(buffers), group))
+        if cached is None or cached[0] is not buffers:
+            cached = (buffers, self._arguments(buffers, group, []))
+            self._calls[(id(buffers), group)] = cached
+        kwargs = cached[1].copy()
+        kwargs["actual_seq_lengths_kv"] = list(plan.values["lengths"])
+        kwargs["out"] = list(kwargs["out"])
+        return FIA_OUT, (), kwargs
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
@@ -229,7 +247,7 @@ class AttentionProgram(GraphProgram):
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
     ) -> dict[str, torch.Tensor]:
         # The engine checked the names against ``outputs`` when it planned the step.
-        out = buffers[f"out_{self.config.layers - 1}"]
+        out = buffers[self._out]
         if plan.batch != out.shape[0]:  # a full bucket is the buffer itself: no view to make
             out = out[: plan.batch]
         return {name: out for name in names}
