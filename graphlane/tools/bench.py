@@ -1,8 +1,8 @@
 """``graphlane bench``: everything measured side by side in one run, printed as ratios.
 
 - pipeline: through a real daemon at serve's default config on the timed sim,
-  pipelined vs the limit and vs a serial daemon, latency vs the floor
-  (:mod:`.bench_pipeline`);
+  pipelined vs the limit and vs a serial daemon, latency vs the floor, and the
+  zero-cost rate (:mod:`.bench_pipeline`);
 - control plane: a raw pyzmq+msgpack round trip between two processes against
   the daemon, in the same run: sequential round trips, windowed throughput, and
   large-tensor bandwidth (:mod:`.bench_control`);
@@ -28,6 +28,8 @@ def run_all(quick: bool = False) -> dict[str, Any]:
     steps = 30 if quick else 60
     with progress("the step pipeline through daemons on the timed sim: 4 profiles, serial too"):
         pipe = pipeline_bench.run(steps=steps)
+    with progress("the zero-cost rate through a daemon (4 layers, no modelled cost)"):
+        zero = pipeline_bench.zero_cost(steps=1000 if quick else 2000)
     with progress("the control plane against raw pyzmq+msgpack, null device then timed sim"):
         cp = bench_control.control_plane(200 if quick else 500)
     with progress("the worker's own CPU time per bundled step, in-process, null device"):
@@ -45,6 +47,7 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         "pipeline": [r.as_dict() for r in pipe],
         "paged": paged,
         "pipeline_table": pipeline_bench.table(pipe),
+        "zero_cost": zero,
         "control_plane": cp,
         "bandwidth": bw,
         "scaling": sc,
@@ -54,7 +57,10 @@ def run_all(quick: bool = False) -> dict[str, Any]:
 def format_report(r: dict[str, Any]) -> str:
     cp, bw, sc = r["control_plane"], r["bandwidth"], r["scaling"]
     lines = ["pipeline (through a daemon at the default config; timed sim, 4 layers):"]
-    lines += [r["pipeline_table"], ""]
+    lines += [r["pipeline_table"]]
+    if "zero_cost" in r:
+        lines.append(pipeline_bench.format_zero_cost(r["zero_cost"]))
+    lines.append("")
     lines.append("control plane (ms; ratio to the raw round trip measured beside it):")
     lines.append(f"  {'':34} {'null device':>20} {'timed sim':>20}")
 

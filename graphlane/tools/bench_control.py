@@ -306,7 +306,7 @@ async def _scaling_rate(daemon: BenchDaemon, devices: int, n: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def _with_raw_server(fn: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+def with_raw_server(fn: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="graphlane-raw-") as tmp:
         endpoint = f"ipc://{tmp}/raw.sock"
         proc = mp.get_context("spawn").Process(target=_echo_server, args=(endpoint,), daemon=True)
@@ -330,7 +330,7 @@ def _on_each_backend(
     for backend in ("null", "sim"):
         daemon = BenchDaemon(program, backend=backend)
         try:
-            out[backend] = _with_raw_server(functools.partial(measure, daemon))
+            out[backend] = with_raw_server(functools.partial(measure, daemon))
         finally:
             daemon.close()
     return out

@@ -24,3 +24,11 @@ def test_progress_lines_go_to_stderr(capsys) -> None:
         pass
     out, err = capsys.readouterr()
     assert out == "" and "measuring something slow" in err and "done in" in err
+
+
+def test_the_zero_cost_rate_is_a_goal_in_steps_per_second() -> None:
+    report = {"zero_cost": {"steps_s": 1712.4}}
+    (goal,) = goals(report)
+    assert goal["goal"] == "zero-cost steps/s" and not goal["met"]
+    assert "1712, goal >= 2000: FAIL" in "\n".join(format_goals(report))
+    assert goals({"zero_cost": {"steps_s": 2050.0}})[0]["met"]
