@@ -102,9 +102,9 @@ class ServeConfig:
     #: Graph instances per bucket, used in turn. 2, by measurement and by what the sim
     #: does not model. Since the engine's update thread dispatches the patches, depth 1,
     #: 2 and 3 measure alike through a daemon (``benchmarks/pipeline.py --depths``,
-    #: timed sim, 4 layers, 8 steps in flight: balanced 1500/1500 us 0.98/0.97/0.98 of
-    #: the limit, update-bound 1800/600 0.93/0.93/0.96, replay-bound 600/1800
-    #: 0.92/0.89/0.99, single-step latency 1.25-1.41x the floor at each): the host's
+    #: timed sim, 4 layers, 8 steps in flight, workers pinned: 0.99 of the limit at
+    #: depth 1, 2 and 3 for balanced 1500/1500 us, update-bound 1800/600 and
+    #: replay-bound 600/1800, single-step latency 1.17-1.23x the floor at each): the host's
     #: dispatch of step N+1's patches overlaps replay N at any depth. The device
     #: differs: with one instance, U applies step N+1's updates only once replay N is
     #: done with the graph, between the two replays, which costs the NPU each update's
