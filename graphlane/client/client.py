@@ -188,6 +188,8 @@ class Client:
         return ch
 
     def _resolve(self, device: Device) -> tuple[Host, int]:
+        if type(device) is int and len(self._hosts) == 1 and not self._closing:
+            return self._hosts[0], device  # the common case, before any check it passes
         if type(device) is not int:
             check_device(device)  # "0" is a type error, not a device that is not served
             if not isinstance(device, tuple):
@@ -317,10 +319,7 @@ class Client:
         names it: ``actual_seq_lengths_kv`` for attention); a program without one
         needs ``batch=``. numpy arrays and scalars are accepted in ``params`` and
         ``inputs``."""
-        if type(device) is int and len(self._hosts) == 1 and not self._closing:
-            host, local = self._hosts[0], device  # what _resolve says, without the call
-        else:
-            host, local = self._resolve(device)
+        host, local = self._resolve(device)
         ch = host.workers.get(local)
         if ch is None or ch.lost:
             ch = await self._worker_at(host, local)
@@ -336,9 +335,7 @@ class Client:
             deadline_ms(self.timeout, timeout),
             host.generation_for(local, program),
         )
-        seconds = self.timeout if timeout is None else call_timeout(self.timeout, timeout)
-        done = await ch.call(next(self._ids), _STEP, body, seconds)
-        return _reply(host.endpoint, local, done)
+        return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
 
     async def update(
         self,
@@ -445,9 +442,6 @@ class Client:
             if time.monotonic() >= deadline:
                 raise Timeout(f"workers not ready within {timeout:g} s")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-
-_STEP = ops.OPS["step"]
 
 
 def _no_host() -> Host:

@@ -297,12 +297,7 @@ def decode_replies(
 ) -> list[Reply | DecodeError]:
     # The common reply, one envelope as bytes within its limit and no bundle, at once.
     head = frames[0] if len(frames) == 1 else None
-    if (
-        type(head) is bytes
-        and 0 < len(head) <= limits.max_envelope_bytes
-        and not 0x90 <= head[0] <= 0x9F
-        and head[0] not in (0xDC, 0xDD)
-    ):
+    if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes and not _bundle(head):
         return [_reply(head, Frames((), limits))]
     return [
         _reply(raw, data) if type(raw) is not DecodeError else raw
@@ -310,11 +305,16 @@ def decode_replies(
     ]
 
 
+def _bundle(head: bytes | memoryview) -> bool:
+    """Whether a message's first frame is a bundle: a msgpack array (an envelope is a map)."""
+    return bool(head) and (0x90 <= head[0] <= 0x9F or head[0] in (0xDC, 0xDD))
+
+
 def _envelopes(frames: Sequence[FrameLike], limits: Limits) -> list[tuple[Any, Frames]]:
     buffers = _check_sizes(frames, limits)
     head = buffers[0]
     data = Frames(buffers[1:], limits)
-    if (head and 0x90 <= head[0] <= 0x9F) or head[:1] in (b"\xdc", b"\xdd"):
+    if _bundle(head):
         if len(buffers) > 1:
             raise DecodeError("a bundle carries no data frames")
         try:

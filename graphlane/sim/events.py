@@ -207,8 +207,7 @@ class ExtWaitWork:
         began = ex.timed_now()
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
-            ex.resume_at = max(began, ev._set_at)  # when the device could go on
-            ex.model_time = max(ex.model_time, ex.resume_at)
+            ex.resume(max(began, ev._set_at))  # when the device could go on
             ev.flag = False
             clock_join(ex.clock, ev._record_clock)
             ex.tick()

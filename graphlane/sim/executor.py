@@ -130,6 +130,21 @@ class StreamExecutor:
     def tick(self) -> None:
         self.clock[self.actor] += 1
 
+    def resume(self, at: float) -> None:
+        """A wait in the running entry was satisfied at (modelled) time ``at``: the work
+        after it starts there (``resume_at``), and the stream's modelled time is past it."""
+        self.resume_at = at
+        if at > self.model_time:
+            self.model_time = at
+
+    def settle(self) -> None:
+        """Wait until the device time charged so far is over; the stream's modelled time
+        is then past it."""
+        cost = self.cost
+        cost.settle()
+        if cost.end > self.model_time:
+            self.model_time = cost.end
+
     def timed_now(self) -> float:
         """When this stream's current work happens: in timed mode its modelled time (its
         entry's issue in the host's model, the waits it passed, the device time it was

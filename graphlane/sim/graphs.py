@@ -88,18 +88,13 @@ class ReplayWork:
         self.label = f"replay #{launch.number} of {graph.name}{where}"
 
     def run(self, ex: Stream) -> None:
-        # Tasks in a row are charged together (CostClock.add); anything else (a wait,
+        # Tasks in a row are charged together (CostClock.add_at); anything else (a wait,
         # a record, a fork or join) first waits until the tasks before it are over.
-        cost = ex.cost
         for node in self.nodes:
             if type(node) is not TaskNode:
-                cost.settle()
-                if cost.end > ex.model_time:  # the tasks before it end there
-                    ex.model_time = cost.end
+                ex.settle()
             node.run(ex, self.launch)
-        cost.settle()
-        if cost.end > ex.model_time:
-            ex.model_time = cost.end
+        ex.settle()
 
 
 # =================================================================== capture state

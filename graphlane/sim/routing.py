@@ -18,8 +18,6 @@ from .opcall import OpCall
 from .runtime import HOST_COST, RUNTIME
 from .streams import Stream
 
-_host_cost = HOST_COST  # each host thread's charged time
-
 
 def route(
     stream: Stream,
@@ -50,6 +48,6 @@ def route(
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
     # from the start of its dispatch: the sim's own Python is inside it.
     if RUNTIME.config.mode == "timed":
-        _host_cost.clock.charge(RUNTIME.config.patch_us, started)
+        HOST_COST.clock.charge(RUNTIME.config.patch_us, started)
     with RUNTIME.cond:
         stream.issue_locked(patch)

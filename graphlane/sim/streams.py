@@ -339,6 +339,5 @@ class EventWaitWork:
             clock = ev._clocks.get(seq)
             if clock is not None:
                 clock_join(ex.clock, clock)
-            ex.resume_at = max(began, ev._times.get(seq, began))
-            ex.model_time = max(ex.model_time, ex.resume_at)
+            ex.resume(max(began, ev._times.get(seq, began)))
         ex.tick()
