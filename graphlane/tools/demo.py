@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,57 +92,82 @@ def _stop(daemon: subprocess.Popen[bytes], grace: float = _STOP_GRACE_S) -> int:
     return daemon.wait()
 
 
-class _Deadline:
-    """A watchdog thread: past the deadline, report the phase, stop the daemon and
-    end the process, whatever the main thread is blocked in."""
+class _Watchdog:
+    """The one thread that ends the demo early, whatever the main thread is in.
+
+    Past the deadline it reports the phase and exits :data:`EXIT_DEADLINE`; on
+    :meth:`interrupt` (SIGINT, SIGTERM, SIGHUP) it exits 128+signal. Either way it
+    first stops the daemon and removes the demo's temporary directory. The signal
+    handler only hands the signal over: an exception raised from a handler lands in
+    whichever asyncio task happens to be running, and asyncio keeps a non-exit
+    ``BaseException`` in that task's result instead of propagating it, so the
+    load test would run on to its end (CI saw a SIGTERM ignored for over a minute).
+    """
 
     def __init__(self, seconds: float, phase: _Phase) -> None:
         self.seconds = seconds
         self.phase = phase
         self.daemon: subprocess.Popen[bytes] | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="demo-deadline", daemon=True)
+        self.tmp: str | None = None
+        self._wake = threading.Condition()
+        self._done = False
+        self._signum = 0
+        self._thread = threading.Thread(target=self._watch, name="demo-watchdog", daemon=True)
 
-    def __enter__(self) -> _Deadline:
+    def __enter__(self) -> _Watchdog:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
+        with self._wake:
+            self._done = True
+            self._wake.notify()
+        self._thread.join()  # an interrupt under way ends the process from there
+
+    def interrupt(self, signum: int) -> None:
+        with self._wake:
+            self._signum = self._signum or signum
+            self._wake.notify()
 
     def _watch(self) -> None:
-        if self._done.wait(self.seconds):
-            return
-        waited = time.monotonic() - self.phase.since
-        print(
-            f"graphlane demo: gave up after {self.seconds:g} s (--deadline): still waiting "
-            f"for {self.phase.what} ({waited:.0f} s)",
-            file=sys.stderr,
-            flush=True,
-        )
+        end = time.monotonic() + self.seconds
+        with self._wake:
+            while not self._signum and not self._done and time.monotonic() < end:
+                self._wake.wait(end - time.monotonic())
+            signum = self._signum
+            if self._done and not signum:
+                return
+        if signum:
+            message = f"interrupted by {signal.Signals(signum).name}; the daemon was stopped"
+            code = 128 + signum
+        else:
+            waited = time.monotonic() - self.phase.since
+            message = (
+                f"gave up after {self.seconds:g} s (--deadline): still waiting for "
+                f"{self.phase.what} ({waited:.0f} s)"
+            )
+            code = EXIT_DEADLINE
+            print(f"graphlane demo: {message}", file=sys.stderr, flush=True)
         if self.daemon is not None:
-            _stop(self.daemon, grace=5.0)
-        os._exit(EXIT_DEADLINE)
-
-
-class _Interrupted(BaseException):
-    """SIGINT, SIGTERM or SIGHUP arrived: unwinds the run from wherever it is."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+            _stop(self.daemon, grace=_STOP_GRACE_S if signum else 5.0)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        if signum:
+            print(f"graphlane demo: {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(code)
 
 
 @contextlib.contextmanager
-def _signals_end_the_run() -> Iterator[None]:
-    """SIGINT, SIGTERM and SIGHUP end the run at once: the exception unwinds through the
-    ``finally`` that stops the daemon. (SIGINT too: left to asyncio.run, Ctrl-C only
-    cancels the main task, and a loaded machine showed code under way holding that
-    up past a minute.) The previous handlers come back afterwards."""
+def _signals_to(watchdog: _Watchdog) -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP go to the watchdog, which stops the daemon and ends
+    the process (SIGINT too: left to asyncio.run, Ctrl-C only cancels the main task,
+    and a loaded machine showed code under way holding that up past a minute). The
+    previous handlers come back afterwards."""
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise _Interrupted(signum)
+        watchdog.interrupt(signum)
 
     ending = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     old = {sig: signal.signal(sig, handler) for sig in ending}
@@ -180,17 +206,8 @@ def run(
     five minutes for start-up (graph capture) and shutdown."""
     deadline = duration_s + 300.0 if deadline_s is None else deadline_s
     phase = _Phase()
-    signum = 0
-    try:
-        with _Deadline(deadline, phase) as watchdog, _signals_end_the_run():
-            return _run(devices, duration_s, concurrency, verify, report_dir, phase, watchdog)
-    except KeyboardInterrupt:
-        signum = signal.SIGINT
-    except _Interrupted as exc:
-        signum = exc.signum
-    name = signal.Signals(signum).name
-    print(f"graphlane demo: interrupted by {name}; the daemon was stopped", file=sys.stderr)
-    return 128 + signum
+    with _Watchdog(deadline, phase) as watchdog, _signals_to(watchdog):
+        return _run(devices, duration_s, concurrency, verify, report_dir, phase, watchdog)
 
 
 def _run(
@@ -200,10 +217,11 @@ def _run(
     verify: float,
     report_dir: str | None,
     phase: _Phase,
-    watchdog: _Deadline,
+    watchdog: _Watchdog,
 ) -> int:
     report = Path(report_dir or f"reports/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     with tempfile.TemporaryDirectory(prefix="graphlane-demo-") as tmp:
+        watchdog.tmp = tmp
         endpoint = f"ipc://{tmp}/daemon.sock"
         config_path = Path(tmp, "demo.toml")
         config_path.write_text(f'listen = "{endpoint}"\ndevices = {devices}\n' + DEMO_CONFIG)

@@ -79,3 +79,47 @@ def test_a_demo_past_its_deadline_says_what_it_waited_for_and_exits(tmp_path: Pa
     assert "gave up after 1.5 s" in out and "still waiting for" in out, out
     assert family, "the demo started no daemon"
     wait_for(lambda: not any(map(pid_alive, family)), 30, f"{family} to exit")
+
+
+_BUSY_TASK_DEMO = """
+import asyncio, os, signal, subprocess, sys, tempfile, threading, time
+from graphlane.tools import demo
+
+async def load():
+    async def verifier():  # CPU-bound client work, as the load test's output checks
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            pass
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    busy = asyncio.ensure_future(verifier())  # runs from the next await on
+    await asyncio.sleep(30)  # nothing looks at the busy task before the load's end
+    await busy
+
+with tempfile.TemporaryDirectory() as tmp:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    print(child.pid, tmp, flush=True)
+    with demo._Watchdog(60.0, demo._Phase()) as watchdog, demo._signals_to(watchdog):
+        watchdog.daemon, watchdog.tmp = child, tmp
+        asyncio.run(load())
+print("the load ran to its end", flush=True)
+"""
+
+
+def test_a_signal_landing_inside_a_busy_asyncio_task_still_ends_the_demo(tmp_path: Path) -> None:
+    """CI once saw a SIGTERM land while a load-test task computed: raised from the
+    handler, the exception stayed in that task and the demo ran on for a minute."""
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_TASK_DEMO], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the signal did not end the run: {out!r} {err!r}")
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+    pid, tmp = out.split()[:2]
+    assert "the load ran to its end" not in out
+    assert "interrupted by SIGTERM" in err, err
+    assert not pid_alive(int(pid)), "the daemon stand-in was left running"
+    assert not Path(tmp).exists(), "the demo's temporary directory was left behind"
