@@ -166,20 +166,25 @@ class WorkerLoop:
         empty the pipe, re-arm, then take the deques; anything appended after the
         re-arm writes a fresh byte; a byte written late (after this pass took its
         item) is read by the next pass."""
-        try:
-            while os.read(self._wake_r, 4096):
+        # One read empties the pipe: it returns every byte waiting, up to 4096, and
+        # _wake writes one byte per re-arm.
+        with contextlib.suppress(BlockingIOError):
+            while len(os.read(self._wake_r, 4096)) == 4096:
                 pass
-        except BlockingIOError:
-            pass
         self._woken = False
         while self._commands:
             self._run_safely(self._commands.popleft())
-        if not self._finished:
+        finished = self._finished
+        if not finished:
             return
         # Steps that finished together go back together to senders that take bundles.
         with self._replies_together():
-            while self._finished:
-                self._run_safely(functools.partial(self._finish, self._finished.popleft()))
+            while finished:
+                step = finished.popleft()
+                try:
+                    self._finish(step)
+                except Exception:  # as _run_safely: a bug in one reply is not fatal
+                    log.exception("worker loop: the reply to request %s failed", step.request_id)
 
     @staticmethod
     def _run_safely(work: Callable[[], None]) -> None:
