@@ -27,7 +27,8 @@ binding goes straight to C++ too.
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -60,6 +61,15 @@ def _kind(t: Any) -> tuple[int, bool, type | None] | None:
     if name in _SCALARS:
         return (_SCALAR, optional, _SCALARS[name])
     return None
+
+
+class _Layout(NamedTuple):
+    specs: tuple[tuple[str, int, int, bool, type | None], ...]  # name, slot, kind, ...
+    keyword: tuple[str, ...]  # the keyword-only names given, in schema order
+
+
+_LAYOUTS_MAX = 64  # call layouts remembered per op (a caller has one or a few)
+_SCHEMA_ORDER = operator.itemgetter(0, 1)  # a tensor's (slot, index in its list)
 
 
 class _Binding:
@@ -95,23 +105,39 @@ class _Binding:
                 self.keyword.append(a.name)
             else:
                 self.defaults.append(a.default_value if a.has_default_value() else None)
+        # By the names of a call, in its order: what _layout says of them.
+        self._layouts: dict[tuple[str, ...], _Layout | None] = {}
+
+    def _layout(self, names: tuple[str, ...]) -> _Layout | None:
+        """How a call naming ``names`` (in that order) binds: each name's slot and kind,
+        and the keyword-only ones among them in schema order; None when a name is not
+        the op's or a required one is missing (the dispatcher's path then)."""
+        if names in self._layouts:
+            return self._layouts[names]
+        layout: _Layout | None = None
+        if self.required.issubset(names) and all(n in self.slots for n in names):
+            specs = tuple((n, *self.slots[n]) for n in names)
+            keyword = tuple(n for n in self.keyword if n in names)
+            layout = _Layout(specs, keyword)
+        if len(self._layouts) >= _LAYOUTS_MAX:
+            self._layouts.clear()
+        self._layouts[names] = layout
+        return layout
 
     def issue(self, func: Any, kwargs: dict[str, Any], started: float) -> bool:
         """Issue ``func(**kwargs)`` if the call is plain; False (nothing done) if not."""
-        if not self.required.issubset(kwargs):
+        layout = self._layout(tuple(kwargs))
+        if layout is None:
             return False
-        slots = self.slots
         n_pos = len(self.defaults)
         cpu_pos = list(self.defaults)
         checked: dict[str, Any] = {}  # the given arguments, unwrapped, for the check
         values: list[tuple[str, Any]] = []  # given non-tensor values the check reads
         varying = self.varying
         tensors: list[tuple[int, int, torch.Tensor, NpuTensor]] = []
-        for name, v in kwargs.items():
-            spec = slots.get(name)
-            if spec is None:
-                return False
-            slot, kind, optional, scalar = spec
+        for (name, slot, kind, optional, scalar), v in zip(
+            layout.specs, kwargs.values(), strict=True
+        ):
             if v is None:
                 if not optional:
                     return False
@@ -144,8 +170,8 @@ class _Binding:
         if not tensors:
             return False
         # Keyword-only arguments in schema order, as the dispatcher passes them.
-        cpu_kw = {name: checked[name] for name in self.keyword if name in checked}
-        tensors.sort(key=lambda t: (t[0], t[1]))  # schema order, as the call flattens them
+        cpu_kw = {name: checked[name] for name in layout.keyword}
+        tensors.sort(key=_SCHEMA_ORDER)  # as the call flattens them
         keys = [_tensor_key(t[2]) for t in tensors]
         check = self.check
         if isinstance(check, RememberedCheck):
