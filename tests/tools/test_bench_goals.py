@@ -32,3 +32,32 @@ def test_the_zero_cost_rate_is_a_goal_in_steps_per_second() -> None:
     assert goal["goal"] == "zero-cost steps/s" and not goal["met"]
     assert "1712, goal >= 2000: FAIL" in "\n".join(format_goals(report))
     assert goals({"zero_cost": {"steps_s": 2050.0}})[0]["met"]
+
+
+def test_each_pipeline_profile_has_its_goals_and_serial_counts_where_balanced() -> None:
+    """Issue 20: through a daemon, >= 0.95 of the limit and latency <= 1.1x the floor
+    for every profile, >= 1.8x the serial mode for the balanced ones."""
+    report = {"pipeline": [
+        {"profile": "update-bound", "pipelined_vs_limit": 0.99, "pipelined_vs_serial": 1.41,
+         "latency_vs_floor": 1.21},
+        {"profile": "balanced", "pipelined_vs_limit": 0.93, "pipelined_vs_serial": 2.1,
+         "latency_vs_floor": 1.08},
+    ]}  # fmt: skip
+    by_name = {g["goal"]: g for g in goals(report)}
+    assert set(by_name) == {
+        "update-bound vs limit", "update-bound latency vs floor",
+        "balanced vs limit", "balanced vs serial", "balanced latency vs floor",
+    }  # fmt: skip
+    assert by_name["update-bound vs limit"]["met"] and not by_name["balanced vs limit"]["met"]
+    assert by_name["balanced vs serial"]["met"]
+    assert not by_name["update-bound latency vs floor"]["met"]
+    assert by_name["balanced latency vs floor"]["met"]
+    text = "\n".join(format_goals(report))
+    assert "update-bound latency vs floor 1.21x, goal <= 1.1x: FAIL" in text
+    assert "balanced vs serial" in text and "2.10x, goal >= 1.8x: PASS" in text
+
+
+def test_a_near_miss_is_not_printed_as_its_goal() -> None:
+    report = {"paged": {"pipeline": {"pipelined_vs_limit": 0.9497}}}
+    assert "paged decode vs limit" in (text := "\n".join(format_goals(report)))
+    assert "0.9497x, goal >= 0.95x: FAIL" in text
