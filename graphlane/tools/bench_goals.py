@@ -63,25 +63,27 @@ def _pipeline_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float
             if key == "pipelined_vs_serial" and not profile.startswith("balanced"):
                 continue
             value = row.get(key)
+            # A serial figure of 0: the run had no serial daemon (bench_pipeline.depths).
             if isinstance(value, (int, float)) and (value or key != "pipelined_vs_serial"):
                 out.append((f"{profile} {label}", value, op, goal))
     return out
 
 
+def _verdict(label: str, value: float, op: str, goal: float, note: str = "") -> dict[str, Any]:
+    met = value <= goal if op == "<=" else value >= goal
+    return {"goal": label, "value": value, "op": op, "target": goal, "met": met,
+            "noisy": bool(note), "note": note}  # fmt: skip
+
+
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Each goal with its value, whether it was met, and a note on noise."""
-    out = []
-    for label, figure, op, goal in _pipeline_goals(report):
-        met = figure <= goal if op == "<=" else figure >= goal
-        out.append({"goal": label, "value": figure, "op": op, "target": goal, "met": met,
-                    "noisy": False, "note": ""})  # fmt: skip
+    out = [_verdict(*g) for g in _pipeline_goals(report)]
     for label, path, op, goal in GOALS:
         value: Any = report
         for key in path:
             value = value.get(key, {}) if isinstance(value, dict) else {}
         if not isinstance(value, (int, float)):
             continue
-        met = value <= goal if op == "<=" else value >= goal
         note = ""
         spread = report.get("control_plane", {}).get("null", {}).get("windowed_spread")
         if path[-1] == "windowed_vs_raw" and spread is not None and spread > NOISY_SPREAD:
@@ -89,8 +91,7 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
                 f"repeats spread by {100 * spread:.0f}% of their median: too noisy a machine "
                 "for this figure to mean much; run again when it is quiet"
             )
-        out.append({"goal": label, "value": value, "op": op, "target": goal, "met": met,
-                    "noisy": bool(note), "note": note})  # fmt: skip
+        out.append(_verdict(label, value, op, goal, note))
     return out
 
 

@@ -138,7 +138,7 @@ class _Watchdog:
             if self._done and not signum:
                 return
         if signum:
-            message = f"interrupted by {signal.Signals(signum).name}; the daemon was stopped"
+            message = f"interrupted by {signal.Signals(signum).name}; stopping the daemon"
             code = 128 + signum
         else:
             waited = time.monotonic() - self.phase.since
@@ -147,13 +147,11 @@ class _Watchdog:
                 f"{self.phase.what} ({waited:.0f} s)"
             )
             code = EXIT_DEADLINE
-            print(f"graphlane demo: {message}", file=sys.stderr, flush=True)
+        print(f"graphlane demo: {message}", file=sys.stderr, flush=True)
         if self.daemon is not None:
             _stop(self.daemon, grace=_STOP_GRACE_S if signum else 5.0)
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        if signum:
-            print(f"graphlane demo: {message}", file=sys.stderr, flush=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         os._exit(code)

@@ -180,19 +180,16 @@ class WorkerLoop:
         # Steps that finished together go back together to senders that take bundles.
         with self._replies_together():
             while finished:
-                step = finished.popleft()
-                try:
-                    self._finish(step)
-                except Exception:  # as _run_safely: a bug in one reply is not fatal
-                    log.exception("worker loop: the reply to request %s failed", step.request_id)
+                self._run_safely(self._finish, finished.popleft())
 
     @staticmethod
-    def _run_safely(work: Callable[[], None]) -> None:
-        """One command or completion; a bug in it is logged, not fatal to the loop."""
+    def _run_safely(work: Callable[..., None], *args: Any) -> None:
+        """``work(*args)``: one command or completion; a bug in it is logged, not fatal
+        to the loop."""
         try:
-            work()
+            work(*args)
         except Exception:
-            log.exception("worker loop: %r failed", work)
+            log.exception("worker loop: %r%r failed", work, args)
 
     # ------------------------------------------------------------ requests
     def _send(self, ident: Any, frames: list[Any], bundled: bool = False) -> None:
