@@ -97,7 +97,9 @@ class _Watchdog:
 
     Past the deadline it reports the phase and exits :data:`EXIT_DEADLINE`; on
     :meth:`interrupt` (SIGINT, SIGTERM, SIGHUP) it exits 128+signal. Either way it
-    first stops the daemon and removes the demo's temporary directory. The signal
+    first stops the daemon and removes the demo's temporary directory; the main
+    thread creates those under :attr:`registering`, so a signal that arrives while
+    one exists but is not registered yet is acted on once it is. The signal
     handler only hands the signal over: an exception raised from a handler lands in
     whichever asyncio task happens to be running, and asyncio keeps a non-exit
     ``BaseException`` in that task's result instead of propagating it, so the
@@ -109,6 +111,9 @@ class _Watchdog:
         self.phase = phase
         self.daemon: subprocess.Popen[bytes] | None = None
         self.tmp: str | None = None
+        #: Held by the main thread from creating the daemon or the directory to
+        #: setting ``daemon`` or ``tmp``; the watchdog takes it before it reads them.
+        self.registering = threading.Lock()
         self._wake = threading.Condition()
         self._done = False
         self._signum = 0
@@ -148,10 +153,12 @@ class _Watchdog:
             )
             code = EXIT_DEADLINE
         print(f"graphlane demo: {message}", file=sys.stderr, flush=True)
-        if self.daemon is not None:
-            _stop(self.daemon, grace=_STOP_GRACE_S if signum else 5.0)
-        if self.tmp is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        with self.registering:  # never taken by the signal handler: no deadlock
+            daemon, tmp = self.daemon, self.tmp
+        if daemon is not None:
+            _stop(daemon, grace=_STOP_GRACE_S if signum else 5.0)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         with contextlib.suppress(Exception):
             sys.stdout.flush()
         os._exit(code)
@@ -218,16 +225,19 @@ def _run(
     watchdog: _Watchdog,
 ) -> int:
     report = Path(report_dir or f"reports/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    with tempfile.TemporaryDirectory(prefix="graphlane-demo-") as tmp:
-        watchdog.tmp = tmp
+    with watchdog.registering:
+        temporary = tempfile.TemporaryDirectory(prefix="graphlane-demo-")
+        watchdog.tmp = temporary.name
+    with temporary as tmp:
         endpoint = f"ipc://{tmp}/daemon.sock"
         config_path = Path(tmp, "demo.toml")
         config_path.write_text(f'listen = "{endpoint}"\ndevices = {devices}\n' + DEMO_CONFIG)
         cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(config_path),
                "--log-level", "WARNING"]  # fmt: skip
         print(f"starting: graphlane serve --listen {endpoint} --devices {devices} (simulated NPUs)")
-        daemon = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        watchdog.daemon = daemon
+        with watchdog.registering:
+            daemon = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            watchdog.daemon = daemon
         code: int | None = None
         try:
             asyncio.run(_wait_ready(endpoint, daemon, phase))

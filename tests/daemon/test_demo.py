@@ -123,3 +123,45 @@ def test_a_signal_landing_inside_a_busy_asyncio_task_still_ends_the_demo(tmp_pat
     assert "interrupted by SIGTERM" in err, err
     assert not pid_alive(int(pid)), "the daemon stand-in was left running"
     assert not Path(tmp).exists(), "the demo's temporary directory was left behind"
+
+
+_SIGNAL_BEFORE_REGISTERED = """
+import os, signal, subprocess, sys, time
+from graphlane.tools import demo
+
+real_popen = subprocess.Popen
+
+def daemon_standin(cmd, **kwargs):
+    # The demo's daemon exists, the signal arrives, and the watchdog thread gets
+    # a second to act before the main thread has told it about the daemon.
+    child = real_popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = cmd[cmd.index("--config") + 1]
+    print("stand-in", child.pid, os.path.dirname(config), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+    return child
+
+subprocess.Popen = daemon_standin
+demo.run(devices=1, duration_s=1.0)
+print("the demo ran on", flush=True)
+"""
+
+
+def test_a_signal_before_the_daemon_is_registered_still_stops_it() -> None:
+    """A signal between the daemon's start and the watchdog learning of it: the
+    watchdog waits for the registration, then stops the daemon."""
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_BEFORE_REGISTERED],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the signal did not end the run: {out!r} {err!r}")
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+    pid, tmp = next(ln.split()[1:] for ln in out.splitlines() if ln.startswith("stand-in"))
+    assert "the demo ran on" not in out
+    assert "interrupted by SIGTERM" in err, err
+    wait_for(lambda: not pid_alive(int(pid)), 10, "the daemon stand-in to exit")
+    assert not Path(tmp).exists(), "the demo's temporary directory was left behind"
