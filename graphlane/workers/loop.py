@@ -136,7 +136,6 @@ class WorkerLoop:
         # zmq_poll itself, not zmq.Poller (its Python), nor getsockopt(EVENTS) (an enum
         # call per test): the socket's readiness is one C call either way.
         both: list[Any] = [(sock, wire.POLLIN), (wake, wire.POLLIN)]
-        just_sock = [(sock, wire.POLLIN)]
         recv = wire.recv_message
         while not self._stopping:
             readable = woken = False
@@ -147,18 +146,17 @@ class WorkerLoop:
                     woken = True
             if woken or self._woken:
                 self._take_wakeups()
-            taken = 0
-            while readable and not self._stopping:
+            if readable:
+                # One message per turn: the next turn's poll asks the socket and the
+                # wake-up pipe together (a readiness check costs libzmq a poll(2)
+                # whichever way it is asked, so a second one just for the socket
+                # would cost a lone request one more).
                 try:
                     frames = recv(sock, 2, wire.NOBLOCK)
                 except zmq.Again:
-                    break
-                self._handle(frames)
-                if self._woken:  # finished steps are answered between requests, not after
-                    self._take_wakeups()
-                taken += 1
-                # _BATCH requests per turn at most: then the wake-up pipe is looked at
-                readable = taken < _BATCH and bool(zmq_poll(just_sock, 0))
+                    pass
+                else:
+                    self._handle(frames)
             self._pump()
 
     def _take_wakeups(self) -> None:
@@ -286,7 +284,6 @@ class WorkerLoop:
             self._reply_error(ident, req.id, as_error(exc), bundled)
 
 
-_BATCH = 64  # requests taken from the socket per turn of the loop
 _HOLD_S = 0.0005  # the longest a reply waits in the outbox for the others of its bundle
 
 
