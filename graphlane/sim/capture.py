@@ -2,7 +2,9 @@
 
 Entering it synchronizes the device, makes the capture stream current, enters the
 auto-dispatch capture mode when asked (:mod:`.autodispatch`) and begins the
-capture (:mod:`.graphs`); leaving it ends the capture.
+capture (:mod:`.graphs`); leaving it ends the capture. Left by an error raised
+inside it, it ends (abandons) the capture and lets that error propagate as itself:
+what ending the capture complains of becomes a note on it.
 """
 
 from __future__ import annotations
@@ -60,7 +62,15 @@ class graph:
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self.npu_graph.capture_end()
+            try:
+                self.npu_graph.capture_end()
+            except Exception as end:
+                if exc[1] is None:
+                    raise
+                # An error inside the capture propagates as itself: ending the capture it
+                # abandoned may complain (of a task group the error left open), but that
+                # complaint is a note on the cause, never its replacement.
+                exc[1].add_note(f"ending the abandoned capture also failed: {end}")
         finally:
             if self._mode is not None:
                 self._mode.__exit__(*exc)

@@ -54,11 +54,12 @@ names for it (:meth:`GraphProgram.group_call`) through :meth:`DeviceBackend.patc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -76,6 +77,30 @@ from graphlane.workers.programs.base import (
 from graphlane.workers.step import OpKind, Step
 
 log = logging.getLogger("graphlane.pipeline")
+
+
+@contextlib.contextmanager
+def _capturing(b: DeviceBackend, graph: Any, stream: Any, key: GraphKey) -> Iterator[None]:
+    """``b.capture(graph, stream)``, except that an error raised inside the capture (a
+    program's: an op it names wrongly, a task group it leaves open) propagates as
+    itself. The capture is ended (abandoned) all the same; what ending it complains
+    of (a task group left open by the error, say) becomes a note on that error, never
+    its replacement (a capture context's own exit would replace it)."""
+    capture = b.capture(graph, stream)
+    capture.__enter__()
+    try:
+        yield
+    except BaseException as exc:
+        try:
+            capture.__exit__(type(exc), exc, exc.__traceback__)
+        except BaseException as end:
+            exc.add_note(f"ending the abandoned capture also failed: {type(end).__name__}: {end}")
+        exc.add_note(
+            f"raised while program {key.program!r} captured bucket {key.bucket} "
+            f"(instance {key.instance})"
+        )
+        raise
+    capture.__exit__(None, None, None)
 
 
 class EngineError(RuntimeError):
@@ -180,7 +205,7 @@ class StepEngine:
                 ev.label = f"group {i} of {program.name} bucket {bucket} instance {instance}"
         graph = b.new_graph()
         b.synchronize()  # buffers are initialised before capture starts
-        with b.capture(graph, self.capture_stream):
+        with _capturing(b, graph, self.capture_stream, key):
             handles, signatures = program.capture(b, self.capture_stream, bucket, buffers, events)
         captured = CapturedGraph(key, graph, handles, events, buffers, list(signatures))
         self._rings.setdefault((program.name, bucket), []).append(captured)  # ring order

@@ -104,7 +104,14 @@ class NpuBackend:
         fn = self._ops.get(op) or self._resolve(op)
         with self.npu.stream(stream):
             self.npu.graph_task_update_begin(stream, handle)
-            fn(*args, **kwargs)
+            try:
+                fn(*args, **kwargs)
+            except BaseException as exc:  # the op's error is the one to report
+                try:
+                    self.npu.graph_task_update_end(stream)  # the stream can update again
+                except BaseException as end:
+                    exc.add_note(f"ending the abandoned update also failed: {end}")
+                raise
             self.npu.graph_task_update_end(stream)
         if release is not None:
             release.record(stream)
@@ -120,7 +127,11 @@ class NpuBackend:
             for part in op.split("."):
                 target = getattr(target, part)
         except AttributeError:
-            raise ValueError(f"torch_npu has no op {op!r}") from None
+            raise ValueError(
+                f"torch_npu has no op {op!r} (ops are named in torch_npu's namespace, e.g. "
+                "'npu_fused_infer_attention_score.out'; call a plain torch op such as "
+                "torch.mm on the device tensors directly: docs/programs.md)"
+            ) from None
         self._ops[op] = target
         return target
 
