@@ -357,6 +357,8 @@ def _status(args: argparse.Namespace) -> int:
                 f"generation {w.get('generation', 0)} endpoint {w['endpoint']} "
                 f"programs [{programs}]"
             )
+            if w.get("last_error") and w["state"] != "ready":
+                print(f"    last error: {w['last_error']}")
             for name, d in (w.get("programs") or {}).items():
                 described.setdefault(name, d)
         for name, d in sorted(described.items()):

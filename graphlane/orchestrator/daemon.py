@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -134,18 +135,14 @@ class Daemon:
             await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if starting.done():
                 starting.result()
-                if ready_file:
+                if ready_file and not self.supervisor.all_failed.is_set():
                     await asyncio.to_thread(Path(ready_file).write_text, self.endpoint)
                 failed = asyncio.ensure_future(self.supervisor.all_failed.wait())
                 await asyncio.wait({stopping, failed}, return_when=asyncio.FIRST_COMPLETED)
                 failed.cancel()
                 if self.supervisor.all_failed.is_set() and not self._shutdown.is_set():
                     exit_code = 1
-                    failure = "every worker failed: " + "; ".join(
-                        f"device {h.device}: {h.last_error}"
-                        for h in self.supervisor.workers.values()
-                    )
-                    log.error("%s; exiting", failure)
+                    failure = _every_worker_failed(self.supervisor.workers.values())
                     self.request_shutdown("every worker failed")
             else:
                 starting.cancel()
@@ -297,6 +294,17 @@ class Daemon:
             return None
         host, port = self.metrics_server.server_address[:2]
         return f"http://{host}:{port}/metrics"
+
+
+def _every_worker_failed(workers: Iterable[WorkerHandle]) -> str:
+    """One line: each cause once, with the devices it stopped."""
+    causes: dict[str, list[int]] = {}
+    for h in workers:
+        causes.setdefault(h.last_error, []).append(h.device)
+    return "every worker failed: " + "; ".join(
+        f"device{'s' if len(ds) > 1 else ''} {', '.join(map(str, ds))}: {cause}"
+        for cause, ds in causes.items()
+    )
 
 
 def _prepare_ipc(endpoint: str) -> None:

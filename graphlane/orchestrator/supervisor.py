@@ -6,12 +6,20 @@ Lifecycle of a worker, explicit:
     startup_timeout_s -> READY; liveness through the process sentinel (an fd that
     becomes readable when the process ends) -> LOST -> restart after a backoff,
     unless more than max_restarts happened within restart_window_s -> FAILED.
+    A worker that answers the handshake with a *permanent* pipe.Failed (a bad
+    configuration or program, a missing dependency, no such device: it would fail
+    the same way again) is FAILED at once, without a restart.
     stop: pipe.Drain(stop=True) (finish in-flight, exit) -> SIGTERM -> SIGKILL,
     recording which step ended it.
 
 The pipe is also the worker's lifeline: when the orchestrator dies, the worker
 reads EOF and exits, so no orphan keeps a device. Only the typed messages of
-:mod:`graphlane.protocol.pipe` cross it.
+:mod:`graphlane.protocol.pipe` cross it. Each process's end of its pipe has one
+owner, a :class:`WorkerPipe`: one reader registered with the event loop for the
+life of the process, which queues what it reads; the handshake and the health
+checks take messages from that queue. The reader is removed by its fd number
+*before* the pipe is closed: a closed fd's number is reused by the next pipe, and
+a reader left behind for it would keep the new pipe from ever being watched.
 """
 
 from __future__ import annotations
@@ -50,12 +58,67 @@ class WorkerState(enum.StrEnum):
 STARTING, READY, LOST, FAILED, STOPPING, STOPPED = WorkerState
 
 
+class WorkerPipe:
+    """The supervisor's end of one worker process's pipe, and its only reader.
+
+    A reader callback, registered once for the life of the process, reads each
+    message as it arrives into a queue (None marks the end: EOF or closed);
+    :meth:`receive` takes from that queue. :meth:`close` drains what the worker
+    sent before it died (its ``Failed``), removes the reader by the fd number it was
+    registered with, and only then closes the pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.fd = conn.fileno()
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._messages: asyncio.Queue[pipe.PipeMessage | None] = asyncio.Queue()
+        self._loop.add_reader(self.fd, self._read)
+
+    def _read(self) -> None:
+        try:
+            message = pipe.recv(self.conn)
+        except (EOFError, OSError):
+            self.close()
+            return
+        except ValueError as exc:  # not one of ours: nothing to hand over
+            log.warning("ignored a message on a worker pipe: %s", exc)
+            return
+        self._messages.put_nowait(message)
+
+    def send(self, message: pipe.PipeMessage) -> None:
+        if not self.closed:
+            with contextlib.suppress(OSError):
+                pipe.send(self.conn, message)
+
+    async def receive(self, limit_s: float) -> pipe.PipeMessage | None:
+        """The next message; None at the end of the pipe or after ``limit_s``."""
+        if self._messages.empty() and self.closed:
+            return None
+        try:
+            return await asyncio.wait_for(self._messages.get(), limit_s)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        """Idempotent. Messages already in the pipe are queued first."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(EOFError, OSError, ValueError):
+            while self.conn.poll(0):
+                self._messages.put_nowait(pipe.recv(self.conn))
+        self._loop.remove_reader(self.fd)  # by number, while the fd is still ours
+        self.conn.close()
+        self._messages.put_nowait(None)
+
+
 @dataclass(eq=False)
 class WorkerHandle:
     spec: WorkerSpec
     state: WorkerState = STARTING
     process: BaseProcess | None = None
-    conn: Connection | None = None
+    pipe: WorkerPipe | None = None  # the current process's pipe
     info: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     restart_times: deque[float] = field(default_factory=deque)
@@ -138,15 +201,16 @@ class Supervisor:
                 else:
                     os.environ[k] = v
         child.close()
-        h.process, h.conn = proc, parent
+        conn = WorkerPipe(parent)
+        h.process, h.pipe = proc, conn
         h.exited = asyncio.Event()
         log.info("worker start device=%s pid=%s generation=%s", h.device, proc.pid, h.generation)
         loop = asyncio.get_running_loop()
-        loop.add_reader(proc.sentinel, self._on_exit, h, proc)
-        msg = await self._handshake(parent)
+        loop.add_reader(proc.sentinel, self._on_exit, h, proc, proc.sentinel)
+        msg = await self._handshake(conn)
         if h.process is not proc or h.state != STARTING:
-            return  # died (or was stopped) during startup; _on_exit took over
-        if isinstance(msg, pipe.Ready):
+            return  # stopped during startup
+        if isinstance(msg, pipe.Ready) and not h.exited.is_set():
             h.info = dict(msg.info)
             h.state = READY
             h.last_error = ""
@@ -156,43 +220,45 @@ class Supervisor:
                 proc.pid,
                 h.info.get("endpoint"),
             )
-            self._spawn_task(self._watch(h, proc, parent))
+            self._spawn_task(self._watch(h, proc, conn))
             return
-        h.last_error = (
-            msg.message if msg is not None else f"no handshake within {self.startup_timeout_s:g} s"
-        )
+        if isinstance(msg, pipe.Failed) and msg.permanent:
+            # It would fail the same way again: no restart (the worker exits by itself).
+            log.error(
+                "worker failed to start device=%s pid=%s: %s (permanent: not restarting)",
+                h.device,
+                proc.pid,
+                msg.message,
+            )
+            self._failed(h, msg.message)
+            return
+        if isinstance(msg, pipe.Failed):
+            h.last_error = msg.message
+        elif conn.closed:  # (a Ready read only after the exit too)
+            h.last_error = "exited during startup" + (
+                f" (exit {proc.exitcode})" if proc.exitcode is not None else ""
+            )
+        else:
+            h.last_error = f"no handshake within {self.startup_timeout_s:g} s"
         log.error("worker failed to start device=%s pid=%s: %s", h.device, proc.pid, h.last_error)
-        self._kill(proc)
+        h.state = LOST  # a transient failure: restarted, with backoff, once it has exited
+        if h.exited.is_set():
+            self._spawn_task(self._restart(h))
+        else:
+            self._kill(proc)  # _on_exit restarts it
 
-    async def _receive(self, conn: Connection, limit_s: float) -> Any:
-        """The next message on a worker's pipe, or None (timeout, EOF)."""
-        loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
-        loop.add_reader(conn.fileno(), readable.set)
-        try:
-            await asyncio.wait_for(readable.wait(), limit_s)
-            return pipe.recv(conn)
-        except (TimeoutError, EOFError, OSError, ValueError):
-            return None
-        finally:
-            with contextlib.suppress(OSError, ValueError):
-                loop.remove_reader(conn.fileno())
-
-    async def _watch(self, h: WorkerHandle, proc: BaseProcess, conn: Connection) -> None:
+    async def _watch(self, h: WorkerHandle, proc: BaseProcess, conn: WorkerPipe) -> None:
         """Health and figures, about once per poll_s. A worker that does not answer, or
         holds a request longer than hang_timeout_s (a device wait that never ends),
         is killed; the normal restart path replaces it."""
         while True:
             await asyncio.sleep(self.poll_s)
-            if h.process is not proc or h.state != READY or h.conn is not conn:
+            if h.process is not proc or h.state != READY or h.pipe is not conn:
                 return
-            try:
-                pipe.send(conn, pipe.Ping())
-            except OSError:
-                return
-            msg = await self._receive(conn, self.hang_timeout_s)
-            if h.process is not proc or h.state != READY:
-                return
+            conn.send(pipe.Ping())
+            msg = await conn.receive(self.hang_timeout_s)
+            if h.process is not proc or h.state != READY or conn.closed:
+                return  # it ended: _on_exit took over
             if not isinstance(msg, pipe.Pong):
                 self._hung(h, proc, f"no answer to a health check within {self.hang_timeout_s:g} s")
                 return
@@ -209,11 +275,11 @@ class Supervisor:
         log.error("worker hung device=%s pid=%s: %s; killing it", h.device, proc.pid, why)
         self._kill(proc)
 
-    async def _handshake(self, conn: Connection) -> pipe.Ready | pipe.Failed | None:
-        """The worker's Ready or Failed; None on timeout or EOF."""
+    async def _handshake(self, conn: WorkerPipe) -> pipe.Ready | pipe.Failed | None:
+        """The worker's Ready or Failed; None on timeout or at the end of the pipe."""
         deadline = time.monotonic() + self.startup_timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            msg = await self._receive(conn, left)
+            msg = await conn.receive(left)
             if msg is None:
                 return None
             if isinstance(msg, pipe.Ready | pipe.Failed):
@@ -221,23 +287,28 @@ class Supervisor:
         return None
 
     # ------------------------------------------------------------ liveness
-    def _on_exit(self, h: WorkerHandle, proc: BaseProcess) -> None:
+    def _on_exit(self, h: WorkerHandle, proc: BaseProcess, sentinel: int) -> None:
         loop = asyncio.get_running_loop()
-        loop.remove_reader(proc.sentinel)
-        proc.join(0)
+        loop.remove_reader(sentinel)
+        # The sentinel closes as the process exits, a moment before its exit status
+        # can be collected: wait that moment, so that the exit code is known.
+        proc.join(0.2)
         if h.process is not proc:
             return
         h.exited.set()
         h.last_exit = proc.exitcode
-        if h.conn is not None:
-            h.conn.close()
-            h.conn = None
+        if h.pipe is not None:
+            h.pipe.close()  # what it said last stays readable: the handshake may want it
+        if h.state == FAILED:
+            return  # it failed for good, and said why
         if self.stopping or h.state in (STOPPING, STOPPED):
-            h.state = STOPPED
-            log.info("worker stopped device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
+            h.state = STOPPED  # _stop says how it ended
             return
-        h.state = LOST
-        log.warning("worker lost device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
+        if h.state == STARTING:
+            return  # the handshake reads its last words and decides
+        if h.state == READY:
+            h.state = LOST
+            log.warning("worker lost device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
         self._spawn_task(self._restart(h))
 
     def _spawn_task(self, coro: Any) -> None:
@@ -245,19 +316,24 @@ class Supervisor:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _failed(self, h: WorkerHandle, why: str) -> None:
+        """Mark ``h`` FAILED for good (no more restarts)."""
+        h.state = FAILED
+        h.last_error = why
+        if all(w.state == FAILED for w in self.workers.values()):
+            self.all_failed.set()
+
     async def _restart(self, h: WorkerHandle) -> None:
         now = time.monotonic()
         while h.restart_times and now - h.restart_times[0] > self.restart_window_s:
             h.restart_times.popleft()
         if len(h.restart_times) >= self.max_restarts:
-            h.state = FAILED
-            h.last_error = (
+            why = (
                 f"{h.last_error or 'exited'}; {len(h.restart_times)} restarts within "
                 f"{self.restart_window_s:g} s (max_restarts): not restarting"
             )
-            log.error("worker failed device=%s: %s", h.device, h.last_error)
-            if all(w.state == FAILED for w in self.workers.values()):
-                self.all_failed.set()
+            log.error("worker failed device=%s: %s", h.device, why)
+            self._failed(h, why)
             return
         lo, hi = self.backoff_s
         delay = min(hi, lo * (2 ** len(h.restart_times)))
@@ -278,9 +354,8 @@ class Supervisor:
 
     def send(self, device: int, command: pipe.PipeMessage) -> None:
         h = self.workers[device]
-        if h.conn is not None:
-            with contextlib.suppress(OSError):
-                pipe.send(h.conn, command)
+        if h.pipe is not None:
+            h.pipe.send(command)
 
     async def stop_all(self, timeout_s: float = 30.0) -> None:
         """Stop every worker: finish in-flight and exit; then SIGTERM; then SIGKILL."""
@@ -291,8 +366,15 @@ class Supervisor:
 
     async def _stop(self, h: WorkerHandle, timeout_s: float) -> None:
         proc = h.process
-        if proc is None or not proc.is_alive():
-            h.state = STOPPED
+        if proc is None or h.exited.is_set() or not proc.is_alive():
+            if h.state != FAILED:  # a worker that failed for good says so to the end
+                h.state = STOPPED
+            return
+        if h.state == FAILED:  # it exits by itself after its Failed; make sure it did
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(h.exited.wait(), 5.0)
+            self._kill(proc)
+            proc.join(1)
             return
         capturing = h.state == STARTING  # no in-flight work yet: do not wait for it
         h.state = STOPPING

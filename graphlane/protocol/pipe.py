@@ -5,7 +5,9 @@ pipe. Only this module's messages cross it, each as one msgpack frame
 (``Connection.send_bytes``), tagged by its ``kind``::
 
     worker -> supervisor   Ready(info)          handshake: the worker serves
-                           Failed(message)      handshake: the worker cannot start
+                           Failed(message,      handshake: the worker cannot start;
+                                  permanent,    permanent: it would fail the same way
+                                  traceback)    again (not restarted)
                            Pong(status)         answer to Ping: the worker's figures
     supervisor -> worker   Ping()               health check
                            Drain(stop)          finish in-flight work; exit if stop
@@ -27,7 +29,15 @@ class Ready(Struct, frozen=True, tag="ready"):
 
 
 class Failed(Struct, frozen=True, tag="failed"):
+    """Why a worker cannot start. ``message`` is one line: the cause, as ``Type: text``.
+    ``permanent``: a restart would fail the same way (a configuration or program error,
+    a missing dependency, no such device), so the supervisor does not restart it;
+    otherwise (a device fault, memory held by a predecessor) it is restarted with
+    backoff. ``traceback``: the cause's formatted traceback (the worker logs it too)."""
+
     message: str
+    permanent: bool = False
+    traceback: str = ""
 
 
 class Pong(Struct, frozen=True, tag="pong"):

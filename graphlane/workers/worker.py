@@ -17,7 +17,8 @@ Threads and their roles:
   no orphan keeps the device.
 
 Startup handshake: the worker captures its programs, binds its socket, then
-sends ``pipe.Ready(info)`` on the pipe (or ``pipe.Failed(message)``).
+sends ``pipe.Ready(info)`` on the pipe, or ``pipe.Failed`` with the cause, its
+traceback (logged here too) and whether it is permanent (see :func:`start_failure`).
 
 The socket loop, the replies and the lifeline are :class:`~.loop.WorkerLoop`'s,
 the Worker's base; the Worker does what requests ask of the device.
@@ -31,11 +32,13 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import zmq
 
 from graphlane.logs import Throttled, setup_logging
@@ -96,11 +99,41 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         worker = Worker(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
-            pipe.send(conn, pipe.Failed(f"{type(exc).__name__}: {exc}"))
+            failed = start_failure(exc)
+            log.error(
+                "worker cannot start (%s)",
+                "permanent: not restarted" if failed.permanent else "transient: restarted",
+                exc_info=exc,
+            )
+            pipe.send(conn, failed)
         finally:
             os._exit(3)
     code = worker.run()
     os._exit(code)
+
+
+def start_failure(exc: BaseException) -> pipe.Failed:
+    """What the handshake says of an exception that stopped the worker's start.
+
+    Permanent unless something in its chain of causes says it may pass: a restart
+    meets the same configuration, program, installed packages and devices again, so
+    a bad setting, a program's error in its capture, a missing dependency (torch_npu
+    not installed) or a device that does not exist fail the same way every time.
+    Transient: an error marked ``transient = True`` (device faults, the injected
+    ones included) and device memory that is still held (by the worker before it)."""
+    transient, seen = False, set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if getattr(cause, "transient", False) is True or isinstance(
+            cause, torch.OutOfMemoryError
+        ):
+            transient = True
+            break
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    message = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+    trace = "".join(traceback.format_exception(exc))
+    return pipe.Failed(message, permanent=not transient, traceback=trace)
 
 
 class Worker(WorkerLoop):
@@ -111,7 +144,9 @@ class Worker(WorkerLoop):
         self.spec = spec
         self.conn = conn
         if spec.faults.get("fail_start"):
-            raise RuntimeError("fault injection: fail_start")
+            from graphlane.workers.backends.faults import InjectedStartFault
+
+            raise InjectedStartFault("fault injection: fail_start")
         options: dict[str, Any] = {}
         if spec.backend == "sim" and spec.sim is not None:
             options["config"] = spec.sim
@@ -389,4 +424,4 @@ class Worker(WorkerLoop):
 
 _NO_GRAPH = GraphKey("", 0, 0)
 
-__all__ = ["Worker", "WorkerSpec", "worker_main"]
+__all__ = ["Worker", "WorkerSpec", "start_failure", "worker_main"]

@@ -1,6 +1,7 @@
 """A program author's error reaches them (issue 27): an exception raised inside a
 capture (inside a task group too) or inside a task update propagates as itself, the
-capture or update abandoned cleanly."""
+capture or update abandoned cleanly; and a worker's start failure says whether a
+restart could help (see graphlane.workers.worker.start_failure)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import pytest
 import torch
 from misnamed_op_program import MisnamedOp
 
+from graphlane.protocol import pipe
 from graphlane.sim import SimUsageError, torch_npu
+from graphlane.workers.backends.faults import InjectedDeviceFault
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.engine import StepEngine
+from graphlane.workers.worker import start_failure
 
 FIA = "npu_fused_infer_attention_score.out"
 
@@ -65,3 +69,33 @@ def test_an_error_inside_a_task_update_propagates_as_itself_and_ends_the_update(
     # The update was ended: the stream can update the group again.
     backend.patch(u, handle, FIA, *fia([8], out))
     backend.synchronize()
+
+
+def _cause(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:
+        return caught
+
+
+def test_a_start_failure_is_permanent_unless_its_cause_may_pass() -> None:
+    try:
+        try:
+            import torch_npu_is_not_installed  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError("backend 'npu' needs torch_npu\n(pip install)") from exc
+    except RuntimeError as exc:
+        missing = start_failure(exc)
+    assert isinstance(missing, pipe.Failed) and missing.permanent
+    assert missing.message == "RuntimeError: backend 'npu' needs torch_npu (pip install)"
+    assert "torch_npu_is_not_installed" in missing.traceback  # the chain, in full
+    assert start_failure(_cause(ValueError("torch_npu has no op 'mm'"))).permanent
+    assert not start_failure(_cause(InjectedDeviceFault("the device failed"))).permanent
+    assert not start_failure(_cause(torch.OutOfMemoryError("NPU out of memory"))).permanent
+    try:
+        try:
+            raise InjectedDeviceFault("the device failed")
+        except InjectedDeviceFault as exc:
+            raise RuntimeError("capture failed") from exc
+    except RuntimeError as exc:
+        assert not start_failure(exc).permanent  # a device fault anywhere in its causes

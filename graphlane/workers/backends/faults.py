@@ -11,6 +11,9 @@ a device would show it:
   come before its replay, so the step after it is the one that hangs.)
 - ``device_fault_after=N``: the replay after N replays fails with
   :class:`InjectedDeviceFault`, as a device fault does at launch.
+
+(``fail_start = true`` is the worker's: its start fails with
+:class:`InjectedStartFault`, a transient failure.)
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ log = logging.getLogger("graphlane.faults")
 
 class InjectedDeviceFault(RuntimeError):
     """The device fault that ``device_fault_after`` injects."""
+
+    transient = True  # a device fault may pass: the worker is restarted
+
+
+class InjectedStartFault(RuntimeError):
+    """The start failure that ``fail_start`` injects: transient (a device not ready
+    yet), so the worker is restarted with backoff, up to max_restarts."""
+
+    transient = True
 
 
 class FaultyBackend:
