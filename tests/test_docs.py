@@ -1,0 +1,368 @@
+"""The documentation stays true (issue 27, item 4): docs/api.md documents every public
+method of Client and SyncClient with its signature, every wire error code and every
+metric; each example config in deploy/examples/ passes ``config check`` and serves its
+program; the README's authentication recipe works as written; every relative link in
+README.md and docs/*.md reaches an existing file and heading."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemons import (  # noqa: F401  (no_leaked_children: a fixture)
+    SMALL,
+    RunningDaemon,
+    finish,
+    free_port,
+    no_leaked_children,
+    wait_for,
+)
+
+from graphlane.cli import main
+from graphlane.client import Client, SyncClient
+from graphlane.orchestrator.metrics import DaemonCollector
+from graphlane.orchestrator.supervisor import Supervisor
+from graphlane.protocol.errors import RETRYABLE, ErrorCode, UnknownProgram, error_class
+from graphlane.workers.programs import _BUILTIN
+
+ROOT = Path(__file__).resolve().parents[1]
+API = ROOT / "docs" / "api.md"
+EXAMPLES = sorted((ROOT / "deploy" / "examples").glob("*.toml"))
+
+
+# ---------------------------------------------------------------------------- helpers
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` (a whole line, e.g. "## Metrics") up to the next
+    heading of the same or a higher level."""
+    level = len(heading.split(" ")[0])
+    start = text.index(f"\n{heading}\n") + 1
+    body = start + len(heading) + 1
+    ends = [m.start() for m in re.finditer(r"^(#+) ", text[body:], flags=re.M)
+            if len(m.group(1)) <= level]  # fmt: skip
+    return text[start : body + ends[0]] if ends else text[start:]
+
+
+def _table(section: str) -> list[list[str]]:
+    """The rows of the first markdown table in ``section``, header and rule left out."""
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    assert len(rows) > 2, f"no table in:\n{section[:300]}"
+    return rows[2:]
+
+
+def _unquote(cell: str) -> str:
+    return cell.strip("`")
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def _signature(name: str, fn: Any) -> str:
+    """``name(a, b=1, *, c=None)``: a callable's parameters as the docs write them."""
+    parts, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.name == "self":
+            continue
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        if p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        elif p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            star = True
+        elif p.default is p.empty:
+            parts.append(p.name)
+        else:
+            parts.append(f"{p.name}={p.default!r}")
+    return f"{name}({', '.join(parts)})"
+
+
+def _public(cls: type) -> dict[str, Any]:
+    return {n: v for n, v in vars(cls).items() if not n.startswith("_")}
+
+
+# ---------------------------------------------------------------------------- api.md
+def test_every_public_method_of_the_clients_is_documented_with_its_signature() -> None:
+    doc = API.read_text()
+    methods = _section(doc, "## Methods")
+    headings = set(re.findall(r"^### (\S+)$", methods, flags=re.M))
+    client = _public(Client)
+    assert {"step", "update", "replay", "wait_ready", "drain", "worker_status", "kv_write",
+            "kv_read", "hello", "status", "hosts"} <= set(client)  # fmt: skip
+    assert set(client) <= headings, f"undocumented Client members: {set(client) - headings}"
+    for name, member in client.items():
+        if isinstance(member, property):
+            continue
+        sig = _signature(name, member)
+        assert f"`{sig}`" in methods, f"docs/api.md: Client.{name} is not shown as `{sig}`"
+    assert f"`{_signature('Client', Client.__init__)}`" in doc
+    # SyncClient: its table lists every method with the same signature.
+    table = _section(doc, "## Client and SyncClient")
+    listed = {}
+    for row in _table(table[table.index("| SyncClient method") :]):
+        method = re.match(r"`(\w+)\(", row[0])
+        assert method, f"not a method signature: {row[0]}"
+        listed[method.group(1)] = row[0]
+    sync = _public(SyncClient)
+    assert set(sync) == set(listed), f"SyncClient methods vs its table: {set(sync) ^ set(listed)}"
+    for name, member in sync.items():
+        assert listed[name] == f"`{_signature(name, member)}`", name
+    assert f"`{_signature('SyncClient', SyncClient.__init__)}`" in doc
+
+
+def test_every_error_code_is_in_the_table_with_its_class_and_retryability() -> None:
+    rows = _table(_section(API.read_text(), "### Error codes"))
+    documented = {_unquote(code): (cls, retry) for code, cls, retry, *_ in rows}
+    assert set(documented) == {str(c) for c in ErrorCode}, set(documented) ^ set(ErrorCode)
+    for code, (cls, retry) in documented.items():
+        assert _unquote(cls) == error_class(code).__name__, code
+        assert retry == ("yes" if ErrorCode(code) in RETRYABLE else "no"), code
+    # The README's list of codes is complete too.
+    readme = (ROOT / "README.md").read_text()
+    missing = [str(c) for c in ErrorCode if str(c) not in readme]
+    assert not missing, f"README.md does not name {missing}"
+
+
+def _documented_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
+    rows = _table(_section(API.read_text(), "## Metrics"))
+    return {
+        _unquote(name): (kind, tuple(_unquote(x.strip()) for x in labels.split(",")))
+        for name, kind, labels, *_ in rows
+    }
+
+
+def test_every_metric_is_documented_with_its_type_and_labels() -> None:
+    exposed = {}
+    for family in DaemonCollector(Supervisor([])).collect():
+        # prometheus_client exposes a counter family as NAME_total
+        name = family.name + ("_total" if family.type == "counter" else "")
+        exposed[name] = (family.type, tuple(family._labelnames))
+    assert len(exposed) >= 10
+    assert _documented_metrics() == exposed
+
+
+def test_the_retry_recipe_retries_what_is_retryable_only(shared_daemon: Any) -> None:
+    (recipe,) = [b for b in _blocks(API.read_text(), "python") if "def step_with_retry" in b]
+    namespace: dict[str, Any] = {}
+    exec(compile(recipe, "docs/api.md:step_with_retry", "exec"), namespace)
+    step_with_retry = namespace["step_with_retry"]
+    d = shared_daemon(devices=1, programs=[SMALL])
+
+    async def scenario() -> None:
+        async with Client(d.endpoint, timeout=30) as c:
+            r = await step_with_retry(c, "attention", 0, {"actual_seq_lengths_kv": [3, 5]})
+            assert r.outputs["out"].shape[0] == 2
+            with pytest.raises(UnknownProgram):  # not retryable: raised at the first attempt
+                await step_with_retry(c, "no_such_program", 0, {"actual_seq_lengths_kv": [3]})
+
+    asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------------------- links
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    out: set[str] = set()
+    for heading in re.findall(r"^#+ (.+)$", text, flags=re.M):
+        slug, n = _slug(heading), 1
+        while slug in out:
+            slug = f"{_slug(heading)}-{n}"
+            n += 1
+        out.add(slug)
+    return out
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_reaches_a_file_and_heading(page: Path) -> None:
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        assert dest.exists(), f"{page.name}: link {target!r}: {dest} does not exist"
+        if anchor:
+            assert dest.suffix == ".md", f"{page.name}: link {target!r}: anchor into a non-page"
+            assert anchor in _anchors(dest), f"{page.name}: link {target!r}: no such heading"
+
+
+def test_the_readme_links_every_doc_page_and_example_config() -> None:
+    readme = (ROOT / "README.md").read_text()
+    linked = {t.partition("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme)}
+    wanted = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
+    wanted |= {str(p.relative_to(ROOT)) for p in EXAMPLES}
+    wanted |= {"docs/api.md", "docs/performance.md", "deploy/README.md"}
+    assert wanted <= linked, f"README.md does not link {sorted(wanted - linked)}"
+
+
+# ---------------------------------------------------------------------------- daemons
+def _serve(
+    tmp_path: Path,
+    name: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    **client_keys: str,
+) -> RunningDaemon:
+    """``ARGV --ready-file PATH`` (a ``graphlane serve`` command line) as a child process,
+    returned once its daemon is ready."""
+    ready = tmp_path / f"{name}.ready"
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*argv, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    d = RunningDaemon("", proc, log_path, client_keys=client_keys)
+
+    def is_ready() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"daemon exited with {proc.returncode}:\n{d.log()[-3000:]}")
+        return ready.exists() and ready.stat().st_size > 0
+
+    try:
+        wait_for(is_ready, 120, f"the daemon of {name} to be ready")
+        d.endpoint = ready.read_text()
+        d.status()
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    return d
+
+
+def test_there_is_an_example_config_for_every_built_in_program() -> None:
+    served = set()
+    for path in EXAMPLES:
+        served |= {p["name"] for p in tomllib.loads(path.read_text())["programs"]}
+    assert set(_BUILTIN) <= served, f"no example config serves {set(_BUILTIN) - served}"
+
+
+def _exercise(c: SyncClient, program: str, described: dict[str, Any]) -> None:
+    """One kv_write + kv_read + step for a program with KV operations, else one step."""
+    cfg = described["config"]
+    dtype = getattr(torch, cfg["dtype"])
+    if not described["state_ops"]:
+        lengths = [5, 3]
+        inputs = {
+            name: torch.randn([len(lengths) if d == "batch" else d for d in spec["shape"]]).to(
+                getattr(torch, spec["dtype"])
+            )
+            for name, spec in described["inputs"].items()
+        }
+        r = c.step(program, 0, {described["batch_param"]: lengths}, inputs)
+        batch = len(lengths)
+    else:
+        kv = (cfg["layers"], 3, cfg["num_kv_heads"], cfg["head_dim"])
+        key, value = torch.randn(kv).to(dtype), torch.randn(kv).to(dtype)
+        c.kv_write(program, 0, torch.tensor([0, 1, 2]), key, value)  # block 0, 3 tokens
+        back = c.kv_read(program, 0, torch.tensor([0, 1, 2]))
+        assert torch.equal(back.outputs["key"], key) and torch.equal(back.outputs["value"], value)
+        table = torch.zeros(1, cfg["max_blocks_per_seq"], dtype=torch.int32)
+        inputs = {
+            "query": torch.randn(1, cfg["num_heads"], cfg["head_dim"]).to(dtype),
+            "key": torch.randn(cfg["layers"], 1, cfg["num_kv_heads"], cfg["head_dim"]).to(dtype),
+            "value": torch.randn(cfg["layers"], 1, cfg["num_kv_heads"], cfg["head_dim"]).to(dtype),
+            "slot_mapping": torch.tensor([3]),  # the 4th token, block 0
+            "block_table": table,
+        }
+        r = c.step(program, 0, {described["batch_param"]: [4]}, inputs)
+        batch = 1
+    out = r.outputs["out"]
+    assert out.shape[0] == batch and torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_an_example_config_checks_and_serves_its_programs(
+    path: Path, tmp_path: Path, capsys: Any
+) -> None:
+    assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
+    programs = [p["name"] for p in tomllib.loads(path.read_text())["programs"]]
+    # The file as written, on a free port and one device (capture costs time per device),
+    # with metrics on: the scrape checks that every exposed metric is in docs/api.md.
+    port = free_port(2)
+    d = _serve(tmp_path, path.stem, [
+        sys.executable, "-m", "graphlane", "serve", "--config", str(path),
+        "--listen", f"tcp://127.0.0.1:{port}", "--devices", "1", "--metrics-port", "0",
+    ])  # fmt: skip
+    try:
+        with SyncClient(d.endpoint, timeout=60) as c:
+            described = c.hello()["workers"][0]["programs"]
+            assert sorted(described) == sorted(programs)
+            for program in programs:
+                _exercise(c, program, described[program])
+            url = c.status()["metrics"]
+        if "attention" in programs:  # the first example of docs/api.md, as a script
+            example = _blocks(API.read_text(), "python")[0]
+            script = example.replace("tcp://127.0.0.1:7450", d.endpoint)
+            run = subprocess.run(
+                [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+            )
+            assert run.returncode == 0, run.stderr
+            assert run.stdout.splitlines() == ["2 (2, 8, 1, 64)"] * 2
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            scraped = set(re.findall(r"^# TYPE (\S+) ", reply.read().decode(), flags=re.M))
+        assert scraped and scraped <= set(_documented_metrics()), scraped
+    finally:
+        finish(d)
+
+
+def test_the_readme_auth_recipe_works_as_written(tmp_path: Path) -> None:
+    """The recipe's lines run in a shell with HOME in tmp_path; its serve line gets a free
+    port and one device, its status line that port."""
+    readme = (ROOT / "README.md").read_text()
+    (recipe,) = _blocks(_section(readme, "### Authentication (CurveZMQ)"), "bash")
+    lines = [line.split("  #")[0].strip() for line in recipe.replace("\\\n", " ").splitlines()]
+    lines = [line for line in lines if line]
+    serve = next(i for i, line in enumerate(lines) if line.startswith("graphlane serve"))
+    setup, serve_line, after = lines[:serve], lines[serve], lines[serve + 1 :]
+    (status_line,) = after
+    assert status_line.startswith("graphlane status")
+    env = {**os.environ, "HOME": str(tmp_path / "home"), "PATH":
+           f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    env.pop("XDG_CONFIG_HOME", None)
+    script = "set -eu\n" + "\n".join(setup)
+    run = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    # The later lines run in shells of their own: the recipe's variables first.
+    script = "\n".join(line for line in setup if re.match(r"\w+=", line))
+    words = subprocess.run(
+        ["bash", "-c", f'{script}\nset -- {status_line}\nprintf "%s\\n" "$@"'],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    keys = {flag: words[words.index(f"--{flag.replace('_', '-')}") + 1]
+            for flag in ("server_key", "client_key")}  # fmt: skip
+    endpoint = f"tcp://127.0.0.1:{free_port(2)}"
+    shell = f"{script}\nexec {serve_line} --listen {endpoint} --devices 1"
+    d = _serve(tmp_path, "auth", ["bash", "-c", shell + ' "$@"', "bash"], env, **keys)
+    try:
+        status = subprocess.run(
+            ["bash", "-c", f"{script}\n{status_line} --connect {endpoint}"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert "ready=True" in status.stdout
+    finally:
+        finish(d)
