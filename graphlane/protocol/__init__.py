@@ -134,7 +134,8 @@ are the documented ones, more may appear.
 
 Every reply of a worker to step, update, replay, kv_write and kv_read names the
 worker's ``generation`` (its body's ``generation``; hello and status give it per
-worker): the daemon's restart count of that device's worker, 0 at first.
+worker): an integer unique across daemon starts (a random instance number of the
+daemon times 2**22 plus that device's worker's restart count; docs/programs.md).
 
 ``kv_write`` — write a prompt's KV (every layer) into slots of a program's paged KV
 cache; ``kv_read`` — read the KV of slots back (:mod:`.ops.kv`)::
