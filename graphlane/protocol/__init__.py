@@ -124,7 +124,8 @@ are the documented ones, more may appear.
               "batch": 2, "params": {"actual_seq_lengths_kv": [5, 9]}}}
     reply    {"v": 1, "id": 4, "ok": true, "body": {"bucket": 2, "instance": 0, "patched": 4}}
 
-``replay`` — replay the graph as last patched::
+``replay`` — replay the graph as last patched (refused with BAD_REQUEST for a program
+with device state, whose hello entry says ``"replay": false``)::
 
     request  {"v": 1, "id": 5, "op": "replay", "body": {"program": "attention", "device": 0,
               "batch": 2, "outputs": ["out"]}}

@@ -183,6 +183,30 @@ def test_a_steps_slot_mapping_must_be_each_rows_own_new_token_slot() -> None:
         assert torch.equal(read["key"], seq.keys[:, :20])
 
 
+def test_replay_is_refused_for_a_program_with_device_state() -> None:
+    """A replay would re-run the cache writes from whatever the instance last held (a
+    finished step's slots, maybe reassigned since): refused, for any program with
+    state_ops, and hello says so; a stateless program still replays."""
+    from graphlane.workers.programs import load_program as load
+
+    sched = Scheduler(CFG, torch.Generator().manual_seed(9))
+    attention = load("attention", {"name": "attention", "layers": 1, "num_heads": 4,
+                                   "num_kv_heads": 2, "head_dim": 16, "max_kv_len": 32,
+                                   "buckets": [1]})  # fmt: skip
+    with Issuer(NpuBackend(torch_npu, 0), [PagedAttentionProgram(CFG), attention]) as eng:
+        slots, k, v = sched.prefill(0, 3)
+        eng.state("paged_attention", "kv_write", {"slots": slots, "key": k, "value": v})
+        inputs, lengths = sched.decode([0])
+        _done(eng, _step(eng, inputs, lengths))
+        with pytest.raises(StepError) as info:
+            eng.engine.plan_replay("paged_attention", 1, ["out"])
+        assert info.value.field == "op"
+        assert "device state" in str(info.value)  # it says why
+        eng.engine.plan_replay("attention", 1, ["out"])  # no device state: offered
+    assert PagedAttentionProgram(CFG).describe()["replay"] is False
+    assert attention.describe()["replay"] is True
+
+
 def test_config_is_checked_and_described() -> None:
     with pytest.raises(ProgramConfigError) as info:
         load_program("paged_attention", {"name": "paged_attention", "block_size": 16})
