@@ -184,14 +184,19 @@ class Client:
 
     def _after_failure(self, ch: Channel, body: Any, exc: GraphlaneError) -> None:
         """A device request failed. If it named a generation (its program keeps device
-        state), the worker may now refuse this connection's requests to stateful programs
-        (PREDECESSOR_FAILED): what was sent behind the failure before it was seen here.
-        ``resume`` ends that; it is sent now, before the caller sees the error, so every
-        request made after this one's failure is served again (docs/programs.md,
-        "Ordering and retries")."""
+        state), the worker refuses this connection's requests to such programs until
+        ``resume``: sent now, before the caller sees the error, so that only what was
+        sent behind the failure is refused (docs/programs.md, "Ordering and retries")."""
         if body.generation is not None and exc.code not in _NO_FENCE:
             resume = ops.Resume(body.device)
             ch.post(next(self._ids), ops.OPS["resume"], resume, call_timeout(self.timeout, None))
+
+    async def _on_device(self, ch: Channel, op: str, body: Any, timeout: float | None) -> Any:
+        try:
+            return await self._call(ch, op, body, timeout)
+        except GraphlaneError as exc:
+            self._after_failure(ch, body, exc)
+            raise
 
     def _channel(self, host: Host | None = None) -> Channel:
         if self._closing:
@@ -379,11 +384,7 @@ class Client:
         body = ops.Update(
             program, local, as_params(params), as_tensors(inputs), batch, deadline, gen
         )
-        try:
-            done = await self._call(ch, "update", body, timeout)
-        except GraphlaneError as exc:
-            self._after_failure(ch, body, exc)
-            raise
+        done = await self._on_device(ch, "update", body, timeout)
         return _reply(host.endpoint, local, done)
 
     async def replay(
@@ -401,11 +402,7 @@ class Client:
         ch = await self._worker_at(host, local)
         gen = host.generation_for(local, program)
         body = ops.Replay(program, local, batch, list(outputs), deadline, gen)
-        try:
-            done = await self._call(ch, "replay", body, timeout)
-        except GraphlaneError as exc:
-            self._after_failure(ch, body, exc)
-            raise
+        done = await self._on_device(ch, "replay", body, timeout)
         return _reply(host.endpoint, local, done)
 
     async def kv_write(
@@ -428,11 +425,7 @@ class Client:
             program, local, t["slots"], t["key"], t["value"],
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
-        try:
-            done = await self._call(ch, "kv_write", body, timeout)
-        except GraphlaneError as exc:
-            self._after_failure(ch, body, exc)
-            raise
+        done = await self._on_device(ch, "kv_write", body, timeout)
         return _reply(host.endpoint, local, done)
 
     async def kv_read(
@@ -445,11 +438,7 @@ class Client:
             program, local, as_tensors({"slots": slots})["slots"],
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
-        try:
-            done = await self._call(ch, "kv_read", body, timeout)
-        except GraphlaneError as exc:
-            self._after_failure(ch, body, exc)
-            raise
+        done = await self._on_device(ch, "kv_read", body, timeout)
         return _reply(host.endpoint, local, done)
 
     def generation(self, device: Device) -> int | None:

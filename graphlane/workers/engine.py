@@ -249,14 +249,9 @@ class StepEngine:
     def plan_replay(self, program: str, batch: int, outputs: Sequence[str] = ()) -> StepPlan:
         """Validate a replay of the bucket that serves ``batch``."""
         prog = self._program(program)
-        if not prog.replayable:
-            raise StepError(
-                "op",
-                f"replay is refused for program {program!r}: it owns device state "
-                f"({', '.join(prog.state_ops)}), and a replay would write to it from what "
-                "the graph instance last held (another step's slots, query and block "
-                "table); send a step with its inputs instead",
-            )
+        if not prog.replayable:  # see GraphProgram.replayable
+            why = "a replay would write its device state from what the instance last held"
+            raise StepError("op", f"replay is refused for {program!r}: {why}; send steps")
         bucket = prog.bucket_for(batch)
         self._check_outputs(prog, outputs)
         return StepPlan(program, batch, bucket)
