@@ -46,7 +46,13 @@ import torch
 
 from graphlane.protocol import ops
 from graphlane.protocol.endpoints import check_endpoint
-from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
+from graphlane.protocol.errors import (
+    ErrorCode,
+    GraphlaneError,
+    Timeout,
+    UnknownDevice,
+    WorkerLost,
+)
 from graphlane.protocol.security import ClientKeys
 
 from .args import as_params, as_tensors, call_timeout, check_device, deadline_ms
@@ -175,6 +181,22 @@ class Client:
     ) -> Coroutine[Any, Any, Any]:
         """The call's coroutine (the reply's typed body; its error raised)."""
         return ch.call(next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout))
+
+    def _after_failure(self, ch: Channel, body: Any, exc: GraphlaneError) -> None:
+        """A device request failed. If it named a generation (its program keeps device
+        state), the worker refuses this connection's requests to such programs until
+        ``resume``: sent now, before the caller sees the error, so that only what was
+        sent behind the failure is refused (docs/programs.md, "Ordering and retries")."""
+        if body.generation is not None and exc.code not in _NO_FENCE:
+            resume = ops.Resume(body.device)
+            ch.post(next(self._ids), ops.OPS["resume"], resume, call_timeout(self.timeout, None))
+
+    async def _on_device(self, ch: Channel, op: str, body: Any, timeout: float | None) -> Any:
+        try:
+            return await self._call(ch, op, body, timeout)
+        except GraphlaneError as exc:
+            self._after_failure(ch, body, exc)
+            raise
 
     def _channel(self, host: Host | None = None) -> Channel:
         if self._closing:
@@ -335,7 +357,12 @@ class Client:
             deadline_ms(self.timeout, timeout),
             host.generation_for(local, program),
         )
-        return _reply(host.endpoint, local, await self._call(ch, "step", body, timeout))
+        try:
+            done = await self._call(ch, "step", body, timeout)
+        except GraphlaneError as exc:
+            self._after_failure(ch, body, exc)
+            raise
+        return _reply(host.endpoint, local, done)
 
     async def update(
         self,
@@ -357,7 +384,8 @@ class Client:
         body = ops.Update(
             program, local, as_params(params), as_tensors(inputs), batch, deadline, gen
         )
-        return _reply(host.endpoint, local, await self._call(ch, "update", body, timeout))
+        done = await self._on_device(ch, "update", body, timeout)
+        return _reply(host.endpoint, local, done)
 
     async def replay(
         self,
@@ -374,7 +402,8 @@ class Client:
         ch = await self._worker_at(host, local)
         gen = host.generation_for(local, program)
         body = ops.Replay(program, local, batch, list(outputs), deadline, gen)
-        return _reply(host.endpoint, local, await self._call(ch, "replay", body, timeout))
+        done = await self._on_device(ch, "replay", body, timeout)
+        return _reply(host.endpoint, local, done)
 
     async def kv_write(
         self,
@@ -396,7 +425,8 @@ class Client:
             program, local, t["slots"], t["key"], t["value"],
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
-        return _reply(host.endpoint, local, await self._call(ch, "kv_write", body, timeout))
+        done = await self._on_device(ch, "kv_write", body, timeout)
+        return _reply(host.endpoint, local, done)
 
     async def kv_read(
         self, program: str, device: Device, slots: Any, *, timeout: float | None = None
@@ -408,7 +438,8 @@ class Client:
             program, local, as_tensors({"slots": slots})["slots"],
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
-        return _reply(host.endpoint, local, await self._call(ch, "kv_read", body, timeout))
+        done = await self._on_device(ch, "kv_read", body, timeout)
+        return _reply(host.endpoint, local, done)
 
     def generation(self, device: Device) -> int | None:
         """The worker generation this client's requests to ``device`` name (None before
@@ -442,6 +473,11 @@ class Client:
             if time.monotonic() >= deadline:
                 raise Timeout(f"workers not ready within {timeout:g} s")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+#: Failures after which a worker refuses nothing (a lost generation or connection is a
+#: fence of its own; a refused key gets no service at all).
+_NO_FENCE = frozenset({ErrorCode.STATE_LOST, ErrorCode.WORKER_LOST, ErrorCode.UNAUTHORIZED})
 
 
 def _no_host() -> Host:

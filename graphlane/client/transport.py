@@ -232,6 +232,44 @@ class Channel:
         except wire.DecodeError as exc:
             raise InternalError(f"undecodable reply to {op.name}: {exc.message}") from None
 
+    def post(self, request_id: int, op: Op, body: Any, timeout: float) -> None:
+        """Send one request now, after every call made before it (queued ones go first),
+        and forget its reply: for a request whose answer changes nothing here (``resume``,
+        which must reach the server before any call made after this returns)."""
+        if self.closed or self.lost or self.refused is not None:
+            return
+        frames = wire.encode_request(request_id, op.name, body)
+        fut: asyncio.Future[wire.Reply] = self._loop.create_future()
+        self.pending[request_id] = fut
+        timer = self._deadlines.add(fut, timeout, op.name)
+
+        def ended(f: asyncio.Future[wire.Reply]) -> None:
+            if timer is not None:
+                timer.cancel()
+            self.pending.pop(request_id, None)
+            if not f.cancelled():
+                f.exception()  # retrieved: an error here is nobody's to raise
+
+        fut.add_done_callback(ended)
+        if self._queued:
+            self._flush()  # sends keep the order of the calls
+        try:
+            wire.send_message(self.sock, frames, wire.NOBLOCK)
+        except zmq.Again:  # every peer's queue is full: wait for room
+            task = self._loop.create_task(self._post_later(frames, fut))
+            self._retries.add(task)
+            task.add_done_callback(self._retries.discard)
+        except zmq.ZMQError:  # closed under us
+            fut.cancel()
+            return
+        self._check_readable()
+
+    async def _post_later(self, frames: list[Any], fut: asyncio.Future[wire.Reply]) -> None:
+        try:
+            await self._send_later(frames, [fut])
+        except WorkerLost:
+            fut.cancel()
+
     def _check_readable(self) -> None:
         if zmq_poll(self._poll_in, 0):
             self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply

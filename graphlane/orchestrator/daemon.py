@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import time
 from collections.abc import Iterable
@@ -43,6 +44,20 @@ log = logging.getLogger("graphlane.daemon")
 
 RUNNING, DRAINING, STOPPED = "running", "draining", "stopped"
 
+#: Bits of a generation that count one worker's restarts (see first_generation).
+RESTART_BITS = 22
+
+
+def first_generation() -> int:
+    """The generation of a daemon's workers at their first start: a random daemon
+    instance in the high bits, 0 restarts in the low ``RESTART_BITS``; each restart adds
+    one. A client holding a generation of an earlier daemon on the same endpoint (or of
+    this host before a reboot) is refused with STATE_LOST instead of being served by an
+    empty cache. 31 random bits (two daemons collide with odds 2**-31) and 22 of restarts
+    (past 4 million, restarts carry into the instance: still unique within the daemon):
+    53 bits, exact as a JSON number as well."""
+    return (1 + secrets.randbelow(2**31 - 1)) << RESTART_BITS
+
 
 class Daemon:
     def __init__(self, config: ServeConfig) -> None:
@@ -51,6 +66,7 @@ class Daemon:
         self.started = time.time()
         self.counters = {"requests": 0, "undecodable": 0, "errors": 0}
         self._dropped_log = Throttled(log)
+        generation = first_generation()
         cores = affinity.plan(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
         )
@@ -69,6 +85,7 @@ class Daemon:
                 faults=dict(config.faults),
                 auth_dir=config.auth_dir,
                 cpus=cpus,
+                generation=generation,
             )
             for d, cpus in zip(config.devices, cores, strict=True)
         ]

@@ -165,7 +165,8 @@ class Supervisor:
         poll_s: float = 1.0,
         env_for: Callable[[int], dict[str, str]] | None = None,
     ) -> None:
-        self.workers = {s.device: WorkerHandle(s) for s in specs}
+        # Each worker's first generation is its spec's (the daemon's, see daemon.py).
+        self.workers = {s.device: WorkerHandle(s, generation=s.generation) for s in specs}
         self.startup_timeout_s = startup_timeout_s
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s

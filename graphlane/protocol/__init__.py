@@ -124,7 +124,8 @@ are the documented ones, more may appear.
               "batch": 2, "params": {"actual_seq_lengths_kv": [5, 9]}}}
     reply    {"v": 1, "id": 4, "ok": true, "body": {"bucket": 2, "instance": 0, "patched": 4}}
 
-``replay`` — replay the graph as last patched::
+``replay`` — replay the graph as last patched (refused with BAD_REQUEST for a program
+with device state, whose hello entry says ``"replay": false``)::
 
     request  {"v": 1, "id": 5, "op": "replay", "body": {"program": "attention", "device": 0,
               "batch": 2, "outputs": ["out"]}}
@@ -134,7 +135,8 @@ are the documented ones, more may appear.
 
 Every reply of a worker to step, update, replay, kv_write and kv_read names the
 worker's ``generation`` (its body's ``generation``; hello and status give it per
-worker): the daemon's restart count of that device's worker, 0 at first.
+worker): an integer unique across daemon starts (a random instance number of the
+daemon times 2**22 plus that device's worker's restart count; docs/programs.md).
 
 ``kv_write`` — write a prompt's KV (every layer) into slots of a program's paged KV
 cache; ``kv_read`` — read the KV of slots back (:mod:`.ops.kv`)::
@@ -173,6 +175,14 @@ computed on a cache that was lost. graphlane's client fills ``generation`` from 
 hello it read when it first reached the device, and adopts a new one only when asked
 (``Client.reset_state``).
 
+``resume`` — sent to a worker after a kv_write or step of a program with device state
+failed (any error but STATE_LOST): until it arrives, the worker refuses the
+connection's requests to such programs with PREDECESSOR_FAILED (docs/programs.md,
+"Ordering and retries"; graphlane's client sends it by itself)::
+
+    request  {"v": 1, "id": 10, "op": "resume", "body": {"device": 0}}
+    reply    {"v": 1, "id": 10, "ok": true, "body": {"resumed": 8}}
+
 ``drain`` — finish in-flight work, accept no more (one device, or all without ``device``)::
 
     request  {"v": 1, "id": 6, "op": "drain", "body": {"device": 0}}
@@ -191,8 +201,10 @@ An error reply, e.g. to a step on a device nobody serves::
 Error codes (``errors.ErrorCode``, stable strings): BAD_REQUEST, UNKNOWN_PROGRAM,
 UNKNOWN_DEVICE, BUSY, WORKER_LOST, TIMEOUT, UNSUPPORTED_VERSION, UNAUTHORIZED,
 SHUTTING_DOWN, INTERNAL, STATE_LOST (the request names a worker generation that is
-gone with its device state: not retryable until the state is written again).
-Retryable unless the error says otherwise: BUSY, WORKER_LOST, TIMEOUT, SHUTTING_DOWN.
+gone with its device state: not retryable until the state is written again),
+PREDECESSOR_FAILED (an earlier kv_write or step of the same connection was not applied:
+see ``resume``). Retryable unless the error says otherwise: BUSY, WORKER_LOST, TIMEOUT,
+SHUTTING_DOWN, PREDECESSOR_FAILED.
 """
 
 from graphlane.protocol.errors import (
@@ -202,6 +214,7 @@ from graphlane.protocol.errors import (
     ErrorCode,
     GraphlaneError,
     InternalError,
+    PredecessorFailed,
     RequestError,
     ServiceError,
     ShuttingDown,
@@ -223,6 +236,7 @@ from graphlane.protocol.ops import (
     KvWrite,
     Op,
     Replay,
+    Resume,
     Shutdown,
     Status,
     Step,
@@ -270,10 +284,12 @@ __all__ = [
     "KvWrite",
     "Limits",
     "Op",
+    "PredecessorFailed",
     "Replay",
     "Reply",
     "Request",
     "RequestError",
+    "Resume",
     "ServiceError",
     "Shutdown",
     "ShuttingDown",

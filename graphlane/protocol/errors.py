@@ -23,6 +23,9 @@ The tree is split by what the caller should do about it::
         ├── WorkerLost          the worker died while holding the request  (retryable)
         ├── Timeout             no result before the deadline              (retryable)
         ├── ShuttingDown        the daemon is draining or stopping         (retryable)
+        ├── PredecessorFailed   an earlier request of this connection that changes device
+        │                       state was not applied, so this one was not run: resume,
+        │                       send the failed one again, then this one   (retryable)
         └── InternalError       a bug or an unexpected fault on the server (not retryable)
 
 ``retryable`` defaults from :data:`RETRYABLE` and a server may override it per
@@ -43,6 +46,7 @@ __all__ = [
     "ErrorCode",
     "GraphlaneError",
     "InternalError",
+    "PredecessorFailed",
     "RequestError",
     "ServiceError",
     "ShuttingDown",
@@ -73,10 +77,17 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
     STATE_LOST = "STATE_LOST"
+    PREDECESSOR_FAILED = "PREDECESSOR_FAILED"
 
 
 RETRYABLE: frozenset[ErrorCode] = frozenset(
-    {ErrorCode.BUSY, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
+    {
+        ErrorCode.BUSY,
+        ErrorCode.WORKER_LOST,
+        ErrorCode.TIMEOUT,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.PREDECESSOR_FAILED,
+    }
 )
 """Codes whose errors are retryable unless the sender says otherwise."""
 
@@ -184,6 +195,18 @@ class ShuttingDown(ServiceError):
     code = ErrorCode.SHUTTING_DOWN
 
 
+class PredecessorFailed(ServiceError):
+    """An earlier request of the same connection to this device that changes a program's
+    device state (a ``kv_write`` or a ``step`` of a stateful program) was refused or
+    failed, so it was not applied; this request depends on that state and was not run
+    either (the message names the failed request). The connection's requests to stateful
+    programs are refused so until it sends ``resume`` (graphlane's Client sends it on
+    its own when it sees the failure); then send the failed request again (``kv_write``
+    and ``step`` are idempotent), and this one."""
+
+    code = ErrorCode.PREDECESSOR_FAILED
+
+
 class InternalError(ServiceError):
     """A bug or an unexpected fault on the server (also: an unreadable error from the peer)."""
 
@@ -211,6 +234,7 @@ _CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
         WorkerLost,
         Timeout,
         ShuttingDown,
+        PredecessorFailed,
         InternalError,
     )
 }

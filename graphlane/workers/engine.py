@@ -274,6 +274,9 @@ class StepEngine:
     def plan_replay(self, program: str, batch: int, outputs: Sequence[str] = ()) -> StepPlan:
         """Validate a replay of the bucket that serves ``batch``."""
         prog = self._program(program)
+        if not prog.replayable:  # see GraphProgram.replayable
+            why = "a replay would write its device state from what the instance last held"
+            raise StepError("op", f"replay is refused for {program!r}: {why}; send steps")
         bucket = prog.bucket_for(batch)
         self._check_outputs(prog, outputs)
         return StepPlan(program, batch, bucket)

@@ -47,6 +47,7 @@ from graphlane.protocol.errors import (
     BadRequest,
     Busy,
     InternalError,
+    PredecessorFailed,
     ShuttingDown,
     StateLost,
     Timeout,
@@ -198,6 +199,11 @@ class Worker(WorkerLoop):
         self._stop_when_idle = False
         # Accepted steps waiting for one of the engine's in-flight permits (bounded).
         self._waiting: collections.deque[Step] = collections.deque()
+        # Connections whose request changing device state was not applied: routing id ->
+        # (that request's id, why). Their requests to stateful programs are refused until
+        # they send resume (see _fence and docs/programs.md, "Ordering and retries").
+        self._fences: collections.OrderedDict[bytes, tuple[int, str]] = collections.OrderedDict()
+        self._stateful = any(p.state_ops for p in programs)
         # Filled by other threads, emptied by the main thread after a wake-up:
         # finished steps from the completion thread, commands from the lifeline.
         self._finished: collections.deque[Step] = collections.deque()
@@ -266,10 +272,35 @@ class Worker(WorkerLoop):
 
     def _dispatch(self, ident: bytes, req: wire.Request, received: float, bundled: bool) -> None:
         op = ops.OPS.get(req.op) or ops.op_named(req.op)  # op_named: the unknown op's error
-        body = req.body(op.request_decoder)
+        try:
+            body = req.body(op.request_decoder)
+        except wire.DecodeError as exc:  # which program it meant is unknown: any of them
+            if req.op in _CHANGES_STATE and self._stateful:
+                self._fence(ident, req.id, str(exc.code))
+            raise
         if not op.device:
             self._control(ident, req.id, body, bundled)
             return
+        if type(body) is ops.Resume:
+            self._resume(ident, req.id, body, bundled)
+            return
+        try:
+            self._accept(ident, req, body, received, bundled)
+        except Exception as exc:
+            # A state change refused: what this connection sent behind it is refused too.
+            # (STATE_LOST is a fence of its own; PREDECESSOR_FAILED: fenced already.)
+            if (
+                req.op in _CHANGES_STATE
+                and self._keeps_state(body.program)
+                and not isinstance(exc, StateLost | PredecessorFailed)
+            ):
+                self._fence(ident, req.id, str(as_error(exc).code))
+            raise
+
+    def _accept(
+        self, ident: bytes, req: wire.Request, body: Any, received: float, bundled: bool
+    ) -> None:
+        """Validate a device request and issue or queue its step."""
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
         if body.device != self.spec.device:
@@ -282,8 +313,11 @@ class Worker(WorkerLoop):
             raise InternalError(f"engine failed: {self.engine.failure}")
         if body.generation != self.spec.generation:  # None too: is it required?
             self._check_generation(body)
+        if self._fences and ident in self._fences and self._keeps_state(body.program):
+            raise self._refusal(ident)
         step = self._step(body, req.op)
         step.ident, step.request_id, step.bundled, step.received = ident, req.id, bundled, received
+        step.changes_state = req.op in _CHANGES_STATE and self._stateful
         if body.timeout_ms is not None:
             step.deadline = received + body.timeout_ms / 1000
         if self._waiting or not self.engine.reserve(blocking=False):
@@ -310,6 +344,49 @@ class Worker(WorkerLoop):
             raise BadRequest(
                 "shutdown is an orchestrator operation; send it to the daemon's endpoint"
             )
+
+    # ------------------------------------------------------------ ordering (docs/programs.md)
+    def _keeps_state(self, program: str) -> bool:
+        p = self.engine.programs.get(program)
+        return p is not None and bool(p.state_ops)
+
+    def _fence(self, ident: bytes, request_id: int, why: str) -> None:
+        """Request ``request_id`` of connection ``ident`` would have changed device state
+        and was not applied: refuse its requests to stateful programs, those waiting
+        behind it now and those it sends until it sends ``resume``."""
+        if ident not in self._fences:  # the first failure is the one to send again
+            self._fences[ident] = (request_id, why)
+            if len(self._fences) > _MAX_FENCES:  # connections long gone, most likely
+                self._fences.popitem(last=False)
+                log.warning("forgot the oldest refused connection (%d kept)", _MAX_FENCES)
+        waiting = self._waiting
+        if not waiting:
+            return
+        behind = [s for s in waiting if s.ident == ident and self._keeps_state(s.plan.program)]
+        if behind:
+            refused = {id(s) for s in behind}
+            kept = [s for s in waiting if id(s) not in refused]
+            waiting.clear()
+            waiting.extend(kept)
+            refusal = self._refusal(ident)
+            for step in behind:
+                self._open.pop(step, None)
+                self._reply_error(step.ident, step.request_id, refusal, step.bundled)
+
+    def _refusal(self, ident: bytes) -> PredecessorFailed:
+        request_id, why = self._fences[ident]
+        return PredecessorFailed(
+            f"request {request_id} of this connection ({why}) changes device state on "
+            f"device {self.spec.device} and was not applied, so this request was not run; "
+            f"send resume, then request {request_id} again, then this one"
+        )
+
+    def _resume(self, ident: bytes, request_id: int, body: Any, bundled: bool) -> None:
+        if body.device != self.spec.device:
+            raise UnknownDevice(f"this worker serves device {self.spec.device}, not {body.device}")
+        fence = self._fences.pop(ident, None)
+        resumed = {"resumed": fence[0] if fence is not None else None}
+        self._send(ident, wire.encode_reply(request_id, resumed), bundled)
 
     def _check_generation(self, body: Any) -> None:
         """A request naming another generation is refused (STATE_LOST); one that depends
@@ -359,6 +436,8 @@ class Worker(WorkerLoop):
                 self._open.pop(step, None)
                 late = Timeout(f"{step.kind.value} waited past its deadline; it was not run")
                 self._reply_error(step.ident, step.request_id, late, step.bundled)
+                if step.changes_state and self._keeps_state(step.plan.program):
+                    self._fence(step.ident, step.request_id, "TIMEOUT")
                 continue
             if not self.engine.reserve(blocking=False):
                 return
@@ -375,8 +454,10 @@ class Worker(WorkerLoop):
     def _finish(self, step: Step) -> None:
         self._open.pop(step, None)
         if step.results is None:
-            error = step.error or InternalError("step ended without results")
-            self._reply_error(step.ident, step.request_id, as_error(error), step.bundled)
+            error = as_error(step.error or InternalError("step ended without results"))
+            self._reply_error(step.ident, step.request_id, error, step.bundled)
+            if step.changes_state and self._keeps_state(step.plan.program):
+                self._fence(step.ident, step.request_id, str(error.code))
         else:
             held = time.perf_counter() - step.received
             self.metrics.observe_done(
@@ -423,5 +504,9 @@ class Worker(WorkerLoop):
 
 
 _NO_GRAPH = GraphKey("", 0, 0)
+#: Ops whose failure leaves a stateful program's device state without what the client
+#: meant to put there (a kv_write's KV, a step's new token).
+_CHANGES_STATE = frozenset({"kv_write", "step"})
+_MAX_FENCES = 4096  # refused connections remembered (oldest forgotten first)
 
 __all__ = ["Worker", "WorkerSpec", "start_failure", "worker_main"]

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from daemons import RunningDaemon, wait_for
+from daemons import RunningDaemon, finish, launch, wait_for
 from paged_kv import Scheduler
 
 from graphlane import GraphlaneError
@@ -53,7 +55,7 @@ def test_a_restart_mid_decode_refuses_steps_until_the_kv_is_written_again(
 ) -> None:
     d: RunningDaemon = start_daemon(devices=1, programs=[PAGED])
     worker = d.worker(0)
-    assert worker["generation"] == 0
+    first = worker["generation"]
     described = worker["programs"]["paged_attention"]
     assert set(described["state_ops"]) == {"kv_write", "kv_read"}
     assert described["config"]["num_blocks"] == PAGED["num_blocks"]
@@ -66,8 +68,8 @@ def test_a_restart_mid_decode_refuses_steps_until_the_kv_is_written_again(
             await _prefill(c, sched, {0: 100, 1: 7, 2: 129})
             for _ in range(3):
                 r = await _decode(c, sched, [0, 1, 2])
-                assert r.generation == 0
-            assert c.generation(0) == 0
+                assert r.generation == first
+            assert c.generation(0) == first
 
             pid = (await c.status())["workers"][0]["pid"]
             os.kill(pid, signal.SIGKILL)  # mid run: the cache is gone
@@ -91,11 +93,11 @@ def test_a_restart_mid_decode_refuses_steps_until_the_kv_is_written_again(
                 await c.kv_read("paged_attention", 0, torch.arange(4))
             assert info.value.code == "STATE_LOST" and not info.value.retryable
 
-            assert await c.reset_state(0) == 1
+            assert await c.reset_state(0) == first + 1  # one restart more
             await _rewrite(c, sched)
             for _ in range(2):
                 r = await _decode(c, sched, [0, 1, 2])
-                assert r.generation == 1
+                assert r.generation == first + 1
             seq = sched.seqs[2]
             read = await c.kv_read("paged_attention", 0, sched.slots(seq, 0, seq.length))
             assert torch.equal(read.outputs["key"], seq.keys)
@@ -126,5 +128,46 @@ def test_a_stateful_request_must_name_a_generation(start_daemon: Any) -> None:
             with pytest.raises(GraphlaneError) as info:
                 await ch.call(100, ops.OPS["step"], stale, 10)
             assert info.value.code == "STATE_LOST"
+
+    asyncio.run(main())
+
+
+def test_a_generation_from_an_earlier_daemon_on_the_same_endpoint_is_state_lost(
+    tmp_path: Path,
+) -> None:
+    """Generations are unique across daemon restarts: a client that wrote its KV to the
+    daemon before, and keeps its generation, is refused by the next daemon on the same
+    endpoint (whose cache is empty) instead of reading zeros or stepping on them."""
+    sched = Scheduler(CFG, torch.Generator().manual_seed(3))
+    slots, k, v = sched.prefill(0, 5)
+
+    async def main() -> None:
+        # The daemons start and stop in a thread: their helpers run event loops of their own.
+        d = await asyncio.to_thread(launch, tmp_path, "same", devices=1, programs=[PAGED])
+        try:
+            async with Client(d.endpoint, timeout=20) as c:
+                await c.kv_write("paged_attention", 0, slots, k, v)
+                held = c.generation(0)
+                assert held is not None
+                await asyncio.to_thread(finish, d)  # another daemon on the same endpoint:
+                d = await asyncio.to_thread(launch, tmp_path, "same", devices=1, programs=[PAGED])
+                now = (await asyncio.to_thread(d.worker, 0))["generation"]
+                assert c.generation(0) == held  # the client still names the old one
+                codes: list[str] = []
+                deadline = time.monotonic() + 30
+                while not codes or codes[-1] == "WORKER_LOST":  # until it reconnects
+                    assert time.monotonic() < deadline, codes
+                    with pytest.raises(GraphlaneError) as info:
+                        await c.kv_read("paged_attention", 0, slots)
+                    codes.append(str(info.value.code))
+                    await asyncio.sleep(0.02)  # a poll: the client's sockets reconnect
+                assert codes[-1] == "STATE_LOST", codes
+                inputs, lengths = sched.decode([0])
+                with pytest.raises(GraphlaneError) as info:
+                    await c.step("paged_attention", 0, {"actual_seq_lengths_kv": lengths}, inputs)
+                assert info.value.code == "STATE_LOST"
+                assert await c.reset_state(0) == now
+        finally:
+            await asyncio.to_thread(finish, d)
 
     asyncio.run(main())

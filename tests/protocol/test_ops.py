@@ -26,6 +26,7 @@ from graphlane.protocol import (
     ErrorCode,
     GraphlaneError,
     InternalError,
+    PredecessorFailed,
     Reply,
     Request,
     RequestError,
@@ -144,12 +145,12 @@ def test_round_trip(op: str, message: Any) -> None:
 
 def test_ops_and_their_types() -> None:
     assert set(OPS) == {"hello", "status", "step", "update", "replay", "drain", "shutdown",
-                        "kv_write", "kv_read"}  # fmt: skip
-    device_ops = {"step", "update", "replay", "kv_write", "kv_read"}
+                        "kv_write", "kv_read", "resume"}  # fmt: skip
+    device_ops = {"step", "update", "replay", "kv_write", "kv_read", "resume"}
     assert {name for name, op in OPS.items() if op.device} == device_ops
     for name, op in OPS.items():
         assert op.name == name
-        assert op.reply is (ops.StepDone if op.device else ops.Info)
+        assert op.reply is (ops.StepDone if op.device and name != "resume" else ops.Info)
 
 
 def test_unset_optional_fields_are_left_out_of_the_wire() -> None:
@@ -423,12 +424,14 @@ CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.INTERNAL: InternalError,
     ErrorCode.STATE_LOST: StateLost,
+    ErrorCode.PREDECESSOR_FAILED: PredecessorFailed,
 }
 
 
 def test_every_code_has_its_class_and_family() -> None:
     assert set(CLASSES) == set(ErrorCode)
-    retryable = {ErrorCode.BUSY, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN}
+    retryable = {ErrorCode.BUSY, ErrorCode.WORKER_LOST, ErrorCode.TIMEOUT, ErrorCode.SHUTTING_DOWN,
+                 ErrorCode.PREDECESSOR_FAILED}  # fmt: skip
     assert set(RETRYABLE) == retryable
     for code, cls in CLASSES.items():
         assert error_class(code) is cls and error_class(str(code)) is cls and cls.code == code

@@ -149,6 +149,64 @@ def test_steps_and_kv_ops_are_validated_with_the_field_named() -> None:
         assert info.value.field == "slots"
 
 
+def test_a_steps_slot_mapping_must_be_each_rows_own_new_token_slot() -> None:
+    """A row's new token goes to position length - 1 of its own blocks: a slot_mapping
+    into another sequence's blocks, or two rows writing one slot, is refused naming the
+    row, and the cache keeps what was written."""
+    sched = Scheduler(CFG, torch.Generator().manual_seed(8))
+    with _engine() as eng:
+        for sid, n in ((0, 20), (1, 130)):
+            slots, k, v = sched.prefill(sid, n)
+            eng.state("paged_attention", "kv_write", {"slots": slots, "key": k, "value": v})
+        inputs, lengths = sched.decode([0, 1])
+
+        def refused(ins: dict[str, torch.Tensor], n: list[int]) -> str:
+            body = ops.Step("paged_attention", 0, {"actual_seq_lengths_kv": n}, ins, [], 2)
+            with pytest.raises(StepError) as info:
+                eng.engine.plan(body)
+            return info.value.field
+
+        victim = sched.slots(sched.seqs[0], 3, 4)  # a token sequence 0 holds
+        into_other = inputs["slot_mapping"].clone()
+        into_other[1] = victim[0]
+        assert refused({**inputs, "slot_mapping": into_other}, lengths) == "inputs.slot_mapping[1]"
+        # Two rows over one block table, one length: both would write one slot.
+        table = inputs["block_table"].clone()
+        table[1] = table[0]
+        same = inputs["slot_mapping"].clone()
+        same[1] = same[0]
+        twice = {**inputs, "block_table": table, "slot_mapping": same}
+        assert refused(twice, [lengths[0], lengths[0]]) == "inputs.slot_mapping[1]"
+        seq = sched.seqs[0]
+        read = _done(eng, eng.state("paged_attention", "kv_read",
+                                    {"slots": sched.slots(seq, 0, 20)}))  # fmt: skip
+        assert torch.equal(read["key"], seq.keys[:, :20])
+
+
+def test_replay_is_refused_for_a_program_with_device_state() -> None:
+    """A replay would re-run the cache writes from whatever the instance last held (a
+    finished step's slots, maybe reassigned since): refused, for any program with
+    state_ops, and hello says so; a stateless program still replays."""
+    from graphlane.workers.programs import load_program as load
+
+    sched = Scheduler(CFG, torch.Generator().manual_seed(9))
+    attention = load("attention", {"name": "attention", "layers": 1, "num_heads": 4,
+                                   "num_kv_heads": 2, "head_dim": 16, "max_kv_len": 32,
+                                   "buckets": [1]})  # fmt: skip
+    with Issuer(NpuBackend(torch_npu, 0), [PagedAttentionProgram(CFG), attention]) as eng:
+        slots, k, v = sched.prefill(0, 3)
+        eng.state("paged_attention", "kv_write", {"slots": slots, "key": k, "value": v})
+        inputs, lengths = sched.decode([0])
+        _done(eng, _step(eng, inputs, lengths))
+        with pytest.raises(StepError) as info:
+            eng.engine.plan_replay("paged_attention", 1, ["out"])
+        assert info.value.field == "op"
+        assert "device state" in str(info.value)  # it says why
+        eng.engine.plan_replay("attention", 1, ["out"])  # no device state: offered
+    assert PagedAttentionProgram(CFG).describe()["replay"] is False
+    assert attention.describe()["replay"] is True
+
+
 def test_config_is_checked_and_described() -> None:
     with pytest.raises(ProgramConfigError) as info:
         load_program("paged_attention", {"name": "paged_attention", "block_size": 16})

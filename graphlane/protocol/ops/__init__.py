@@ -13,7 +13,7 @@ import msgspec
 
 from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
-from graphlane.protocol.ops.kv import KvRead, KvWrite
+from graphlane.protocol.ops.kv import KvRead, KvWrite, Resume
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
 from graphlane.protocol.tensors import body_decoder
 
@@ -27,6 +27,7 @@ __all__ = [
     "KvWrite",
     "Op",
     "Replay",
+    "Resume",
     "Shutdown",
     "Status",
     "Step",
@@ -71,5 +72,6 @@ OPS: dict[str, Op] = {
         Op("replay", Replay, StepDone, device=True),
         Op("kv_write", KvWrite, StepDone, device=True),
         Op("kv_read", KvRead, StepDone, device=True),
+        Op("resume", Resume, Info, device=True),
     )
 }

@@ -1,4 +1,5 @@
-"""Operations on a program's device state (its paged KV cache): ``kv_write``, ``kv_read``.
+"""Operations on a program's device state (its paged KV cache): ``kv_write``, ``kv_read``;
+and ``resume``, which ends a connection's refusals after a failed state change.
 
 Answered by the device's worker, in order with the replays of the program's graphs
 (the worker issues them on the stream its replays run on): a ``kv_write`` sent after a
@@ -44,3 +45,13 @@ class KvRead(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     slots: Tensor
     generation: Count | None = None
     timeout_ms: Deadline | None = None
+
+
+class Resume(Struct, frozen=True, forbid_unknown_fields=True):
+    """Acknowledge the failure of a request that changes device state: the worker
+    refuses this connection's requests to stateful programs (PREDECESSOR_FAILED) from
+    that failure until this arrives, so that nothing sent behind the failed request,
+    before its sender saw the failure, runs on state it did not apply. The reply is a
+    map: ``resumed``, the id of the failed request (None if nothing was refused)."""
+
+    device: Count

@@ -76,4 +76,4 @@ class StepDone(Struct, frozen=True, omit_defaults=True):
     instance: Count = 0  # which graph instance of the bucket's ring ran it
     patched: Count = 0  # task groups patched
     server_us: float = 0.0  # time the worker held the request, device work included
-    generation: Count = 0  # the answering worker's generation (its restart count)
+    generation: Count = 0  # the answering worker's generation (unique per daemon start)

@@ -169,6 +169,16 @@ class GraphProgram(abc.ABC):
     #: generation they expect (see :meth:`plan_state`, :meth:`run_state`)
     state_ops: Mapping[str, str] = {}
 
+    @property
+    def replayable(self) -> bool:
+        """Whether ``replay`` (run a graph instance as last patched) is offered. Not for
+        a program with device state: its graphs write that state (a paged cache's new
+        tokens) from the instance's static buffers, which hold whatever step ran on the
+        instance last, maybe another client's, into slots since handed to other
+        sequences; and its outputs would come from that step's query and block table.
+        Such a program's clients send steps, which carry all their inputs."""
+        return not self.state_ops
+
     def describe(self) -> dict[str, Any]:
         """What ``hello`` tells clients about this program (JSON values). Subclasses
         add ``inputs`` and ``output_shapes`` (name -> {"shape": [...], "dtype": str},
@@ -181,6 +191,7 @@ class GraphProgram(abc.ABC):
             "batch_param": self.batch_param,
             "parameters": dict(self.parameters),
             "state_ops": dict(self.state_ops),
+            "replay": self.replayable,
         }
 
     def infer_batch(self, params: Mapping[str, Any]) -> int:

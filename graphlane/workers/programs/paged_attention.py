@@ -35,12 +35,13 @@ the update stream, before ev[l] is recorded). The lengths are the only parameter
 Step: params ``actual_seq_lengths_kv`` (one per row, including the new token, in
 1..max_blocks_per_seq*block_size); inputs, all required (a graph instance's buffers
 hold another step's rows otherwise): ``query`` [b, num_heads, head_dim], ``key`` and
-``value`` [layers, b, num_kv_heads, head_dim], ``slot_mapping`` int64 [b] in
-0..num_blocks*block_size-1, ``block_table`` int32 [b, max_blocks_per_seq] whose first
-ceil(len/block_size) entries of each row are blocks in 0..num_blocks-1 (the rest are
-not read). Outputs: ``out`` [b, num_heads, head_dim] of the last layer and ``lse``
-[b, num_heads, 1] (its softmax_lse). Padding rows (b < B) write to and attend over the
-scratch block, length 1, and are never returned.
+``value`` [layers, b, num_kv_heads, head_dim], ``slot_mapping`` int64 [b], each row's
+own new-token slot (position len-1 of its block table; distinct), ``block_table``
+int32 [b, max_blocks_per_seq] whose first ceil(len/block_size) entries of each row
+are blocks in 0..num_blocks-1 (the rest are not read). Outputs: ``out`` [b, num_heads,
+head_dim] of the last layer and ``lse`` [b, num_heads, 1] (its softmax_lse). Padding
+rows (b < B) write to and attend over the scratch block, length 1, and are never
+returned.
 
 KV operations (:meth:`plan_state`, :meth:`run_state`), issued by the engine on the
 capture stream, so in stream order with every replay: ``kv_write`` (``slots`` [n],
@@ -325,6 +326,37 @@ class PagedAttentionProgram(GraphProgram):
                     f"the {len(used)} blocks a length of {n} reads must be in "
                     f"0..{c.num_blocks - 1}",
                 )
+        self._check_slots(batch, lengths, slots, table)
+
+    def _check_slots(
+        self, batch: int, lengths: Any, slots: torch.Tensor, table: torch.Tensor
+    ) -> None:
+        """Each row's new token goes where its block table and length say (position
+        length - 1 of its own blocks), never into another sequence's slots; and no two
+        rows write one slot (which value it would hold is ambiguous, as in kv_write)."""
+        bs = self.config.block_size
+        pos = torch.tensor(lengths, dtype=torch.int64) - 1
+        own = table[torch.arange(batch), pos // bs].to(torch.int64) * bs + pos % bs
+        wrong = (own != slots).nonzero()
+        if wrong.numel():
+            i = int(wrong[0, 0])
+            p = int(pos[i])
+            raise StepError(
+                f"inputs.slot_mapping[{i}]",
+                f"slot {int(slots[i])} is not where row {i}'s new token goes: position {p} "
+                f"is slot {int(own[i])} (block_table[{i}][{p // bs}] * block_size + {p % bs})",
+            )
+        if batch > 1 and int(torch.unique(slots).numel()) != batch:
+            seen: dict[int, int] = {}
+            for i, slot in enumerate(slots.tolist()):
+                if slot in seen:
+                    raise StepError(
+                        f"inputs.slot_mapping[{i}]",
+                        f"rows {seen[slot]} and {i} both write slot {slot} (their block "
+                        "tables share the block of their new tokens): its value would be "
+                        "ambiguous",
+                    )
+                seen[slot] = i
 
     def group_signature(self, plan: StepPlan, group: int) -> Any:
         return plan.values["lengths"]
