@@ -155,10 +155,12 @@ def launch(
     transport: str = "ipc",
     devices: int = 2,
     client_keys: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
     **config: Any,
 ) -> RunningDaemon:
     """``graphlane serve`` in a child process, its files under ``tmp_dir`` named by
-    ``name``; returned once its workers are ready and it answers status."""
+    ``name``, with ``env`` added to its environment; returned once its workers are ready
+    and it answers status."""
     if transport == "ipc":
         listen = f"ipc://{tmp_dir}/{name}/daemon.sock"
     else:
@@ -170,7 +172,9 @@ def launch(
     cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(path),
            "--ready-file", str(ready)]  # fmt: skip
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     d = RunningDaemon(listen, proc, log_path, client_keys=dict(client_keys or {}))
 
     def is_ready() -> bool:

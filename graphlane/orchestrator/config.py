@@ -12,6 +12,9 @@ devices = 2                        # a count (0..N-1) or a list of device ids, e
 depth = 2                          # graph instances per bucket (a ring); why 2: see
                                    #   ServeConfig.depth
 pipeline = true                    # false: serial update, replay, wait (the baseline)
+record_order = "after-replay"      # pipelined: launch a step's replay, then patch and record
+                                   #   (current CANN); "before-replay": records first (ENPU,
+                                   #   where a wait issued before its record hangs)
 cpu_affinity = "auto"              # "auto": each sim/null worker on a core of its own (its
                                    #   threads share one interpreter lock; why: see
                                    #   graphlane/workers/affinity.py), npu workers unpinned;
@@ -39,7 +42,9 @@ task_us = 0.0                      # timed: device time per replayed task
 patch_us = 0.0                     # timed: host time per task-group patch
 watchdog_s = 30.0                  # a device wait that nothing satisfies is a deadlock after this
 event_mode = "cann"                # or "enpu": an ExternalEvent wait issued before its record is
-                                   #   reported (ENPU hangs there; current CANN allows it)
+                                   #   reported (ENPU hangs there; current CANN allows it);
+                                   #   or "legacy": older CANN, a wait leaves the flag set
+                                   #   until reset
 device_memory = 68719476736        # bytes of each simulated device (default 64 GiB)
 
 [faults]                           # for tests only: fail_start = true,
@@ -90,7 +95,8 @@ class SimSettings:
     task_us: float = 0.0  # timed: device time per replayed task
     patch_us: float = 0.0  # timed: host time per task-group patch
     watchdog_s: float = 30.0  # a device wait nothing can satisfy is a deadlock after this
-    event_mode: str = "cann"  # or "enpu": report an ExternalEvent wait issued before its record
+    event_mode: str = "cann"  # "enpu": report a wait issued before its record; "legacy": a
+    # wait leaves the flag set until reset (older CANN)
     device_memory: int = 64 << 30  # bytes of each simulated device (out of memory beyond)
 
 
@@ -115,6 +121,11 @@ class ServeConfig:
     #: latest step on its instance wrote).
     depth: int = 2
     pipeline: bool = True
+    #: When a pipelined step's releases (ExternalEvent records) are issued relative to its
+    #: replay: "after-replay" (current CANN: the replay of layer k overlaps the dispatch of
+    #: layer k+1's patch) or "before-replay" (ENPU, where a wait issued before its record
+    #: hangs). README "Deploying" says when to choose which.
+    record_order: str = "after-replay"
     #: "auto", "off", or one tuple of cores per device (graphlane.workers.affinity).
     cpu_affinity: str | tuple[tuple[int, ...], ...] = "auto"
     sim: SimSettings = field(default_factory=SimSettings)
@@ -213,8 +224,10 @@ def _sim(raw: Any) -> SimSettings:
     if mode not in ("compute", "timed"):
         raise ConfigError("sim.mode", f"must be 'compute' or 'timed', not {mode!r}")
     event_mode = raw.get("event_mode", "cann")
-    if event_mode not in ("cann", "enpu"):
-        raise ConfigError("sim.event_mode", f"must be 'cann' or 'enpu', not {event_mode!r}")
+    if event_mode not in ("cann", "legacy", "enpu"):
+        raise ConfigError(
+            "sim.event_mode", f"must be 'cann', 'legacy' or 'enpu', not {event_mode!r}"
+        )
     return SimSettings(
         mode=mode,
         task_us=_number("sim.task_us", raw.get("task_us", 0.0)),
@@ -298,6 +311,13 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
         if not isinstance(raw["pipeline"], bool):
             raise ConfigError("pipeline", "must be true or false")
         values["pipeline"] = raw["pipeline"]
+    if "record_order" in raw:
+        if raw["record_order"] not in ("after-replay", "before-replay"):
+            raise ConfigError(
+                "record_order",
+                f"must be 'after-replay' or 'before-replay', not {raw['record_order']!r}",
+            )
+        values["record_order"] = raw["record_order"]
     if "cpu_affinity" in raw:
         values["cpu_affinity"] = _cpu_affinity("cpu_affinity", raw["cpu_affinity"])
     if "sim" in raw:

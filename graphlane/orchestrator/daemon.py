@@ -73,11 +73,13 @@ class Daemon:
         specs = [
             WorkerSpec(
                 device=d,
+                runtime_index=self._runtime_index(d),
                 backend=config.backend,
                 sim=asdict(config.sim) if config.backend == "sim" else None,
                 programs=config.programs,
                 depth=config.depth,
                 pipeline=config.pipeline,
+                record_order=config.record_order,
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
                 log_level=logging.getLogger().level or logging.INFO,
@@ -103,9 +105,14 @@ class Daemon:
 
     def _env_for(self, device: int) -> dict[str, str]:
         if self.config.backend == "npu":
-            # Pin each worker to its NPU; inside the process it is device 0.
+            # Pin each worker to its NPU; inside the process it is device 0 (_runtime_index).
             return {"ASCEND_RT_VISIBLE_DEVICES": str(device)}
         return {}
+
+    def _runtime_index(self, device: int) -> int | None:
+        """The index of ``device`` inside its worker: the Ascend runtime numbers the
+        devices ASCEND_RT_VISIBLE_DEVICES names from 0, and _env_for names one."""
+        return 0 if self.config.backend == "npu" else None
 
     # ------------------------------------------------------------ run
     async def run(self, ready_file: str | None = None) -> int:

@@ -9,7 +9,7 @@ import threading
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import npu, ops
+from . import npu, ops, pinned
 from .runtime import RUNTIME, install_thread_edges
 from .tensor import factory_fallback
 
@@ -33,6 +33,7 @@ def setup() -> None:
         _keep.append(lib)
         atexit.register(RUNTIME.shutdown)
         install_thread_edges()  # host threads are ordered by start and join
+        pinned.install()  # Tensor.pin_memory() works, as with torch_npu
         # Stream threads stand in for independent hardware queues: hand the GIL
         # over quickly (the default 5 ms lets one busy thread stall a device
         # stream that is ready to run for that long).

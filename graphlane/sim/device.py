@@ -71,11 +71,12 @@ def synchronize(device: Any = None) -> None:
 
 
 @contextmanager
-def device(dev: Any) -> Iterator[None]:
-    """Make ``dev`` the current device inside the block (``torch.npu.device``)."""
+def device(device: Any) -> Iterator[None]:
+    """Make ``device`` the current device inside the block (``torch.npu.device``; None or
+    a negative index: no change)."""
     prev = current_device()
-    if dev is not None:
-        set_current_device(device_index(dev))
+    if device is not None:
+        set_current_device(device_index(device))
     try:
         yield
     finally:

@@ -7,7 +7,16 @@ consuming wait merge into one signal: the second release is lost, and the next
 wait hangs. The simulator reports such a record as a HazardError as soon as it
 runs, whether or not the timing of this run happened to lose it: a record must
 be ordered (happen-before) after the wait that consumed the previous record.
-``reset()`` is accepted and does nothing, as on current CANN.
+``reset(stream)`` is a task on ``stream`` (a node when captured; like every
+non-kernel task it is refused inside a task group); on current CANN it finds
+the flag already cleared by the wait before it and changes nothing (a release
+recorded since is kept).
+
+With ``configure(event_mode="legacy")`` the sim models older CANN, where a wait
+does not clear the flag: only ``reset`` does. A captured wait must then be
+followed by ``reset`` on the same stream (as torch_npu's own capture paths do),
+or the flag stays set: the next record is reported as a lost release, and the
+next replay's wait passes on the stale flag (its task groups race the patch).
 
 With ``configure(event_mode="enpu")`` the sim models ENPU, where an ExternalEvent
 must be recorded before it is waited on (vllm-ascend #8636, #8317, #8354): a wait
@@ -103,8 +112,15 @@ class ExternalEvent:
             s.issue_locked(ExtWaitWork(self))
 
     def reset(self, stream: Stream | None = None) -> None:
-        """Accepted and harmless: current CANN clears the flag in the consuming wait."""
-        _stream_of(stream)
+        """Clear the flag, in ``stream``'s order (captured: a node of the graph). Current
+        CANN's wait has cleared it already; on older CANN (``event_mode="legacy"``) this
+        is what consumes the record a wait passed on."""
+        s = _stream_of(stream)
+        with RUNTIME.cond:
+            if s.capturing is not None:
+                s.capturing.add_node(ExtResetWork(self))  # refused inside a task group
+                return
+            s.issue_locked(ExtResetWork(self))
 
     def wait_issued_locked(self, where: str) -> None:
         """A wait on this event is issued now. In ENPU mode, report it when no record
@@ -122,6 +138,12 @@ class ExternalEvent:
                     kind="wait-before-record",
                 )
             )
+
+    def consumed_locked(self, ex: Stream, launch: Launch | None) -> None:
+        """The record that set the flag is consumed on ``ex`` (its next may follow)."""
+        self._consume_clock = dict(ex.clock)
+        where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph.name}"
+        self._consumed_by = where
 
     def add_pending_locked(self, s: Stream) -> None:
         self.pending[s] = self.pending.get(s, 0) + 1
@@ -208,9 +230,29 @@ class ExtWaitWork:
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
             ex.resume(max(began, ev._set_at))  # when the device could go on
-            ev.flag = False
             clock_join(ex.clock, ev._record_clock)
             ex.tick()
-            ev._consume_clock = dict(ex.clock)
-            where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph.name}"
-            ev._consumed_by = where
+            if RUNTIME.config.event_mode != "legacy":  # older CANN: only reset clears it
+                ev.flag = False
+                ev.consumed_locked(ex, launch)
+
+
+class ExtResetWork:
+    """``ExternalEvent.reset(stream)``: clears the flag when the stream reaches it."""
+
+    def __init__(self, event: ExternalEvent) -> None:
+        self.event = event
+        self.label = f"reset {event.name}"
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        pass
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        ev = self.event
+        ex.tick()
+        with RUNTIME.cond:
+            # Older CANN: the record the wait before passed on is consumed here. (Current
+            # CANN's wait consumed it; a release recorded since is left alone, as before.)
+            if ev.flag and RUNTIME.config.event_mode == "legacy":
+                ev.flag = False
+                ev.consumed_locked(ex, launch)

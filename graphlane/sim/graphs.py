@@ -252,6 +252,12 @@ class NPUGraph:
             graph_reset(self)
 
     def pool(self) -> tuple[int, int]:
+        """The id of this graph's memory pool, for another capture to share; only after a
+        successful capture, as torch_npu's NPUGraph.cpp checks."""
+        if not self.captured:
+            raise SimUsageError(
+                f"Called NPUGraph::pool() without a preceding successful capture. ({self.name})"
+            )
         return self._pool
 
     def update(self, cpu_update_input: list[dict[str, Any]]) -> None:

@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 
 Clock = dict[int, int]
 
-#: ExternalEvent semantics: current CANN's binary flag, or ENPU's (record before wait).
-EVENT_MODES = ("cann", "enpu")
+#: ExternalEvent semantics: current CANN's binary flag (a wait clears it), older CANN's
+#: (only ``reset`` clears it), or ENPU's (record before wait).
+EVENT_MODES = ("cann", "legacy", "enpu")
 
 _actor_ids = itertools.count(1)
 _event_ids = itertools.count(1)
@@ -85,8 +86,10 @@ class SimConfig:
     watchdog_s: how long a device wait that nothing queued can satisfy may
         block before it is reported as a DeadlockError.
     event_mode: "cann" (current CANN: an ExternalEvent wait may be issued before
-        its record) or "enpu" (ENPU: a wait issued before a record that releases
-        it hangs on the device, so the sim reports it as a HazardError).
+        its record, and clears the flag), "legacy" (older CANN: a wait leaves the
+        flag set until ``reset``) or "enpu" (ENPU: a wait issued before a record
+        that releases it hangs on the device, so the sim reports it as a
+        HazardError).
     device_memory: bytes of each simulated device (``mem_get_info``'s total; an
         allocation that does not fit raises ``torch.OutOfMemoryError``).
     """
@@ -108,7 +111,7 @@ class SimConfig:
             raise ValueError("sim watchdog_s must be > 0 (GRAPHLANE_SIM_WATCHDOG_S)")
         if self.event_mode not in EVENT_MODES:
             raise ValueError(
-                f"sim event_mode must be 'cann' or 'enpu', not {self.event_mode!r} "
+                f"sim event_mode must be 'cann', 'legacy' or 'enpu', not {self.event_mode!r} "
                 "(GRAPHLANE_SIM_EVENT_MODE)"
             )
         if self.device_memory <= 0:

@@ -40,22 +40,36 @@ _by_id: dict[tuple[int, int], Stream] = {}  # (device index, stream id) -> strea
 class Stream(StreamExecutor, torch.Stream):
     """An in-order device queue with its own executor thread.
 
-    Same constructor as ``torch_npu.npu.Stream(device=None, priority=0)``; a
-    ``torch.Stream`` (as torch_npu's is), so torch takes it wherever it takes a
-    stream (``Tensor.record_stream``); equality and hash are torch.Stream's (in C:
-    streams key hot dicts and sets), by device and stream id.
+    Same constructor as torch_npu 2.14's ``torch_npu.npu.Stream(device=None,
+    priority=0, **kwargs)``, whose keywords go to ``_NPUStreamBase`` (``priority``,
+    ``stream_id``, ``device_index``, ``device_type``, ``stream_ptr``,
+    ``is_sync_launch``): ``Stream(stream_id=, device_index=, device_type=)`` names an
+    existing stream (as torch_npu's ``current_stream`` and npugraph_ex's converter
+    build them) and returns it. A ``torch.Stream`` (as torch_npu's is), so torch takes
+    it wherever it takes a stream (``Tensor.record_stream``); equality and hash are
+    torch.Stream's (in C: streams key hot dicts and sets), by device and stream id.
     """
 
     _count = 0
 
-    def __new__(cls, device: Any = None, priority: int = 0, *, _default: bool = False) -> Stream:
+    def __new__(
+        cls, device: Any = None, priority: int = 0, *, _default: bool = False, **kwargs: Any
+    ) -> Stream:
+        named = _named_stream(device, kwargs)
+        if named is not None:
+            return named
         idx = device_index(device)
         if not _default:
             Stream._count += 1
         sid = 0 if _default else Stream._count
         return super().__new__(cls, stream_id=sid, device_index=idx, device_type=_PRIVATEUSE1)
 
-    def __init__(self, device: Any = None, priority: int = 0, *, _default: bool = False) -> None:
+    def __init__(
+        self, device: Any = None, priority: int = 0, *, _default: bool = False, **kwargs: Any
+    ) -> None:
+        if getattr(self, "_made", False):  # an existing stream, named by its ids
+            return
+        self._made = True
         self.priority = priority
         self.is_default = _default
         _by_id[(self.device_index, self.stream_id)] = self
@@ -104,6 +118,36 @@ class Stream(StreamExecutor, torch.Stream):
             event = Event()
         event.record(self)
         return event
+
+
+#: The keywords torch_npu's ``_NPUStreamBase`` takes (Stream.cpp's kwlist).
+_BASE_KEYWORDS = ("priority", "stream_id", "device_index", "device_type", "stream_ptr",
+                  "is_sync_launch")  # fmt: skip
+
+
+def _named_stream(device: Any, kwargs: dict[str, Any]) -> Stream | None:
+    """The existing stream ``Stream(stream_id=, device_index=, device_type=)`` names, or
+    None for a new stream; refuses what ``_NPUStreamBase`` refuses."""
+    for key in kwargs:
+        if key not in _BASE_KEYWORDS or key == "priority":
+            raise TypeError(f"Stream() got an unexpected keyword argument {key!r}")
+    if kwargs.get("stream_ptr") or kwargs.get("is_sync_launch"):
+        raise SimUsageError(
+            "Stream(stream_ptr=...) and SyncLaunchStream are not modelled by the simulated NPU"
+        )
+    if "stream_id" not in kwargs and "device_index" not in kwargs:
+        return None
+    sid = int(kwargs.get("stream_id", 0))
+    idx = device_index(kwargs.get("device_index", device))
+    kind = kwargs.get("device_type")
+    if kind is not None and int(kind) != _PRIVATEUSE1:
+        raise SimUsageError(f"Stream(device_type={kind}) is not an npu stream")
+    if sid == 0:
+        return default_stream(idx)
+    found = _by_id.get((idx, sid))
+    if found is None:
+        raise SimUsageError(f"npu:{idx} has no stream with stream_id {sid}")
+    return found
 
 
 # ---------------------------------------------------------------- current stream
@@ -180,9 +224,10 @@ class _StreamScope:
         set_current_device(self.prev_device)
 
 
-def stream(s: Stream | None) -> AbstractContextManager[Stream | None]:
-    """Make ``s`` the current stream (and its device current) inside the block."""
-    return _StreamScope(s)
+def stream(stream: Stream | None) -> AbstractContextManager[Stream | None]:
+    """Make ``stream`` the current stream (and its device current) inside the block
+    (torch_npu's ``torch.npu.stream(stream)``; None: no-op)."""
+    return _StreamScope(stream)
 
 
 # =================================================================== Event

@@ -46,6 +46,7 @@ def run(steps: int = 8, layers: int = 4, batch: int = 4, heads: int = 8, kv_head
         x = q
         for layer in range(layers):
             events[layer].wait(capture)
+            events[layer].reset(capture)  # older CANN clears the flag only here
             npu.graph_task_group_begin(capture)
             torch_npu.npu_fused_infer_attention_score.out(
                 x, keys[layer], values[layer], actual_seq_lengths_kv=lengths, workspace=ws,

@@ -139,6 +139,7 @@ class StepEngine:
         depth: int = 1,
         pipeline: bool = True,
         max_inflight: int = 8,
+        records_first: bool = False,  # ENPU: U's work before the replay, no update thread
     ) -> None:
         if depth < 1:
             raise ValueError("depth must be >= 1")
@@ -151,6 +152,8 @@ class StepEngine:
         self.programs = {p.name: p for p in programs}
         self.depth = depth
         self.pipeline = pipeline
+        self.records_first = records_first
+        self._u_inline = not pipeline or records_first  # U's work always issued by the issuer
         self.on_done = on_done
         self._completions: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Steps issued to the device and not yet complete: the issuer may run ahead
@@ -177,7 +180,7 @@ class StepEngine:
             return
         b = self.backend
         self.capture_stream = b.new_stream()
-        self.update_stream = b.new_stream()
+        self.update_stream = b.new_stream(priority=-1)  # as npugraph_ex's (torch_npu 2.14)
         self.copy_stream = b.new_stream()
         for program in self.programs.values():
             for bucket in sorted(program.buckets, reverse=True):
@@ -189,7 +192,7 @@ class StepEngine:
             target=self._completion_loop, name="graphlane-completion", daemon=True
         )
         self._thread.start()
-        if self.pipeline:
+        if self.pipeline and not self.records_first:
             self._updater = threading.Thread(
                 target=self._update_loop, name="graphlane-update", daemon=True
             )
@@ -304,9 +307,8 @@ class StepEngine:
             return
         try:
             fence = self._issue(step)
-            # Alone in the engine (no other step holds a permit, so the update thread
-            # is idle), a step's work on U is dispatched right here: no hand-off.
-            inline = fence is not _S_ONLY and (not self.pipeline or self._permits.alone())
+            # Alone in the engine (the update thread is idle): U's work is issued here.
+            inline = fence is not _S_ONLY and (self._u_inline or self._permits.alone())
             if inline:
                 self._on_update_stream(step, fence)
         except BaseException as exc:  # a device fault or a misuse: fail loudly
@@ -360,13 +362,15 @@ class StepEngine:
             return _S_ONLY
         if plan.inputs:
             self._copy_inputs(program, g, plan, previous)
+        if self.records_first:  # ENPU: every record before the replay that waits on it
+            self._on_update_stream(step, previous)
         # Pipelined, the replay goes first: it waits for layer 0's release. The output
         # copy is queued behind the replay on S, so queueing it before the patches
         # costs the device nothing.
         step.replay_at = time.perf_counter()
         b.replay(g.graph, self.capture_stream)
         self._collect(program, g, step)
-        return previous
+        return _S_ONLY if self.records_first else previous
 
     def _copy_inputs(
         self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, previous: Any
@@ -492,6 +496,7 @@ class StepEngine:
             self._completions.put(step)
 
     def _completion_loop(self) -> None:
+        self.backend.enter_thread()  # it synchronizes the device's events
         while True:
             item = self._completions.get()
             if item is _STOP:

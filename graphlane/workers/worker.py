@@ -71,12 +71,17 @@ log = logging.getLogger("graphlane.worker")
 class WorkerSpec:
     """Everything a worker process needs; built by the orchestrator, sent at spawn."""
 
-    device: int
+    device: int  # the physical id: what status, logs and metrics name
     backend: str = "sim"
+    #: The device's index inside this process, as the device runtime numbers the devices
+    #: it makes visible (the daemon pins an npu worker with ASCEND_RT_VISIBLE_DEVICES, so
+    #: it is 0 there); None: ``device``.
+    runtime_index: int | None = None
     sim: dict[str, Any] | None = None  # backend "sim": the fields of graphlane.sim.SimConfig
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     depth: int = 2  # the config's default (see ServeConfig.depth)
     pipeline: bool = True
+    record_order: str = "after-replay"  # or "before-replay" (ENPU: records before the replay)
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
     limits: wire.Limits = field(default_factory=wire.Limits)
@@ -151,7 +156,8 @@ class Worker(WorkerLoop):
         options: dict[str, Any] = {}
         if spec.backend == "sim" and spec.sim is not None:
             options["config"] = spec.sim
-        backend = create_backend(spec.backend, spec.device, **options)
+        index = spec.device if spec.runtime_index is None else spec.runtime_index
+        backend = create_backend(spec.backend, index, **options)
         hang, fault = spec.faults.get("hang_device_after"), spec.faults.get("device_fault_after")
         if hang is not None or fault is not None:  # tests: a device that misbehaves on cue
             from graphlane.workers.backends.faults import FaultyBackend
@@ -166,6 +172,7 @@ class Worker(WorkerLoop):
             # Serial mode: one step on the device at a time, answered before the next.
             max_inflight=8 if spec.pipeline else 1,
             pipeline=spec.pipeline,
+            records_first=spec.record_order == "before-replay",
         )
         self.engine.start()  # this process's main thread issues (see _issue)
         self.ctx: zmq.Context[Any] = zmq.Context()

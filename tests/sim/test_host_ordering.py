@@ -42,7 +42,9 @@ def reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], l
 class Stack:
     """Per layer an ExternalEvent wait and a task group of one fused attention op."""
 
-    def __init__(self, seed: int = 0, capture: torch.npu.Stream | None = None) -> None:
+    def __init__(
+        self, seed: int = 0, capture: torch.npu.Stream | None = None, reset: bool = False
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.q_cpu = torch.randn(B, N, 1, D, dtype=torch.float16, generator=g)
         self.k_cpu = [torch.randn(B, NKV, MAXKV, D, dtype=torch.float16, generator=g)
@@ -62,6 +64,8 @@ class Stack:
         with torch.npu.graph(self.graph, stream=self.capture):
             for layer in range(LAYERS):
                 self.events[layer].wait(self.capture)
+                if reset:  # as torch_npu's own capture paths do
+                    self.events[layer].reset(self.capture)
                 torch.npu.graph_task_group_begin(self.capture)
                 self.op(layer, [MAXKV] * B)
                 self.handles.append(torch.npu.graph_task_group_end(self.capture))

@@ -57,7 +57,7 @@ class PrefillProgram(GraphProgram):
 
     def capture(self, backend, stream, bucket, buffers, events):  # type: ignore[no-untyped-def]
         full = ([self.seq] * bucket, [self.kv] * bucket)
-        events[0].wait(stream)
+        backend.wait_external(stream, events[0])
         backend.task_group_begin(stream)
         backend.call("npu_fused_infer_attention_score.out", (), self._args(buffers, *full))
         return [backend.task_group_end(stream)], [full]

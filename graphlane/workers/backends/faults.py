@@ -93,8 +93,8 @@ class FaultyBackend:
         self.inner.patch(stream, handle, op, args, kwargs, None if self.hanging else release)
 
     # ------------------------------------------------------------ the rest: inner's
-    def new_stream(self) -> Any:
-        return self.inner.new_stream()
+    def new_stream(self, priority: int = 0) -> Any:
+        return self.inner.new_stream(priority)
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return self.inner.use_stream(stream)
@@ -104,6 +104,9 @@ class FaultyBackend:
 
     def wait(self, stream: Any, event: Any) -> None:
         self.inner.wait(stream, event)
+
+    def wait_external(self, stream: Any, event: Any) -> None:
+        self.inner.wait_external(stream, event)
 
     def synchronize(self) -> None:
         self.inner.synchronize()

@@ -8,6 +8,13 @@ update_end + record in one call, with the GIL released:
 ``torch_npu._C._npu_fused_infer_attention_score_out_graph(update_stream, handle,
 event, ...)`` for the fused infer attention ``.out``), a patch that also releases
 uses it; every other op is patched with the four calls.
+
+Devices are named as the Ascend runtime numbers them in this process: under
+``ASCEND_RT_VISIBLE_DEVICES`` (the daemon pins each worker to its NPU) the one
+visible device is ``npu:0`` whatever its physical id, so ``device_index`` is the
+runtime's index; the worker keeps the physical id for status, logs and metrics.
+The current device is per host thread in torch_npu: every thread that touches the
+device calls :meth:`NpuBackend.enter_thread` first.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class NpuBackend:
     name = "npu"
 
     def __init__(self, torch_npu: Any, device_index: int = 0, use_fused_update: bool = True):
+        """``device_index``: the device as the runtime numbers it in this process."""
         self.torch_npu = torch_npu
         self.npu = torch_npu.npu
         self.npu.set_device(device_index)
@@ -43,8 +51,8 @@ class NpuBackend:
         return cls(torch_npu, device_index)
 
     # ------------------------------------------------------------ streams and events
-    def new_stream(self) -> Any:
-        return self.npu.Stream(device=self.device)
+    def new_stream(self, priority: int = 0) -> Any:
+        return self.npu.Stream(device=self.device, priority=priority)
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
         return self.npu.stream(stream)
@@ -60,6 +68,10 @@ class NpuBackend:
 
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
+
+    def wait_external(self, stream: Any, event: Any) -> None:
+        event.wait(stream)
+        event.reset(stream)  # older CANN clears the flag only here
 
     def synchronize(self) -> None:
         self.npu.synchronize(self.device)
@@ -145,6 +157,10 @@ class NpuBackend:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # An NPU copies pageable host memory synchronously: stage it in pinned memory
+        # (torch_npu's caching host allocator keeps the block until the copy ran).
+        if not src.is_pinned():
+            src = src.pin_memory()
         dst.copy_(src, non_blocking=True)
 
 

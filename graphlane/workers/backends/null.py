@@ -42,7 +42,7 @@ class NullBackend:
         self.device = torch.device("cpu")
         self.device_index = device_index
 
-    def new_stream(self) -> Any:
+    def new_stream(self, priority: int = 0) -> Any:
         return object()
 
     def use_stream(self, stream: Any) -> AbstractContextManager[Any]:
@@ -58,6 +58,9 @@ class NullBackend:
         pass
 
     def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def wait_external(self, stream: Any, event: Any) -> None:
         pass
 
     def synchronize(self) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from graphlane.sim import SimConfig, configure
 
 from .npu import NpuBackend
@@ -32,3 +34,7 @@ class SimBackend(NpuBackend):
         if config is not None:
             configure(**asdict(config))
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        # The sim cannot pin host memory (docs/sim.md): its copies are queued as they are.
+        dst.copy_(src, non_blocking=True)

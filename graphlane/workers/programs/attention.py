@@ -175,7 +175,7 @@ class AttentionProgram(GraphProgram):
         full = [self.config.max_kv_len] * bucket
         handles = []
         for layer in range(self.config.layers):
-            events[layer].wait(stream)
+            backend.wait_external(stream, events[layer])  # wait, reset
             backend.task_group_begin(stream)
             backend.call(FIA_OUT, (), self._arguments(buffers, layer, full))
             handles.append(backend.task_group_end(stream))

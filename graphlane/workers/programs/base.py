@@ -235,7 +235,8 @@ class GraphProgram(abc.ABC):
     ) -> tuple[list[Any], list[Any]]:
         """Record the graph's work on ``stream`` (inside a capture).
 
-        Each group must be preceded by ``events[g].wait(stream)`` and issue its op
+        Each group must be preceded by ``backend.wait_external(stream, events[g])``
+        (the wait and its reset) and issue its op
         with ``backend.call(op, args, kwargs)`` between ``backend.task_group_begin``
         and ``backend.task_group_end``. Returns the task-group handles and each
         group's captured parameter signature.

@@ -21,7 +21,7 @@ Static buffers of a graph instance with bucket B::
 
 Captured per layer l, behind ExternalEvent ev[l]::
 
-    ev[l].wait(S)
+    ev[l].wait(S); ev[l].reset(S)
     key_cache_l.view(-1, KV_N, D).index_copy_(0, slot_mapping, new_key[l])     (not patched)
     value_cache_l.view(-1, KV_N, D).index_copy_(0, slot_mapping, new_value[l])
     task group: FIA(query or out_{l-1}, key_cache_l, value_cache_l, block_table,
@@ -281,7 +281,7 @@ class PagedAttentionProgram(GraphProgram):
         slots = buffers["slot_mapping"]
         handles = []
         for layer in range(self.config.layers):
-            events[layer].wait(stream)
+            backend.wait_external(stream, events[layer])  # wait, reset
             for kind in ("key", "value"):
                 cache = self._rows(buffers[f"{kind}_cache_{layer}"])
                 cache.index_copy_(0, slots, buffers[f"new_{kind}"][layer])
