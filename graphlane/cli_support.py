@@ -81,7 +81,12 @@ def check_config(path: str) -> int:
     print(f"  listen {conf.listen} (workers: {conf.worker_endpoint(conf.devices[0])} ...)")
     print(f"  backend {conf.backend}, devices {list(conf.devices)}, depth {conf.depth}")
     print(f"  cpu_affinity {conf.cpu_affinity}")
+    if conf.admin_keys is not None:
+        print(f"  admin_keys {list(conf.admin_keys)} (drain, shutdown)")
     for p in conf.programs:
         keys = ", ".join(f"{k}={v}" for k, v in p.items() if k != "name")
+        clients = conf.program_clients.get(p["name"])
+        if clients is not None:
+            keys += (", " if keys else "") + f"clients={list(clients)}"
         print(f"  program {p['name']}" + (f": {keys}" if keys else ""))
     return 0

@@ -32,6 +32,9 @@ metrics_port = 7460                # Prometheus metrics on this port (0: any fre
 metrics_host = "127.0.0.1"         # the metrics server's address
 auth_dir = "/etc/graphlane/keys"   # CurveZMQ: DIR/server.key_secret, clients in DIR/clients/
                                    #   (default: none, no authentication)
+admin_keys = ["ops"]               # with auth_dir: the client keys (clients/NAME.key) that may
+                                   #   drain and shut down (default: every admitted key;
+                                   #   docs/security.md)
 insecure = false                   # allow a non-loopback tcp listen without auth_dir
 advertise_host = "node-3"          # the host clients use to reach workers (with a wildcard
                                    #   listen such as tcp://0.0.0.0:7450; default: none)
@@ -52,6 +55,8 @@ device_memory = 68719476736        # bytes of each simulated device (default 64 
 
 [[programs]]                       # one table per program (default: one "attention")
 name = "attention"                 # a built-in, an entry point, or module:attr (docs/programs.md)
+clients = ["sched-a"]              # with auth_dir: the only client keys this program serves,
+                                   #   its device state included (default: every admitted key)
 layers = 4                         # the attention program's keys, with their defaults:
 num_heads = 8                      #   query heads
 num_kv_heads = 2                   #   key/value heads (divides num_heads; GQA when fewer)
@@ -141,6 +146,12 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     faults: dict[str, Any] = field(default_factory=dict)
     auth_dir: str | None = None
+    #: Names of the client keys (auth_dir/clients/NAME.key) that may drain and shut down;
+    #: None: every admitted key (docs/security.md).
+    admin_keys: tuple[str, ...] | None = None
+    #: A program's ``clients`` (its [[programs]] table's, kept out of the program's own
+    #: config): the names of the only keys it serves. A program not here serves every key.
+    program_clients: dict[str, tuple[str, ...]] = field(default_factory=dict)
     insecure: bool = False
     advertise_host: str | None = None  # host clients use for workers (with a wildcard listen)
 
@@ -156,8 +167,9 @@ class ServeConfig:
         return f"tcp://{host}:{int(port) + 1 + device}"
 
 
-#: Keys of the file's top level: one per ServeConfig field.
-_TOP_KEYS = frozenset(f.name for f in fields(ServeConfig))
+#: Keys of the file's top level: one per ServeConfig field (programs' clients are in
+#: their [[programs]] tables).
+_TOP_KEYS = frozenset(f.name for f in fields(ServeConfig)) - {"program_clients"}
 _FAULTS = {"fail_start": bool, "hang_device_after": int, "device_fault_after": int}
 
 
@@ -268,25 +280,37 @@ def _bytes(key: str, v: Any) -> int:
     return v
 
 
-def _programs(raw: Any) -> tuple[dict[str, Any], ...]:
+def _key_names(key: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(n, str) and n for n in v):
+        raise ConfigError(key, f"must be a list of client key names, e.g. ['sched-a'], not {v!r}")
+    return tuple(v)
+
+
+def _programs(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
+    """The programs' configs, and the ``clients`` of those that name them (a setting of
+    the daemon's, not of the program: taken out before the program reads its config)."""
     from graphlane.workers.programs import ProgramConfigError, load_program
 
     if not isinstance(raw, list) or not raw:
         raise ConfigError("programs", "must be a non-empty array of tables ([[programs]])")
     seen = set()
     out = []
+    clients = {}
     for i, p in enumerate(raw):
         if not isinstance(p, Mapping) or not isinstance(p.get("name"), str):
             raise ConfigError(f"programs[{i}].name", "each program needs a name")
         if p["name"] in seen:
             raise ConfigError(f"programs[{i}].name", f"{p['name']!r} appears twice")
         seen.add(p["name"])
+        if "clients" in p:
+            p = dict(p)
+            clients[p["name"]] = _key_names(f"programs[{i}].clients", p.pop("clients"))
         try:
             load_program(p["name"], p)  # validated here, once, at the edge
         except ProgramConfigError as exc:
             raise ConfigError(exc.key, str(exc).split(": ", 1)[-1]) from exc
         out.append(dict(p))
-    return tuple(out)
+    return tuple(out), clients
 
 
 def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
@@ -323,7 +347,7 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     if "sim" in raw:
         values["sim"] = _sim(raw["sim"])
     if "programs" in raw:
-        values["programs"] = _programs(raw["programs"])
+        values["programs"], values["program_clients"] = _programs(raw["programs"])
     for k in ("max_queued", "max_restarts"):
         if k in raw:
             values[k] = _int(k, raw[k], 1 if k == "max_queued" else 0)
@@ -363,6 +387,8 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
         except SecurityError as exc:
             raise ConfigError("auth_dir", str(exc).split(": ", 1)[-1]) from None
         values["auth_dir"] = str(raw["auth_dir"])
+    if raw.get("admin_keys") is not None:
+        values["admin_keys"] = _key_names("admin_keys", raw["admin_keys"])
     if raw.get("advertise_host") is not None:
         if not isinstance(raw["advertise_host"], str) or not raw["advertise_host"]:
             raise ConfigError("advertise_host", "must be a host name or address")
@@ -382,6 +408,7 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
             f"gives cores for {len(cfg.cpu_affinity)} device(s), but {len(cfg.devices)} are "
             "served: one list of cores per device",
         )
+    _check_roles(cfg, raw)
     from graphlane.protocol.security import SecurityError, check_bind
 
     try:
@@ -389,6 +416,37 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     except SecurityError as exc:
         raise ConfigError("listen", str(exc).split(": ", 1)[-1]) from None
     return cfg
+
+
+def _check_roles(cfg: ServeConfig, raw: Mapping[str, Any]) -> None:
+    """Every key name of ``admin_keys`` and of the programs' ``clients`` names a key in
+    auth_dir/clients/; without auth_dir there are no keys to tell apart, so none may be
+    named (a config that seems to restrict shutdown must not serve without it)."""
+    named = [("admin_keys", cfg.admin_keys or ())]
+    for i, p in enumerate(raw.get("programs") or ()):
+        if isinstance(p, Mapping) and p.get("name") in cfg.program_clients:
+            named.append((f"programs[{i}].clients", cfg.program_clients[p["name"]]))
+    if cfg.admin_keys is None and not cfg.program_clients:
+        return
+    if cfg.auth_dir is None:
+        setting = "admin_keys" if cfg.admin_keys is not None else named[1][0]
+        raise ConfigError(
+            setting,
+            "names client keys, but authentication is off: roles need CurveZMQ "
+            "(set auth_dir or --auth-dir), or remove this setting",
+        )
+    from graphlane.protocol.security import client_keys
+
+    clients = Path(cfg.auth_dir) / "clients"
+    known = client_keys(clients)
+    for setting, names in named:
+        for name in names:
+            if name not in known:
+                raise ConfigError(
+                    setting,
+                    f"no client key named {name!r}: {clients / name}.key does not exist "
+                    f"(keys there: {', '.join(sorted(known)) or 'none'})",
+                )
 
 
 def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> ServeConfig:

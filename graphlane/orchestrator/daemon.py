@@ -10,6 +10,9 @@ the worker endpoint to use.
 States: RUNNING -> DRAINING (SIGTERM/SIGINT or ``shutdown``: workers stop
 accepting, finish what is in flight and exit) -> STOPPED (exit 0). Signal
 handlers only set the state and wake the main flow.
+
+With CurveZMQ and ``admin_keys`` configured, ``drain`` and ``shutdown`` need an admin
+key (FORBIDDEN otherwise; docs/security.md); the workers apply the same roles.
 """
 
 from __future__ import annotations
@@ -67,6 +70,14 @@ class Daemon:
         self.counters = {"requests": 0, "undecodable": 0, "errors": 0}
         self._dropped_log = Throttled(log)
         generation = first_generation()
+        #: Who may do what (None: every admitted key everything; no auth: no keys).
+        self.roles = (
+            security.Roles.load(
+                Path(config.auth_dir) / "clients", config.admin_keys, config.program_clients
+            )
+            if config.auth_dir is not None
+            else None
+        )
         cores = affinity.plan(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
         )
@@ -86,6 +97,7 @@ class Daemon:
                 log_format=config.log_format,
                 faults=dict(config.faults),
                 auth_dir=config.auth_dir,
+                roles=self.roles,
                 cpus=cpus,
                 generation=generation,
             )
@@ -206,17 +218,21 @@ class Daemon:
             frames = await sock.recv_multipart(copy=False)
             self.counters["requests"] += 1
             ident, payload = frames[0], frames[1:]
+            # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
+            sender = security.sender_of(ident) if self.roles is not None else None
             try:
                 reqs = wire.decode_requests(payload, wire.DEFAULT_LIMITS)
             except wire.DecodeError as exc:
                 reqs = [exc]
             bundle = len(reqs) > 1
             for req in reqs:
-                reply = self._answer(req, bundle)
+                reply = self._answer(req, bundle, sender)
                 if reply is not None:
                     await sock.send_multipart([ident, *reply])
 
-    def _answer(self, req: wire.Request | wire.DecodeError, bundle: bool) -> list[Any] | None:
+    def _answer(
+        self, req: wire.Request | wire.DecodeError, bundle: bool, sender: str | None = None
+    ) -> list[Any] | None:
         """The reply frames to one request; None for one that names no id to answer."""
         if type(req) is wire.DecodeError:
             if req.request_id is None:
@@ -228,7 +244,7 @@ class Daemon:
         try:
             if bundle:
                 raise BadRequest("the daemon's socket takes no bundles (a worker's does)")
-            return wire.encode_reply(req.id, self._handle(req))
+            return wire.encode_reply(req.id, self._handle(req, sender))
         except wire.DecodeError as exc:
             return wire.encode_error(req.id, exc.to_error())
         except Exception as exc:
@@ -237,7 +253,7 @@ class Daemon:
             self.counters["errors"] += 1
             return wire.encode_error(req.id, as_error(exc))
 
-    def _handle(self, req: wire.Request) -> dict[str, Any]:
+    def _handle(self, req: wire.Request, sender: str | None = None) -> dict[str, Any]:
         op = ops.op_named(req.op)
         if op.device:
             workers = {h.device: h.info.get("endpoint") for h in self.supervisor.workers.values()}
@@ -245,6 +261,8 @@ class Daemon:
                 f"{req.op} is served by the worker's own socket, not the daemon's: "
                 f"device endpoints {workers} (see hello)"
             )
+        if self.roles is not None:
+            self.roles.check(sender, req.op)  # FORBIDDEN: drain, shutdown need an admin
         body = req.body(op.request_decoder)
         if isinstance(body, ops.Hello):
             return self.hello()

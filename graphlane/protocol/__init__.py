@@ -183,7 +183,8 @@ connection's requests to such programs with PREDECESSOR_FAILED (docs/programs.md
     request  {"v": 1, "id": 10, "op": "resume", "body": {"device": 0}}
     reply    {"v": 1, "id": 10, "ok": true, "body": {"resumed": 8}}
 
-``drain`` — finish in-flight work, accept no more (one device, or all without ``device``)::
+``drain`` — finish in-flight work, accept no more (one device, or all without ``device``;
+sent to a worker's socket, that worker)::
 
     request  {"v": 1, "id": 6, "op": "drain", "body": {"device": 0}}
     reply    {"v": 1, "id": 6, "ok": true, "body": {}}
@@ -193,15 +194,21 @@ connection's requests to such programs with PREDECESSOR_FAILED (docs/programs.md
     request  {"v": 1, "id": 7, "op": "shutdown", "body": {}}
     reply    {"v": 1, "id": 7, "ok": true, "body": {}}
 
+With CurveZMQ and roles configured (docs/security.md), ``drain`` and ``shutdown`` need an
+admin key, and a program whose config names its ``clients`` serves only those keys; any
+other admitted key gets FORBIDDEN.
+
 An error reply, e.g. to a step on a device nobody serves::
 
     reply    {"v": 1, "id": 3, "ok": false, "error": {"code": "UNKNOWN_DEVICE",
               "message": "no worker serves device 5 (devices: [0, 1])", "retryable": false}}
 
 Error codes (``errors.ErrorCode``, stable strings): BAD_REQUEST, UNKNOWN_PROGRAM,
-UNKNOWN_DEVICE, BUSY, WORKER_LOST, TIMEOUT, UNSUPPORTED_VERSION, UNAUTHORIZED,
-SHUTTING_DOWN, INTERNAL, STATE_LOST (the request names a worker generation that is
-gone with its device state: not retryable until the state is written again),
+UNKNOWN_DEVICE, BUSY, WORKER_LOST, TIMEOUT, UNSUPPORTED_VERSION, UNAUTHORIZED (the
+CURVE handshake was refused: raised by the client, the server sends nothing), FORBIDDEN
+(the key is admitted but its role does not allow the operation), SHUTTING_DOWN,
+INTERNAL, STATE_LOST (the request names a worker generation that is gone with its
+device state: not retryable until the state is written again),
 PREDECESSOR_FAILED (an earlier kv_write or step of the same connection was not applied:
 see ``resume``). Retryable unless the error says otherwise: BUSY, WORKER_LOST, TIMEOUT,
 SHUTTING_DOWN, PREDECESSOR_FAILED.
@@ -212,6 +219,7 @@ from graphlane.protocol.errors import (
     BadRequest,
     Busy,
     ErrorCode,
+    Forbidden,
     GraphlaneError,
     InternalError,
     PredecessorFailed,
@@ -276,6 +284,7 @@ __all__ = [
     "DecodeError",
     "Drain",
     "ErrorCode",
+    "Forbidden",
     "FrameLike",
     "GraphlaneError",
     "Hello",

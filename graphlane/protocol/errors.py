@@ -14,7 +14,10 @@ The tree is split by what the caller should do about it::
     │   ├── UnknownProgram      no program of that name is loaded
     │   ├── UnknownDevice       no worker serves that device id
     │   ├── UnsupportedVersion  the envelope's "v" is not a version this server speaks
-    │   ├── Unauthorized        the peer may not make this request
+    │   ├── Unauthorized        the CURVE handshake was refused: the key is not admitted
+    │   │                       (raised by the client: the server sends nothing)
+    │   ├── Forbidden           the key is admitted, but its role does not allow this
+    │   │                       operation (an admin's, or another program's: docs/security.md)
     │   └── StateLost           the request names a worker generation that is gone: the
     │                           device state it depends on (a KV cache) was lost in a
     │                           restart; re-read the generation, write the state again
@@ -44,6 +47,7 @@ __all__ = [
     "BadRequest",
     "Busy",
     "ErrorCode",
+    "Forbidden",
     "GraphlaneError",
     "InternalError",
     "PredecessorFailed",
@@ -74,6 +78,7 @@ class ErrorCode(enum.StrEnum):
     TIMEOUT = "TIMEOUT"
     UNSUPPORTED_VERSION = "UNSUPPORTED_VERSION"
     UNAUTHORIZED = "UNAUTHORIZED"
+    FORBIDDEN = "FORBIDDEN"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
     STATE_LOST = "STATE_LOST"
@@ -151,9 +156,19 @@ class UnsupportedVersion(RequestError):
 
 
 class Unauthorized(RequestError):
-    """The peer may not make this request."""
+    """The server refused the CURVE handshake: the client's key is not admitted (or it
+    sent none). The server answers nothing; the client's transport raises this."""
 
     code = ErrorCode.UNAUTHORIZED
+
+
+class Forbidden(RequestError):
+    """The client's key is admitted, but the server's configuration does not let it make
+    this request: an administrative operation (``drain``, ``shutdown``) from a key not in
+    ``admin_keys``, or a request to a program whose ``clients`` do not name the key
+    (docs/security.md). Not retryable: another key, or another configuration, is needed."""
+
+    code = ErrorCode.FORBIDDEN
 
 
 class StateLost(RequestError):
@@ -229,6 +244,7 @@ _CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
         UnknownDevice,
         UnsupportedVersion,
         Unauthorized,
+        Forbidden,
         StateLost,
         Busy,
         WorkerLost,

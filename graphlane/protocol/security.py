@@ -13,6 +13,14 @@ drops the handshake. The client's own socket monitor sees the failed
 handshake and fails its calls with UNAUTHORIZED instead of waiting for them to
 time out.
 
+Roles (docs/security.md): once CURVE has admitted a key, :class:`Roles` says what it
+may do. Keys are named by their files, ``clients/NAME.key``; the config's top-level
+``admin_keys`` names the keys that may ``drain`` and ``shutdown``, a program's
+``clients`` the keys that may use it and its device state. Without those settings every
+admitted key may do everything; without authentication there are no keys, and no roles.
+A refused request is answered FORBIDDEN. The server learns the sender from the ZAP
+User-Id of the message: pyzmq's authenticator sets it to the client's public key (Z85).
+
 Binds: ipc endpoints and loopback tcp are allowed without authentication; any
 other tcp bind is refused unless authentication is configured or ``insecure``
 is set.
@@ -23,12 +31,16 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.auth
+
+from graphlane.protocol import wire
+from graphlane.protocol.errors import Forbidden
 
 
 class SecurityError(ValueError):
@@ -76,6 +88,96 @@ def start_authenticator(ctx: zmq.Context[Any], keys: ServerKeys) -> Any:
     auth.start()
     auth.configure_curve(domain="*", location=keys.clients_dir)
     return auth
+
+
+def client_keys(clients_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """The admitted keys by name: NAME of each ``clients_dir/NAME.key`` -> its public key
+    (Z85, as the ZAP User-Id of that client's messages)."""
+    out = {}
+    for path in sorted(Path(clients_dir).glob("*.key")):
+        public, _ = zmq.auth.load_certificate(str(path))
+        out[path.stem] = public.decode("ascii")
+    return out
+
+
+#: Operations that act on the whole daemon or a whole worker, not on one program.
+ADMIN_OPS = frozenset({"drain", "shutdown"})
+
+
+@dataclass(frozen=True)
+class Roles:
+    """What each admitted key may do (see the module docstring). Built once at start from
+    the config's key names; the servers check every request against it."""
+
+    names: dict[str, str]  # public key (Z85) -> key name, for the messages
+    admins: frozenset[str] | None  # public keys; None: every admitted key
+    programs: dict[str, frozenset[str]] = field(default_factory=dict)  # absent: every key
+
+    @classmethod
+    def load(
+        cls,
+        clients_dir: str | os.PathLike[str],
+        admin_keys: Sequence[str] | None,
+        program_clients: Mapping[str, Sequence[str]],
+    ) -> Roles | None:
+        """None when the config names no roles (every admitted key may do everything)."""
+        if admin_keys is None and not program_clients:
+            return None
+        by_name = client_keys(clients_dir)
+
+        def keys(setting: str, names: Sequence[str]) -> frozenset[str]:
+            for name in names:
+                if name not in by_name:
+                    raise SecurityError(
+                        f"{setting}: no client key named {name!r} "
+                        f"({Path(clients_dir) / name}.key does not exist)"
+                    )
+            return frozenset(by_name[n] for n in names)
+
+        return cls(
+            names={key: name for name, key in by_name.items()},
+            admins=None if admin_keys is None else keys("admin_keys", admin_keys),
+            programs={p: keys(f"{p}.clients", n) for p, n in program_clients.items()},
+        )
+
+    def check(self, sender: str | None, op: str, program: str | None = None) -> None:
+        """FORBIDDEN unless the key ``sender`` (a ZAP User-Id) may make request ``op``
+        (to ``program``, for a program's operations)."""
+        if op in ADMIN_OPS:
+            if self.admins is not None and sender not in self.admins:
+                raise Forbidden(f"{op} needs a key named in admin_keys; {self._who(sender)} is not")
+            return
+        allowed = self.programs.get(program) if program is not None else None
+        if allowed is not None and sender not in allowed:
+            raise Forbidden(
+                f"program {program!r} serves only the keys its clients setting names; "
+                f"{self._who(sender)} is not one of them"
+            )
+
+    def _who(self, sender: str | None) -> str:
+        name = self.names.get(sender) if sender is not None else None
+        return f"key {name!r}" if name else "this key"
+
+
+def sender_of(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id of the message ``frame`` belongs to (with CurveZMQ: the sender's
+    public key, Z85); None for a message that came without ZAP."""
+    try:
+        sender = frame.get("User-Id")
+    except zmq.ZMQError:  # no such property
+        return None
+    return sender if isinstance(sender, str) else None
+
+
+def recv_with_sender(
+    sock: zmq.Socket[Any], copied: int, flags: int = 0
+) -> tuple[list[Any], str | None]:
+    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and the sender's
+    key: the routing id is received as a Frame (which carries the User-Id), the rest by
+    recv_message itself."""
+    first = sock.recv(flags, copy=False)
+    frames = [first.bytes, *wire.recv_message(sock, copied - 1)] if first.more else [first.bytes]
+    return frames, sender_of(first)
 
 
 @dataclass(frozen=True)

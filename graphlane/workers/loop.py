@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.backend import zmq_poll
 
-from graphlane.protocol import pipe, requests, wire
+from graphlane.protocol import pipe, requests, security, wire
 from graphlane.protocol.errors import GraphlaneError, as_error
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ class WorkerLoop:
     _woken: bool
     _outbox: dict[bytes, list[bytes]] | None
     _outbox_since: float
+    roles: security.Roles | None  # None: no roles apply (always so without CurveZMQ)
+    sender: str | None  # the key (ZAP User-Id) of the message being handled, with roles
 
     # ------------------------------------------------------------ the Worker's part
     @property
@@ -137,6 +139,8 @@ class WorkerLoop:
         # call per test): the socket's readiness is one C call either way.
         both: list[Any] = [(sock, wire.POLLIN), (wake, wire.POLLIN)]
         recv = wire.recv_message
+        if self.roles is not None:  # only then: the sender costs a zero-copy frame
+            recv = self._recv_noting_sender
         while not self._stopping:
             readable = woken = False
             for which, _ in zmq_poll(both, 1000):  # at once when anything waits
@@ -158,6 +162,12 @@ class WorkerLoop:
                 else:
                     self._handle(frames)
             self._pump()
+
+    def _recv_noting_sender(self, sock: zmq.Socket[Any], copied: int, flags: int = 0) -> list[Any]:
+        """wire.recv_message that notes the sender's key for the roles (``self.sender``,
+        read by the requests of this message)."""
+        frames, self.sender = security.recv_with_sender(sock, copied, flags)
+        return frames
 
     def _take_wakeups(self) -> None:
         """Run posted commands and answer finished steps. The protocol (see _wake):

@@ -89,6 +89,7 @@ class WorkerSpec:
     log_level: int = logging.INFO
     log_format: str = "text"
     auth_dir: str | None = None  # CurveZMQ server keys and admitted clients
+    roles: security.Roles | None = None  # with auth_dir: who may do what (None: anyone all)
     # Fault injection for tests: "fail_start": true, "hang_device_after": N,
     # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
@@ -178,6 +179,9 @@ class Worker(WorkerLoop):
         self.ctx: zmq.Context[Any] = zmq.Context()
         affinity.free_io_threads(self.ctx)  # a pinned worker's sockets do I/O on every core
         self.auth: Any = None
+        # Roles apply with CurveZMQ only; then each message's sender is noted (see _serve).
+        self.roles = spec.roles if spec.auth_dir is not None else None
+        self.sender: str | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         if spec.auth_dir is not None:
             keys = security.ServerKeys.load(spec.auth_dir)
@@ -286,6 +290,8 @@ class Worker(WorkerLoop):
                 self._fence(ident, req.id, str(exc.code))
             raise
         if not op.device:
+            if self.roles is not None:
+                self.roles.check(self.sender, req.op)  # FORBIDDEN: drain, shutdown
             self._control(ident, req.id, body, bundled)
             return
         if type(body) is ops.Resume:
@@ -308,6 +314,8 @@ class Worker(WorkerLoop):
         self, ident: bytes, req: wire.Request, body: Any, received: float, bundled: bool
     ) -> None:
         """Validate a device request and issue or queue its step."""
+        if self.roles is not None:  # FORBIDDEN: a program that does not serve this key
+            self.roles.check(self.sender, req.op, body.program)
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
         if body.device != self.spec.device:

@@ -108,3 +108,64 @@ def test_auto_pins_each_sim_or_null_worker_to_a_core_of_its_own() -> None:
     assert affinity.plan("auto", "npu", 2, offset=7) == [None, None]
     assert affinity.plan("off", "sim", 2, offset=7) == [None, None]
     assert affinity.plan(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
+
+
+def _auth_dir(tmp_path: Path) -> str:
+    from graphlane.protocol.security import generate
+
+    generate(tmp_path / "keys", "server")
+    for name in ("ops", "sched-a"):
+        generate(tmp_path / "keys" / "clients", name)
+    return str(tmp_path / "keys")
+
+
+def test_roles_name_client_keys_and_clients_stay_out_of_the_program(tmp_path: Path) -> None:
+    keys = _auth_dir(tmp_path)
+    f = tmp_path / "c.toml"
+    f.write_text(
+        f'auth_dir = "{keys}"\nadmin_keys = ["ops"]\n'
+        '[[programs]]\nname = "attention"\nlayers = 2\nclients = ["sched-a", "ops"]\n'
+        '[[programs]]\nname = "paged_attention"\n'
+    )
+    cfg = load(f)
+    assert cfg.admin_keys == ("ops",)
+    assert cfg.program_clients == {"attention": ("sched-a", "ops")}
+    # The program's own config (what load_program and hello see) has no clients key.
+    assert cfg.programs[0] == {"name": "attention", "layers": 2}
+    assert load(None, {"auth_dir": keys}).admin_keys is None  # default: no roles
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "named"),
+    [
+        ({"admin_keys": ["ghost"]}, "admin_keys", "ghost"),
+        ({"admin_keys": "ops"}, "admin_keys", "client key names"),
+        ({"programs": [{"name": "attention"},
+                       {"name": "paged_attention", "clients": ["ops", "nobody"]}]},
+         "programs[1].clients", "nobody"),
+        ({"programs": [{"name": "attention", "clients": [1]}]}, "programs[0].clients",
+         "client key names"),
+    ],
+)  # fmt: skip
+def test_roles_naming_no_client_key_are_errors_naming_the_setting(
+    tmp_path: Path, raw: dict, key: str, named: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"auth_dir": _auth_dir(tmp_path), **raw})
+    assert err.value.key == key and named in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [
+        ({"admin_keys": ["ops"]}, "admin_keys"),
+        ({"programs": [{"name": "attention", "clients": ["ops"]}]}, "programs[0].clients"),
+    ],
+)
+def test_roles_without_authentication_are_an_error(tmp_path: Path, raw: dict, key: str) -> None:
+    """Without CurveZMQ there are no keys to tell apart: a config that seems to restrict
+    shutdown or a program must not serve as if it did. With auth_dir it loads."""
+    with pytest.raises(ConfigError) as err:
+        from_mapping(raw)
+    assert err.value.key == key and "auth_dir" in str(err.value)
+    assert from_mapping({**raw, "auth_dir": _auth_dir(tmp_path)}).auth_dir is not None
