@@ -24,7 +24,7 @@ startup_timeout_s = 120.0          # a worker's capture and handshake must end w
 max_restarts = 5                   # restarts of a device's worker within restart_window_s,
 restart_window_s = 60.0            #   then it is marked failed (all failed: the daemon exits 1)
 shutdown_timeout_s = 30.0          # drain: in-flight work gets this long, then SIGTERM, SIGKILL
-hang_timeout_s = 30.0              # a request held (or a health check unanswered) this long
+hang_timeout_s = 30.0              # requests open and none answered (or a health check unanswered)
                                    #   means a hung worker: it is killed and restarted
 log_format = "text"                # or "json": one JSON object per line
 metrics_port = 7460                # Prometheus metrics on this port (0: any free port;

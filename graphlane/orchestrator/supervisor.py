@@ -250,8 +250,8 @@ class Supervisor:
 
     async def _watch(self, h: WorkerHandle, proc: BaseProcess, conn: WorkerPipe) -> None:
         """Health and figures, about once per poll_s. A worker that does not answer, or
-        holds a request longer than hang_timeout_s (a device wait that never ends),
-        is killed; the normal restart path replaces it."""
+        holds requests and answers none of them for hang_timeout_s (a device wait that
+        never ends), is killed; the normal restart path replaces it."""
         while True:
             await asyncio.sleep(self.poll_s)
             if h.process is not proc or h.state != READY or h.pipe is not conn:
@@ -264,10 +264,17 @@ class Supervisor:
                 self._hung(h, proc, f"no answer to a health check within {self.hang_timeout_s:g} s")
                 return
             h.stats = msg.status
-            age = float(h.stats.get("oldest_inflight_s", 0.0))
-            if age > self.hang_timeout_s:
+            # Stalled, not old: a burst queued behind a slow device (a loaded host, a long
+            # replay) has requests older than hang_timeout_s while steps keep completing;
+            # a device wait that never ends completes nothing.
+            stalled = float(h.stats.get("stalled_s", 0.0))
+            if stalled > self.hang_timeout_s:
+                inflight = h.stats.get("inflight", 0)
                 self._hung(
-                    h, proc, f"a request has been in flight for {age:.1f} s (hang_timeout_s)"
+                    h,
+                    proc,
+                    f"{inflight} request(s) open and none answered for {stalled:.1f} s "
+                    "(hang_timeout_s)",
                 )
                 return
 

@@ -204,6 +204,10 @@ class Worker(WorkerLoop):
         self._dropped_log = Throttled(log)
         # Accepted requests not answered yet (waiting + on the device), oldest first.
         self._open: dict[Step, None] = {}
+        # When the last device request was answered (perf_counter): with requests open,
+        # the time since then (or since the oldest was received) is how long the device
+        # has made no progress, what the daemon's hang check reads (``stalled_s``).
+        self._progress_at = time.perf_counter()
         self.started = time.time()
         self.exit_code = 0
         self._stopping = False
@@ -248,6 +252,8 @@ class Worker(WorkerLoop):
         }
 
     def status(self) -> dict[str, Any]:
+        now = time.perf_counter()
+        oldest = next(iter(self._open)).received if self._open else now
         return {
             **self.info(),
             "state": "draining" if self.draining else "ready",
@@ -256,9 +262,8 @@ class Worker(WorkerLoop):
             "steps": self.engine.steps_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.counters),
-            "oldest_inflight_s": round(time.perf_counter() - next(iter(self._open)).received, 3)
-            if self._open
-            else 0.0,
+            "oldest_inflight_s": round(now - oldest, 3) if self._open else 0.0,
+            "stalled_s": round(now - max(oldest, self._progress_at), 3) if self._open else 0.0,
             "metrics": self.metrics.snapshot(),
             "uptime_s": round(time.time() - self.started, 3),
         }
@@ -468,6 +473,7 @@ class Worker(WorkerLoop):
 
     def _finish(self, step: Step) -> None:
         self._open.pop(step, None)
+        self._progress_at = time.perf_counter()
         if step.results is None:
             error = as_error(step.error or InternalError("step ended without results"))
             self._reply_error(step.ident, step.request_id, error, step.bundled)

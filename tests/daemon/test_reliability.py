@@ -59,6 +59,31 @@ def test_a_hung_worker_is_replaced_and_its_call_gets_worker_lost(start_daemon) -
     assert w["restarts"] == 1
 
 
+def test_a_slow_but_progressing_burst_is_not_taken_for_a_hang(start_daemon) -> None:
+    """A burst queued behind a slow device keeps requests open longer than
+    hang_timeout_s while steps complete one after another: that is not a hang. The
+    timed sim makes every step cost 0.4 s of device time, so 12 steps sent together
+    keep the last one open about 5 s, five times hang_timeout_s (1 s). The daemon
+    used to kill such a worker on the age of its oldest request (how a 64-step
+    burst on a loaded 2-core CI machine, some 0.5 s a step, was killed at 31 s);
+    it now kills only a worker that answers none of its open requests for
+    hang_timeout_s."""
+    d: RunningDaemon = start_daemon(
+        devices=1, hang_timeout_s=1.0, sim={"mode": "timed", "task_us": 200_000.0}
+    )
+    first = d.worker(0)["pid"]
+
+    async def burst() -> list[Any]:
+        async with Client(d.endpoint, timeout=60) as c:
+            calls = [c.step("attention", 0, {"actual_seq_lengths_kv": [1 + i]}) for i in range(12)]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(burst())
+    assert not [o for o in outcomes if isinstance(o, BaseException)], outcomes
+    w = d.worker(0)
+    assert w["pid"] == first and w["restarts"] == 0
+
+
 def test_a_worker_failing_at_start_is_retried_then_marked_failed(shared_daemon, tmp_path) -> None:
     """A device whose worker cannot start is restarted with backoff, then marked failed
     after the cap, while another daemon's device serves on beside it; a daemon whose
