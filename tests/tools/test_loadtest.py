@@ -160,9 +160,11 @@ def test_main_with_a_drained_device_counts_shutting_down_and_completes(
     common = ["loadtest", "--connect", d.endpoint, "--no-progress"]
     args = parser().parse_args(
         [*common, "--concurrency", "2", "--duration", "1", "--verify", "0.2",
-         "--report", str(out), "--seed", "3"]
+         "--report", str(out), "--seed", "3", "--max-unavailable", "1"]
     )  # fmt: skip
-    assert main(args) == 0  # SHUTTING_DOWN is retryable: the run still passes
+    # SHUTTING_DOWN is retryable: the run still passes. (Availability is not what this
+    # test checks: on a loaded machine a 1 s run can pass 0.2 s without a step served.)
+    assert main(args) == 0
     printed = capsys.readouterr().out
     assert "throughput" in printed and "SHUTTING_DOWN" in printed and "p99.9" in printed
     report = json.loads((out / "report.json").read_text())
