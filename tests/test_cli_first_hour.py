@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
+import subprocess
+import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
@@ -87,3 +90,49 @@ def test_bench_help_says_where_keys_go(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--client-key", "x"])
     assert exit_.value.code == 2
+
+
+# ------------------------------------------------------------------ ordinary mistakes (issue 27)
+def test_serve_refuses_an_endpoint_the_client_refuses(tmp_path: Path, capsys) -> None:
+    """One check for every endpoint: a port over 65535 is refused by serve (naming the
+    setting) as by the client, before anything starts; port 0 is a bind's any port."""
+    from graphlane.protocol.endpoints import InvalidEndpoint, check_endpoint
+
+    for listen in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:-1", "tcp://127.0.0.1:x"):
+        with pytest.raises(InvalidEndpoint):
+            check_endpoint(listen)
+        with pytest.raises(cfg.ConfigError) as err:
+            cfg.load(None, {"listen": listen})
+        assert err.value.key == "listen"
+        bad = tmp_path / "bad.toml"
+        bad.write_text(f'listen = "{listen}"\n')
+        assert main(["config", "check", str(bad)]) == 2
+        line = capsys.readouterr().err
+        assert line.count("\n") == 1 and "listen" in line and "Traceback" not in line
+    # Any free port, for tests: the daemon and each worker bind one (status shows which).
+    for listen in ("tcp://127.0.0.1:0", "tcp://127.0.0.1:*"):
+        assert cfg.load(None, {"listen": listen}).worker_endpoint(1) == "tcp://127.0.0.1:0"
+    with pytest.raises(InvalidEndpoint):
+        check_endpoint("tcp://127.0.0.1:0")  # a client connects to a port
+    # Device 1's worker would need port 65536.
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.load(None, {"listen": "tcp://127.0.0.1:65534", "devices": 2})
+    assert err.value.key == "listen"
+    with pytest.raises(cfg.ConfigError) as err:
+        cfg.load(None, {"listen": "tcp://127.0.0.1:7450", "metrics_port": 7451})
+    assert err.value.key == "metrics_port"
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "graphlane", "serve", "--devices", "1", "--listen",
+             f"ipc://{tmp_path}/d.sock", "--metrics-port", str(port)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 1, run.stderr  # as a daemon's own port in use
+    assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
+    assert f"port {port}" in run.stderr and "--metrics-port" in run.stderr
