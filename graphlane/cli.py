@@ -85,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
         "status",
         help="show the daemon's workers",
         description="Ask a running daemon for its status. With --wait, wait until every "
-        "worker is ready: exit 0 then, 1 at the deadline.",
+        "worker is ready: exit 0 then, 1 at the deadline. Exit 1 also when no daemon "
+        "answers within --timeout, 2 when --connect is not a daemon's endpoint (malformed, "
+        "or a device's worker endpoint as status lists them).",
     )
     st.add_argument(
         "--connect",
@@ -333,8 +335,13 @@ def _status(args: argparse.Namespace) -> int:
         finally:
             await client.close()
 
+    from graphlane.protocol.endpoints import InvalidEndpoint
+
     try:
         st = asyncio.run(fetch())
+    except InvalidEndpoint as exc:  # malformed, or a worker's: --connect is to change
+        print(f"graphlane status: --connect: {exc.message}", file=sys.stderr)
+        return 2
     except GraphlaneError as exc:
         print(f"graphlane status: {exc}", file=sys.stderr)
         return 1
