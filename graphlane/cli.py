@@ -165,6 +165,11 @@ def _parser() -> argparse.ArgumentParser:
         "authentication, so it takes no keys: to measure a daemon that requires CurveZMQ, run "
         "'graphlane loadtest --connect EP --server-key FILE --client-key FILE' against it.",
     )
+    b.epilog = (
+        "exit status: 0 when every goal is met; 1 when a goal failed; 3 when the only "
+        "failures are marked noisy (the repeats spread too much for the figure to mean "
+        "much: run again on a quiet machine)."
+    )
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (noisier)")
 
@@ -240,18 +245,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return loadtest_main(args)
     if args.command == "bench":
+        import json
+
         from graphlane.tools.bench import format_report, run_all
+        from graphlane.tools.bench_goals import exit_status, goals
 
         report = run_all(quick=args.quick)
+        verdicts = goals(report)
         if args.json:
-            from graphlane.tools.bench_goals import goals
-
-            report["goals"] = goals(report)
+            report["goals"] = verdicts
             report.pop("pipeline_table")
             print(json.dumps(report, indent=2))
         else:
             print(format_report(report))
-        return 0
+        return exit_status(verdicts)
     if args.command == "demo":
         from graphlane.tools.demo import run as run_demo
 

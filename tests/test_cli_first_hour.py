@@ -11,6 +11,7 @@ import sys
 import tomllib
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -136,3 +137,20 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_setting(tmp_path: Path) ->
     assert run.returncode == 1, run.stderr  # as a daemon's own port in use
     assert run.stderr.count("\n") == 1 and "Traceback" not in run.stderr, run.stderr
     assert f"port {port}" in run.stderr and "--metrics-port" in run.stderr
+
+
+def test_bench_exits_non_zero_when_a_goal_fails(capsys) -> None:
+    from graphlane.tools.bench_goals import EXIT_FAILED, EXIT_MET, EXIT_NOISY, exit_status, goals
+
+    def report(rtt: float, windowed: float, spread: float) -> dict[str, Any]:
+        null = {"step_rtt_vs_raw": rtt, "windowed_vs_raw": windowed, "windowed_spread": spread}
+        return {"control_plane": {"null": null}}
+
+    assert exit_status(goals(report(1.0, 1.0, 0.0))) == EXIT_MET == 0
+    assert exit_status(goals(report(2.0, 1.0, 0.0))) == EXIT_FAILED == 1
+    assert exit_status(goals(report(2.0, 0.5, 0.9))) == EXIT_FAILED  # one clean failure
+    assert exit_status(goals(report(1.0, 0.5, 0.9))) == EXIT_NOISY == 3  # noise only
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "exit status: 0 when every goal is met; 1 when a goal failed; 3" in text
