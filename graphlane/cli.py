@@ -4,12 +4,12 @@ are tools (graphlane.tools)."""
 
 from __future__ import annotations
 
+# Few imports here: a Ctrl-C before main() starts is Python's own traceback, so the
+# module that main() lives in loads fast; each command imports what it needs.
 import argparse
-import json
+import os
 import sys
 from typing import Any
-
-from graphlane.orchestrator.config import DEFAULT_LISTEN
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,6 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from graphlane import __version__
+    from graphlane.orchestrator.config import DEFAULT_LISTEN
 
     p = _Parser(
         prog="graphlane",
@@ -207,7 +208,39 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-key", metavar="FILE", help="this client's NAME.key_secret")
 
 
+#: The exit status of a command whose stdout was closed early (``graphlane status | head
+#: -1``). The common Unix tools (coreutils' yes, seq, cat) are killed by SIGPIPE there,
+#: which the shell reports as 128 + 13 = 141; exiting 141 quietly looks the same to a
+#: shell (``$?``, PIPESTATUS, ``set -o pipefail``) without Python's traceback.
+EXIT_BROKEN_PIPE = 141
+#: The exit status after Ctrl-C (SIGINT): 128 + 2, as a shell reports a command it ended.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``graphlane`` command; its exit status. Whatever the command, Ctrl-C is
+    one line ("interrupted") and :data:`EXIT_INTERRUPTED`, and a stdout closed early
+    (a pipe into ``head``) ends it quietly with :data:`EXIT_BROKEN_PIPE`."""
+    words = sys.argv[1:] if argv is None else argv
+    command = words[0] if words and not words[0].startswith("-") else ""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+    except KeyboardInterrupt:
+        print(f"graphlane{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null first (the recipe of
+        # the Python docs, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -356,6 +389,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"graphlane status: {exc}", file=sys.stderr)
         return 2
     if args.json:
+        import json
+
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0
     for host in st.get("hosts", [st]):

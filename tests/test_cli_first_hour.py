@@ -4,6 +4,7 @@ flags, readable help, ``config check``, and a config module that documents every
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 import subprocess
@@ -154,3 +155,60 @@ def test_bench_exits_non_zero_when_a_goal_fails(capsys) -> None:
         main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "exit status: 0 when every goal is met; 1 when a goal failed; 3" in text
+
+
+def _closed_stdout_run(*args: str) -> subprocess.CompletedProcess[str]:
+    """``graphlane ARGS`` with a stdout whose reader is gone before anything is written
+    (``graphlane ... | head -0``): every write to it fails."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "graphlane", *args],
+            stdout=w, stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(w)
+
+
+def test_a_closed_stdout_ends_a_command_quietly_with_141() -> None:
+    run = _closed_stdout_run("config", "check", str(ROOT / "deploy" / "graphlane.toml"))
+    assert (run.returncode, run.stderr) == (141, ""), run.stderr
+
+
+def test_loadtest_with_nothing_at_the_endpoint_exits_3_naming_the_wait(
+    tmp_path: Path, capsys
+) -> None:
+    nobody = f"ipc://{tmp_path}/nobody.sock"
+    code = main(["loadtest", "--connect", nobody, "--concurrency", "1", "--duration", "1",
+                 "--report", str(tmp_path / "r"), "--connect-timeout", "0.3"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 3 and err.count("\n") == 1, err
+    assert nobody in err and "0.3 s" in err and "--connect-timeout" in err
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--help"])
+    assert "3  nothing answered at --connect within --connect-timeout" in capsys.readouterr().out
+
+
+def test_loadtest_says_which_programs_it_can_drive(capsys, monkeypatch) -> None:
+    """A custom program is refused naming what loadtest drives and what the program
+    is, not with a --shape hint that cannot apply."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "workers"))
+    from prefill_program import PrefillProgram  # docs/programs.md's worked example
+
+    from graphlane.tools.loadtest import LoadTestError
+    from graphlane.tools.loadtest_config import LoadConfig
+    from graphlane.tools.loadtest_workload import resolve_plan
+
+    hello = {"workers": [{"device": 0, "programs": {"prefill": PrefillProgram().describe()}}]}
+    config = LoadConfig("ipc:///nowhere", 1.0, concurrency=1, program="prefill")
+    with pytest.raises(LoadTestError) as err:
+        resolve_plan(config, hello)
+    text = str(err.value)
+    assert "--program" in text and "'attention'" not in text and "--shape" not in text
+    assert "attention" in text and "paged_attention" in text
+    assert "'prefill' has parameters: none" in text  # what its hello entry describes
+    with pytest.raises(SystemExit):
+        main(["loadtest", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "Programs it can drive (--program): attention-shaped ones" in help_text

@@ -5,6 +5,10 @@ lands in a load test, and the client taking what a user naturally passes."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from daemons import SMALL, RunningDaemon
+from daemons import SMALL, RunningDaemon, wait_for
 
 from graphlane.client import Client, SyncClient
 from graphlane.client.args import InvalidArgument
@@ -24,6 +28,7 @@ PAGED = {"name": "paged_attention", "layers": 2, "num_heads": 4, "num_kv_heads":
          "head_dim": 16, "block_size": 128, "num_blocks": 6, "max_blocks_per_seq": 2,
          "buckets": [4]}  # fmt: skip
 BOTH = [SMALL, PAGED]
+INTERRUPTED = "graphlane loadtest: interrupted"
 
 
 def _cli(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -121,3 +126,94 @@ def test_kv_slots_take_a_list_and_a_wrong_argument_is_named(shared_daemon) -> No
             assert err.value.code == "BAD_REQUEST", name
             assert err.value.message.startswith(name), (name, err.value.message)
         assert set(c.step("attention", 0, {"actual_seq_lengths_kv": [3]}).outputs) == {"out"}
+
+
+# ---------------------------------------------------------------------------- a closed stdout
+def test_status_into_a_closed_pipe_exits_quietly(shared_daemon) -> None:
+    d = shared_daemon(devices=1)
+    r, w = os.pipe()
+    os.close(r)  # `graphlane status | head -0`: the reader is gone before any write
+    try:
+        run = _cli("status", "--connect", d.endpoint, capture_output=False, stdout=w,
+                   stderr=subprocess.PIPE)  # fmt: skip
+    finally:
+        os.close(w)
+    assert (run.returncode, run.stderr) == (141, "")
+
+
+# ---------------------------------------------------------------------------- Ctrl-C
+_SIGINT_AT_IMPORT = """
+import os, signal, sys
+
+def hook(event, args):  # a real SIGINT while the command first imports torch
+    if event == "import" and args[0] == "torch" and not hook.done:
+        hook.done = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+hook.done = False
+sys.addaudithook(hook)
+from graphlane.cli import main  # as the graphlane script does
+sys.exit(main())
+"""
+
+
+def test_ctrl_c_before_the_run_is_one_line_and_130(tmp_path: Path) -> None:
+    # While the command loads (the first second of a cold start).
+    run = subprocess.run(
+        [sys.executable, "-c", _SIGINT_AT_IMPORT, *_loadtest_args("ipc:///x", tmp_path / "r")],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert _one_line(run, 130).strip() == INTERRUPTED
+    # While it waits for hello: something accepted the connection and never answers.
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        endpoint = f"tcp://127.0.0.1:{mute.getsockname()[1]}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "graphlane", *_loadtest_args(endpoint, tmp_path / "r")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            mute.settimeout(120)
+            conn, _ = mute.accept()  # the load test is connecting
+            with conn:
+                proc.send_signal(signal.SIGINT)
+                _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130 and err.strip() == INTERRUPTED, err
+
+
+def _steps(d: RunningDaemon) -> int:
+    return sum(int(w.get("steps", 0)) for w in d.status()["workers"])
+
+
+@pytest.mark.parametrize("program", ["attention", "paged_attention"])
+def test_ctrl_c_during_the_run_reports_so_far_then_says_interrupted(
+    shared_daemon, tmp_path: Path, program: str
+) -> None:
+    """The first Ctrl-C of a run ends its sending: the summary and report of the steps
+    so far, then one line on stderr and 130, for either workload."""
+    d: RunningDaemon = shared_daemon(devices=1, programs=BOTH)
+    before = _steps(d)
+    report = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "graphlane",
+         *_loadtest_args(d.endpoint, report, "--program", program)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # Past attention's probe step: the run itself is stepping.
+        wait_for(lambda: proc.poll() is not None or _steps(d) > before + 1, 120, "the run")
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130 and err.strip() == INTERRUPTED, err
+    assert "interrupted after" in out
+    assert json.loads((report / "report.json").read_text())["interrupted"] is True
