@@ -4,12 +4,12 @@ are tools (graphlane.tools)."""
 
 from __future__ import annotations
 
+# Few imports here: a Ctrl-C before main() starts is Python's own traceback, so the
+# module that main() lives in loads fast; each command imports what it needs.
 import argparse
-import json
+import os
 import sys
 from typing import Any
-
-from graphlane.orchestrator.config import DEFAULT_LISTEN
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,6 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from graphlane import __version__
+    from graphlane.orchestrator.config import DEFAULT_LISTEN
 
     p = _Parser(
         prog="graphlane",
@@ -85,7 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         "status",
         help="show the daemon's workers",
         description="Ask a running daemon for its status. With --wait, wait until every "
-        "worker is ready: exit 0 then, 1 at the deadline.",
+        "worker is ready: exit 0 then, 1 at the deadline. Exit 1 also when no daemon "
+        "answers within --timeout, 2 when --connect is not a daemon's endpoint (malformed, "
+        "or a device's worker endpoint as status lists them).",
     )
     st.add_argument(
         "--connect",
@@ -163,6 +166,11 @@ def _parser() -> argparse.ArgumentParser:
         "authentication, so it takes no keys: to measure a daemon that requires CurveZMQ, run "
         "'graphlane loadtest --connect EP --server-key FILE --client-key FILE' against it.",
     )
+    b.epilog = (
+        "exit status: 0 when every goal is met; 1 when a goal failed; 3 when the only "
+        "failures are marked noisy (the repeats spread too much for the figure to mean "
+        "much: run again on a quiet machine)."
+    )
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (noisier)")
 
@@ -200,7 +208,39 @@ def _add_key_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-key", metavar="FILE", help="this client's NAME.key_secret")
 
 
+#: The exit status of a command whose stdout was closed early (``graphlane status | head
+#: -1``). The common Unix tools (coreutils' yes, seq, cat) are killed by SIGPIPE there,
+#: which the shell reports as 128 + 13 = 141; exiting 141 quietly looks the same to a
+#: shell (``$?``, PIPESTATUS, ``set -o pipefail``) without Python's traceback.
+EXIT_BROKEN_PIPE = 141
+#: The exit status after Ctrl-C (SIGINT): 128 + 2, as a shell reports a command it ended.
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``graphlane`` command; its exit status. Whatever the command, Ctrl-C is
+    one line ("interrupted") and :data:`EXIT_INTERRUPTED`, and a stdout closed early
+    (a pipe into ``head``) ends it quietly with :data:`EXIT_BROKEN_PIPE`."""
+    words = sys.argv[1:] if argv is None else argv
+    command = words[0] if words and not words[0].startswith("-") else ""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, not as a traceback at exit
+    except KeyboardInterrupt:
+        print(f"graphlane{' ' + command if command else ''}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at /dev/null first (the recipe of
+        # the Python docs, "Note on SIGPIPE").
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
@@ -238,18 +278,20 @@ def main(argv: list[str] | None = None) -> int:
 
         return loadtest_main(args)
     if args.command == "bench":
+        import json
+
         from graphlane.tools.bench import format_report, run_all
+        from graphlane.tools.bench_goals import exit_status, goals
 
         report = run_all(quick=args.quick)
+        verdicts = goals(report)
         if args.json:
-            from graphlane.tools.bench_goals import goals
-
-            report["goals"] = goals(report)
+            report["goals"] = verdicts
             report.pop("pipeline_table")
             print(json.dumps(report, indent=2))
         else:
             print(format_report(report))
-        return 0
+        return exit_status(verdicts)
     if args.command == "demo":
         from graphlane.tools.demo import run as run_demo
 
@@ -333,8 +375,13 @@ def _status(args: argparse.Namespace) -> int:
         finally:
             await client.close()
 
+    from graphlane.protocol.endpoints import InvalidEndpoint
+
     try:
         st = asyncio.run(fetch())
+    except InvalidEndpoint as exc:  # malformed, or a worker's: --connect is to change
+        print(f"graphlane status: --connect: {exc.message}", file=sys.stderr)
+        return 2
     except GraphlaneError as exc:
         print(f"graphlane status: {exc}", file=sys.stderr)
         return 1
@@ -342,6 +389,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"graphlane status: {exc}", file=sys.stderr)
         return 2
     if args.json:
+        import json
+
         print(json.dumps(st, indent=2, sort_keys=True))
         return 0
     for host in st.get("hosts", [st]):

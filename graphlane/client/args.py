@@ -10,7 +10,12 @@ A caller's mistake is answered at the call, in one line naming the argument:
   retry; it is also the worker's deadline for the call (:func:`deadline_ms`);
 * numpy values, as schedulers have them, are accepted: the wire's encoder makes
   numpy integers and floats Python numbers and numpy arrays in ``params`` lists;
-  numpy arrays in ``inputs`` are viewed as tensors (:func:`as_tensors`);
+  numpy arrays in ``inputs`` are viewed as tensors (:func:`as_tensors`); anything
+  else as an input (a list of floats: its dtype would be a guess) is refused naming it;
+* KV cache ``slots`` are what a scheduler has at hand: a list of ints, or a 1-D
+  integer tensor or numpy array (:func:`as_slots`);
+* ``outputs`` defaults to every output of the program as ``hello`` describes it; a
+  single name may be a plain string (:class:`ProgramOutputs`, :func:`output_names`);
 * without ``batch=``, the batch size is the length of the program's
   ``batch_param`` as ``hello`` describes the program (:func:`infer_batch`); a
   parameter that is missing or misspelt is reported by its name.
@@ -19,7 +24,7 @@ A caller's mistake is answered at the call, in one line naming the argument:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -30,13 +35,17 @@ from graphlane.protocol.errors import BadRequest, UnknownProgram
 __all__ = [
     "BatchParams",
     "InvalidArgument",
+    "ProgramOutputs",
     "as_params",
+    "as_slots",
+    "as_tensor",
     "as_tensors",
     "call_timeout",
     "check_device",
     "check_timeout",
     "deadline_ms",
     "infer_batch",
+    "output_names",
 ]
 
 
@@ -175,13 +184,88 @@ def as_params(params: Mapping[str, Any]) -> dict[str, Any]:
 _SENT_AS_IS = frozenset((list, int, float, str, bool, type(None), tuple))
 
 
-def as_tensors(inputs: Mapping[str, Any] | None) -> dict[str, torch.Tensor]:
-    """Input tensors (numpy arrays are viewed as tensors, without a copy)."""
+def as_tensors(inputs: Mapping[str, Any] | None, what: str = "inputs") -> dict[str, torch.Tensor]:
+    """Input tensors (numpy arrays are viewed as tensors, without a copy); anything else
+    is an InvalidArgument naming ``what.NAME``."""
     if not inputs:
         return {}
-    out = {}
-    for name, value in inputs.items():
-        if isinstance(value, np.ndarray):
-            value = torch.from_numpy(np.ascontiguousarray(value))
-        out[name] = value
-    return out
+    if not isinstance(inputs, Mapping):
+        raise InvalidArgument(
+            f"{what} must be a mapping of input names to tensors, not {type(inputs).__name__}"
+        )
+    return {name: as_tensor(value, f"{what}.{name}") for name, value in inputs.items()}
+
+
+def as_tensor(value: Any, what: str) -> torch.Tensor:
+    """A torch tensor, or a numpy array viewed as one; InvalidArgument naming ``what``
+    for anything else (a list of floats has no dtype: the program's is not guessed)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value))
+    raise InvalidArgument(
+        f"{what}: must be a torch.Tensor or a numpy array, not {type(value).__name__}"
+    )
+
+
+def as_slots(slots: Any, what: str = "slots") -> torch.Tensor:
+    """KV cache slot numbers [n] as an integer tensor: a list, tuple or range of ints, or
+    a 1-D integer tensor or numpy array; InvalidArgument naming ``what`` otherwise."""
+    if isinstance(slots, (list, tuple, range)):
+        bad = next((x for x in slots if not _is_int(x)), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"{what}: slot numbers are ints, got {type(bad).__name__} {bad!r} in the list"
+            )
+        return torch.tensor([int(x) for x in slots], dtype=torch.int64)
+    if not isinstance(slots, (torch.Tensor, np.ndarray)):
+        raise InvalidArgument(
+            f"{what}: must be a list of ints or a 1-D integer tensor or numpy array, "
+            f"not {type(slots).__name__}"
+        )
+    t = as_tensor(slots, what)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidArgument(f"{what}: slot numbers are integers, not {t.dtype}")
+    if t.dim() != 1:
+        raise InvalidArgument(f"{what}: must be 1-D [n], not of shape {list(t.shape)}")
+    return t if t.dtype in (torch.int64, torch.int32) else t.to(torch.int64)
+
+
+def _is_int(x: object) -> bool:
+    return (isinstance(x, int) and not isinstance(x, bool)) or isinstance(x, np.integer)
+
+
+def output_names(outputs: str | Sequence[str]) -> list[str]:
+    """The outputs a step or replay names: a list of names, or one name as a string."""
+    if isinstance(outputs, str):
+        return [outputs]
+    if not isinstance(outputs, Sequence):
+        raise InvalidArgument(
+            f"outputs must be a list of output names, not {type(outputs).__name__}"
+        )
+    return list(outputs)
+
+
+class ProgramOutputs:
+    """What a step or replay that names no outputs asks for: every output of the
+    program as one daemon's ``hello`` describes it on the device (none when it is not
+    described: the worker then names what is wrong), cached until the hello changes."""
+
+    def __init__(self) -> None:
+        self._hello: object = None
+        self._names: dict[tuple[int, str], list[str]] = {}
+
+    def of(self, hello: Mapping[str, Any], device: int, program: str) -> list[str]:
+        """The names (a shared list: not to be changed)."""
+        if hello is not self._hello:
+            self._hello, self._names = hello, {}
+        names = self._names.get((device, program))
+        if names is None:
+            names = []
+            for w in hello.get("workers", ()):
+                if w.get("device") == device:
+                    described = (w.get("programs") or {}).get(program)
+                    if isinstance(described, Mapping):
+                        names = [str(n) for n in described.get("outputs") or ()]
+            self._names[(device, program)] = names
+        return names

@@ -45,7 +45,11 @@ from typing import Any
 import torch
 
 from graphlane.protocol import ops
-from graphlane.protocol.endpoints import check_endpoint
+from graphlane.protocol.endpoints import (
+    InvalidEndpoint,
+    check_endpoint,
+    daemon_endpoint_guess,
+)
 from graphlane.protocol.errors import (
     ErrorCode,
     GraphlaneError,
@@ -55,7 +59,16 @@ from graphlane.protocol.errors import (
 )
 from graphlane.protocol.security import ClientKeys
 
-from .args import as_params, as_tensors, call_timeout, check_device, deadline_ms
+from .args import (
+    as_params,
+    as_slots,
+    as_tensor,
+    as_tensors,
+    call_timeout,
+    check_device,
+    deadline_ms,
+    output_names,
+)
 from .hosts import Host, expand
 from .transport import _BUNDLE_MAX, Channel, Sockets
 
@@ -141,7 +154,10 @@ class Client:
                     host = Host(ep)
                     self._hosts.append(host)
                     host.daemon = Channel(self._sockets, ep, f"daemon at {ep}", self.keys)
-            return await self.hello()
+            hello = await self.hello()
+            for host in self._hosts:
+                _check_is_daemon(host.endpoint, host.hello)
+            return hello
         except BaseException:
             self._close_now()
             raise
@@ -330,17 +346,19 @@ class Client:
         device: Device,
         params: Mapping[str, Any],
         inputs: Mapping[str, torch.Tensor] | None = None,
-        outputs: Sequence[str] = ("out",),
+        outputs: str | Sequence[str] | None = None,
         *,
         batch: int | None = None,
         timeout: float | None = None,
     ) -> StepReply:
         """Patch and replay ``program`` on ``device``; returns the requested outputs.
 
-        ``batch`` defaults to the length of the program's batch parameter (``hello``
-        names it: ``actual_seq_lengths_kv`` for attention); a program without one
-        needs ``batch=``. numpy arrays and scalars are accepted in ``params`` and
-        ``inputs``."""
+        ``outputs`` defaults to every output of the program, as ``hello`` lists them
+        (``out`` for attention; ``out`` and ``lse`` for paged_attention); name fewer
+        to copy and send less. ``batch`` defaults to the length of the program's batch
+        parameter (``hello`` names it: ``actual_seq_lengths_kv`` for attention); a
+        program without one needs ``batch=``. numpy arrays and scalars are accepted
+        in ``params`` and ``inputs``."""
         host, local = self._resolve(device)
         ch = host.workers.get(local)
         if ch is None or ch.lost:
@@ -352,7 +370,9 @@ class Client:
             local,
             as_params(params),
             as_tensors(inputs),
-            list(outputs),
+            host.outputs.of(host.hello, local, program)
+            if outputs is None
+            else output_names(outputs),
             batch,
             deadline_ms(self.timeout, timeout),
             host.generation_for(local, program),
@@ -392,16 +412,22 @@ class Client:
         program: str,
         device: Device,
         batch: int,
-        outputs: Sequence[str] = ("out",),
+        outputs: str | Sequence[str] | None = None,
         *,
         timeout: float | None = None,
     ) -> StepReply:
-        """Replay the bucket's updated (or next) graph instance."""
+        """Replay the bucket's updated (or next) graph instance; ``outputs`` as in
+        :meth:`step` (default: all of the program's)."""
         host, local = self._resolve(device)
         deadline = deadline_ms(self.timeout, timeout)
         ch = await self._worker_at(host, local)
         gen = host.generation_for(local, program)
-        body = ops.Replay(program, local, batch, list(outputs), deadline, gen)
+        names = (
+            host.outputs.of(host.hello, local, program)
+            if outputs is None
+            else output_names(outputs)
+        )
+        body = ops.Replay(program, local, batch, names, deadline, gen)
         done = await self._on_device(ch, "replay", body, timeout)
         return _reply(host.endpoint, local, done)
 
@@ -417,12 +443,13 @@ class Client:
     ) -> StepReply:
         """Write ``key``/``value`` [layers, n, num_kv_heads, head_dim] into ``slots`` [n]
         of the program's KV cache on ``device`` (every layer), in order with the steps
-        sent before and after it."""
+        sent before and after it. ``slots``: a list of ints or a 1-D integer tensor or
+        numpy array; ``key``/``value``: tensors or numpy arrays of the program's dtype."""
+        slots_t, key_t, value_t = as_slots(slots), as_tensor(key, "key"), as_tensor(value, "value")
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
-        t = as_tensors({"slots": slots, "key": key, "value": value})
         body = ops.KvWrite(
-            program, local, t["slots"], t["key"], t["value"],
+            program, local, slots_t, key_t, value_t,
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
         done = await self._on_device(ch, "kv_write", body, timeout)
@@ -431,11 +458,13 @@ class Client:
     async def kv_read(
         self, program: str, device: Device, slots: Any, *, timeout: float | None = None
     ) -> StepReply:
-        """The ``key``/``value`` [layers, n, num_kv_heads, head_dim] of ``slots`` [n]."""
+        """The ``key``/``value`` [layers, n, num_kv_heads, head_dim] of ``slots`` [n]
+        (a list of ints or a 1-D integer tensor or numpy array)."""
+        slots_t = as_slots(slots)
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
         body = ops.KvRead(
-            program, local, as_tensors({"slots": slots})["slots"],
+            program, local, slots_t,
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
         done = await self._on_device(ch, "kv_read", body, timeout)
@@ -478,6 +507,20 @@ class Client:
 #: Failures after which a worker refuses nothing (a lost generation or connection is a
 #: fence of its own; a refused key gets no service at all).
 _NO_FENCE = frozenset({ErrorCode.STATE_LOST, ErrorCode.WORKER_LOST, ErrorCode.UNAUTHORIZED})
+
+
+def _check_is_daemon(endpoint: str, hello: Mapping[str, Any]) -> None:
+    """InvalidEndpoint when ``hello`` is a worker's (its endpoint is one that ``status``
+    lists for a device): a client talks to the daemon, which says where workers are."""
+    device = hello.get("device")
+    if "workers" in hello or type(device) is not int:
+        return
+    guess = daemon_endpoint_guess(endpoint, device)
+    raise InvalidEndpoint(
+        f"{endpoint} is device {device}'s worker endpoint, not a daemon's: connect to the "
+        "daemon instead"
+        + (f", probably {guess} (workers listen next to their daemon)" if guess else "")
+    )
 
 
 def _no_host() -> Host:

@@ -13,7 +13,7 @@ import ipaddress
 import socket
 from typing import Any
 
-from .args import BatchParams
+from .args import BatchParams, ProgramOutputs
 from .transport import Channel
 
 
@@ -27,6 +27,7 @@ class Host:
         self.hello: dict[str, Any] = {}
         self.lock = asyncio.Lock()
         self.batch_params = BatchParams()
+        self.outputs = ProgramOutputs()  # what a step that names no outputs gets
         # The worker generation each device's requests name: taken from the hello that
         # first reached the device, changed only by Client.reset_state (a restart must
         # never be adopted silently: the device state it lost would be taken as kept).

@@ -91,12 +91,13 @@ class SyncClient:
         device: Device,
         params: Mapping[str, Any],
         inputs: Mapping[str, torch.Tensor] | None = None,
-        outputs: Sequence[str] = ("out",),
+        outputs: str | Sequence[str] | None = None,
         *,
         batch: int | None = None,
         timeout: float | None = None,
     ) -> StepReply:
-        """Patch and replay ``program`` on ``device``; returns the requested outputs."""
+        """Patch and replay ``program`` on ``device``; returns the requested outputs
+        (default: every output of the program; see :meth:`Client.step`)."""
         return self._run(
             self._client.step(
                 program, device, params, inputs, outputs, batch=batch, timeout=timeout
@@ -123,7 +124,7 @@ class SyncClient:
         program: str,
         device: Device,
         batch: int,
-        outputs: Sequence[str] = ("out",),
+        outputs: str | Sequence[str] | None = None,
         *,
         timeout: float | None = None,
     ) -> StepReply:

@@ -6,7 +6,9 @@ Every key, with its default (``graphlane config check FILE`` loads a file as
 
 ```toml
 listen = "tcp://127.0.0.1:7450"   # the daemon's endpoint (tcp or ipc); the worker of
-                                   # device d listens on port + 1 + d (ipc: NAME-worker-d.sock)
+                                   # device d listens on port + 1 + d (ipc: NAME-worker-d.sock);
+                                   # port 0 (or *): any free port, for the daemon and each
+                                   # worker (the log and `graphlane status` show which)
 backend = "sim"                    # "sim" (simulated NPU), "npu" (torch_npu) or "null" (no device)
 devices = 2                        # a count (0..N-1) or a list of device ids, e.g. [0, 3]
 depth = 2                          # graph instances per bucket (a ring); why 2: see
@@ -157,14 +159,9 @@ class ServeConfig:
 
     def worker_endpoint(self, device: int) -> str:
         """Where the worker of ``device`` binds: next to the orchestrator's endpoint."""
-        if self.listen.startswith("ipc://"):
-            base = self.listen[len("ipc://") :]
-            stem = base[:-5] if base.endswith(".sock") else base
-            return f"ipc://{stem}-worker-{device}.sock"
-        host, _, port = self.listen[len("tcp://") :].rpartition(":")
-        if port == "0" or port == "*":
-            return f"tcp://{host}:0"
-        return f"tcp://{host}:{int(port) + 1 + device}"
+        from graphlane.protocol.endpoints import worker_endpoint
+
+        return worker_endpoint(self.listen, device)
 
 
 #: Keys of the file's top level: one per ServeConfig field (programs' clients are in
@@ -213,13 +210,17 @@ def parse_devices(key: str, v: Any) -> tuple[int, ...]:
 
 
 def _listen(key: str, v: Any) -> str:
-    if not isinstance(v, str) or not (v.startswith("tcp://") or v.startswith("ipc://")):
+    """The daemon's endpoint, checked as a client checks one (protocol.endpoints), as a
+    bind: tcp or ipc (the workers are other processes), port 1..65535, or 0/* for any."""
+    from graphlane.protocol.endpoints import InvalidEndpoint, check_endpoint
+
+    try:
+        check_endpoint(v, bind=True, what="endpoint")
+    except InvalidEndpoint as exc:
+        raise ConfigError(key, exc.message) from None
+    if not (v.startswith("tcp://") or v.startswith("ipc://")):
         raise ConfigError(key, f"must be a tcp:// or ipc:// endpoint, not {v!r}")
-    if v.startswith("tcp://"):
-        host, sep, port = v[len("tcp://") :].rpartition(":")
-        if not sep or not host or not (port.isdigit() or port == "*"):
-            raise ConfigError(key, f"{v!r} needs a host and a port, e.g. tcp://127.0.0.1:7450")
-    return v
+    return str(v)
 
 
 def _sim(raw: Any) -> SimSettings:
@@ -409,6 +410,7 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
             "served: one list of cores per device",
         )
     _check_roles(cfg, raw)
+    _check_port_span(cfg)
     from graphlane.protocol.security import SecurityError, check_bind
 
     try:
@@ -447,6 +449,29 @@ def _check_roles(cfg: ServeConfig, raw: Mapping[str, Any]) -> None:
                     f"no client key named {name!r}: {clients / name}.key does not exist "
                     f"(keys there: {', '.join(sorted(known)) or 'none'})",
                 )
+
+
+def _check_port_span(cfg: ServeConfig) -> None:
+    """The workers' tcp ports (listen + 1 + device id) exist, and the metrics port is
+    none of the daemon's own."""
+    from graphlane.protocol.endpoints import tcp_port
+
+    port = tcp_port(cfg.listen)
+    if port is None:
+        return
+    last = port + 1 + max(cfg.devices)
+    if last > 65535:
+        raise ConfigError(
+            "listen",
+            f"port {port} leaves no port for device {max(cfg.devices)}'s worker (workers use "
+            f"the listen port + 1 + device id: {last} > 65535); choose a lower port",
+        )
+    if cfg.metrics_port in (port, *(port + 1 + d for d in cfg.devices)):
+        raise ConfigError(
+            "metrics_port",
+            f"{cfg.metrics_port} is one of the daemon's own ports (listen {port}, workers "
+            f"listen + 1 + device id); choose another",
+        )
 
 
 def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> ServeConfig:

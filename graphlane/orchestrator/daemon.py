@@ -142,28 +142,33 @@ class Daemon:
             keys.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.DEFAULT_LIMITS.max_envelope_bytes)
-        _prepare_ipc(self.config.listen)
         try:
-            sock.bind(self.config.listen)
-        except zmq.ZMQError as exc:
+            endpoint, role = self.config.listen, "the daemon's port"
+            _prepare_ipc(endpoint)  # its directory: an OSError too when it cannot be made
+            sock.bind(endpoint)
+            if self.config.metrics_port is not None:
+                from .metrics import serve_metrics
+                from .ports import METRICS_ROLE, metrics_endpoint
+
+                endpoint = metrics_endpoint(self.config.metrics_host, self.config.metrics_port)
+                role = METRICS_ROLE
+                self.metrics_server = serve_metrics(
+                    self.supervisor, self.config.metrics_port, self.config.metrics_host
+                )
+        except (zmq.ZMQError, OSError) as exc:  # taken since check_ports looked
             sock.close(linger=0)
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)
-            raise PortInUse(bind_error(self.config.listen, "the daemon's port", exc)) from None
+            raise PortInUse(bind_error(endpoint, role, exc)) from None
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info(
             "daemon listening on %s, starting %d worker(s)", self.endpoint, len(self.config.devices)
         )
-        serving = asyncio.ensure_future(self._serve(sock))
-        if self.config.metrics_port is not None:
-            from .metrics import serve_metrics
-
-            self.metrics_server = serve_metrics(
-                self.supervisor, self.config.metrics_port, self.config.metrics_host
-            )
+        if self.metrics_server is not None:
             host, port = self.metrics_server.server_address[:2]
             log.info("metrics on http://%s:%s/metrics", host, port)
+        serving = asyncio.ensure_future(self._serve(sock))
         try:
             # A shutdown requested while workers still capture does not wait for them.
             starting = asyncio.ensure_future(self.supervisor.start_all())

@@ -2,10 +2,12 @@
 
 The daemon listens on ``listen`` and each device's worker on the next ports:
 ``listen`` port + 1 + device id (e.g. 7450, then 7451 and 7452 for devices 0
-and 1). A port that another process holds would otherwise fail deep inside
-ZeroMQ (the daemon's as a traceback, a worker's as a restart loop);
-:func:`check_ports` names it in one line first. A port freed by then and taken
-again later still fails at bind: :func:`bind_error` words that the same way.
+and 1); with ``metrics_port``, its Prometheus endpoint listens there too. A port
+that another process holds would otherwise fail deep inside ZeroMQ or
+http.server (the daemon's as a traceback, a worker's as a restart loop);
+:func:`check_ports` names it, and the setting that chose it, in one line first.
+A port freed by then and taken again later still fails at bind:
+:func:`bind_error` words that the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import socket
 
 from .config import ServeConfig
 
-__all__ = ["PortInUse", "bind_error", "check_ports"]
+__all__ = ["METRICS_ROLE", "PortInUse", "bind_error", "check_ports", "metrics_endpoint"]
 
 
 class PortInUse(RuntimeError):
@@ -49,6 +51,17 @@ def _taken(host: str, port: int) -> OSError | None:
     return None
 
 
+#: The setting that chose each kind of port, as the one-line errors name it.
+LISTEN_SETTING = "--listen port (listen)"
+METRICS_SETTING = "--metrics-port (metrics_port)"
+METRICS_ROLE = "the metrics port (metrics_port)"
+
+
+def metrics_endpoint(host: str, port: int) -> str:
+    """The metrics server's address written as a tcp endpoint (for the messages)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
 def _roles(config: ServeConfig) -> list[tuple[str, str]]:
     roles = [(config.listen, "the daemon's port (listen)")]
     base = _split(config.listen)
@@ -56,6 +69,8 @@ def _roles(config: ServeConfig) -> list[tuple[str, str]]:
     for d in config.devices:
         role = f"device {d}'s worker (workers use the listen port + 1 + device id{span})"
         roles.append((config.worker_endpoint(d), role))
+    if config.metrics_port:  # 0: any free port, nothing to check
+        roles.append((metrics_endpoint(config.metrics_host, config.metrics_port), METRICS_ROLE))
     return roles
 
 
@@ -73,9 +88,10 @@ def check_ports(config: ServeConfig) -> None:
 def _message(endpoint: str, port: int, role: str, exc: Exception) -> str:
     in_use = getattr(exc, "errno", None) == errno.EADDRINUSE
     why = "is in use (another graphlane daemon?)" if in_use else f"{exc}"
+    setting = METRICS_SETTING if role == METRICS_ROLE else LISTEN_SETTING
     return (
         f"cannot listen on {endpoint}: port {port}, {role}, {why}; stop that process or "
-        "choose another --listen port"
+        f"choose another {setting}"
     )
 
 
@@ -84,4 +100,5 @@ def bind_error(endpoint: str, role: str, exc: Exception) -> str:
     split = _split(endpoint)
     if split is not None and getattr(exc, "errno", None) is not None:  # OSError, ZMQError
         return _message(endpoint, split[1], role, exc)
-    return f"cannot listen on {endpoint} ({role}): {exc}"
+    setting = METRICS_SETTING if role == METRICS_ROLE else "--listen (listen)"
+    return f"cannot listen on {endpoint} ({role}): {exc}; check {setting}"

@@ -10,14 +10,27 @@ first, which names the expected forms::
     ipc://PATH           e.g. ipc:///run/graphlane/daemon.sock
     inproc://NAME        same process only (tests)
 
-A bind (``listen``) may also use ``*`` for HOST and ``*`` for PORT.
+A bind (``listen``) may also use ``*`` for HOST, and ``0`` or ``*`` for PORT: any free
+port (the daemon logs the one it got and ``graphlane status`` shows it; its workers
+then take free ports of their own). A connect needs a port from 1 to 65535.
+
+The daemon's workers listen next to it (:func:`worker_endpoint`): on tcp, the
+daemon's port + 1 + device id; on ipc, ``NAME-worker-D.sock`` beside ``NAME.sock``.
+:func:`daemon_endpoint_guess` inverts that rule for a client pointed at a worker.
 """
 
 from __future__ import annotations
 
 from graphlane.protocol.errors import BadRequest
 
-__all__ = ["EXPECTED", "InvalidEndpoint", "check_endpoint"]
+__all__ = [
+    "EXPECTED",
+    "InvalidEndpoint",
+    "check_endpoint",
+    "daemon_endpoint_guess",
+    "tcp_port",
+    "worker_endpoint",
+]
 
 EXPECTED = "tcp://HOST:PORT or ipc://PATH"
 
@@ -52,10 +65,42 @@ def _problem(endpoint: str, bind: bool) -> str | None:
         return "no port"
     if host.startswith("[") != host.endswith("]"):
         return "unbalanced brackets around the host"
-    if bind and port == "*":
-        return None
+    if bind and port in ("*", "0"):
+        return None  # any free port
     if not port.isdigit() or not 0 < int(port) < 65536:
-        return f"port {port!r} is not a number from 1 to 65535"
+        return f"port {port!r} is not a number from 1 to 65535" + (" (or 0: any)" if bind else "")
     if host == "*" and not bind:
         return "'*' is for binding; connect to a host"
+    return None
+
+
+def tcp_port(endpoint: str) -> int | None:
+    """The port of a checked tcp endpoint; None for ipc/inproc and for any port (0, *)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isdigit() and int(port) > 0 else None
+
+
+def worker_endpoint(listen: str, device: int) -> str:
+    """Where the worker of ``device`` binds, given the daemon's ``listen`` endpoint."""
+    if listen.startswith("ipc://"):
+        base = listen[len("ipc://") :]
+        stem = base[:-5] if base.endswith(".sock") else base
+        return f"ipc://{stem}-worker-{device}.sock"
+    host, _, port = listen[len("tcp://") :].rpartition(":")
+    if port in ("0", "*"):
+        return f"tcp://{host}:0"
+    return f"tcp://{host}:{int(port) + 1 + device}"
+
+
+def daemon_endpoint_guess(worker: str, device: int) -> str | None:
+    """The daemon's endpoint by :func:`worker_endpoint`'s rule, for a client given the
+    endpoint of ``device``'s worker (None when the rule does not say: a worker
+    reached through another host name or a port the daemon did not choose)."""
+    if worker.startswith("ipc://") and worker.endswith(f"-worker-{device}.sock"):
+        return worker[: -len(f"-worker-{device}.sock")] + ".sock"
+    port = tcp_port(worker)
+    if port is not None and port - 1 - device > 0:
+        return f"{worker.rpartition(':')[0]}:{port - 1 - device}"
     return None

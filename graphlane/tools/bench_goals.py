@@ -95,6 +95,19 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: Exit status of ``graphlane bench``: every goal met; a goal failed; the only goals
+#: that failed were measured on a machine too noisy for them to mean much (run again).
+EXIT_MET, EXIT_FAILED, EXIT_NOISY = 0, 1, 3
+
+
+def exit_status(verdicts: list[dict[str, Any]]) -> int:
+    """The exit status of a bench run from :func:`goals`' verdicts."""
+    failed = [g for g in verdicts if not g["met"]]
+    if not failed:
+        return EXIT_MET
+    return EXIT_NOISY if all(g["noisy"] for g in failed) else EXIT_FAILED
+
+
 def format_goals(report: dict[str, Any]) -> list[str]:
     lines = [
         "goals (control plane on the null device; the pipeline profiles, paged decode and "

@@ -103,7 +103,7 @@ async def _rate(c: Client, steps: list[Any], n: int) -> float:
         while left > 0:
             left -= 1
             params, inputs = steps[left % len(steps)]
-            await c.step("paged_attention", 0, params, inputs)
+            await c.step("paged_attention", 0, params, inputs, ["out"])
 
     t0 = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(WINDOW)))

@@ -19,7 +19,9 @@ Both stop starting steps after ``--duration`` and wait at most ``--timeout``
 more for the calls in flight (each call also has that deadline). A call still
 unanswered at that point is cancelled and counted as ``CLIENT_DEADLINE``. From
 the command line, a first Ctrl-C ends the sending early the same way (the
-report is still written, marked ``interrupted``); a second one aborts.
+report is still written, marked ``interrupted``, and the summary printed; the
+command then says "interrupted" and exits 130); a second one aborts (one line,
+130), as does a Ctrl-C before the run started.
 Nothing is retried: every error is counted by its wire code (a
 :class:`~graphlane.GraphlaneError`'s ``code``; any other exception by its class
 name) and the caller moves on, in the closed loop after a backoff (exponential
@@ -27,7 +29,9 @@ with jitter, capped; see :mod:`.loadtest_availability`), so that a server that
 fails at once is not hammered.
 
 What a step sends (the program must be attention-shaped: parameter
-``actual_seq_lengths_kv``, inputs ``query``/``key``/``value``, output ``out``):
+``actual_seq_lengths_kv``, inputs ``query``/``key``/``value``, output ``out``; the
+load test knows what values those take, and refuses any other program, naming
+what its hello describes, since it cannot know what values another's take):
 
 * an **unverified** step sends random lengths and a query taken from a small
   pool made before the run, like a decode step whose KV cache stays on the
@@ -67,8 +71,9 @@ loaded or restarting server is expected to answer); 1 when a verification
 failed, an error was not retryable (BAD_REQUEST, INTERNAL, a client
 exception...), no step succeeded, or the server was unavailable for more than
 ``max_unavailable`` of the sending time (see :mod:`.loadtest_availability`);
-2 when the flags are invalid or the run could not start (daemon unreachable,
-program not served, shapes differ); 130 when aborted by a second Ctrl-C.
+2 when the flags are invalid or the run could not start (program not served or
+not one the load test can drive, shapes differ); 3 when nothing answered at the
+endpoint within ``--connect-timeout``; 130 after a Ctrl-C, wherever it came.
 """
 
 from __future__ import annotations
@@ -301,10 +306,15 @@ async def _preflight(
             )
         except GraphlaneError as exc:
             if exc.code in ("BAD_REQUEST", "UNKNOWN_PROGRAM", "UNKNOWN_DEVICE"):
+                hint = (
+                    ""  # its shapes came from the daemon: --shape would not change them
+                    if plan.shape_described
+                    else ". Give the daemon's program shape with --shape (e.g. --shape "
+                    "num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256)."
+                )
                 raise LoadTestError(
                     f"device {device} refused a step of {config.program!r} built with the shape "
-                    f"{plan.shape_dict()}: {exc}. Give the daemon's program shape with --shape "
-                    "(e.g. --shape num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256)."
+                    f"{plan.shape_dict()}: {exc}{hint}"
                 ) from None
             return str(exc.code)  # retryable or internal: the run will measure it
         out = reply.outputs.get("out")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from graphlane.orchestrator.config import DEFAULT_LISTEN
+from graphlane.protocol.endpoints import InvalidEndpoint
 from graphlane.protocol.errors import GraphlaneError
 
 from .loadtest import LoadTestError, Run, run_load
@@ -164,6 +165,12 @@ closed loop holds that device back: a random pause in [d/2, d], d doubling per
 consecutive error from 10 ms up to 1 s, reset by a success; callers draw other
 devices meanwhile and wait only when every device is held.
 
+Programs it can drive (--program): attention-shaped ones, e.g. attention (step
+parameter actual_seq_lengths_kv, inputs query/key/value, output out), and ones
+with a paged KV cache, e.g. paged_attention. Any other program is refused with
+what its hello entry describes: the load test cannot know what values another
+program's inputs and parameters take; drive it with graphlane.Client.
+
 A program that keeps a paged KV cache on the device (its hello entry says so, e.g.
 --program paged_attention) gets a scheduler's decode workload instead, with its
 shapes from the daemon's hello: sequences arrive (--concurrency C: C live
@@ -189,7 +196,13 @@ exit status:
      unavailable when no step succeeded in it and calls got WORKER_LOST,
      SHUTTING_DOWN, TIMEOUT or CLIENT_DEADLINE (or none ended, right after such
      a window);
-  2  invalid flags, or a run that could not start.
+  2  invalid flags, or a run that could not start (the program is not served or
+     not one loadtest can drive, its shapes differ, --connect is no daemon's);
+  3  nothing answered at --connect within --connect-timeout (no daemon there,
+     or one with other CurveZMQ keys);
+  130  Ctrl-C: one line, "interrupted". After the run started, the first Ctrl-C
+     ends the sending, prints the summary and writes the report of the steps
+     so far, then exits 130; a second one aborts at once.
 
 example:
   graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 --duration 30 \\
@@ -236,8 +249,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--program",
         default="attention",
         metavar="NAME",
-        help="program to step (default attention); a program with a paged KV cache "
-        "(e.g. paged_attention) runs the paged decode workload described above",
+        help="program to step (default attention): an attention-shaped one, or one with "
+        "a paged KV cache (e.g. paged_attention: the paged decode workload above); "
+        "loadtest refuses others, see above",
     )
     p.add_argument(
         "--devices",
@@ -285,8 +299,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=parse_shape,
         default={},
         metavar="KEY=VALUE,...",
-        help="the program's shapes, for a program whose hello entry has no 'config' "
-        "(the daemon's built-in programs describe themselves): keys "
+        help="the shapes of an attention-shaped program whose hello entry has no "
+        "'config' (the daemon's built-in programs describe themselves): keys "
         + ", ".join(SHAPE_KEYS)
         + " (defaults num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256,dtype=float16; "
         "layers from the daemon)",
@@ -297,6 +311,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=30.0,
         metavar="SECONDS",
         help="deadline of each call, and the most the run waits after --duration (default 30)",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=_number("--connect-timeout"),
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the daemon's first answer; then exit 3 (default 10)",
     )
     p.add_argument(
         "--max-outstanding",
@@ -408,34 +429,90 @@ def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
     console.print(t)
 
 
+#: Exit status when nothing answered at --connect within --connect-timeout.
+EXIT_NO_ANSWER = 3
+#: Exit status after Ctrl-C (128 + SIGINT), wherever it landed.
+EXIT_INTERRUPTED = 130
+
+
+class NoAnswer(Exception):
+    """Nothing answered hello at the endpoint in time."""
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``graphlane loadtest`` from parsed arguments; returns the exit status."""
     try:
         config = config_from_args(args)
+        if not args.connect_timeout > 0:
+            raise ValueError("--connect-timeout must be a positive number of seconds")
     except ValueError as exc:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
     try:
-        paged = asyncio.run(_paged_config(args, config))
+        return _main(args, config)
+    except (KeyboardInterrupt, asyncio.CancelledError):  # wherever Ctrl-C lands
+        print("graphlane loadtest: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(args: argparse.Namespace, config: LoadConfig) -> int:
+    try:
+        hello = asyncio.run(_first_hello(config, args.connect_timeout))
+    except NoAnswer as exc:
+        print(f"graphlane loadtest: {exc}", file=sys.stderr)
+        return EXIT_NO_ANSWER
+    except InvalidEndpoint as exc:  # malformed, or a worker's endpoint
+        print(f"graphlane loadtest: --connect: {exc.message}", file=sys.stderr)
+        return 2
+    except (ValueError, GraphlaneError) as exc:
+        print(f"graphlane loadtest: {exc}", file=sys.stderr)
+        return 2
+    try:
+        paged = _paged_config(args, config, hello)
         if paged is not None:
-            report = asyncio.run(_run_interruptible(paged))
-            print_paged_summary(report)
-            return int(report["verdict"]["exit_code"])
-        report = asyncio.run(_run_interruptible(config))
+            report, interrupted = asyncio.run(_run_interruptible(paged))
+        else:
+            report, interrupted = asyncio.run(_run_interruptible(config))
     except (ValueError, LoadTestError, PagedLoadError, GraphlaneError) as exc:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, asyncio.CancelledError):
+    if paged is not None:
+        print_paged_summary(report)
+    else:
+        print_summary(report)
+    if interrupted:  # the steps so far are summed up and written; the run did not end
         print("graphlane loadtest: interrupted", file=sys.stderr)
-        return 130
-    print_summary(report)
+        return EXIT_INTERRUPTED
     return int(report["verdict"]["exit_code"])
 
 
-async def _paged_config(args: argparse.Namespace, config: LoadConfig) -> PagedLoadConfig | None:
+async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
+    """The daemon's hello, or NoAnswer naming the endpoint, the wait and its flag."""
+    from graphlane.client import Client
+    from graphlane.protocol.errors import Timeout
+
+    client = Client(
+        config.endpoint, timeout=wait_s,
+        server_key=config.server_key, client_key=config.client_key,
+    )  # fmt: skip
+    try:
+        return await client.connect()
+    except Timeout:
+        keys = " (or it has other keys: CurveZMQ does not answer a client it refuses)"
+        raise NoAnswer(
+            f"nothing answered at {config.endpoint} within {wait_s:g} s (--connect-timeout): "
+            "is the daemon running there?" + (keys if config.server_key else "")
+        ) from None
+    finally:
+        await client.close()
+
+
+def _paged_config(
+    args: argparse.Namespace, config: LoadConfig, hello: Mapping[str, Any]
+) -> PagedLoadConfig | None:
     """The paged workload's config when the daemon describes ``--program`` as paged."""
     keys = {"server_key": config.server_key, "client_key": config.client_key}
-    if not await is_paged(config.endpoint, config.program, **keys):
+    if not is_paged(hello, config.program):
         return None
     prompt = args.prompt_lens
     for flag, pair in (("--prompt-lens", prompt), ("--decode-tokens", args.decode_tokens)):
@@ -458,9 +535,12 @@ async def _paged_config(args: argparse.Namespace, config: LoadConfig) -> PagedLo
     )
 
 
-async def _run_interruptible(config: LoadConfig | PagedLoadConfig) -> dict[str, Any]:
-    """run_load where the first Ctrl-C ends sending early (the report is still written)
-    and a second one aborts."""
+async def _run_interruptible(
+    config: LoadConfig | PagedLoadConfig,
+) -> tuple[dict[str, Any], bool]:
+    """run_load (or run_paged) where the first Ctrl-C ends sending early (the report of
+    the steps so far is still written) and a second one aborts; the report, and
+    whether a Ctrl-C came."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()
@@ -473,9 +553,9 @@ async def _run_interruptible(config: LoadConfig | PagedLoadConfig) -> dict[str, 
     try:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
-        return await _run_either(config)
+        return await _run_either(config), False
     try:
-        return await _run_either(config, stop)
+        return await _run_either(config, stop), stop.is_set()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
 

@@ -52,6 +52,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -270,6 +271,7 @@ class PagedRun:
         self.shape: PagedShape | None = None
         self.start = 0.0
         self.stop_sending = asyncio.Event()
+        self.interrupted = False  # sending ended by ``stop`` (Ctrl-C) before the duration
         self._next_sid = 0
         self._turn = 0
 
@@ -349,6 +351,7 @@ class PagedRun:
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             for w in waiters:
                 w.cancel()
+            self.interrupted = stop is not None and stop.is_set()
             self.sending_s = time.monotonic() - self.start
             self.stop_sending.set()
             for lp in self.loops.values():
@@ -383,6 +386,7 @@ class PagedRun:
             "mode": "closed" if cfg.concurrency is not None else "open",
             "duration_s": cfg.duration_s,
             "sending_s": round(self.sending_s, 3),
+            "interrupted": self.interrupted,
             "elapsed_s": round(self.elapsed_s, 3),
             "steps": c.steps,
             "steps_per_s": round(c.steps / elapsed, 2),
@@ -436,10 +440,8 @@ def _write(report_dir: str, report: dict[str, Any]) -> str:
     return str(out / "report.json")
 
 
-async def is_paged(endpoint: str, program: str, **keys: Any) -> bool:
-    """Whether ``program`` as the daemon describes it keeps a paged KV cache."""
-    async with Client(endpoint, timeout=10, **keys) as c:
-        hello = await c.hello()
+def is_paged(hello: Mapping[str, Any], program: str) -> bool:
+    """Whether ``program`` as the daemon's ``hello`` describes it keeps a paged KV cache."""
     for w in hello.get("workers", []):
         described = w.get("programs", {}).get(program)
         if described is not None:
@@ -466,7 +468,10 @@ def print_paged_summary(report: dict[str, Any], console: Any = None) -> None:
     rb = report["request_bytes"]
     lat = report["latency_ms"]
     t.add_row("program / devices", f"{cfg['program']} on {cfg['devices'] or 'all'}")
-    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s (sending for {report['sending_s']:.2f} s)")
+    sending = f"sending for {report['sending_s']:.2f} s"
+    if report.get("interrupted"):
+        sending = f"interrupted after {report['sending_s']:.2f} s of {report['duration_s']:g} s"
+    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s ({sending})")
     t.add_row(
         "sequences",
         f"{seqs['arrived']} arrived, {seqs['admitted']} admitted, {seqs['finished']} finished, "

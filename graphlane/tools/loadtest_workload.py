@@ -41,6 +41,8 @@ class Plan:
     batch_sizes: tuple[int, ...]
     buckets: tuple[int, ...]
     shape: AttentionConfig
+    #: the daemon described the program's shapes (hello's "config"): --shape is not needed
+    shape_described: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,15 +79,17 @@ def resolve_plan(config: LoadConfig, hello: Mapping[str, Any]) -> Plan:
     buckets = tuple(sorted(int(b) for b in info.get("buckets", [])))
     if not buckets:
         raise LoadTestError(f"the daemon reports no buckets for {config.program!r}")
-    if "out" not in info.get("outputs", ["out"]):
+    problem = _not_drivable(info)
+    if problem is not None:
+        def names(key: str) -> str:
+            return ", ".join(info.get(key) or ()) or "none"
+
         raise LoadTestError(
-            f"{config.program!r} has no output 'out' (outputs {info.get('outputs')}): "
-            "the load test drives attention-shaped programs only"
-        )
-    if info.get("state_ops"):
-        raise LoadTestError(
-            f"{config.program!r} keeps device state ({', '.join(info['state_ops'])}): "
-            "the load test drives stateless attention-shaped programs only"
+            f"--program: cannot drive {config.program!r}: {problem}. loadtest drives "
+            f"attention-shaped programs ({ATTENTION_SHAPE}; e.g. attention) and programs with a "
+            "paged KV cache (e.g. paged_attention), whose inputs and parameters it knows how "
+            f"to fill; {config.program!r} has parameters: {names('parameters')}; inputs: "
+            f"{names('inputs')}; outputs: {names('outputs')}. Drive it with graphlane.Client"
         )
     groups = int(info.get("groups", 0)) or None
     shape = dict(config.shape)
@@ -115,7 +119,32 @@ def resolve_plan(config: LoadConfig, hello: Mapping[str, Any]) -> Plan:
             f"--batch-sizes: {too_big} larger than the largest bucket {buckets[-1]} "
             f"of {config.program!r} (buckets {list(buckets)})"
         )
-    return Plan(tuple(devices), tuple(batch_sizes), buckets, attention)
+    return Plan(
+        tuple(devices), tuple(batch_sizes), buckets, attention, isinstance(described, Mapping)
+    )
+
+
+#: What an attention-shaped program takes and gives, as the load test fills it.
+ATTENTION_SHAPE = "step parameter actual_seq_lengths_kv, inputs query, key and value, output out"
+
+
+def _not_drivable(info: Mapping[str, Any]) -> str | None:
+    """Why the load test cannot build steps for a (non-paged) program, or None. Only
+    what the program's hello entry describes is checked."""
+    differs = []
+    params = info.get("parameters")
+    if isinstance(params, Mapping) and "actual_seq_lengths_kv" not in params:
+        differs.append("no parameter actual_seq_lengths_kv")
+    inputs = info.get("inputs")
+    if isinstance(inputs, Mapping):
+        missing = [n for n in ("query", "key", "value") if n not in inputs]
+        if missing:
+            differs.append(f"no input {', '.join(missing)}")
+    if "out" not in info.get("outputs", ["out"]):
+        differs.append("no output out")
+    if info.get("state_ops"):
+        differs.append(f"device state ({', '.join(info['state_ops'])})")
+    return "; ".join(differs) if differs else None
 
 
 def reference(
