@@ -33,6 +33,7 @@ from graphlane.protocol import (
     ShuttingDown,
     StateLost,
     Timeout,
+    TooLarge,
     Unauthorized,
     UnknownDevice,
     UnknownProgram,
@@ -423,6 +424,7 @@ CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
     ErrorCode.SHUTTING_DOWN: ShuttingDown,
     ErrorCode.INTERNAL: InternalError,
     ErrorCode.STATE_LOST: StateLost,
+    ErrorCode.TOO_LARGE: TooLarge,
 }
 
 
