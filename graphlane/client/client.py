@@ -39,12 +39,13 @@ import itertools
 import time
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from graphlane.protocol import ops
+from graphlane.protocol.admission import CONTROL_LIMITS, DEFAULT_LIMITS, Limits
 from graphlane.protocol.endpoints import check_endpoint
 from graphlane.protocol.errors import Timeout, UnknownDevice, WorkerLost
 from graphlane.protocol.security import ClientKeys
@@ -134,7 +135,9 @@ class Client:
                 for ep in endpoints:
                     host = Host(ep)
                     self._hosts.append(host)
-                    host.daemon = Channel(self._sockets, ep, f"daemon at {ep}", self.keys)
+                    host.daemon = Channel(
+                        self._sockets, ep, f"daemon at {ep}", self.keys, limits=CONTROL_LIMITS
+                    )
             return await self.hello()
         except BaseException:
             self._close_now()
@@ -243,13 +246,15 @@ class Client:
                     return ch
                 ch.close_now()
             # Workers that take bundles get this turn's requests as one message.
-            takes_bundles = bool(hello.get("capabilities", {}).get("bundles"))
+            capabilities = hello.get("capabilities", {})
+            takes_bundles = bool(capabilities.get("bundles"))
             ch = host.workers[local] = Channel(
                 self._sockets,
                 entry["endpoint"],
                 f"device {local} at {host.endpoint}",
                 self.keys,
                 bundle_max=_BUNDLE_MAX if takes_bundles else 1,
+                limits=_worker_limits(capabilities),
             )
             return ch
 
@@ -442,6 +447,16 @@ class Client:
             if time.monotonic() >= deadline:
                 raise Timeout(f"workers not ready within {timeout:g} s")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _worker_limits(capabilities: Mapping[str, Any]) -> Limits:
+    """The sizes a daemon's workers take, as its hello says (the defaults where it is silent)."""
+    said = {
+        name: value
+        for name in ("max_message_bytes", "max_envelope_bytes", "max_frames")
+        if type(value := capabilities.get(name)) is int and value >= 1
+    }
+    return replace(DEFAULT_LIMITS, **said)
 
 
 def _no_host() -> Host:
