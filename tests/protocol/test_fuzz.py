@@ -282,7 +282,7 @@ def test_hostile_messages(frames: list[bytes], limits: Limits) -> None:
     """Nested deep, wide, declaring more than they hold, wrong at any field of any op,
     frames cut or added: a value or a DecodeError, as ever."""
     decodes_or_refuses(frames, limits)
-    # The fast reading (the worker's) and the careful one give the same requests.
+    # The worker's one-pass reading too (that it reads them alike: test_one_pass.py).
     for decode in (requests.decode_requests, decode_requests):
         try:
             decode(frames, limits)
