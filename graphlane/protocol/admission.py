@@ -217,16 +217,16 @@ def bundle_items(head: memoryview, limits: Limits) -> list[tuple[memoryview, str
     return items
 
 
+def refused(raw: memoryview, problem: str) -> DecodeError:
+    """The refusal of an envelope whose shape breaks a limit (a BAD_REQUEST to its id)."""
+    return DecodeError(f"envelope: {problem}", request_id=scan_id(raw)[0])
+
+
 # What the first byte of a value says: (kind, n, extra). _SCALAR: n is the value's
 # whole size. _SIZED (str, bin, ext): n bytes of length follow, then extra bytes (an
 # ext's type), then the data. _ARRAY, _MAP: n bytes of count follow (0: the count is
 # the byte's low bits).
 _SCALAR, _SIZED, _ARRAY, _MAP, _INVALID = range(5)
-
-
-def refused(raw: memoryview, problem: str) -> DecodeError:
-    """The refusal of an envelope whose shape breaks a limit (a BAD_REQUEST to its id)."""
-    return DecodeError(f"envelope: {problem}", request_id=scan_id(raw)[0])
 
 
 def _first_bytes() -> tuple[tuple[int, int, int], ...]:

@@ -35,7 +35,7 @@ from graphlane.protocol import (
     ops,
     requests,
 )
-from graphlane.protocol.admission import check_outgoing
+from graphlane.protocol.admission import check_outgoing, walk
 from graphlane.protocol.errors import Busy, GraphlaneError, TooLarge
 
 FUZZ = settings(
@@ -398,3 +398,23 @@ def test_a_message_over_a_size_limit_is_too_large_naming_its_id(what: str) -> No
     with pytest.raises(TooLarge):  # what a sender checks before sending
         check_outgoing(frames, limits)
     assert not TooLarge("x").retryable
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((max(_depth(k), _depth(v)) for k, v in value.items()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+@FUZZ
+@given(values, st.integers(8, 12), st.binary(max_size=4))
+def test_the_walk_finds_a_values_end_and_depth(value: Any, depth: int, after: bytes) -> None:
+    """The walk agrees with msgpack: where a value ends, how deep it nests."""
+    limits = Limits(max_depth=depth)
+    data = msgpack.packb(value, use_bin_type=True)
+    end, problem = walk(data + after, 0, limits)
+    assert end == len(data)
+    assert (problem is not None) == (_depth(value) > depth), (problem, _depth(value))
+    assert walk(data[:-1], 0, limits)[0] is None  # cut short: no end
