@@ -63,7 +63,9 @@ class Throttled:
         self._last = 0.0
         self._skipped = 0
 
-    def warning(self, msg: str, *args: object) -> None:
+    def warning(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        """Log ``msg % args`` unless one was logged within the interval; ``exc_info``:
+        the exception that caused it, its traceback logged too."""
         now = time.monotonic()
         if now - self._last < self.interval_s:
             self._skipped += 1
@@ -71,4 +73,4 @@ class Throttled:
         if self._skipped:
             msg = f"{msg} (and {self._skipped} more like it since the last report)"
         self._last, self._skipped = now, 0
-        self.logger.warning(msg, *args)
+        self.logger.warning(msg, *args, exc_info=exc_info)

@@ -39,12 +39,13 @@ import itertools
 import time
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from graphlane.protocol import ops
+from graphlane.protocol.admission import CONTROL_LIMITS, DEFAULT_LIMITS, Limits
 from graphlane.protocol.endpoints import (
     InvalidEndpoint,
     check_endpoint,
@@ -153,7 +154,9 @@ class Client:
                 for ep in endpoints:
                     host = Host(ep)
                     self._hosts.append(host)
-                    host.daemon = Channel(self._sockets, ep, f"daemon at {ep}", self.keys)
+                    host.daemon = Channel(
+                        self._sockets, ep, f"daemon at {ep}", self.keys, limits=CONTROL_LIMITS
+                    )
             hello = await self.hello()
             for host in self._hosts:
                 _check_is_daemon(host.endpoint, host.hello)
@@ -281,13 +284,15 @@ class Client:
                     return ch
                 ch.close_now()
             # Workers that take bundles get this turn's requests as one message.
-            takes_bundles = bool(hello.get("capabilities", {}).get("bundles"))
+            capabilities = hello.get("capabilities", {})
+            takes_bundles = bool(capabilities.get("bundles"))
             ch = host.workers[local] = Channel(
                 self._sockets,
                 entry["endpoint"],
                 f"device {local} at {host.endpoint}",
                 self.keys,
                 bundle_max=_BUNDLE_MAX if takes_bundles else 1,
+                limits=_worker_limits(capabilities),
             )
             return ch
 
@@ -521,6 +526,16 @@ def _check_is_daemon(endpoint: str, hello: Mapping[str, Any]) -> None:
         "daemon instead"
         + (f", probably {guess} (workers listen next to their daemon)" if guess else "")
     )
+
+
+def _worker_limits(capabilities: Mapping[str, Any]) -> Limits:
+    """The sizes a daemon's workers take, as its hello says (the defaults where it is silent)."""
+    said = {
+        name: value
+        for name in ("max_message_bytes", "max_envelope_bytes", "max_frames")
+        if type(value := capabilities.get(name)) is int and value >= 1
+    }
+    return replace(DEFAULT_LIMITS, **said)
 
 
 def _no_host() -> Host:

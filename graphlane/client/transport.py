@@ -30,7 +30,8 @@ import zmq
 from zmq.backend import zmq_poll
 from zmq.utils.monitor import parse_monitor_message
 
-from graphlane.protocol import wire
+from graphlane.logs import Throttled
+from graphlane.protocol import admission, wire
 from graphlane.protocol.errors import (
     GraphlaneError,
     InternalError,
@@ -62,9 +63,15 @@ class Channel:
         name: str,
         keys: ClientKeys | None = None,
         bundle_max: int = 1,
+        limits: admission.Limits = admission.DEFAULT_LIMITS,
     ) -> None:
         self.endpoint = endpoint
         self.name = name
+        # What the peer takes: a message over it fails its call with TOO_LARGE, unsent
+        # (sent, a frame over the peer's cut would lose the connection: see
+        # protocol/admission.py).
+        self.limits = limits
+        self._dropped_log = Throttled(log)
         self._loop = asyncio.get_running_loop()
         self._sockets = sockets
         self.closed = False
@@ -133,7 +140,16 @@ class Channel:
                 frames = wire.recv_message(sock, 1, wire.NOBLOCK)
             except zmq.ZMQError:  # closed under us
                 return False
-            self._deliver(frames)
+            try:
+                self._deliver(frames)
+            except Exception as exc:  # no reply may stop the reader (the rest would wait)
+                self._dropped_log.warning(
+                    "a reply from %s failed: %s: %s",
+                    self.endpoint,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
             n += 1
         return True
 
@@ -149,7 +165,7 @@ class Channel:
                 if fut is not None and not fut.done():
                     fut.set_exception(InternalError(f"undecodable reply: {reply.message}"))
                 else:
-                    log.warning(
+                    self._dropped_log.warning(
                         "dropped an undecodable reply from %s: %s", self.endpoint, reply.message
                     )
                 continue
@@ -201,6 +217,7 @@ class Channel:
         if self.lost:
             raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
         frames = wire.encode_request(request_id, op.name, body)
+        admission.check_outgoing(frames, self.limits)
         loop = self._loop
         fut: asyncio.Future[wire.Reply] = loop.create_future()
         self.pending[request_id] = fut

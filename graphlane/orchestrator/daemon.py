@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from graphlane import __version__
 from graphlane.logs import Throttled
-from graphlane.protocol import ops, pipe, security, wire
+from graphlane.protocol import admission, ops, pipe, security, wire
 from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownDevice, as_error
 from graphlane.workers import affinity
 from graphlane.workers.worker import WorkerSpec
@@ -78,6 +78,7 @@ class Daemon:
             if config.auth_dir is not None
             else None
         )
+        self._failed_log = Throttled(log)  # a message whose handling raised: its cause
         cores = affinity.plan(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
         )
@@ -141,7 +142,9 @@ class Daemon:
             auth = security.start_authenticator(ctx, keys)
             keys.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.DEFAULT_LIMITS.max_envelope_bytes)
+        # A frame over this cuts the peer's connection unanswered; under it, a message
+        # over the limits is answered TOO_LARGE (see protocol/admission.py).
+        sock.setsockopt(zmq.MAXMSGSIZE, admission.CONTROL_LIMITS.max_message_bytes)
         try:
             endpoint, role = self.config.listen, "the daemon's port"
             _prepare_ipc(endpoint)  # its directory: an OSError too when it cannot be made
@@ -222,18 +225,26 @@ class Daemon:
         while True:
             frames = await sock.recv_multipart(copy=False)
             self.counters["requests"] += 1
-            ident, payload = frames[0], frames[1:]
-            # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
-            sender = security.sender_of(ident) if self.roles is not None else None
             try:
-                reqs = wire.decode_requests(payload, wire.DEFAULT_LIMITS)
-            except wire.DecodeError as exc:
-                reqs = [exc]
-            bundle = len(reqs) > 1
-            for req in reqs:
-                reply = self._answer(req, bundle, sender)
-                if reply is not None:
-                    await sock.send_multipart([ident, *reply])
+                await self._message(sock, frames)
+            except Exception as exc:  # no message may end the loop: the daemon would go deaf
+                self._failed_log.warning(
+                    "a message failed: %s: %s", type(exc).__name__, exc, exc_info=exc
+                )
+
+    async def _message(self, sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
+        ident, payload = frames[0], frames[1:]
+        # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
+        sender = security.sender_of(ident) if self.roles is not None else None
+        try:
+            reqs = wire.decode_requests(payload, admission.CONTROL_LIMITS)
+        except wire.DecodeError as exc:
+            reqs = [exc]
+        bundle = len(reqs) > 1
+        for req in reqs:
+            reply = self._answer(req, bundle, sender)
+            if reply is not None:
+                await sock.send_multipart([ident, *reply])
 
     def _answer(
         self, req: wire.Request | wire.DecodeError, bundle: bool, sender: str | None = None
@@ -309,7 +320,11 @@ class Daemon:
                 "ops": sorted(ops.OPS),
                 "auth": "curve" if self.config.auth_dir else "none",
                 "backend": self.config.backend,
+                # What workers take (their sockets cut a frame over max_message_bytes):
+                # graphlane's client checks its messages against these before sending.
                 "max_message_bytes": wire.DEFAULT_LIMITS.max_message_bytes,
+                "max_envelope_bytes": wire.DEFAULT_LIMITS.max_envelope_bytes,
+                "max_frames": wire.DEFAULT_LIMITS.max_frames,
                 "bundles": True,  # worker sockets take bundles of requests
             },
             "workers": [self._worker_entry(h) for h in self.supervisor.workers.values()],

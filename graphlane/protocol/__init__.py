@@ -63,7 +63,12 @@ messages of bounded size; ``wire.decode_requests`` and ``wire.decode_replies``
 read a message of either kind.
 
 Decoding is validation, in this order: frame count and sizes
-(:class:`wire.Limits`), before any byte is decoded; the envelope, typed (``v``,
+(:class:`admission.Limits`), before any byte is decoded (over them: TOO_LARGE, to the id
+the envelope names in its first bytes); the shape of what is read untyped (a body
+kept as bytes, a bundle's envelopes, an untyped reply body): nesting depth
+(``Limits.max_depth``, 32, the envelope being level 1) and entries per array or
+map (``max_items``), walked without recursion before any decoder sees it
+(:mod:`.admission`: a BAD_REQUEST naming the id); the envelope, typed (``v``,
 ``id``, ``op``, the body kept as bytes; an unknown envelope key is refused);
 ``v`` (UNSUPPORTED_VERSION, also for an envelope of another version that does not
 fit this one's); ``op`` (an unknown op is a BAD_REQUEST); then the
@@ -73,7 +78,15 @@ tensor dimensions and bytes) is a BAD_REQUEST naming the field
 (``body.device: expected `int` >= 0``). An envelope that cannot be read is
 looked at once more, leniently, for its ``id``: if one is found the sender gets
 its BAD_REQUEST, else the message is dropped and counted. Whatever bytes
-arrive give a request or a ``DecodeError``, never another exception.
+arrive give a request or a ``DecodeError``, never another exception (one nobody
+foresaw is logged and becomes a BAD_REQUEST).
+
+A message over a size limit is answered TOO_LARGE while its frames are under the
+receiving socket's ``ZMQ_MAXMSGSIZE`` (a worker's ``max_message_bytes``, 256 MiB;
+the daemon's 4 MiB): libzmq cuts the connection of a peer that sends a larger
+frame, with no reply. hello's ``capabilities`` name the workers' limits
+(``max_message_bytes``, ``max_envelope_bytes``, ``max_frames``); graphlane's
+client checks each message against them and raises TOO_LARGE without sending it.
 
 Operations
 ==========
@@ -87,7 +100,8 @@ are the documented ones, more may appear.
     request  {"v": 1, "id": 1, "op": "hello", "body": {"client": "sched-0"}}
     reply    {"v": 1, "id": 1, "ok": true, "body": {"version": 1, "server": "graphlane 0.1.0",
               "capabilities": {"ops": ["hello", "status", "step", ...], "dtypes": [...],
-                               "bundles": true},
+                               "bundles": true, "max_message_bytes": 268435456,
+                               "max_envelope_bytes": 1048576, "max_frames": 64},
               "workers": [{"device": 0, "state": "ready", "programs": ["attention"]}]}}
 
 ``status`` — state of the daemon and its workers::
@@ -203,15 +217,16 @@ An error reply, e.g. to a step on a device nobody serves::
     reply    {"v": 1, "id": 3, "ok": false, "error": {"code": "UNKNOWN_DEVICE",
               "message": "no worker serves device 5 (devices: [0, 1])", "retryable": false}}
 
-Error codes (``errors.ErrorCode``, stable strings): BAD_REQUEST, UNKNOWN_PROGRAM,
-UNKNOWN_DEVICE, BUSY, WORKER_LOST, TIMEOUT, UNSUPPORTED_VERSION, UNAUTHORIZED (the
-CURVE handshake was refused: raised by the client, the server sends nothing), FORBIDDEN
-(the key is admitted but its role does not allow the operation), SHUTTING_DOWN,
-INTERNAL, STATE_LOST (the request names a worker generation that is gone with its
-device state: not retryable until the state is written again),
-PREDECESSOR_FAILED (an earlier kv_write or step of the same connection was not applied:
-see ``resume``). Retryable unless the error says otherwise: BUSY, WORKER_LOST, TIMEOUT,
-SHUTTING_DOWN, PREDECESSOR_FAILED.
+Error codes (``errors.ErrorCode``, stable strings): BAD_REQUEST, TOO_LARGE (the
+message's bytes, its envelope's bytes or its frame count are over the receiver's
+limits: not retryable as is), UNKNOWN_PROGRAM, UNKNOWN_DEVICE, BUSY, WORKER_LOST,
+TIMEOUT, UNSUPPORTED_VERSION, UNAUTHORIZED (the CURVE handshake was refused: raised by
+the client, the server sends nothing), FORBIDDEN (the key is admitted but its role does
+not allow the operation), SHUTTING_DOWN, INTERNAL, STATE_LOST (the request names a
+worker generation that is gone with its device state: not retryable until the state is
+written again), PREDECESSOR_FAILED (an earlier kv_write or step of the same connection
+was not applied: see ``resume``). Retryable unless the error says otherwise: BUSY,
+WORKER_LOST, TIMEOUT, SHUTTING_DOWN, PREDECESSOR_FAILED.
 """
 
 from graphlane.protocol.errors import (
@@ -228,6 +243,7 @@ from graphlane.protocol.errors import (
     ShuttingDown,
     StateLost,
     Timeout,
+    TooLarge,
     Unauthorized,
     UnknownDevice,
     UnknownProgram,
@@ -307,6 +323,7 @@ __all__ = [
     "Step",
     "StepDone",
     "Timeout",
+    "TooLarge",
     "Unauthorized",
     "UnknownDevice",
     "UnknownProgram",

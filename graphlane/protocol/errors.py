@@ -11,6 +11,8 @@ The tree is split by what the caller should do about it::
     GraphlaneError
     ├── RequestError        the request was wrong: fix it, do not retry
     │   ├── BadRequest          malformed message, unknown field, wrong type, over a limit
+    │   ├── TooLarge            the message is larger than the receiver takes (its bytes,
+    │   │                       its envelope's bytes, its frame count): send less per message
     │   ├── UnknownProgram      no program of that name is loaded
     │   ├── UnknownDevice       no worker serves that device id
     │   ├── UnsupportedVersion  the envelope's "v" is not a version this server speaks
@@ -56,6 +58,7 @@ __all__ = [
     "ShuttingDown",
     "StateLost",
     "Timeout",
+    "TooLarge",
     "Unauthorized",
     "UnknownDevice",
     "UnknownProgram",
@@ -83,6 +86,7 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "INTERNAL"
     STATE_LOST = "STATE_LOST"
     PREDECESSOR_FAILED = "PREDECESSOR_FAILED"
+    TOO_LARGE = "TOO_LARGE"
 
 
 RETRYABLE: frozenset[ErrorCode] = frozenset(
@@ -135,6 +139,14 @@ class BadRequest(RequestError):
     """Malformed message, unknown field, wrong type or a value over a limit."""
 
     code = ErrorCode.BAD_REQUEST
+
+
+class TooLarge(RequestError):
+    """The message is larger than the receiver takes (``admission.Limits``: its bytes, its
+    envelope's bytes or its frame count). Not retryable as is: split the work (a prompt's
+    KV in several kv_writes, smaller inputs)."""
+
+    code = ErrorCode.TOO_LARGE
 
 
 class UnknownProgram(RequestError):
@@ -240,6 +252,7 @@ _CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
     cls.code: cls
     for cls in (
         BadRequest,
+        TooLarge,
         UnknownProgram,
         UnknownDevice,
         UnsupportedVersion,

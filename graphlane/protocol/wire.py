@@ -6,9 +6,11 @@ bounds fails naming the field), and encoding packs the same Structs the
 decoder reads, so sender and receiver share one definition of each message.
 
 Before any byte is decoded, the message's frame count and sizes are checked
-against :class:`Limits`. An envelope is read in two steps: the envelope itself
-(``v``, ``id``, ``op``, the body kept as raw bytes), then the body with the
-type of its op; so every body error can be answered with the request's id.
+against :class:`Limits`, and what is read untyped is walked for its depth and
+entries (:mod:`graphlane.protocol.admission`). An envelope is read in two steps:
+the envelope itself (``v``, ``id``, ``op``, the body kept as raw bytes), then the
+body with the type of its op; so every body error can be answered with the
+request's id.
 When the envelope itself cannot be read, a lenient second look finds the id
 if it can (then the sender gets its BAD_REQUEST), else the message is dropped.
 
@@ -19,20 +21,22 @@ bounds every body uses are in :mod:`graphlane.protocol.bounds`.
 
 from __future__ import annotations
 
+import reprlib
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import Any, TypeAlias, TypeVar
 
-import msgpack
 import msgspec
 import numpy as np
 import torch
 import zmq
 from msgspec import Raw, Struct
 
+from graphlane.protocol import admission
+from graphlane.protocol.admission import DEFAULT_LIMITS, DecodeError, Limits
+from graphlane.protocol.admission import is_bundle as _bundle
 from graphlane.protocol.bounds import Name, RequestId
-from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_class, error_from_wire
+from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_from_wire
 from graphlane.protocol.ops.steps import StepDone
 from graphlane.protocol.tensors import TENSOR_FIELDS, Frames, tensor_ref, with_tensors
 
@@ -40,50 +44,6 @@ PROTOCOL_VERSION = 1
 T = TypeVar("T")
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
 Frame: TypeAlias = bytes | memoryview
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What a receiver accepts. Frame counts and sizes are checked before decoding;
-    the others are bounds of the typed decode itself."""
-
-    max_message_bytes: int = 256 * 2**20  # sum of all frames
-    max_frames: int = 64  # envelope included
-    max_envelope_bytes: int = 1 * 2**20  # frame 0
-    max_tensor_bytes: int = 256 * 2**20
-    max_tensor_dims: int = 8
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Limits.{f.name} must be an int >= 1, got {value!r}")
-
-
-DEFAULT_LIMITS = Limits()
-
-
-class DecodeError(Exception):
-    """A message that cannot be accepted: ``request_id`` is set when the id could
-    be read (the sender then gets ``code``), else the message is only counted."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: ErrorCode = ErrorCode.BAD_REQUEST,
-        request_id: int | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.code = code
-        self.request_id = request_id
-
-    def __str__(self) -> str:
-        return f"{self.code}: {self.message}"
-
-    def to_error(self) -> GraphlaneError:
-        return error_class(self.code)(self.message)
 
 
 # ------------------------------------------------------------------ encoding
@@ -141,7 +101,7 @@ class _AnyId(Struct):
 _request_envelope = msgspec.msgpack.Decoder(_RequestEnvelope)
 _reply_envelope = msgspec.msgpack.Decoder(_ReplyEnvelope)
 _any_id = msgspec.msgpack.Decoder(_AnyId)
-_raw_list = msgspec.msgpack.Decoder(list[Raw])
+_reply_bundle = msgspec.msgpack.Decoder(list[_ReplyEnvelope])
 
 
 class Request(Struct, frozen=True):
@@ -178,6 +138,11 @@ class Reply(Struct, frozen=True):
 def decode_body(
     decoder: msgspec.msgpack.Decoder[T], raw: Raw, frames: Frames, request_id: int | None
 ) -> T:
+    kind: Any = decoder.type
+    if admission.untyped(kind):  # reads values of any shape: walked first
+        problem = admission.walk(memoryview(raw), 0, frames.limits)[1]
+        if problem is not None:
+            raise DecodeError(f"body: {problem}", request_id=request_id)
     try:
         body = decoder.decode(raw)
         fields = TENSOR_FIELDS.get(type(body))
@@ -186,6 +151,10 @@ def decode_body(
         frames.check_all_used()
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise DecodeError(_body_message(exc), request_id=request_id) from None
+    except RecursionError:  # a typed decode skipping an unknown field nested too deep
+        raise DecodeError(
+            f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
+        ) from None
     return body
 
 
@@ -285,72 +254,83 @@ def decode_requests(
 ) -> list[Request | DecodeError]:
     """The requests of a message, one or a bundle's: each a :class:`Request` or a
     :class:`DecodeError` in its place. Raises DecodeError when the message as a whole
-    cannot be read (with no id to answer)."""
-    return [
-        _request(raw, data) if type(raw) is not DecodeError else raw
-        for raw, data in _envelopes(frames, limits)
-    ]
+    cannot be read (with the id frame 0 names, when it names one), never anything else."""
+    try:
+        return [
+            _request(raw, data) if type(raw) is not DecodeError else raw
+            for raw, data in _envelopes(admission.check_sizes(frames, limits), limits)
+        ]
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise admission.unreadable(frames, exc) from None
 
 
 def decode_replies(
     frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
 ) -> list[Reply | DecodeError]:
-    # The common reply, one envelope as bytes within its limit and no bundle, at once.
-    head = frames[0] if len(frames) == 1 else None
-    if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes and not _bundle(head):
-        return [_reply(head, Frames((), limits))]
-    return [
-        _reply(raw, data) if type(raw) is not DecodeError else raw
-        for raw, data in _envelopes(frames, limits)
-    ]
-
-
-def _bundle(head: bytes | memoryview) -> bool:
-    """Whether a message's first frame is a bundle: a msgpack array (an envelope is a map)."""
-    return bool(head) and (0x90 <= head[0] <= 0x9F or head[0] in (0xDC, 0xDD))
-
-
-def _envelopes(frames: Sequence[FrameLike], limits: Limits) -> list[tuple[Any, Frames]]:
-    buffers = _check_sizes(frames, limits)
-    head = buffers[0]
-    data = Frames(buffers[1:], limits)
-    if _bundle(head):
-        if len(buffers) > 1:
-            raise DecodeError("a bundle carries no data frames")
-        try:
-            items = _raw_list.decode(head)
-        except msgspec.DecodeError as exc:
-            raise DecodeError(f"unreadable bundle: {exc}") from None
-        if not items:
-            raise DecodeError("an empty bundle")
-        # One empty Frames serves every item: with no frames it never changes.
-        none = Frames((), limits)
-        return [(item, none) for item in items]
-    return [(head, data)]
-
-
-def _check_sizes(frames: Sequence[FrameLike], limits: Limits) -> list[memoryview]:
-    if not frames:
-        raise DecodeError("no frames")
-    if len(frames) > limits.max_frames:
-        raise DecodeError(f"{len(frames)} frames, at most {limits.max_frames}")
+    """The replies of a message, as :func:`decode_requests` reads requests."""
     try:
-        buffers = [_buffer(f) for f in frames]
-    except (TypeError, ValueError) as exc:
-        raise DecodeError(f"a frame is not a contiguous byte buffer: {exc}") from None
-    if buffers[0].nbytes > limits.max_envelope_bytes:
-        raise DecodeError(
-            f"envelope of {buffers[0].nbytes} bytes, at most {limits.max_envelope_bytes}"
-        )
-    if len(buffers) > 1 and sum(b.nbytes for b in buffers) > limits.max_message_bytes:
-        raise DecodeError(f"message over {limits.max_message_bytes} bytes")
-    return buffers
+        # The common reply, one envelope as bytes within its limit, at once.
+        head = frames[0] if len(frames) == 1 else None
+        if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes:
+            buffers: list[Any] = [head]
+        else:
+            buffers = admission.check_sizes(frames, limits)
+        typed = _typed_replies(buffers[0], buffers[1:], limits)
+        if typed is not None:
+            return typed
+        return [
+            _reply(raw, data) if type(raw) is not DecodeError else raw
+            for raw, data in _envelopes(buffers, limits)
+        ]
+    except DecodeError:
+        raise
+    except Exception as exc:
+        raise admission.unreadable(frames, exc) from None
 
 
-def _buffer(frame: FrameLike) -> memoryview:
-    view = frame.buffer if isinstance(frame, zmq.Frame) else memoryview(frame)
-    # A view of bytes, whatever the exporter's format: len() counts bytes.
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+def _typed_replies(head: Any, data: Sequence[memoryview], limits: Limits) -> list[Any] | None:
+    """The replies of a message whose envelopes (one, or a bundle's) all read with their
+    type at once, which bounds what is read but the bodies, skipped as bytes (a skip
+    too deep is a RecursionError, not a crash: msgspec's skip costs little stack).
+    None when the message must be read the careful way (walked first)."""
+    try:
+        if not _bundle(head):
+            return [_reply_of(_reply_envelope.decode(head), Frames(data, limits))]
+        if data:
+            return None
+        envs = _reply_bundle.decode(head)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    if not 0 < len(envs) <= limits.max_items:
+        return None
+    none = Frames((), limits)
+    return [_reply_of(env, none) for env in envs]
+
+
+def _envelopes(buffers: list[memoryview], limits: Limits) -> list[tuple[Any, Frames]]:
+    """The envelopes of a message whose sizes are checked: each one's bytes with the
+    message's data frames, or a DecodeError in its place when it breaks a limit of its
+    shape (depth, entries; answered with its id if it names one): only what passed
+    the walk (:mod:`.admission`) is handed to an untyped decode."""
+    head = buffers[0]
+    if not _bundle(head):
+        problem = admission.walk(head, 0, limits)[1]
+        envelope = head if problem is None else admission.refused(head, problem)
+        return [(envelope, Frames(buffers[1:], limits))]
+    if len(buffers) > 1:
+        raise DecodeError("a bundle carries no data frames")
+    try:
+        items = admission.bundle_items(head, limits)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+    # One empty Frames serves every item: with no frames it never changes.
+    none = Frames((), limits)
+    return [
+        (raw if problem is None else admission.refused(raw, problem), none)
+        for raw, problem in items
+    ]
 
 
 def _request(raw: Any, frames: Frames) -> Request | DecodeError:
@@ -374,7 +354,8 @@ def _spoken(version: Any) -> bool:
 
 def _unsupported(version: Any, request_id: int | None) -> DecodeError:
     return DecodeError(
-        f"protocol version {version!r} is not spoken here (this side speaks {PROTOCOL_VERSION})",
+        f"protocol version {reprlib.repr(version)} is not spoken here "
+        f"(this side speaks {PROTOCOL_VERSION})",
         code=ErrorCode.UNSUPPORTED_VERSION,
         request_id=request_id,
     )
@@ -385,6 +366,10 @@ def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
         env = _reply_envelope.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return DecodeError(_envelope_message(exc), request_id=_lenient(raw)[0])
+    return _reply_of(env, frames)
+
+
+def _reply_of(env: _ReplyEnvelope, frames: Frames) -> Reply | DecodeError:
     if env.v != PROTOCOL_VERSION or env.ok != (env.error is None):
         problem = "version" if env.v != PROTOCOL_VERSION else "ok and error disagree"
         return DecodeError(f"reply envelope: {problem}", request_id=env.id)
@@ -397,33 +382,14 @@ def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
 
 
 def _lenient(raw: Any) -> tuple[int | None, Any]:
-    """The id and ``v`` of an envelope that failed its checks, as far as they can
-    still be read (``v`` UNSET when not): from the whole map, else from the map's
-    entries before the point where it breaks (a truncated envelope still names its
-    id when the id comes first)."""
+    """The id and ``v`` of an envelope that failed its checks (and passed its walk), as
+    far as they can still be read (``v`` UNSET when not): from the whole map, else as
+    :func:`.admission.scan_id` finds them."""
     try:
         found = _any_id.decode(raw)
         return found.id, found.v
     except (msgspec.ValidationError, msgspec.DecodeError):
-        pass
-    request_id: int | None = None
-    version: Any = msgspec.UNSET
-    try:
-        unpacker = msgpack.Unpacker(max_buffer_size=len(raw) + 1)
-        unpacker.feed(raw)
-        for _ in range(min(unpacker.read_map_header(), 16)):
-            key = unpacker.unpack()
-            if key == "id":
-                value = unpacker.unpack()
-                ok = type(value) is int and 0 <= value < 2**64
-                request_id = value if ok else None
-            elif key == "v":
-                version = unpacker.unpack()
-            else:
-                unpacker.skip()
-    except Exception:  # unreadable from here on: what was found so far
-        pass
-    return request_id, version
+        return admission.scan_id(raw)
 
 
 def _envelope_message(exc: Exception) -> str:

@@ -52,6 +52,7 @@ class WorkerLoop:
     counters: dict[str, int]
     draining: bool
     _dropped_log: Throttled
+    _failed_log: Throttled  # a message whose handling raised (a bug): its cause, throttled
     _stopping: bool
     _stop_when_idle: bool
     # Filled by other threads, emptied by the main thread after a wake-up.
@@ -160,7 +161,12 @@ class WorkerLoop:
                 except zmq.Again:
                     pass
                 else:
-                    self._handle(frames)
+                    try:
+                        self._handle(frames)
+                    except Exception as exc:  # no message may stop the loop
+                        self._failed_log.warning(
+                            "a message failed: %s: %s", type(exc).__name__, exc, exc_info=exc
+                        )
             self._pump()
 
     def _recv_noting_sender(self, sock: zmq.Socket[Any], copied: int, flags: int = 0) -> list[Any]:

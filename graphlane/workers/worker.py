@@ -188,6 +188,8 @@ class Worker(WorkerLoop):
             self.auth = security.start_authenticator(self.ctx, keys)
             keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # A frame over this cuts the peer's connection unanswered; under it, a message
+        # over the limits is answered TOO_LARGE (see protocol/admission.py).
         self.sock.setsockopt(zmq.MAXMSGSIZE, spec.limits.max_message_bytes)
         try:
             self.sock.bind(spec.endpoint)
@@ -202,6 +204,7 @@ class Worker(WorkerLoop):
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0, "bundles": 0}
         self.metrics = WorkerMetrics()
         self._dropped_log = Throttled(log)
+        self._failed_log = Throttled(log)
         # Accepted requests not answered yet (waiting + on the device), oldest first.
         self._open: dict[Step, None] = {}
         # When the last device request was answered (perf_counter): with requests open,

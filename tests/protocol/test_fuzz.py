@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import hostile
 import msgpack
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,8 +33,10 @@ from graphlane.protocol import (
     encode_reply,
     encode_request,
     ops,
+    requests,
 )
-from graphlane.protocol.errors import Busy, GraphlaneError
+from graphlane.protocol.admission import check_outgoing, walk
+from graphlane.protocol.errors import Busy, GraphlaneError, TooLarge
 
 FUZZ = settings(
     max_examples=300,
@@ -263,3 +271,150 @@ def test_the_unmutated_messages_decode() -> None:
 @given(mutated(), limits_st)
 def test_mutated_messages(frames: list[bytes], limits: Limits) -> None:
     decodes_or_refuses(frames, limits)
+
+
+# ---------------------------------------------------------- 4: hostile, structure-aware
+
+
+@FUZZ
+@given(hostile.messages(), limits_st)
+def test_hostile_messages(frames: list[bytes], limits: Limits) -> None:
+    """Nested deep, wide, declaring more than they hold, wrong at any field of any op,
+    frames cut or added: a value or a DecodeError, as ever."""
+    decodes_or_refuses(frames, limits)
+    # The worker's one-pass reading too (that it reads them alike: test_one_pass.py).
+    for decode in (requests.decode_requests, decode_requests):
+        try:
+            decode(frames, limits)
+        except DecodeError as exc:
+            check_refusal(exc)
+
+
+@pytest.mark.parametrize("depth", [33, 999, 1000, 5000, 100_000])
+@pytest.mark.parametrize("where", ["body", "op last", "bundle", "reply body", "version"])
+def test_a_value_nested_deeper_than_the_limit_is_a_bad_request_naming_its_id(
+    depth: int, where: str
+) -> None:
+    deep = hostile.Packed(hostile.nested(depth), f"{depth} deep")
+    if where == "body":
+        frames = [hostile.pack({"v": 1, "id": 7, "op": "step", "body": {"params": deep}})]
+    elif where == "op last":  # msgspec skips the body to find the tag
+        frames = [hostile.pack({"v": 1, "id": 7, "body": deep, "op": "status"})]
+    elif where == "bundle":
+        good = bytes(encode_request(6, "status", ops.Status())[0])
+        frames = [bundle([good, hostile.pack({"v": 1, "id": 7, "op": "status", "body": deep})])]
+    elif where == "version":
+        frames = [hostile.pack({"id": 7, "v": deep, "op": "status", "body": {}})]
+    else:
+        frames = [hostile.pack({"v": 1, "id": 7, "ok": True, "body": {"x": deep}})]
+    if where == "reply body":
+        (reply,) = decode_replies(frames)
+        assert isinstance(reply, Reply) or reply.request_id == 7
+        if isinstance(reply, Reply):
+            with pytest.raises(DecodeError) as info:
+                reply.body(OPS["status"].reply_decoder)  # an untyped map: walked first
+            assert info.value.request_id == 7
+        return
+    for decode in (decode_requests, requests.decode_requests):
+        items = decode(frames)
+        refusal = items[-1]
+        assert isinstance(refusal, DecodeError), refusal
+        assert (refusal.code, refusal.request_id) == (ErrorCode.BAD_REQUEST, 7)
+        assert "deeper than" in refusal.message
+        if where == "bundle":
+            assert isinstance(items[0], Request) and items[0].id == 6
+
+
+def test_deep_values_need_no_stack() -> None:
+    """On a thread with a small stack (64 KiB), where a recursive decode of a value
+    100 000 levels deep crashes the process, every decode refuses it."""
+    code = textwrap.dedent(
+        """
+        import sys, threading
+        sys.path.insert(0, TESTS)
+        import hostile
+        from graphlane.protocol import OPS, requests, wire
+        deep = hostile.Packed(hostile.nested(100_000), "deep")
+        messages = [
+            [hostile.pack({"v": 1, "id": 7, "op": "status", "body": deep})],
+            [hostile.pack({"id": 7, "v": deep, "op": "status", "body": {}})],
+            [hostile.pack({"v": 1, "id": 7, "ok": True, "body": deep})],
+            [hostile.pack([deep])],
+        ]
+        def run():
+            for frames in messages:
+                for decode in (wire.decode_requests, requests.decode_requests, wire.decode_replies):
+                    for item in decode(frames):
+                        if isinstance(item, wire.Reply):
+                            try:
+                                item.body(OPS["status"].reply_decoder)
+                            except wire.DecodeError:
+                                pass
+            print("survived")
+        threading.stack_size(64 * 1024)
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        """
+    )
+    code = code.replace("TESTS", repr(str(Path(__file__).parents[1])))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "survived" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        b"\xdd\x00\x01\x11\x71" + b"\x01" * 70001,
+        b"\xdf\x00\x01\x11\x71" + b"\x01\x01" * 70001,
+        b"\xdf\xff\xff\xff\xff\xa1k",  # declares 2**32-1 entries, holds one
+    ],
+    ids=["array", "map", "declared"],
+)
+def test_wide_values_are_refused_before_anything_is_built(value: bytes) -> None:
+    frames = [hostile.pack({"v": 1, "id": 7, "op": "status", "body": hostile.Packed(value, "")})]
+    for decode in (decode_requests, requests.decode_requests):
+        (refusal,) = decode(frames)
+        assert isinstance(refusal, DecodeError)
+        assert (refusal.code, refusal.request_id) == (ErrorCode.BAD_REQUEST, 7)
+
+
+@pytest.mark.parametrize("what", ["envelope", "frames", "message"])
+def test_a_message_over_a_size_limit_is_too_large_naming_its_id(what: str) -> None:
+    limits = Limits(max_envelope_bytes=4096, max_frames=4, max_message_bytes=8192)
+    step = ops.Step("attention", 0, {"actual_seq_lengths_kv": [1] * 2000})  # ~2 KiB
+    frames: list[Any] = [bytes(frame) for frame in encode_request(9, "step", step)]
+    if what == "envelope":
+        step = ops.Step("attention", 0, {"actual_seq_lengths_kv": [1] * 5000})
+        frames = [bytes(frame) for frame in encode_request(9, "step", step)]
+    elif what == "frames":
+        frames += [b"x"] * 4
+    else:
+        frames.append(bytes(8192))
+    for decode in (decode_requests, requests.decode_requests):
+        with pytest.raises(DecodeError) as info:
+            decode(frames, limits)
+        assert (info.value.code, info.value.request_id) == (ErrorCode.TOO_LARGE, 9)
+    with pytest.raises(TooLarge):  # what a sender checks before sending
+        check_outgoing(frames, limits)
+    assert not TooLarge("x").retryable
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((max(_depth(k), _depth(v)) for k, v in value.items()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(v) for v in value), default=0)
+    return 0
+
+
+@FUZZ
+@given(values, st.integers(8, 12), st.binary(max_size=4))
+def test_the_walk_finds_a_values_end_and_depth(value: Any, depth: int, after: bytes) -> None:
+    """The walk agrees with msgpack: where a value ends, how deep it nests."""
+    limits = Limits(max_depth=depth)
+    data = msgpack.packb(value, use_bin_type=True)
+    end, problem = walk(data + after, 0, limits)
+    assert end == len(data)
+    assert (problem is not None) == (_depth(value) > depth), (problem, _depth(value))
+    assert walk(data[:-1], 0, limits)[0] is None  # cut short: no end

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import hostile
 import msgpack
 import msgspec
 import pytest
@@ -152,3 +153,16 @@ envelopes = st.fixed_dictionaries(
 def test_envelope_like_maps_read_alike(items: list[dict[str, Any]], bundled: bool) -> None:
     packed = [msgpack.packb(item, use_bin_type=True) for item in items]
     same([wire.bundle(packed)] if bundled else packed[:1])
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(hostile.messages())
+def test_hostile_messages_read_alike(frames: list[bytes]) -> None:
+    """Nested deep, wide, wrong at any field, frames cut or added (tests/hostile.py):
+    the one pass and the two steps give the same requests and errors."""
+    same(frames)

@@ -35,6 +35,7 @@ from graphlane.protocol import (
     ShuttingDown,
     StateLost,
     Timeout,
+    TooLarge,
     Unauthorized,
     UnknownDevice,
     UnknownProgram,
@@ -427,6 +428,7 @@ CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
     ErrorCode.INTERNAL: InternalError,
     ErrorCode.STATE_LOST: StateLost,
     ErrorCode.PREDECESSOR_FAILED: PredecessorFailed,
+    ErrorCode.TOO_LARGE: TooLarge,
 }
 
 

@@ -306,10 +306,12 @@ def test_frames_that_are_not_byte_buffers(frames: Any) -> None:
     ids=["frame count", "message bytes", "envelope bytes"],
 )
 def test_limits_are_checked_before_any_byte_is_decoded(extra: list[bytes], limits: Limits) -> None:
-    """The envelope is sound and names its id, yet it is not read: no id, no answer."""
+    """The envelope is sound, yet it is not read: TOO_LARGE, to the id its first bytes name."""
     frames = packed(envelope(), *extra)
     assert isinstance(one(frames), Request)
-    refused_unread(frames, limits)
+    with pytest.raises(DecodeError) as info:
+        decode_requests(frames, limits)
+    refused(info.value, ErrorCode.TOO_LARGE, one(frames).id)
 
 
 @pytest.mark.parametrize("field", ["max_frames", "max_tensor_dims", "max_message_bytes"])

@@ -1,0 +1,248 @@
+"""A hostile client's messages, on real sockets: none kills a worker or deafens the daemon.
+
+Nested a thousand levels deep, over a size limit, or anything the structure-aware
+fuzzing (tests/hostile.py) makes: each is answered when its id can be read (BAD_REQUEST,
+TOO_LARGE: not retryable), dropped and logged otherwise; the worker keeps its pid and
+generation, the daemon keeps answering, the connection stays up. The client's reader
+likewise survives any reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any
+
+import hostile
+import msgpack
+import pytest
+import torch
+import zmq
+from daemons import RunningDaemon
+from hypothesis import HealthCheck, given, settings
+
+from graphlane import GraphlaneError
+from graphlane.client import Client
+from graphlane.client.transport import Channel, Sockets
+from graphlane.protocol import ErrorCode, ops, wire
+
+DEEP = hostile.Packed(hostile.nested(1000), "1000 deep")
+STEP = {"actual_seq_lengths_kv": [3]}
+
+
+class Dealer:
+    """One raw DEALER connection: send any frames, read replies until one names an id."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.ids = itertools.count(2**40)  # far from the ids the fuzzing sends
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def send(self, frames: list[Any]) -> None:
+        self.sock.send_multipart(frames)
+
+    def replies_until(self, request_id: int, wait_s: float = 30) -> list[wire.Reply]:
+        """Every reply that arrives until the one to ``request_id`` (the last of the list)."""
+        deadline = time.monotonic() + wait_s
+        out: list[wire.Reply] = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(int(left * 1000)):
+                pytest.fail(f"no reply to {request_id} within {wait_s} s (got {out})")
+            for reply in wire.decode_replies(self.sock.recv_multipart()):
+                assert isinstance(reply, wire.Reply), reply  # servers send readable replies
+                out.append(reply)
+                if reply.id == request_id:
+                    return out
+
+    def call(self, frames: list[Any], request_id: int) -> wire.Reply:
+        self.send(frames)
+        return self.replies_until(request_id)[-1]
+
+    def probe(self, op: str = "status") -> list[wire.Reply]:
+        """A status (or hello) after what was sent: the replies up to its answer."""
+        i = next(self.ids)
+        body = ops.Status() if op == "status" else ops.Hello(client="probe")
+        self.send(list(wire.encode_request(i, op, body)))
+        replies = self.replies_until(i)
+        assert replies[-1].error is None, replies[-1].error
+        return replies
+
+
+def refused(reply: wire.Reply, code: ErrorCode, request_id: int) -> None:
+    assert reply.id == request_id
+    assert reply.error is not None and reply.error.code == code, reply.error
+    assert not reply.error.retryable
+
+
+def health(d: RunningDaemon) -> tuple[Any, ...]:
+    w = d.worker(0)
+    return w["pid"], w["generation"], w["restarts"], w["state"]
+
+
+def test_a_message_nested_1000_deep_is_answered_and_kills_nothing(shared_daemon) -> None:
+    """Issue 28 (1): sent to a worker it raised RecursionError and the worker restarted
+    (five times in 20 s: the device failed for good); sent to the daemon it ended its
+    request loop without a word."""
+    d = shared_daemon(devices=1)
+    before = health(d)
+    deep_messages = [
+        {"v": 1, "id": 7, "op": "step", "body": {"program": "attention", "params": DEEP}},
+        {"v": 1, "id": 7, "body": DEEP, "op": "status"},  # op last: skipped to find it
+        {"id": 7, "v": DEEP, "op": "status", "body": {}},
+        {"v": 1, "id": 7, "op": "hello", "body": {"client": DEEP}},
+    ]
+    for endpoint in (d.worker(0)["endpoint"], d.endpoint):
+        dealer = Dealer(endpoint)
+        try:
+            for message in deep_messages * 2:  # more than the supervisor's restart budget
+                refused(dealer.call([hostile.pack(message)], 7), ErrorCode.BAD_REQUEST, 7)
+            dealer.send([hostile.pack(DEEP)])  # no id to answer: dropped, counted
+            dealer.probe("hello")
+        finally:
+            dealer.close()
+    assert health(d) == before
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=10) as c:
+            assert (await c.hello())["workers"][0]["pid"] == before[0]
+            r = await c.step("attention", 0, STEP)
+            assert r.generation == before[1]
+
+    asyncio.run(main())
+
+
+def test_a_message_over_a_size_limit_is_answered_too_large(shared_daemon) -> None:
+    """Issue 28 (7): an envelope over the limit was cut (the daemon: the connection
+    dropped) or dropped (a worker): the client waited, then heard WORKER_LOST retryable.
+    Now TOO_LARGE, not retryable, with its id, and the connection stays up."""
+    d = shared_daemon(devices=1)
+    before = health(d)
+    big_step = msgpack.packb(
+        {"v": 1, "id": 11, "op": "step", "body": {"program": "attention", "device": 0,
+                                                    "params": {"x": [1] * (2**20 + 10)}}}
+    )  # fmt: skip
+    big_hello = msgpack.packb(
+        {"v": 1, "id": 11, "op": "hello", "body": {"client": "x" * (2**20 + 10)}}
+    )
+    many = [*wire.encode_request(11, "status", ops.Status()), *[b""] * 64]
+    for endpoint, big in ((d.worker(0)["endpoint"], big_step), (d.endpoint, big_hello)):
+        dealer = Dealer(endpoint)
+        try:
+            for frames in ([big], many):
+                refused(dealer.call(frames, 11), ErrorCode.TOO_LARGE, 11)
+                dealer.probe()  # the same connection: not cut
+        finally:
+            dealer.close()
+    assert health(d) == before
+
+
+def test_the_client_refuses_what_the_worker_would_cut_and_loses_nothing(shared_daemon) -> None:
+    """A tensor over the worker's message limit (its socket cuts such a frame, with no
+    reply): the client raises TOO_LARGE unsent, and its other calls are unaffected."""
+    d = shared_daemon(devices=1)
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=30) as c:
+            await c.step("attention", 0, STEP)
+            huge = torch.empty(wire.DEFAULT_LIMITS.max_message_bytes + 1, dtype=torch.uint8)
+            other = asyncio.ensure_future(c.step("attention", 0, {"actual_seq_lengths_kv": [2]}))
+            for params, inputs in (
+                (STEP, {"query": huge}),
+                ({"actual_seq_lengths_kv": [1] * (2**20 + 1)}, None),  # an envelope over 1 MiB
+            ):
+                with pytest.raises(GraphlaneError) as err:
+                    await c.step("attention", 0, params, inputs, batch=1)
+                assert err.value.code == ErrorCode.TOO_LARGE and not err.value.retryable
+            assert (await other).bucket >= 1
+            assert (await c.step("attention", 0, STEP)).bucket >= 1
+
+    asyncio.run(main())
+
+
+def test_the_clients_reader_survives_any_reply(tmp_path) -> None:
+    """A reply nested 1000 deep stopped the client's reader (a RecursionError out of its
+    callback): its call, and every later one, waited out its timeout. Now the call
+    with a readable id fails INTERNAL at once and the connection keeps working."""
+    endpoint = f"ipc://{tmp_path}/server.sock"
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(endpoint)
+
+    def serve(replies: list[list[bytes]]) -> None:
+        ident, *_ = server.recv_multipart()
+        for frames in replies:
+            server.send_multipart([ident, *frames])
+
+    async def main() -> None:
+        sockets = Sockets()
+        ch = Channel(sockets, endpoint, "fake")
+        status = ops.OPS["status"]
+        loop = asyncio.get_running_loop()
+        try:
+            deep = hostile.pack({"v": 1, "id": 1, "ok": True, "body": DEEP})
+            garbage = [b"\xc1\x00", hostile.pack(DEEP), b"\x91" * 100_000]
+            good = list(wire.encode_reply(2, {"state": "fine"}))
+            call = asyncio.ensure_future(ch.call(1, status, ops.Status(), 20))
+            await loop.run_in_executor(None, serve, [[deep]])
+            with pytest.raises(GraphlaneError) as err:
+                await call
+            assert err.value.code == ErrorCode.INTERNAL  # at once: not TIMEOUT
+            call = asyncio.ensure_future(ch.call(2, status, ops.Status(), 20))
+            await loop.run_in_executor(None, serve, [[g] for g in garbage] + [good])
+            assert await call == {"state": "fine"}
+        finally:
+            await ch.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.close(0)
+        ctx.term()
+
+
+FUZZ = settings(
+    max_examples=250,
+    deadline=None,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
+
+
+@pytest.mark.parametrize("socket", ["worker", "daemon"])
+def test_fuzzing_a_socket_kills_nothing(shared_daemon, socket: str) -> None:
+    """Structure-aware messages (tests/hostile.py) on one connection, each followed by a
+    status: it is answered every time, every reply is readable and none is INTERNAL
+    (a request the server failed to foresee); the worker keeps its pid and generation,
+    the daemon answers hello and status."""
+    d = shared_daemon(devices=1)
+    before = health(d)
+    endpoint = d.worker(0)["endpoint"] if socket == "worker" else d.endpoint
+    dealer = Dealer(endpoint)
+
+    @FUZZ
+    @given(hostile.messages())
+    def one(frames: list[bytes]) -> None:
+        dealer.send(frames)
+        for reply in dealer.probe():
+            assert reply.error is None or reply.error.code != ErrorCode.INTERNAL, reply.error
+
+    try:
+        one()
+        dealer.probe("hello")
+    finally:
+        dealer.close()
+    assert health(d) == before
+    assert d.status()["state"] == "running"
