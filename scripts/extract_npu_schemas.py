@@ -125,14 +125,9 @@ def schema_of(name: str, texts: list[str]) -> str | None:
     return None
 
 
-def main(wheel: str) -> None:
-    texts: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as zf:
-        for member in LIBRARIES:
-            path = Path(tmp) / Path(member).name
-            path.write_bytes(zf.read(member))
-            texts += plain_strings(path.read_bytes())
-            texts += stack_built_strings(path)
+def schemas_and_parser(texts: list[str], wheel: str) -> tuple[dict[str, str], str]:
+    """The schema of every op of OPS, and the Python argument parser string of the fused
+    update binding, from the strings of the wheel's libraries."""
     schemas = {}
     for name in OPS:
         schema = schema_of(name, texts)
@@ -141,6 +136,18 @@ def main(wheel: str) -> None:
         schemas[name] = schema
     fia = "npu_fused_infer_attention_score("
     parser = next(t for t in texts if t.startswith(fia) and "TensorList out" in t)
+    return schemas, parser
+
+
+def main(wheel: str) -> None:
+    texts: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as zf:
+        for member in LIBRARIES:
+            path = Path(tmp) / Path(member).name
+            path.write_bytes(zf.read(member))
+            texts += plain_strings(path.read_bytes())
+            texts += stack_built_strings(path)
+    schemas, parser = schemas_and_parser(texts, wheel)
     snapshot = {
         "wheel": Path(wheel).name,
         "schemas": schemas,

@@ -231,14 +231,7 @@ def main(wheel_path: str) -> None:
                     ["objdump", "-d", "--no-show-raw-insn", "-M", "intel", str(path)],
                     capture_output=True, text=True, check=True,
                 ).stdout.splitlines()  # fmt: skip
-    schemas = {}
-    for name in schemas_of.OPS:
-        schema = schemas_of.schema_of(name, texts)
-        if schema is None:
-            sys.exit(f"schema of {name} not found in {wheel_path}")
-        schemas[name] = schema
-    fia = "npu_fused_infer_attention_score("
-    parser = next(t for t in texts if t.startswith(fia) and "TensorList out" in t)
+    schemas, parser = schemas_of.schemas_and_parser(texts, wheel_path)
     snapshot = {
         "wheel": Path(wheel_path).name,
         "python": python,
