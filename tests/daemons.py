@@ -167,15 +167,29 @@ def launch(
         listen = f"tcp://127.0.0.1:{free_port(1 + devices)}"
     cfg = {"listen": listen, "devices": devices, **config}
     path = write_config(tmp_dir / f"{name}.toml", cfg)
+    argv = [sys.executable, "-m", "graphlane", "serve", "--config", str(path)]
+    return serve_until_ready(
+        tmp_dir, name, argv, {**os.environ, **(env or {})}, dict(client_keys or {})
+    )
+
+
+def serve_until_ready(
+    tmp_dir: Path,
+    name: str,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    client_keys: dict[str, str] | None = None,
+) -> RunningDaemon:
+    """``ARGV --ready-file PATH`` (a ``graphlane serve`` command line) as a child process
+    whose output goes to ``tmp_dir/NAME.log``, returned once its workers are ready and
+    it answers status."""
     ready = tmp_dir / f"{name}.ready"
     log_path = tmp_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(path),
-           "--ready-file", str(ready)]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            [*argv, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT, env=env
         )
-    d = RunningDaemon(listen, proc, log_path, client_keys=dict(client_keys or {}))
+    d = RunningDaemon("", proc, log_path, client_keys=dict(client_keys or {}))
 
     def is_ready() -> bool:
         if proc.poll() is not None:

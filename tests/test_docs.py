@@ -25,6 +25,7 @@ from daemons import (  # noqa: F401  (no_leaked_children: a fixture)
     finish,
     free_port,
     no_leaked_children,
+    serve_until_ready,
     wait_for,
 )
 
@@ -227,29 +228,7 @@ def _serve(
 ) -> RunningDaemon:
     """``ARGV --ready-file PATH`` (a ``graphlane serve`` command line) as a child process,
     returned once its daemon is ready."""
-    ready = tmp_path / f"{name}.ready"
-    log_path = tmp_path / f"{name}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [*argv, "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    d = RunningDaemon("", proc, log_path, client_keys=client_keys)
-
-    def is_ready() -> bool:
-        if proc.poll() is not None:
-            pytest.fail(f"daemon exited with {proc.returncode}:\n{d.log()[-3000:]}")
-        return ready.exists() and ready.stat().st_size > 0
-
-    try:
-        wait_for(is_ready, 120, f"the daemon of {name} to be ready")
-        d.endpoint = ready.read_text()
-        d.status()
-    except BaseException:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        raise
-    return d
+    return serve_until_ready(tmp_path, name, argv, env, client_keys)
 
 
 def test_there_is_an_example_config_for_every_built_in_program() -> None:
