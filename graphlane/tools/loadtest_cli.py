@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import time
@@ -495,6 +496,12 @@ async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
         config.endpoint, timeout=wait_s,
         server_key=config.server_key, client_key=config.client_key,
     )  # fmt: skip
+    # Ctrl-C cancels the wait through the loop (its wake-up pipe), not as an exception
+    # raised wherever the interpreter happens to be: one that landed while the client
+    # was connecting was once lost, and the command waited out --connect-timeout.
+    loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
+        loop.add_signal_handler(signal.SIGINT, me.cancel if me is not None else _no_op)
     try:
         return await client.connect()
     except Timeout:
@@ -504,7 +511,12 @@ async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
             "is the daemon running there?" + (keys if config.server_key else "")
         ) from None
     finally:
+        loop.remove_signal_handler(signal.SIGINT)
         await client.close()
+
+
+def _no_op() -> None:
+    pass
 
 
 def _paged_config(
