@@ -476,14 +476,14 @@ class Worker(WorkerLoop):
 
     def _finish(self, step: Step) -> None:
         self._open.pop(step, None)
-        self._progress_at = time.perf_counter()
+        self._progress_at = now = time.perf_counter()
         if step.results is None:
             error = as_error(step.error or InternalError("step ended without results"))
             self._reply_error(step.ident, step.request_id, error, step.bundled)
             if step.changes_state and self._keeps_state(step.plan.program):
                 self._fence(step.ident, step.request_id, str(error.code))
         else:
-            held = time.perf_counter() - step.received
+            held = now - step.received
             self.metrics.observe_done(
                 step.plan.program,
                 step.kind._value_,
