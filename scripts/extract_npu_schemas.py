@@ -1,7 +1,7 @@
 """Extract the registered schemas of the attention ops from a torch_npu wheel.
 
     python scripts/extract_npu_schemas.py torch_npu-2.14.0-cp311-...whl \
-        > tests/sim/data/torch_npu_2.14.0_schemas.json
+        > sim/tests/data/torch_npu_2.14.0_schemas.json
 
 (get the wheel with ``pip download --no-deps torch-npu==2.14.0``). Nothing of
 the wheel is kept except the schema strings printed.

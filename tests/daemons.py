@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from graphlane.protocol.errors import GraphlaneError
+
 POLL_S = 0.02
 
 SMALL = {"name": "attention", "layers": 2, "num_heads": 4, "num_kv_heads": 2,
@@ -117,7 +119,9 @@ class RunningDaemon:
         from graphlane.client import Client
 
         async def get() -> dict[str, Any]:
-            async with Client(self.endpoint, timeout=10, **self.client_keys) as c:
+            # A hang guard, not a latency check: a loaded 2-core machine can hold a
+            # just-started daemon's answer for seconds.
+            async with Client(self.endpoint, timeout=30, **self.client_keys) as c:
                 return await c.status()
 
         st = asyncio.run(get())
@@ -199,7 +203,10 @@ def serve_until_ready(
     try:
         wait_for(is_ready, 120, "the daemon's workers to be ready")
         d.endpoint = ready.read_text()
-        d.status()
+        try:
+            d.status()
+        except GraphlaneError as e:  # say what the daemon was doing
+            pytest.fail(f"the ready daemon did not answer status: {e}\n{d.log()[-3000:]}")
     except BaseException:
         if proc.poll() is None:
             proc.kill()

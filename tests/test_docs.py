@@ -192,7 +192,12 @@ def _anchors(page: Path) -> set[str]:
     return out
 
 
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "README.md"]
+PAGES = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "deploy" / "README.md",
+    ROOT / "sim" / "README.md",
+]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -214,7 +219,7 @@ def test_the_readme_links_every_doc_page_and_example_config() -> None:
     linked = {t.partition("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", readme)}
     wanted = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
     wanted |= {str(p.relative_to(ROOT)) for p in EXAMPLES}
-    wanted |= {"docs/api.md", "docs/performance.md", "deploy/README.md"}
+    wanted |= {"docs/api.md", "docs/performance.md", "deploy/README.md", "sim/README.md"}
     assert wanted <= linked, f"README.md does not link {sorted(wanted - linked)}"
 
 

@@ -3,12 +3,12 @@
 - no import cycle among graphlane modules (imports run when a module is loaded:
   those at module level, outside functions; imports under ``if TYPE_CHECKING:``
   are for type checkers only and do not count);
-- graphlane.sim (the simulated NPU) imports nothing of the worker, the daemon,
-  the client or the tools, and imports only at module top (no imports inside
-  functions, none after the first statement);
+- npusim (the simulated NPU, its own distribution under sim/) imports nothing
+  of graphlane, and imports only at module top (no imports inside functions,
+  none after the first statement);
 - graphlane.client and graphlane.protocol (what schedulers import) import nothing
   of workers, orchestrator, sim or tools;
-- graphlane.orchestrator (the daemon) imports nothing of graphlane.sim or
+- graphlane.orchestrator (the daemon) imports nothing of npusim or
   graphlane.tools;
 
 The direction rules count every import, also those inside functions and under
@@ -27,20 +27,21 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "graphlane"
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = (REPO / "graphlane", REPO / "sim" / "src" / "npusim")
+OURS = ("graphlane", "npusim")
 
 #: package -> packages it must not import (any import, anywhere in the module)
 FORBIDDEN = {
-    "graphlane.sim": ("graphlane.workers", "graphlane.orchestrator", "graphlane.client",
-                      "graphlane.tools"),
-    "graphlane.client": ("graphlane.workers", "graphlane.orchestrator", "graphlane.sim",
+    "npusim": ("graphlane",),
+    "graphlane.client": ("graphlane.workers", "graphlane.orchestrator", "npusim",
                          "graphlane.tools"),
-    "graphlane.protocol": ("graphlane.workers", "graphlane.orchestrator", "graphlane.sim",
+    "graphlane.protocol": ("graphlane.workers", "graphlane.orchestrator", "npusim",
                            "graphlane.tools"),
-    "graphlane.orchestrator": ("graphlane.sim", "graphlane.tools"),
+    "graphlane.orchestrator": ("npusim", "graphlane.tools"),
 }  # fmt: skip
 #: packages whose modules import only at module top
-TOP_IMPORTS_ONLY = ("graphlane.sim",)
+TOP_IMPORTS_ONLY = ("npusim",)
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,11 @@ class Import:
         return f"{self.source}:{self.line} imports {self.target}"
 
 
-def sources(root: Path = ROOT) -> dict[str, tuple[str, bool]]:
-    """Module name -> (source, is a package), for every module under ``root``."""
+def sources(roots: Iterable[Path] = ROOTS) -> dict[str, tuple[str, bool]]:
+    """Module name -> (source, is a package), for every module under the ``roots``."""
     out = {}
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for root in roots for p in root.rglob("*.py")):
+        root = next(r for r in roots if r in path.parents)
         parts = path.relative_to(root.parent).with_suffix("").parts
         is_package = parts[-1] == "__init__"
         name = ".".join(parts[:-1] if is_package else parts)
@@ -83,13 +85,13 @@ def _is_preamble(node: ast.stmt) -> bool:
 def imports_of(
     name: str, source: str, is_package: bool, modules: Iterable[str]
 ) -> list[Import]:
-    """The graphlane imports of one module."""
+    """The imports of one module that go to graphlane or npusim."""
     known = set(modules)
     package = name if is_package else name.rpartition(".")[0]
     found: list[Import] = []
 
     def add(node: ast.stmt, target: str, in_function: bool, tc: bool, after: bool) -> None:
-        if target == "graphlane" or target.startswith("graphlane."):
+        if any(_within(target, ours) for ours in OURS):
             found.append(Import(name, target, node.lineno, in_function, tc, after))
 
     def visit(nodes: list[ast.stmt], in_function: bool, tc: bool, top: bool) -> None:
@@ -187,11 +189,11 @@ def placement_violations(imports: Iterable[Import]) -> list[str]:
 @pytest.fixture(scope="module")
 def imports() -> list[Import]:
     modules = sources()
-    assert "graphlane.sim.torch_npu" in modules and "graphlane.client" in modules
+    assert "npusim.torch_npu" in modules and "graphlane.client" in modules
     return all_imports(modules)
 
 
-def test_no_import_cycle_among_graphlane_modules(imports: list[Import]) -> None:
+def test_no_import_cycle_among_our_modules(imports: list[Import]) -> None:
     cycle = find_cycle(imports)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -217,12 +219,12 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
     imports = _fake(
         {
             "graphlane.__init__": "",
-            "graphlane.sim.__init__": "from .a import x\n",
-            "graphlane.sim.a": "from . import b\nx = 1\n",
-            "graphlane.sim.b": (
-                "import graphlane.sim.a\n"
+            "npusim.__init__": "from .a import x\n",
+            "npusim.a": "from . import b\nx = 1\n",
+            "npusim.b": (
+                "import npusim.a\n"
                 "def f():\n    from graphlane.workers import engine\n"
-                "y = 2\nfrom graphlane.sim import a\n"
+                "y = 2\nfrom npusim import a\n"
             ),
             "graphlane.workers.__init__": "",
             "graphlane.workers.engine": "",
@@ -230,18 +232,18 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
             "if TYPE_CHECKING:\n    from graphlane.tools import t\n",
             "graphlane.tools.__init__": "",
             "graphlane.tools.t": "",
-            "graphlane.orchestrator.__init__": "try:\n    import graphlane.sim\n"
+            "graphlane.orchestrator.__init__": "try:\n    import npusim\n"
             "except ImportError:\n    pass\n",
         }
     )
-    assert find_cycle(imports) == ["graphlane.sim.a", "graphlane.sim.b", "graphlane.sim.a"]
+    assert find_cycle(imports) == ["npusim.a", "npusim.b", "npusim.a"]
     directions = direction_violations(imports)
-    assert any("graphlane.sim.b:3 imports graphlane.workers.engine" in v for v in directions)
+    assert any("npusim.b:3 imports graphlane.workers.engine" in v for v in directions)
     assert any("graphlane.client:3 imports graphlane.tools.t" in v for v in directions)
-    assert any("graphlane.orchestrator:2 imports graphlane.sim" in v for v in directions)
+    assert any("graphlane.orchestrator:2 imports npusim" in v for v in directions)
     assert placement_violations(imports) == [
-        "graphlane.sim.b:3 imports graphlane.workers.engine inside a function",
-        "graphlane.sim.b:5 imports graphlane.sim.a after the module's first statement",
+        "npusim.b:3 imports graphlane.workers.engine inside a function",
+        "npusim.b:5 imports npusim.a after the module's first statement",
     ]
 
 

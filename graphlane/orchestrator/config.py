@@ -95,7 +95,7 @@ class SimSettings:
     """The ``[sim]`` table: how the simulated NPU of each worker behaves (backend "sim").
 
     The daemon does not import the simulator: the worker's sim provider turns these
-    settings into the sim's own config (graphlane.sim.SimConfig, same fields).
+    settings into the sim's own config (npusim.SimConfig, same fields).
     """
 
     mode: str = "compute"  # or "timed": a cost model instead of compute

@@ -152,7 +152,7 @@ def run(
     Restores the sim's configuration afterwards; runs torch on one CPU thread.
     ``n`` ops per repeat (graph figures use ``n // layers`` replays, at least 10).
     """
-    from graphlane.sim import configure, torch_npu
+    from npusim import configure, torch_npu
 
     npu = torch_npu.npu
     fia_out = torch_npu.npu_fused_infer_attention_score.out
@@ -225,7 +225,7 @@ def _eager_figures(npu: Any, n: int, repeats: int) -> list[Figure]:
 def _graph_figures(
     npu: Any, fia_out: Any, layers: int, n: int, repeats: int, step_n: int | None
 ) -> list[Figure]:
-    from graphlane.sim import configure, torch_npu
+    from npusim import configure, torch_npu
 
     plain = _Attention(npu, fia_out, layers, "npu", waits=False)
     waited = _Attention(npu, fia_out, layers, "npu", waits=True)

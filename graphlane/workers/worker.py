@@ -77,7 +77,7 @@ class WorkerSpec:
     #: it makes visible (the daemon pins an npu worker with ASCEND_RT_VISIBLE_DEVICES, so
     #: it is 0 there); None: ``device``.
     runtime_index: int | None = None
-    sim: dict[str, Any] | None = None  # backend "sim": the fields of graphlane.sim.SimConfig
+    sim: dict[str, Any] | None = None  # backend "sim": the fields of npusim.SimConfig
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     depth: int = 2  # the config's default (see ServeConfig.depth)
     pipeline: bool = True

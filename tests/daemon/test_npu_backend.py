@@ -44,7 +44,7 @@ def npu_env(trace: Path, event_mode: str | None = None) -> dict[str, str]:
         "STRICT_TORCH_NPU_TRACE": str(trace),
     }
     if event_mode is not None:
-        env["GRAPHLANE_SIM_EVENT_MODE"] = event_mode
+        env["NPUSIM_EVENT_MODE"] = event_mode
     return env
 
 

@@ -169,3 +169,15 @@ def test_roles_without_authentication_are_an_error(tmp_path: Path, raw: dict, ke
         from_mapping(raw)
     assert err.value.key == key and "auth_dir" in str(err.value)
     assert from_mapping({**raw, "auth_dir": _auth_dir(tmp_path)}).auth_dir is not None
+
+
+def test_the_sim_section_reaches_the_simulators_own_config() -> None:
+    """[sim] keys are the simulator's own settings (npusim.SimConfig), checked at load."""
+    assert from_mapping({"sim": {"device_memory": 1 << 30}}).sim.device_memory == 1 << 30
+    assert from_mapping({}).sim.device_memory == 64 << 30
+    with pytest.raises(ConfigError, match="device_memory"):
+        from_mapping({"sim": {"device_memory": "16G"}})
+    assert from_mapping({"sim": {"event_mode": "enpu"}}).sim.event_mode == "enpu"
+    assert from_mapping({}).sim.event_mode == "cann"
+    with pytest.raises(ConfigError, match="event_mode"):
+        from_mapping({"sim": {"event_mode": "ENPU!"}})

@@ -9,9 +9,9 @@ import math
 
 import pytest
 import torch
+from npusim import torch_npu
 from reference import decode_stack
 
-from graphlane.sim import torch_npu
 from graphlane.tools.loadtest_workload import TOLERANCE, reference
 from graphlane.workers.programs.attention import AttentionConfig
 

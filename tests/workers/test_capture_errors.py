@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from misnamed_op_program import MisnamedOp
+from npusim import SimUsageError, torch_npu
 
 from graphlane.protocol import pipe
-from graphlane.sim import SimUsageError, torch_npu
 from graphlane.workers.backends.faults import InjectedDeviceFault
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.engine import StepEngine

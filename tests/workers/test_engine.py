@@ -17,10 +17,10 @@ import pytest
 import torch
 from daemons import wait_for
 from issuer import Issuer
+from npusim import HazardError, torch_npu
 from reference import decode_stack
 
 from graphlane.protocol import ops
-from graphlane.sim import HazardError, torch_npu
 from graphlane.workers.backends import create_backend
 from graphlane.workers.backends.faults import FaultyBackend, InjectedDeviceFault
 from graphlane.workers.backends.npu import NpuBackend

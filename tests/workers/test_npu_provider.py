@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from npusim import SimUsageError, torch_npu
 
-from graphlane.sim import SimUsageError, torch_npu
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.programs import AttentionConfig, AttentionProgram
 

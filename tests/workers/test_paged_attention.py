@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from issuer import Issuer
+from npusim import torch_npu
 from paged_kv import Scheduler
 
 from graphlane.protocol import ops
-from graphlane.sim import torch_npu
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.programs import (
     PagedAttentionConfig,

@@ -11,8 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-
-from graphlane.sim import SimConfig, configure
+from npusim import SimConfig, configure
 
 from .npu import NpuBackend
 
@@ -27,7 +26,7 @@ class SimBackend(NpuBackend):
         use_fused_update: bool = True,
     ) -> None:
         """``config``: a SimConfig, or its fields as the daemon sends them (``[sim]``)."""
-        from graphlane.sim import torch_npu
+        from npusim import torch_npu
 
         if isinstance(config, Mapping):
             config = SimConfig(**config)
@@ -36,5 +35,5 @@ class SimBackend(NpuBackend):
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # The sim cannot pin host memory (docs/sim.md): its copies are queued as they are.
+        # The sim cannot pin host memory (sim/README.md): its copies are queued as they are.
         dst.copy_(src, non_blocking=True)

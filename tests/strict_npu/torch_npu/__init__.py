@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from graphlane.sim import torch_npu as _sim
-from graphlane.sim.runtime import RUNTIME
+from npusim import torch_npu as _sim
+from npusim.runtime import RUNTIME
 
 from . import _strict
 from ._strict import API, bind, parser_signature, require_device, schema_signature, trace

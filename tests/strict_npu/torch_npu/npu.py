@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphlane.sim import npu as _sim
-from graphlane.sim.capture import graph as _sim_graph
+from npusim import npu as _sim
+from npusim.capture import graph as _sim_graph
 
 from ._strict import API, PYTHON, THREAD, bind, function, require_device, trace
 

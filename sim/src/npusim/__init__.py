@@ -1,0 +1,46 @@
+"""The simulated NPU: a CPU device named "npu" with the NPU's stream, event and
+graph semantics, and a torch_npu-shaped namespace over it.
+
+    from npusim import torch_npu   # sets the device up
+    x = torch.randn(4, 4).npu()
+
+Errors: :class:`SimError` and its subclasses; :func:`reset_device` clears a
+device fault (HazardError, DeadlockError) and drops pending device work.
+:func:`configure` selects compute or timed mode and the watchdog.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    DeadlockError,
+    DeviceFaultError,
+    HazardError,
+    SimError,
+    SimUsageError,
+    UpdateKeyIgnoredWarning,
+)
+from .runtime import RUNTIME, SimConfig, configure
+
+
+def reset_device() -> None:
+    """Clear a device fault and drop all pending device work, like a device reset."""
+    RUNTIME.reset()
+
+
+def fault() -> SimError | None:
+    """The error that faulted the device, if any (without raising it)."""
+    return RUNTIME.fault
+
+
+__all__ = [
+    "DeadlockError",
+    "DeviceFaultError",
+    "HazardError",
+    "SimConfig",
+    "SimError",
+    "SimUsageError",
+    "UpdateKeyIgnoredWarning",
+    "configure",
+    "fault",
+    "reset_device",
+]

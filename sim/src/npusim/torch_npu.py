@@ -1,0 +1,71 @@
+"""A ``torch_npu``-shaped namespace over the simulated NPU.
+
+``from npusim import torch_npu`` sets the device up; code written
+for torch_npu then runs on the CPU with only its ``import torch_npu`` line
+changed: ``torch_npu.npu`` is ``torch.npu`` (streams, events, graphs, the
+task-group update API), and the op functions live at the top level.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from . import npu
+from . import ops as _ops
+from .backend import setup
+from .fia_v2 import fused_infer_attention_score_v2
+from .fused import fused_update_out_graph
+from .npu_extras import (
+    Format,
+    _construct_NPU_Tensor_From_Storage_And_Metadata,
+    _construct_storage_from_data_pointer,
+    get_npu_format,
+)
+from .paged_attention import paged_attention
+from .task_groups import TaskGroupHandle
+
+setup()
+
+_npu_ops = torch.ops.npu
+npu_fused_infer_attention_score = _ops.fused_infer_attention_score
+_npu_fused_infer_attention_score_get_max_workspace = (
+    _npu_ops._npu_fused_infer_attention_score_get_max_workspace
+)
+_npu_fused_infer_attention_score_infer_output = (
+    _npu_ops._npu_fused_infer_attention_score_infer_output
+)
+npu_fused_infer_attention_score_v2 = fused_infer_attention_score_v2
+_npu_fused_infer_attention_score_v2_get_max_workspace = (
+    _npu_ops._npu_fused_infer_attention_score_v2_get_max_workspace
+)
+_npu_fused_infer_attention_score_v2_infer_output = (
+    _npu_ops._npu_fused_infer_attention_score_v2_infer_output
+)
+_npu_paged_attention = paged_attention
+_npu_paged_attention_get_workspace = _npu_ops._npu_paged_attention_get_workspace
+
+# torch_npu._C: the names serving stacks use (the fused update binding, the task-group
+# handle type, torchair's tensor-from-storage constructors).
+_C = SimpleNamespace(
+    _npu_fused_infer_attention_score_out_graph=fused_update_out_graph,
+    _NPUTaskGroupHandle=TaskGroupHandle,
+    _construct_storage_from_data_pointer=_construct_storage_from_data_pointer,
+    _construct_NPU_Tensor_From_Storage_And_Metadata=_construct_NPU_Tensor_From_Storage_And_Metadata,
+)
+
+__all__ = [
+    "_C",
+    "Format",
+    "_npu_fused_infer_attention_score_get_max_workspace",
+    "_npu_fused_infer_attention_score_infer_output",
+    "_npu_fused_infer_attention_score_v2_get_max_workspace",
+    "_npu_fused_infer_attention_score_v2_infer_output",
+    "_npu_paged_attention",
+    "_npu_paged_attention_get_workspace",
+    "get_npu_format",
+    "npu",
+    "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score_v2",
+]

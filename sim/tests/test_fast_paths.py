@@ -1,0 +1,265 @@
+"""The sim's fast paths check what the slow paths check.
+
+A captured task's tensor keys are taken at capture and a patch is compared with
+them; the fused update binding skips torch's dispatcher when its arguments are
+plain. Each test here is a way such a shortcut could let a wrong patch through or
+change a result.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from npusim import SimUsageError, torch_npu
+from npusim.task_groups import abandon_update
+from torch.utils._python_dispatch import TorchDispatchMode
+
+fused = torch_npu._C._npu_fused_infer_attention_score_out_graph
+fia = torch_npu.npu_fused_infer_attention_score
+B, N, NKV, D, KV = 2, 4, 2, 8, 16
+
+
+class Layer:
+    """One captured attention task group behind an ExternalEvent."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.q_cpu = torch.randn(B, N, 1, D, dtype=torch.float16, generator=g)
+        self.kv_cpu = torch.randn(B, NKV, KV, D, dtype=torch.float16, generator=g)
+        self.q, self.kv = self.q_cpu.npu(), self.kv_cpu.npu()
+        self.out = torch.zeros(B, N, 1, D, dtype=torch.float16, device="npu")
+        self.lse = torch.zeros(1, device="npu")
+        self.s, self.u = torch.npu.Stream(), torch.npu.Stream()
+        self.ev = torch.npu.ExternalEvent()
+        self.graph = torch.npu.NPUGraph()
+        with torch.npu.graph(self.graph, stream=self.s):
+            self.ev.wait(self.s)
+            torch.npu.graph_task_group_begin(self.s)
+            fia.out(**self.args([KV] * B))
+            self.handle = torch.npu.graph_task_group_end(self.s)
+
+    def args(self, lengths: list[int], **over: Any) -> dict[str, Any]:
+        a = dict(
+            query=self.q, key=self.kv, value=self.kv, actual_seq_lengths_kv=lengths,
+            num_heads=N, num_key_value_heads=NKV, input_layout="BNSD",
+            scale=1 / math.sqrt(D), softmax_lse_flag=False, out=[self.out, self.lse],
+        )  # fmt: skip
+        a.update(over)
+        return a
+
+    def patch(self, lengths: list[int], **over: Any) -> None:
+        """The explicit API: begin, the op (through the dispatcher), end, record."""
+        with torch.npu.stream(self.u):
+            torch.npu.graph_task_update_begin(self.u, self.handle)
+            fia.out(**self.args(lengths, **over))
+            torch.npu.graph_task_update_end(self.u)
+            self.ev.record(self.u)
+
+    def run(self) -> torch.Tensor:
+        with torch.npu.stream(self.s):
+            self.graph.replay()
+        torch.npu.synchronize()
+        return self.out.cpu()
+
+    def expected(self, lengths: list[int]) -> torch.Tensor:
+        out = torch.zeros(B, N, 1, D, dtype=torch.float16)
+        a = self.args(lengths, query=self.q_cpu, key=self.kv_cpu, value=self.kv_cpu)
+        a["out"] = [out, torch.zeros(1)]
+        fia.out(**a)
+        return out
+
+
+def test_fused_binding_patches_as_the_explicit_api_does() -> None:
+    layer = Layer()
+    fused(layer.u, layer.handle, layer.ev, **layer.args([3, 9]))
+    assert torch.equal(layer.run(), layer.expected([3, 9]))
+    layer.patch([5, 1])
+    assert torch.equal(layer.run(), layer.expected([5, 1]))
+
+
+def test_a_new_view_with_the_captured_layout_may_patch() -> None:
+    layer = Layer()
+    out_view = layer.out.view(B, N, 1, D)  # another tensor object, same address and layout
+    fused(layer.u, layer.handle, layer.ev, **layer.args([2, 2], out=[out_view, layer.lse]))
+    assert torch.equal(layer.run(), layer.expected([2, 2]))
+
+
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+def test_patch_with_another_buffer_is_refused(path: str) -> None:
+    layer = Layer()
+    other = torch.zeros_like(layer.out)
+    with pytest.raises(SimUsageError, match="another tensor than the captured one"):
+        if path == "fused":
+            fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], out=[other, layer.lse]))
+        else:
+            layer.patch([1, 1], out=[other, layer.lse])
+
+
+def test_captured_tensor_whose_layout_changed_in_place_is_refused() -> None:
+    """The graph holds the layout of capture time: a patch with the same tensor object,
+    restrided in place since, does not match it."""
+    layer = Layer()
+    layer.out.as_strided_(layer.out.shape, (1, B, B * N, B * N))
+    torch.npu.synchronize()
+    with pytest.raises(SimUsageError, match="shape/stride/dtype"):
+        fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1]))
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {"actual_seq_lengths_kv": (4, 4)},  # a tuple: the dispatcher's list conversion
+        {"scale": 1},  # an int for a float
+    ],
+)
+def test_fused_binding_with_other_argument_types_patches_as_the_dispatcher_does(
+    over: dict[str, Any],
+) -> None:
+    layer = Layer()
+    lengths = list(over.get("actual_seq_lengths_kv", [KV] * B))
+    fused(layer.u, layer.handle, layer.ev, **layer.args(lengths, **over))
+    expected = layer.expected(lengths) if "scale" not in over else None
+    got = layer.run()
+    if expected is not None:
+        assert torch.equal(got, expected)
+
+
+def test_fused_binding_with_an_out_of_range_length_is_refused_at_issue() -> None:
+    layer = Layer()
+    with pytest.raises(SimUsageError, match="actual_seq_lengths_kv"):
+        fused(layer.u, layer.handle, layer.ev, **layer.args([KV + 1, 1]))
+
+
+def test_fused_binding_with_a_host_tensor_is_refused() -> None:
+    """A host tensor where the capture had a device tensor: host tensors are values a
+    patch may change (paged attention's context_lens), not memory, so the re-issued op
+    has one device tensor fewer than the captured task, and is refused."""
+    layer = Layer()
+    with pytest.raises(SimUsageError, match=r"does not match captured task .*tensor arguments"):
+        fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], key=layer.kv_cpu))
+
+
+class _Seen(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.funcs: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.funcs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_binding_goes_through_an_active_dispatch_mode() -> None:
+    layer = Layer()
+    with _Seen() as mode:
+        fused(layer.u, layer.handle, layer.ev, **layer.args([2, 3]))
+    assert fia.out in mode.funcs
+    assert torch.equal(layer.run(), layer.expected([2, 3]))
+
+
+def test_a_plain_fused_call_does_not_take_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path is taken: no call reaches the npu tensor's __torch_dispatch__ (it
+    once stopped applying when the op's schema came to return its out tensors, and
+    every patch silently took the dispatcher's path); a call it does not cover does."""
+    from npusim.tensor import NpuTensor
+
+    seen: list[Any] = []
+    through = NpuTensor.__torch_dispatch__.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        seen.append(func)
+        return through(cls, func, types, args, kwargs)
+
+    layer = Layer()
+    monkeypatch.setattr(NpuTensor, "__torch_dispatch__", classmethod(spy))
+    fused(layer.u, layer.handle, layer.ev, **layer.args([2, 3]))
+    assert fia.out not in seen
+    assert torch.equal(layer.run(), layer.expected([2, 3]))
+    fused(layer.u, layer.handle, layer.ev, **layer.args([4, 1], scale=1))  # an int: not plain
+    assert fia.out in seen
+    layer.run()
+
+
+def test_patch_keys_of_a_list_the_caller_mutates_afterwards_are_those_of_issue() -> None:
+    layer = Layer()
+    lengths = [6, 7]
+    fused(layer.u, layer.handle, layer.ev, **layer.args(lengths))
+    lengths[0] = 1  # the patch took its values when it was issued
+    assert torch.equal(layer.run(), layer.expected([6, 7]))
+
+
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+def test_remembered_check_still_checks_lengths_and_everything_that_changed(path: str) -> None:
+    """Arguments that passed once are remembered; a later call that differs in its
+    lengths gets the length checks, one that differs in anything else all checks."""
+    layer = Layer()
+
+    def patch(lengths: list[int], **over: Any) -> None:
+        if path == "fused":
+            fused(layer.u, layer.handle, layer.ev, **layer.args(lengths, **over))
+        else:
+            try:
+                layer.patch(lengths, **over)
+            finally:
+                abandon_update(layer.u)  # after a refusal, the update is still open
+
+    patch([4, 4])
+    layer.run()
+    for bad, match in [
+        (dict(lengths=[KV + 1, 1]), "actual_seq_lengths_kv"),
+        (dict(lengths=[-1, 2]), "actual_seq_lengths_kv"),
+        (dict(lengths=[1, 1], num_heads=N * 2), "num_heads"),
+        (dict(lengths=[1, 1], input_layout="BSH"), "layout BSH"),
+        (dict(lengths=[1, 1], softmax_lse_flag=True), "softmax_lse"),
+    ]:
+        lengths = bad.pop("lengths")
+        with pytest.raises(SimUsageError, match=match):
+            patch(lengths, **bad)
+    patch([2, 3])  # still patches after the refusals
+    assert torch.equal(layer.run(), layer.expected([2, 3]))
+
+
+def test_to_host_forms_copy_as_to_copy_does() -> None:
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).npu()
+    for y in (
+        x.to("cpu"),
+        x.to(torch.device("cpu")),
+        x.cpu(),
+        x.to("cpu", torch.float64),  # not a fast form: through the dispatcher
+        x.to("cpu:0"),
+    ):
+        assert y.device.type == "cpu"
+        assert y.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    late = x.to("cpu", non_blocking=True)
+    torch.npu.synchronize()
+    assert late.dtype == torch.float32 and late.sum().item() == 15.0
+    assert x.t().to("cpu").tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+    assert x.to(torch.float64).device.type == "npu"
+
+
+def test_blocking_copy_to_host_during_capture_is_still_refused() -> None:
+    x = torch.ones(2).npu()
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with pytest.raises(SimUsageError, match="blocking"), torch.npu.graph(g, stream=s):
+        x.to("cpu")
+
+
+def test_host_to_device_copy_forms_copy_as_the_dispatcher_does() -> None:
+    """copy_ from a plain host tensor of the same shape and dtype skips the dispatcher;
+    a broadcast, a dtype change or an active mode take it: the results agree."""
+    dst = torch.zeros(2, 3, device="npu")
+    src = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    dst.copy_(src, non_blocking=True)
+    assert dst.cpu().tolist() == src.tolist()
+    dst.copy_(torch.tensor([7.0, 8.0, 9.0]))  # broadcast: through the dispatcher
+    assert dst.cpu().tolist() == [[7.0, 8.0, 9.0]] * 2
+    dst.copy_(torch.ones(2, 3, dtype=torch.float64))  # a dtype change
+    assert dst.cpu().tolist() == [[1.0] * 3] * 2
+    with _Seen() as mode:
+        dst.copy_(src)
+    assert torch.ops.aten.copy_.default in mode.funcs
+    assert dst.cpu().tolist() == src.tolist()

@@ -1,0 +1,144 @@
+"""The fused attention .out check, remembered: once a call passed, a call that differs
+only in its lengths is checked for what the lengths decide alone. Each case here
+compares the remembered check's answer with the full check's on the same call:
+the same acceptance, the same error text."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from npusim import SimUsageError, torch_npu
+from npusim.opcall import HOST_CHECKS, RememberedCheck
+
+OUT = torch.ops.npu.npu_fused_infer_attention_score.out
+B, N, NKV, D, KV = 2, 4, 2, 16, 64
+BLOCK, BLOCKS, PER_SEQ = 16, 6, 4
+assert torch_npu is not None
+
+
+def dense(kv: int = KV, **over: Any) -> dict[str, Any]:
+    a = dict(
+        query=torch.zeros(B, N, 1, D, dtype=torch.float16),
+        key=torch.zeros(B, NKV, kv, D, dtype=torch.float16),
+        value=torch.zeros(B, NKV, kv, D, dtype=torch.float16),
+        actual_seq_lengths_kv=[KV, KV], num_heads=N, num_key_value_heads=NKV,
+        input_layout="BNSD", scale=1 / math.sqrt(D),
+        out=[torch.zeros(B, N, 1, D, dtype=torch.float16), torch.zeros(1)],
+    )  # fmt: skip
+    a.update(over)
+    return a
+
+
+def paged(**over: Any) -> dict[str, Any]:
+    a = dict(
+        query=torch.zeros(B, 1, N * D, dtype=torch.float16),
+        key=torch.zeros(BLOCKS, BLOCK, NKV * D, dtype=torch.float16),
+        value=torch.zeros(BLOCKS, BLOCK, NKV * D, dtype=torch.float16),
+        block_table=torch.zeros(B, PER_SEQ, dtype=torch.int32),
+        block_size=BLOCK, actual_seq_lengths_kv=[BLOCK, BLOCK], num_heads=N,
+        num_key_value_heads=NKV, input_layout="BSH", scale=1 / math.sqrt(D),
+        out=[torch.zeros(B, 1, N * D, dtype=torch.float16), torch.zeros(1)],
+    )  # fmt: skip
+    a.update(over)
+    return a
+
+
+def workspace_for(lengths: list[int], **over: Any) -> torch.Tensor:
+    """The workspace the get_max_workspace helper sizes for these lengths."""
+    args = dense(actual_seq_lengths_kv=lengths, **over)
+    args.pop("out")
+    q = args.pop("query").npu()
+    k, v = args.pop("key").npu(), args.pop("value").npu()
+    ws = torch_npu._npu_fused_infer_attention_score_get_max_workspace(q, k, v, **args)
+    return torch.empty(ws.numel(), dtype=torch.uint8)
+
+
+def answer(check: Any, args: dict[str, Any]) -> str:
+    try:
+        check(**args)
+    except SimUsageError as exc:
+        return str(exc)
+    return "accepted"
+
+
+def check() -> RememberedCheck:
+    c = HOST_CHECKS[OUT]
+    assert isinstance(c, RememberedCheck)
+    return c
+
+
+@pytest.mark.parametrize(
+    ("base", "lengths"),
+    [
+        (dense, [KV, 1]),  # accepted
+        (dense, [KV + 1, 1]),  # over the cache
+        (dense, [-1, 1]),
+        (dense, [1, 2, 3]),  # more entries than the batch: the first B count
+        (dense, [5]),  # one entry for every batch
+        (dense, []),  # too few
+        (dense, [1, True]),  # a bool is no length
+        (dense, [1.5, 1]),
+        (dense, None),  # absent: the whole cache
+        (paged, [PER_SEQ * BLOCK, 1]),  # 4 + 1 blocks of 6: accepted
+        (paged, [PER_SEQ * BLOCK, PER_SEQ * BLOCK]),  # 8 blocks, 6 in the cache
+        (paged, [PER_SEQ * BLOCK + 1, 1]),  # past the block table's reach
+        (paged, None),  # required with page attention
+        (paged, [0, 0]),
+    ],
+)
+def test_a_remembered_call_is_answered_as_the_full_check_answers(
+    base: Any, lengths: list[Any] | None
+) -> None:
+    c = check()
+    c(**base())  # passes: remembered
+    args = base(actual_seq_lengths_kv=lengths)
+    assert answer(c, args) == answer(c.full, args)
+
+
+def test_the_workspace_is_rechecked_for_longer_lengths() -> None:
+    c = check()
+    ws = workspace_for([8, 8], kv=512)  # room for lengths up to 128 (rows of 128)
+    c(**dense(512, actual_seq_lengths_kv=[8, 8], workspace=ws))
+    longer = dense(512, actual_seq_lengths_kv=[300, 8], workspace=ws)
+    assert "workspace holds" in answer(c, longer)
+    assert answer(c, longer) == answer(c.full, longer)
+    shorter = dense(512, actual_seq_lengths_kv=[1, 128], workspace=ws)
+    assert answer(c, shorter) == "accepted" == answer(c.full, shorter)
+
+
+def test_query_lengths_are_rechecked_beyond_the_incremental_branch() -> None:
+    """Query S of 2: the query lengths are read (per batch, within S)."""
+    c = check()
+    q2 = dict(query=torch.zeros(B, N, 2, D, dtype=torch.float16),
+              out=[torch.zeros(B, N, 2, D, dtype=torch.float16), torch.zeros(1)])  # fmt: skip
+    c(**dense(actual_seq_lengths=[2, 2], **q2))
+    for lengths in ([3, 1], [1, 2], [1], None):
+        args = dense(actual_seq_lengths=lengths, **q2)
+        assert answer(c, args) == answer(c.full, args)
+
+
+def test_a_call_whose_lengths_decide_its_shape_is_checked_in_full_every_time() -> None:
+    """TND: the cumulative query ends set the batch; such calls are not remembered."""
+    c = check()
+    tnd = dict(
+        query=torch.zeros(3, N, D, dtype=torch.float16),
+        key=torch.zeros(5, NKV, D, dtype=torch.float16),
+        value=torch.zeros(5, NKV, D, dtype=torch.float16),
+        input_layout="TND", actual_seq_lengths=[1, 3], actual_seq_lengths_kv=[2, 5],
+        out=[torch.zeros(3, N, D, dtype=torch.float16), torch.zeros(1)],
+    )  # fmt: skip
+    assert c.full(**dense(**tnd)) is None  # not remembered
+    bad = dense(**{**tnd, "actual_seq_lengths": [1, 2, 3]})  # three batches, two kv lengths
+    assert "actual_seq_lengths_kv" in answer(c, bad)
+    assert answer(c, bad) == answer(c.full, bad)
+
+
+def test_everything_but_the_lengths_is_still_checked_in_full() -> None:
+    c = check()
+    c(**dense())
+    other = dense(num_heads=N * 2)
+    assert "num_heads" in answer(c, other)
+    assert answer(c, other) == answer(c.full, other)
