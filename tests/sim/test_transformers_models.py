@@ -12,6 +12,7 @@ device=...)``, boolean masks, host reads).
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import pytest
@@ -43,6 +44,9 @@ class Pair:
         torch.manual_seed(0)
         self.cpu = model_cls(self.config).eval()
         self.npu = copy.deepcopy(self.cpu).to("npu")
+        # the cache argument's name: `cache` since transformers renamed `past_key_values`
+        params = inspect.signature(model_cls.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -85,20 +89,21 @@ def test_decode_step_captured_with_a_static_cache_replays_the_eager_logits(pair:
     prompt = _prompts()[0][:1].npu()
     graph_cache = transformers.StaticCache(config=pair.config, max_cache_len=32)
     eager_cache = transformers.StaticCache(config=pair.config, max_cache_len=32)
-    first = model(prompt, cache=graph_cache).logits[:, -1:].argmax(-1)  # prefill, eager
-    model(prompt, cache=eager_cache)
+    kw = pair.cache_kw
+    first = model(prompt, **{kw: graph_cache}).logits[:, -1:].argmax(-1)  # prefill, eager
+    model(prompt, **{kw: eager_cache})
 
     token = first.clone()  # the graph's static input
     s = torch.npu.Stream()
     g = torch.npu.NPUGraph()
     with torch.npu.graph(g, stream=s):
-        logits = model(token, cache=graph_cache).logits  # nothing runs
+        logits = model(token, **{kw: graph_cache}).logits  # nothing runs
 
     following = first
     for _ in range(3):
         token.copy_(following)
         g.replay()
-        expected = model(following, cache=eager_cache).logits
+        expected = model(following, **{kw: eager_cache}).logits
         torch.testing.assert_close(logits.cpu(), expected.cpu(), rtol=0, atol=0)
         following = expected[:, -1:].argmax(-1)
     # the replays advanced the cache as the eager steps did
