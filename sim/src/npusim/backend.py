@@ -11,7 +11,7 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 
 from . import npu, ops, pinned
 from .runtime import RUNTIME, install_thread_edges
-from .tensor import factory_fallback
+from .tensor import backend_kernel, backend_kernel_of, backend_op_names
 
 _lock = threading.Lock()
 _done = False
@@ -20,7 +20,7 @@ SWITCH_INTERVAL_S = 0.0002
 
 
 def setup() -> None:
-    """Idempotent: rename PrivateUse1 to "npu", install ``torch.npu`` and the op fallback."""
+    """Idempotent: rename PrivateUse1 to "npu", install ``torch.npu`` and the op kernels."""
     global _done
     with _lock:
         if _done:
@@ -29,8 +29,12 @@ def setup() -> None:
         npu.__graphlane_sim__ = True  # type: ignore[attr-defined]
         _setup_privateuseone_for_python_backend("npu", backend_module=npu)
         lib = torch.library.Library("_", "IMPL")
-        lib.fallback(factory_fallback, dispatch_key="PrivateUse1")
+        lib.fallback(backend_kernel, dispatch_key="PrivateUse1")
         _keep.append(lib)
+        kernels = torch.library.Library("aten", "IMPL")
+        for name in backend_op_names():
+            kernels.impl(name, backend_kernel_of(name), "PrivateUse1")
+        _keep.append(kernels)
         atexit.register(RUNTIME.shutdown)
         install_thread_edges()  # host threads are ordered by start and join
         pinned.install()  # Tensor.pin_memory() works, as with torch_npu

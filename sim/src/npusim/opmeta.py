@@ -31,7 +31,7 @@ class _Schema:
     """What dispatch needs of an op's schema, read once per op: reading a schema
     through its bindings costs microseconds per argument, on every issue."""
 
-    __slots__ = ("is_view", "n_returns", "returns_tensors", "written")
+    __slots__ = ("dynamic_shape", "is_view", "n_returns", "returns_tensors", "written")
 
     def __init__(self, func: Any) -> None:
         rets = func._schema.returns
@@ -40,6 +40,9 @@ class _Schema:
             r.alias_info is not None and not r.alias_info.is_write for r in rets
         )
         self.returns_tensors = any("Tensor" in str(r.type) for r in rets)
+        # torch's tag for ops whose output shape may depend on the input data (nonzero,
+        # unique, masked_select, index with a boolean mask, ...): no meta kernel can say it.
+        self.dynamic_shape = torch.Tag.dynamic_output_shape in getattr(func, "tags", ())
         # (position, name, keyword-only) of each argument the op writes (Tensor(a!)).
         self.written = tuple(
             (i, a.name, a.kwarg_only)

@@ -3,7 +3,8 @@
 An ``NpuTensor`` is a wrapper subclass whose ``_data`` is a CPU tensor viewing
 the device storage. Every op on npu tensors comes through :func:`dispatch`
 (``__torch_dispatch__``), and factory ops naming ``device="npu"`` come through
-the PrivateUse1 fallback, so *any* torch op behaves as on a device:
+the backend's PrivateUse1 kernels (:func:`backend_kernel`), so *any* torch op
+behaves as on a device:
 
 - view ops change metadata only and run on the host at once;
 - allocations (``torch.empty``, ``empty_like``, ``empty_strided``, ``new_empty``)
@@ -16,7 +17,9 @@ the PrivateUse1 fallback, so *any* torch op behaves as on a device:
   when the stream runs them;
 - host reads (``.cpu()``, ``.item()``, ``torch.equal``, printing) queue the read
   on the current stream and wait for it, as a blocking device-to-host copy does;
-  ``non_blocking`` copies do not wait.
+  ``non_blocking`` copies do not wait. Ops whose output shape depends on the data
+  (``nonzero``, ``unique``, a boolean mask) read it the same way. Both are refused
+  on a stream that captures: the host cannot wait for a captured stream.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 
 from . import access, capture_rules
 from .allocation import allocate, note_uses, storage_of
-from .errors import SimUsageError
+from .errors import SimError, SimUsageError
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
 from .opmeta import (
     aliased_result,
@@ -212,7 +215,14 @@ def issue(
     if host_check is not None:
         meta = map_value(meta_like, host_check(*cpu_args, **cpu_kwargs))
     else:
-        meta = check_meta(func, args, kwargs)
+        try:
+            meta = check_meta(func, args, kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not info.dynamic_shape or isinstance(exc, SimError):
+                raise
+            # Its output's shape depends on the data (nonzero, unique, a boolean mask):
+            # no meta kernel can give it, the device must be read, as on the NPU.
+            return _data_dependent(stream, func, args, kwargs, index)
     if info.written and written_args(func, args, kwargs):
         result = aliased_result(func, args, kwargs)
     else:
@@ -263,10 +273,9 @@ def _unwrap_cpu(v: Any) -> Any:
 
 
 def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if stream.capturing is not None:
-        raise SimUsageError(
-            f"{func} reads device data on the host while {stream.name} captures a graph"
-        )
+    """An op that gives the host a value computed from device data (``.item()``,
+    ``torch.equal``): queued on ``stream`` and waited for."""
+    _refuse_host_sync(stream, func, "reads device data on the host")
     cargs, ckwargs = map_args(_unwrap, args), map_kwargs(_unwrap, kwargs)
     result: list[Any] = []
     fp = access.of_op(func, args, kwargs, None, NpuTensor)  # see issue(): no npu tensors held
@@ -278,6 +287,50 @@ def _host_read(stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[st
     )
     stream.synchronize()
     return result[0]
+
+
+def _refuse_host_sync(stream: Stream, func: Any, what: str) -> None:
+    """A host read synchronizes ``stream``: refused while it captures, as on the NPU."""
+    cap = stream.capturing
+    if cap is None:
+        return
+    raise SimUsageError(
+        f"{func} {what}, which waits for {stream.name} while it captures {cap.graph.name}: "
+        "a captured stream cannot be synchronized (on the NPU torch_npu fails with CANN "
+        "runtime error 107027, 'Not allow to synchronize captured-stream'). Run it before "
+        "the capture, or compute it from data the host already has"
+    )
+
+
+def _data_dependent(
+    stream: Stream, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], index: int
+) -> Any:
+    """An op whose output shape depends on the data (torch's ``dynamic_output_shape``
+    tag: nonzero, unique, masked_select, indexing with a boolean mask, ...). As on the
+    NPU the host waits for the data to learn the shape: the op runs on ``stream`` once
+    the work before it ran, and its results are copied into new device memory of their
+    shapes. Refused while ``stream`` captures (a host synchronization)."""
+    _refuse_host_sync(stream, func, "has an output shape that depends on device data")
+    if schema(func).written and written_args(func, args, kwargs):
+        raise SimUsageError(
+            f"{func} writes an output whose shape depends on device data: the simulated "
+            "NPU cannot resize device tensors; use the op's functional form"
+        )
+    host = _host_read(stream, func, args, kwargs)
+
+    def to_device(r: Any) -> Any:
+        if not isinstance(r, torch.Tensor):
+            return r
+        out = _new_tensor(r.shape, _contiguous(r.shape), r.dtype, index, stream)
+        # r is the host's own memory, written by nobody else: no staging, no wait (on
+        # the NPU the result is device memory already: the copy is the sim's own)
+        r._sim_pinned = True  # type: ignore[attr-defined]
+        _cross_copy(stream, out._data, r, True, _H2D, write=True)
+        return out
+
+    result = map_value(to_device, host)
+    note_uses(stream, args, kwargs)
+    return result
 
 
 # ---------------------------------------------------------------- copies
@@ -437,18 +490,57 @@ def register_host_op(func: Any, handler: Any) -> None:
     _SPECIAL[func] = handler
 
 
-# ---------------------------------------------------------------- PrivateUse1 fallback
-def factory_fallback(op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Ops that reach the npu backend without an npu tensor argument (factories)."""
-    device = kwargs.get("device")
-    index = 0
-    if isinstance(device, torch.device) and device.type == "npu":
-        index = device.index or 0
-    if op in (aten.empty.memory_format, aten.empty_strided.default):
+# ---------------------------------------------------------------- PrivateUse1 kernel
+def backend_kernel(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """What the npu backend (the PrivateUse1 key) runs: ops that reach it without going
+    through ``NpuTensor.__torch_dispatch__``.
+
+    - Factories (no npu tensor argument, ``device="npu"``): ``torch.arange``,
+      ``torch.eye``, ``torch.full``, ... An allocation takes memory; any other factory is
+      one device op whose output has the shape its meta kernel gives (torch's own
+      composites of ``arange`` or ``eye`` allocate an empty tensor and resize it in an
+      ``out=`` op, which a device tensor of the sim cannot do).
+    - Ops on npu tensors while torch keeps Python dispatch off: ``torch.tensor(data,
+      device="npu")``, ``torch.as_tensor`` and ``Tensor.new_tensor`` copy their data to
+      the device that way. They are dispatched as ``__torch_dispatch__`` would.
+    """
+    device = kwargs.get("device")  # the dispatcher passes a torch.device
+    index = (device.index or 0) if isinstance(device, torch.device) else 0
+    if op is aten.empty.memory_format or op is aten.empty_strided.default:  # the common case
         m = check_meta(op, args, kwargs)
         return _new_tensor(m.shape, m.stride(), m.dtype, index, current_stream(index))
-    if op is aten._to_copy.default:
-        return _to_copy(op, args, kwargs)
-    if op is aten.copy_.default:
-        return _copy_(op, args, kwargs)
+    if _first_npu(args, kwargs) is not None:
+        return dispatch(op, args, kwargs)
+    special = _SPECIAL.get(op)
+    if special is not None:
+        return special(op, args, kwargs)
     return issue(current_stream(index), op, args, kwargs, index)
+
+
+def backend_op_names() -> list[str]:
+    """Every aten op the npu backend takes (the ``name.overload`` of each): all but the
+    composites torch decomposes before a backend sees them. A kernel of the backend's
+    own, rather than only a fallback, takes precedence over torch's backend-independent
+    composites (``arange`` and ``eye`` would resize their output), and torch's Python
+    dispatcher finds it when it calls the backend with npu tensors (it looks kernels up
+    per op; a fallback fails an internal assert there)."""
+    names = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if name.startswith("aten::") and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            name, "CompositeImplicitAutograd"
+        ):
+            names.append(name[len("aten::") :])
+    return names
+
+
+def backend_kernel_of(name: str) -> Any:
+    """:func:`backend_kernel` for the aten op ``name`` ("arange.start_step", "eye")."""
+    packet, _, overload = name.partition(".")
+    resolved: list[Any] = []
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if not resolved:  # resolving every op's overload up front costs ~0.1 s
+            resolved.append(getattr(getattr(aten, packet), overload or "default"))
+        return backend_kernel(resolved[0], *args, **kwargs)
+
+    return kernel
