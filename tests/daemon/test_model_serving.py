@@ -7,6 +7,8 @@ second under its module path: a daemon names each program once)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import pytest
@@ -104,3 +106,46 @@ def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) 
                 c.step("model", 0, params, sent, outputs=["tokens"])
             assert err.value.code == "BAD_REQUEST"
             assert field in str(err.value)
+
+
+def test_a_restarted_worker_answers_state_lost_until_the_prompts_are_prefilled_again(
+    start_daemon: Any, models: dict[str, tuple[Any, str]]
+) -> None:
+    """The cache and the weights die with the worker: no step or prefill after the
+    restart runs until the scheduler adopts the new generation; then, prefilled again,
+    the sequence goes on with the tokens it would have had."""
+    model, path = models["model"]
+    d = start_daemon(devices=1, programs=[{"name": "model", "model": path, **SERVING}])
+    prompt = [11, 22, 33, 44]
+    expected = reference(model, prompt, 4)
+    table = torch.tensor([[3, 0]], dtype=torch.int32)
+
+    def decode(c: SyncClient, first: int, steps: int) -> list[int]:
+        out = [first]
+        for _ in range(steps):
+            inputs = {"tokens": torch.tensor(out[-1:]), "block_table": table}
+            lengths = {"actual_seq_lengths_kv": [len(prompt) + len(out)]}
+            r = c.step("model", 0, lengths, inputs, outputs=["tokens"])
+            out += r.outputs["tokens"].tolist()
+        return out
+
+    with SyncClient(d.endpoint, timeout=60) as c:
+        first = int(c.prefill("model", 0, prompt, table[0]).outputs["tokens"][0])
+        assert decode(c, first, 1) == expected[:2]
+        generation = c.generation(0)
+        os.kill(c.status()["workers"][0]["pid"], signal.SIGKILL)
+        codes: list[str] = []
+        while not codes or codes[-1] != "STATE_LOST":
+            assert len(codes) < 50, codes
+            try:
+                c.prefill("model", 0, prompt, table[0])
+            except GraphlaneError as exc:
+                codes.append(str(exc.code))
+                if exc.code == "WORKER_LOST":
+                    c.wait_ready(timeout=120)
+                continue
+            pytest.fail("a prefill after the restart ran on the lost generation")
+        assert set(codes) <= {"WORKER_LOST", "STATE_LOST"}
+        assert c.reset_state(0) == generation + 1
+        first = int(c.prefill("model", 0, prompt, table[0]).outputs["tokens"][0])
+        assert decode(c, first, 3) == expected
