@@ -244,9 +244,17 @@ def test_there_is_an_example_config_for_every_built_in_program() -> None:
 
 
 def _exercise(c: SyncClient, program: str, described: dict[str, Any]) -> None:
-    """One kv_write + kv_read + step for a program with KV operations, else one step."""
+    """One kv_write + kv_read + step for a program with KV operations, else one step; for
+    a model, a prefill and a decode step."""
     cfg = described["config"]
     dtype = getattr(torch, cfg["dtype"])
+    if "prefill" in described["state_ops"]:
+        first = c.prefill(program, 0, [1, 2, 3], [0] * cfg["max_blocks_per_seq"])
+        table = torch.zeros(1, cfg["max_blocks_per_seq"], dtype=torch.int32)
+        inputs = {"tokens": first.outputs["tokens"], "block_table": table}
+        r = c.step(program, 0, {described["batch_param"]: [4]}, inputs, outputs=["tokens"])
+        assert r.outputs["tokens"].shape == (1,)
+        return
     if not described["state_ops"]:
         lengths = [5, 3]
         inputs = {

@@ -475,6 +475,36 @@ class Client:
         done = await self._on_device(ch, "kv_read", body, timeout)
         return _reply(host.endpoint, local, done)
 
+    async def prefill(
+        self,
+        program: str,
+        device: Device,
+        tokens: Any,
+        block_table: Any,
+        *,
+        start: int = 0,
+        params: Mapping[str, Any] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> StepReply:
+        """Run one sequence's prompt ``tokens`` [n] (from position ``start``) through a
+        model program into the KV cache blocks ``block_table`` [max_blocks_per_seq] names,
+        in order with the steps sent before and after it; ``outputs["tokens"]`` [1] is
+        its first sampled token (``params``: temperature, top_k, top_p, seed, one value
+        each). ``tokens``: a list of ints or an integer tensor; ``block_table`` likewise
+        (sent as int32). See docs/models.md."""
+        tokens_t = as_slots(tokens, "tokens")
+        table_t = as_slots(block_table, "block_table").to(torch.int32)
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        body = ops.Prefill(
+            program, local, tokens_t, table_t, start, as_params(params or {}),
+            output_names(outputs), host.generation_for(local, None),
+            deadline_ms(self.timeout, timeout),
+        )  # fmt: skip
+        done = await self._on_device(ch, "prefill", body, timeout)
+        return _reply(host.endpoint, local, done)
+
     def generation(self, device: Device) -> int | None:
         """The worker generation this client's requests to ``device`` name (None before
         the client first reached the device)."""

@@ -140,6 +140,25 @@ class SyncClient:
     ) -> StepReply:
         return self._run(self._client.kv_read(program, device, slots, timeout=timeout))
 
+    def prefill(
+        self,
+        program: str,
+        device: Device,
+        tokens: Any,
+        block_table: Any,
+        *,
+        start: int = 0,
+        params: Mapping[str, Any] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> StepReply:
+        return self._run(
+            self._client.prefill(
+                program, device, tokens, block_table, start=start, params=params,
+                outputs=outputs, timeout=timeout,
+            )
+        )  # fmt: skip
+
     def generation(self, device: Device) -> int | None:
         return self._client.generation(device)
 

@@ -440,6 +440,9 @@ class Worker(WorkerLoop):
             if type(body) is ops.KvRead:
                 fields = {"slots": body.slots}
                 return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
+            if type(body) is ops.Prefill:
+                fields = {f: getattr(body, f) for f in body.__struct_fields__}
+                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Update:
                 return Step(OpKind.UPDATE, self.engine.plan(body))
             outputs = tuple(body.outputs)
@@ -529,8 +532,8 @@ class Worker(WorkerLoop):
 
 _NO_GRAPH = GraphKey("", 0, 0)
 #: Ops whose failure leaves a stateful program's device state without what the client
-#: meant to put there (a kv_write's KV, a step's new token).
-_CHANGES_STATE = frozenset({"kv_write", "step"})
+#: meant to put there (a kv_write's KV, a prefill's prompt, a step's new token).
+_CHANGES_STATE = frozenset({"kv_write", "prefill", "step"})
 _MAX_FENCES = 4096  # refused connections remembered (oldest forgotten first)
 
 __all__ = ["Worker", "WorkerSpec", "start_failure", "worker_main"]

@@ -147,8 +147,8 @@ def test_round_trip(op: str, message: Any) -> None:
 
 def test_ops_and_their_types() -> None:
     assert set(OPS) == {"hello", "status", "step", "update", "replay", "drain", "shutdown",
-                        "kv_write", "kv_read", "resume"}  # fmt: skip
-    device_ops = {"step", "update", "replay", "kv_write", "kv_read", "resume"}
+                        "kv_write", "kv_read", "prefill", "resume"}  # fmt: skip
+    device_ops = {"step", "update", "replay", "kv_write", "kv_read", "prefill", "resume"}
     assert {name for name, op in OPS.items() if op.device} == device_ops
     for name, op in OPS.items():
         assert op.name == name

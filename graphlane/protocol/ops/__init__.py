@@ -1,7 +1,7 @@
 """Every operation of the wire: its name, its request body and its reply body.
 
-One module per family (:mod:`.control`, :mod:`.steps`, :mod:`.kv`); the same Structs are
-encoded by the client and decoded by the server, so the two cannot disagree.
+One module per family (:mod:`.control`, :mod:`.steps`, :mod:`.kv`, :mod:`.prefill`); the
+same Structs are encoded by the client and decoded by the server, so the two cannot disagree.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import msgspec
 from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.kv import KvRead, KvWrite, Resume
+from graphlane.protocol.ops.prefill import Prefill
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
 from graphlane.protocol.tensors import body_decoder
 
@@ -26,6 +27,7 @@ __all__ = [
     "KvRead",
     "KvWrite",
     "Op",
+    "Prefill",
     "Replay",
     "Resume",
     "Shutdown",
@@ -72,6 +74,7 @@ OPS: dict[str, Op] = {
         Op("replay", Replay, StepDone, device=True),
         Op("kv_write", KvWrite, StepDone, device=True),
         Op("kv_read", KvRead, StepDone, device=True),
+        Op("prefill", Prefill, StepDone, device=True),
         Op("resume", Resume, Info, device=True),
     )
 }

@@ -1,7 +1,9 @@
 """Graph programs and their registry.
 
-Built-in: ``attention`` (:mod:`.attention`) and ``paged_attention``
-(:mod:`.paged_attention`, decode over a paged KV cache the program keeps on the device).
+Built-in: ``attention`` (:mod:`.attention`), ``paged_attention``
+(:mod:`.paged_attention`, decode over a paged KV cache the program keeps on the device)
+and ``model`` (:mod:`.model`, the whole decode forward of a Llama-family model:
+docs/models.md).
 Other packages add programs through the entry point group ``graphlane.programs``: the
 entry point names the program and loads a callable that takes the program's
 configuration mapping (the ``[[programs]]`` table of the config, ``name`` included) and
@@ -27,6 +29,7 @@ from .base import (
     StepError,
     StepPlan,
 )
+from .model import ModelConfig, ModelProgram
 from .paged_attention import PagedAttentionConfig, PagedAttentionProgram
 
 ProgramFactory = Callable[[Mapping[str, Any]], GraphProgram]
@@ -35,6 +38,7 @@ ENTRY_POINT_GROUP = "graphlane.programs"
 _BUILTIN: dict[str, ProgramFactory] = {
     "attention": AttentionProgram.from_config,
     "paged_attention": PagedAttentionProgram.from_config,
+    "model": ModelProgram.from_config,
 }
 
 
@@ -84,6 +88,8 @@ __all__ = [
     "CapturedGraph",
     "GraphKey",
     "GraphProgram",
+    "ModelConfig",
+    "ModelProgram",
     "OpCall",
     "PagedAttentionConfig",
     "PagedAttentionProgram",

@@ -1,0 +1,638 @@
+"""The built-in ``model`` program: the whole decode forward of a Llama-family model,
+captured per bucket as one graph over a paged KV cache, with sampling in the graph.
+
+This is the graph serving stacks keep hot (vllm-ascend's full-graph decode, torchair,
+xLLM): embedding, every layer (RMSNorm, QKV projection, rotary embedding, the new
+token's K/V written into the paged cache, fused infer attention over the cache, output
+projection, MLP), final norm, LM head, sampling. Per step only the attention's
+``actual_seq_lengths_kv`` are patched (each layer's FIA is a task group behind its own
+ExternalEvent); tokens, positions, slots, sampling settings and block tables are
+copied into static buffers. The architecture and weights come from
+:mod:`.hf_model`; the cache and the ``kv_write``/``kv_read`` operations are those of a
+:class:`~.paged_attention.PagedAttentionProgram` the model owns (same layout, same
+scratch block for padding rows).
+
+Captured per layer l of a bucket B (T = B rows, one query token each)::
+
+    x = rms_norm(h); q, k, v = split(x @ Wqkv + b); q, k = rope(q, k, positions)
+    key_cache_l[slot_mapping] = k; value_cache_l[slot_mapping] = v
+    ev[l].wait(S); ev[l].reset(S)
+    task group: FIA(q_l, key_cache_l, value_cache_l, block_table, TND,
+                    actual_seq_lengths=[1..B], actual_seq_lengths_kv=<patched>,
+                    out=[attn_l, lse_l])
+    h = h + attn_l @ Wo; h = h + mlp(rms_norm(h))
+
+then ``logits = lm_head(rms_norm(h)).float()``, the sampled tokens
+(:mod:`.sampling`) and the top-``logprobs`` log-probabilities, all in the graph.
+
+A step: params ``actual_seq_lengths_kv`` (per row, the sequence's length with the token
+being fed) and optionally ``temperature``, ``top_k``, ``top_p``, ``seed`` (per row);
+inputs ``tokens`` int64 [b] (each row's last token, the one being fed) and
+``block_table`` int32 [b, max_blocks_per_seq]. The worker derives each row's position
+(length - 1) and slot (where its block table puts that position). Outputs: ``tokens``
+int64 [b] (sampled), and only when asked ``logprobs`` float32 [b, K] / ``logprob_ids``
+int64 [b, K] (the K most likely tokens' log-probabilities, before temperature) and
+``logits`` float32 [b, vocab]. A step's bytes do not grow with the context length.
+
+``prefill`` (a device-state operation, in order with the replays on the capture
+stream): one sequence's prompt ``tokens`` [n] from position ``start`` (0, or the
+tokens already in its cache), ``block_table`` [max_blocks_per_seq]; run eagerly in
+chunks of ``prefill_chunk`` tokens (causal FIA over the paged cache, sparse_mode 3),
+writing every layer's K/V; returns the first sampled token (and logits/logprobs
+when asked).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from graphlane.workers.backends.base import DeviceBackend
+
+from .base import (
+    DTYPES,
+    FIA_OUT,
+    FIA_WORKSPACE,
+    LENGTHS,
+    GraphProgram,
+    OpCall,
+    ProgramConfigError,
+    StepError,
+    StepPlan,
+    config_values,
+)
+from .hf_model import ModelSpec, load_weights, random_weights, read_hf_config, safetensors_files
+from .paged_attention import PagedAttentionConfig, PagedAttentionProgram, _check_tensors
+from .sampling import PARAMS, sample, sampling_tensors
+
+FIA = "npu_fused_infer_attention_score"
+MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin document)
+OUTPUTS = ("tokens", "logprobs", "logprob_ids", "logits")
+_INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The ``[[programs]]`` table of a ``model``: ``model`` (a Hugging Face model
+    directory) or ``random`` (a config.json's keys, weights drawn with ``seed``)."""
+
+    model: str | None = None
+    random: Mapping[str, Any] | None = None
+    seed: int = 0
+    init_std: float = 0.02
+    dtype: str | None = None  # default: the checkpoint's dtype when served, else float32
+    block_size: int = 128
+    num_blocks: int = 64
+    max_blocks_per_seq: int = 8
+    buckets: tuple[int, ...] = (1, 2, 4, 8)
+    prefill_chunk: int = 256
+    logprobs: int = 5
+    spec: ModelSpec | None = field(default=None, compare=False)  # filled by validate
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], where: str) -> ModelConfig:
+        fields = [f for f in cls.__dataclass_fields__ if f != "spec"]
+        return cls(**config_values(fields, raw, where)).validated(where)
+
+    def validated(self, where: str = "programs.model") -> ModelConfig:
+        """This config with its model's spec read (config.json or ``random``), checked."""
+        if (self.model is None) == (self.random is None):
+            raise ProgramConfigError(
+                f"{where}.model", "name a model directory (model) or a config (random), one"
+            )
+        if self.model is not None:
+            if not isinstance(self.model, str):
+                raise ProgramConfigError(f"{where}.model", "must be a directory path")
+            raw = read_hf_config(self.model, where)
+            safetensors_files(self.model, where)  # present now, not at the first capture
+            spec = ModelSpec.from_hf(raw, f"{where}.model")
+        else:
+            if not isinstance(self.random, Mapping):
+                raise ProgramConfigError(f"{where}.random", "must be a table of config keys")
+            spec = ModelSpec.from_hf(self.random, f"{where}.random")
+        for key in _INTS:
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ProgramConfigError(f"{where}.{key}", f"must be a positive integer, not {v!r}")
+        if self.logprobs > spec.vocab_size:
+            raise ProgramConfigError(
+                f"{where}.logprobs", f"must be <= vocab_size {spec.vocab_size}"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ProgramConfigError(f"{where}.seed", "must be an integer")
+        dtype = self.dtype or (spec.torch_dtype if spec.torch_dtype in DTYPES else "float32")
+        if dtype not in DTYPES:
+            raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(DTYPES)}")
+        out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
+        out.kv_config().validate(where)
+        return out
+
+    def kv_config(self) -> PagedAttentionConfig:
+        s = self.spec
+        assert s is not None and self.dtype is not None
+        return PagedAttentionConfig(
+            layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim, block_size=self.block_size, num_blocks=self.num_blocks,
+            max_blocks_per_seq=self.max_blocks_per_seq, buckets=tuple(self.buckets),
+            dtype=self.dtype,
+        )  # fmt: skip
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    wgu: torch.Tensor
+    bgu: torch.Tensor | None
+    wd: torch.Tensor
+    bd: torch.Tensor | None
+
+
+class ModelProgram(GraphProgram):
+    outputs = OUTPUTS
+    batch_param = LENGTHS
+    checks_inputs = True
+
+    def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
+        config = config or ModelConfig(random={"model_type": "llama"})
+        self.config = c = config if config.spec is not None else config.validated()
+        assert c.spec is not None and c.dtype is not None
+        self.spec = s = c.spec
+        self.name = name
+        self.kv = PagedAttentionProgram(c.kv_config(), name=name)  # the cache, KV ops
+        self.buckets = self.kv.buckets
+        self.dtype = DTYPES[c.dtype]
+        self.max_len = c.max_blocks_per_seq * c.block_size
+        self.parameters = {
+            LENGTHS: "per row, the sequence's length with the token fed this step, in "
+            f"1..{self.max_len} (max_blocks_per_seq * block_size)",
+            **PARAMS,
+        }
+        self.state_ops = {
+            "prefill": "run a prompt's tokens [n] (from position start) through the model "
+            "into the cache of its block_table; returns its first sampled token",
+            **self.kv.state_ops,
+        }
+        self._fia = dict(
+            num_heads=s.num_heads,
+            num_key_value_heads=s.num_kv_heads,
+            input_layout="TND",
+            scale=s.head_dim**-0.5,  # as transformers scales (not 1 / sqrt: bits differ)
+            block_size=c.block_size,
+        )
+        self._device: dict[str, Any] | None = None  # weights and tables, see _weights
+        top = max(self.buckets)
+        # Host values of padding rows: token 0 at position 0 of the scratch block, greedy.
+        nb, bs = c.num_blocks, c.block_size
+        self._pad_ints = torch.zeros(top, 5, dtype=torch.int64)  # token, pos, slot, k, seed
+        self._pad_ints[:, 2] = nb * bs + torch.arange(top) % bs
+        self._pad_floats = torch.tensor([[0.0, 1.0]] * top)  # temperature, top_p
+        self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
+        self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
+
+    @classmethod
+    def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
+        name = str(raw.get("name", "model"))
+        return cls(ModelConfig.from_mapping(raw, f"programs.{name}"), name=name)
+
+    @property
+    def num_groups(self) -> int:
+        return self.spec.num_layers
+
+    def describe(self) -> dict[str, Any]:
+        c, s = self.config, self.spec
+        kv = self.kv.describe()
+        state = dict(kv["state"])
+        state["ops"] = {
+            "prefill": {
+                "tokens": {"shape": ["n"], "dtype": "int64"},
+                "block_table": {"shape": [c.max_blocks_per_seq], "dtype": "int32"},
+                "start": "int, tokens of the sequence already in the cache (default 0)",
+                "params": "temperature, top_k, top_p, seed: one value each",
+                "outputs": list(OUTPUTS),
+            },
+            **state["ops"],
+        }
+        k = c.logprobs
+        return {
+            **super().describe(),
+            "inputs": {
+                "tokens": {"shape": ["batch"], "dtype": "int64"},
+                "block_table": {"shape": ["batch", c.max_blocks_per_seq], "dtype": "int32"},
+            },
+            "output_shapes": {
+                "tokens": {"shape": ["batch"], "dtype": "int64"},
+                "logprobs": {"shape": ["batch", k], "dtype": "float32"},
+                "logprob_ids": {"shape": ["batch", k], "dtype": "int64"},
+                "logits": {"shape": ["batch", s.vocab_size], "dtype": "float32"},
+            },
+            "state": state,
+            "config": {
+                "model": c.model,
+                "random": dict(c.random) if c.random is not None else None,
+                "seed": c.seed,
+                **{key: getattr(c, key) for key in _INTS},
+                "buckets": list(c.buckets),
+                "dtype": c.dtype,
+                "architecture": s.describe(),
+            },
+        }
+
+    # ------------------------------------------------------------ device state
+    def _weights(self, backend: DeviceBackend) -> dict[str, Any]:
+        """The weights (fused QKV and gate/up), rope tables and constants on the device,
+        loaded on first use: once per program and device."""
+        if self._device is not None:
+            return self._device
+        c, s = self.config, self.spec
+        if c.model is not None:
+            host = load_weights(s, c.model, self.dtype, f"programs.{self.name}.model")
+        else:
+            host = random_weights(s, c.seed, c.init_std, self.dtype)
+
+        def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            d = backend.empty(tuple(t.shape), t.dtype)
+            d.copy_(t)
+            return d
+
+        def cat(*names: str) -> torch.Tensor | None:
+            if names[0] not in host:
+                return None
+            return dev(torch.cat([host[n] for n in names]))
+
+        layers = []
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            layers.append(
+                _Layer(
+                    ln1=dev(host[p + "input_layernorm.weight"]),  # type: ignore[arg-type]
+                    ln2=dev(host[p + "post_attention_layernorm.weight"]),  # type: ignore[arg-type]
+                    wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),  # type: ignore[arg-type]
+                    bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                    wo=dev(host[a + "o_proj.weight"]),  # type: ignore[arg-type]
+                    bo=dev(host.get(a + "o_proj.bias")),
+                    wgu=cat(m + "gate_proj.weight", m + "up_proj.weight"),  # type: ignore[arg-type]
+                    bgu=cat(m + "gate_proj.bias", m + "up_proj.bias"),
+                    wd=dev(host[m + "down_proj.weight"]),  # type: ignore[arg-type]
+                    bd=dev(host.get(m + "down_proj.bias")),
+                )
+            )
+        embed = dev(host["model.embed_tokens.weight"])
+        cos, sin = s.rope_tables(self.max_len, self.dtype)
+        mask = torch.triu(torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool), diagonal=1)
+        self._device = {
+            "layers": layers,
+            "embed": embed,
+            "norm": dev(host["model.norm.weight"]),
+            "lm_head": embed if s.tie_word_embeddings else dev(host["lm_head.weight"]),
+            "cos": dev(cos),
+            "sin": dev(sin),
+            "vocab": dev(torch.arange(s.vocab_size, dtype=torch.int64)),
+            "mask": dev(mask),
+        }
+        return self._device
+
+    # ------------------------------------------------------------ the forward, by parts
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as transformers computes it (float32 inside, weight times the cast)."""
+        xf = x.to(torch.float32)
+        var = xf.pow(2).mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(var + self.spec.rms_norm_eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        if out is None:
+            return x * cos + rotated * sin
+        return torch.add(x * cos, rotated * sin, out=out)
+
+    def _qkv(
+        self,
+        w: dict[str, Any],
+        layer: _Layer,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        q_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, N, D] (into ``q_out`` if given), k and v [T, KV_N, D] of hidden ``h`` [T, H]."""
+        s = self.spec
+        t, d = h.shape[0], s.head_dim
+        qkv = F.linear(self._norm(h, layer.ln1), layer.wqkv, layer.bqkv)
+        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
+        cos = w["cos"].index_select(0, positions).unsqueeze(1)
+        sin = w["sin"].index_select(0, positions).unsqueeze(1)
+        q = self._rope(q.reshape(t, s.num_heads, d), cos, sin, q_out)
+        k = self._rope(k.reshape(t, s.num_kv_heads, d), cos, sin, None)
+        return q, k, v.reshape(t, s.num_kv_heads, d)
+
+    def _write_kv(
+        self, cache: dict[str, torch.Tensor], layer: int, slots: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor,
+    ) -> None:  # fmt: skip
+        self.kv._rows(cache[f"key_cache_{layer}"]).index_copy_(0, slots, k)
+        self.kv._rows(cache[f"value_cache_{layer}"]).index_copy_(0, slots, v)
+
+    def _after_attention(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The output projection, the residual, the MLP and its residual."""
+        s = self.spec
+        h = h + F.linear(attn.reshape(h.shape[0], -1), layer.wo, layer.bo)
+        gate, up = F.linear(self._norm(h, layer.ln2), layer.wgu, layer.bgu).split(
+            [s.intermediate_size, s.intermediate_size], dim=-1
+        )
+        return h + F.linear(F.silu(gate) * up, layer.wd, layer.bd)
+
+    def _logits(self, w: dict[str, Any], h: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._norm(h, w["norm"]), w["lm_head"]).to(torch.float32)
+
+    # ------------------------------------------------------------ capture
+    def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:
+        c, s = self.config, self.spec
+        self._weights(backend)
+        cache = self.kv._state(backend)
+        q = (bucket, s.num_heads, s.head_dim)
+        bufs: dict[str, torch.Tensor] = {}
+        for layer in range(s.num_layers):
+            bufs[f"q_{layer}"] = backend.empty(q, self.dtype)
+            bufs[f"attn_{layer}"] = backend.empty(q, self.dtype)
+            bufs[f"lse_{layer}"] = backend.empty((bucket, s.num_heads, 1), torch.float32)
+        for t in bufs.values():
+            t.zero_()
+        bufs["ints"] = backend.empty((bucket, 5), torch.int64)  # token, pos, slot, k, seed
+        bufs["ints"].copy_(self._pad_ints[:bucket])
+        bufs["floats"] = backend.empty((bucket, 2), torch.float32)  # temperature, top_p
+        bufs["floats"].copy_(self._pad_floats[:bucket])
+        bufs["block_table"] = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
+        bufs["block_table"].copy_(self._pad_table[:bucket])
+        bufs.update(cache)
+        # The workspace holds the longest lengths (as paged_attention sizes its own).
+        need = bucket * c.max_blocks_per_seq
+        args = self._arguments(bufs, 0, [self.max_len] * bucket)
+        if need > c.num_blocks + 1:
+            big = backend.empty((need, c.block_size, s.num_kv_heads * s.head_dim), self.dtype)
+            table = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
+            args = dict(args, key=big, value=big, block_table=table)
+        del args["out"], args["workspace"]
+        workspace = backend.call(FIA_WORKSPACE, (), args)
+        if workspace is not None:
+            bufs["workspace"] = workspace
+        return bufs
+
+    def _arguments(
+        self, bufs: dict[str, torch.Tensor], layer: int, lengths: list[int]
+    ) -> dict[str, Any]:
+        return dict(
+            query=bufs[f"q_{layer}"],
+            key=bufs[f"key_cache_{layer}"],
+            value=bufs[f"value_cache_{layer}"],
+            block_table=bufs["block_table"],
+            actual_seq_lengths=self._q_ends[len(lengths)],
+            actual_seq_lengths_kv=list(lengths),
+            softmax_lse_flag=True,
+            workspace=bufs.get("workspace"),
+            out=[bufs[f"attn_{layer}"], bufs[f"lse_{layer}"]],
+            **self._fia,
+        )
+
+    def capture(
+        self,
+        backend: DeviceBackend,
+        stream: Any,
+        bucket: int,
+        buffers: dict[str, torch.Tensor],
+        events: list[Any],
+    ) -> tuple[list[Any], list[Any]]:
+        w = self._weights(backend)
+        ints, floats = buffers["ints"], buffers["floats"]
+        tokens, positions, slots = ints[:, 0], ints[:, 1], ints[:, 2]
+        lengths = [1] * bucket  # what the buffers hold: every row on the scratch block
+        handles = []
+        h = F.embedding(tokens, w["embed"])
+        for i, layer in enumerate(w["layers"]):
+            _, k, v = self._qkv(w, layer, h, positions, q_out=buffers[f"q_{i}"])
+            self._write_kv(buffers, i, slots, k, v)
+            backend.wait_external(stream, events[i])  # wait, reset
+            backend.task_group_begin(stream)
+            backend.call(FIA_OUT, (), self._arguments(buffers, i, lengths))
+            handles.append(backend.task_group_end(stream))
+            h = self._after_attention(layer, h, buffers[f"attn_{i}"])
+        logits = self._logits(w, h)
+        # The graph's own outputs: tensors of its pool, rewritten by every replay.
+        buffers["logits"] = logits
+        buffers["tokens"] = sample(
+            logits, floats[:, 0], ints[:, 3], floats[:, 1], ints[:, 4], positions + 1, w["vocab"]
+        )
+        buffers["logprobs"], buffers["logprob_ids"] = torch.topk(
+            torch.log_softmax(logits, dim=-1), self.config.logprobs, dim=-1
+        )
+        return handles, [tuple(lengths)] * self.spec.num_layers
+
+    # ------------------------------------------------------------ steps
+    def plan(
+        self, batch: int, params: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]
+    ) -> StepPlan:
+        c = self.config
+        bucket = self.bucket_for(batch)
+        for key in params:
+            if key != LENGTHS and key not in PARAMS:
+                raise StepError(
+                    f"params.{key}", f"unknown parameter (known: {sorted(self.parameters)})"
+                )
+        lengths = params.get(LENGTHS)
+        if not isinstance(lengths, list | tuple) or len(lengths) != batch:
+            raise StepError(f"params.{LENGTHS}", f"must be a list of {batch} lengths (one per row)")
+        for i, n in enumerate(lengths):
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.max_len:
+                raise StepError(
+                    f"params.{LENGTHS}[{i}]",
+                    f"{n!r} is not a length in 1..{self.max_len} (max_blocks_per_seq * block_size)",
+                )
+        expected = {
+            "tokens": ((batch,), torch.int64),
+            "block_table": ((batch, c.max_blocks_per_seq), torch.int32),
+        }
+        _check_tensors(inputs, expected, "inputs")
+        tokens, table = inputs["tokens"], inputs["block_table"]
+        self._check_tokens(tokens, "inputs.tokens")
+        pos = torch.tensor(lengths, dtype=torch.int64) - 1
+        slots = self._slots(table, pos, lengths)
+        if batch > 1 and int(torch.unique(slots).numel()) != batch:
+            raise StepError(
+                "inputs.block_table",
+                "two rows write one slot (their block tables share the block of their "
+                "new tokens): its value would be ambiguous",
+            )
+        sampling = sampling_tensors(params, batch, "params")
+        ints = self._pad_ints[:bucket].clone()
+        ints[:batch] = torch.stack([tokens, pos, slots, sampling["top_k"], sampling["seed"]], dim=1)
+        floats = self._pad_floats[:bucket].clone()
+        floats[:batch] = torch.stack([sampling["temperature"], sampling["top_p"]], dim=1)
+        full_table = self._pad_table[:bucket].clone()
+        full_table[:batch] = table
+        padded = tuple(lengths) + (1,) * (bucket - batch)
+        host = {"ints": ints, "floats": floats, "block_table": full_table}
+        return StepPlan(self.name, batch, bucket, {"lengths": padded}, host)
+
+    def _check_tokens(self, tokens: torch.Tensor, where: str) -> None:
+        v = self.spec.vocab_size
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+            raise StepError(where, f"token ids must be in 0..{v - 1} (vocab_size)")
+
+    def _slots(self, table: torch.Tensor, pos: torch.Tensor, lengths: Any) -> torch.Tensor:
+        """Each position's slot through its row's block table [rows, max_blocks] (``pos``
+        [rows]); StepError when a block a row reads is not the scheduler's."""
+        c = self.config
+        for i, n in enumerate(lengths):
+            used = table[i, : -(-n // c.block_size)]
+            if int(used.min()) < 0 or int(used.max()) >= c.num_blocks:
+                raise StepError(
+                    f"inputs.block_table[{i}]",
+                    f"the {len(used)} blocks a length of {n} reads must be in "
+                    f"0..{c.num_blocks - 1}",
+                )
+        rows = torch.arange(table.shape[0])
+        blocks = table[rows, pos // c.block_size].to(torch.int64)
+        return blocks * c.block_size + pos % c.block_size
+
+    def group_signature(self, plan: StepPlan, group: int) -> Any:
+        return plan.values["lengths"]
+
+    def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
+        return FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
+
+    def input_writes(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if group:  # everything lands before layer 0 (three copies, padding rows included)
+            return []
+        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "block_table")]
+
+    def output_views(
+        self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        return {n: buffers[n][: plan.batch] for n in names}
+
+    # ------------------------------------------------------------ device-state operations
+    def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
+        if op != "prefill":
+            return self.kv.plan_state(op, fields)
+        c = self.config
+        tokens, table = fields.get("tokens"), fields.get("block_table")
+        start = fields.get("start", 0)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() < 1:
+            raise StepError("tokens", "must be a 1-D int64 or int32 tensor of at least one token")
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise StepError("tokens", f"dtype {tokens.dtype} instead of int64 or int32")
+        tokens = tokens.to(torch.int64)
+        self._check_tokens(tokens, "tokens")
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise StepError("start", f"{start!r} is not an integer >= 0")
+        n = tokens.numel()
+        if start + n > self.max_len:
+            raise StepError(
+                "tokens",
+                f"start {start} + {n} tokens exceeds {self.max_len} "
+                "(max_blocks_per_seq * block_size)",
+            )
+        _check_tensors(
+            {"block_table": table}, {"block_table": ((c.max_blocks_per_seq,), torch.int32)}, ""
+        )
+        assert isinstance(table, torch.Tensor)
+        pos = torch.arange(start, start + n, dtype=torch.int64)
+        try:  # the blocks of the last position: every block the prompt reads
+            self._slots(table.reshape(1, -1), pos[-1:], [start + n])
+        except StepError as exc:
+            raise StepError("block_table", str(exc).split(": ", 1)[-1]) from None
+        blocks = table[pos // c.block_size].to(torch.int64)
+        slots = blocks * c.block_size + pos % c.block_size
+        names = fields.get("outputs") or ["tokens"]
+        for name in names:
+            if name not in OUTPUTS:
+                raise StepError("outputs", f"unknown output {name!r} (known: {list(OUTPUTS)})")
+        if len(set(names)) != len(names):
+            raise StepError("outputs", f"names must be unique, got {list(names)}")
+        sampling = sampling_tensors(fields.get("params") or {}, 1, "params", per_row=False)
+        inputs = {
+            "tokens": tokens,
+            "positions": pos,
+            "slots": slots,
+            "block_table": table,
+            **sampling,
+        }
+        values = {"op": op, "start": start, "outputs": tuple(names)}
+        return StepPlan(self.name, n, 0, values, inputs)
+
+    def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
+        if plan.values["op"] != "prefill":
+            return self.kv.run_state(backend, plan)
+        return self._prefill(backend, plan)
+
+    def _prefill(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
+        c = self.config
+        w = self._weights(backend)
+        cache = self.kv._state(backend)
+        host = plan.inputs
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            d = backend.empty(tuple(t.shape), t.dtype)
+            backend.copy_in(d, t)
+            return d
+
+        tokens, positions, slots = dev(host["tokens"]), dev(host["positions"]), dev(host["slots"])
+        table = dev(host["block_table"].reshape(1, -1))
+        start, n = plan.values["start"], plan.batch
+        h = None
+        for c0 in range(0, n, c.prefill_chunk):
+            c1 = min(n, c0 + c.prefill_chunk)
+            h = F.embedding(tokens[c0:c1], w["embed"])
+            for i, layer in enumerate(w["layers"]):
+                q, k, v = self._qkv(w, layer, h, positions[c0:c1])
+                self._write_kv(cache, i, slots[c0:c1], k, v)
+                attn, _ = backend.call(
+                    FIA,
+                    (),
+                    dict(
+                        query=q,
+                        key=cache[f"key_cache_{i}"],
+                        value=cache[f"value_cache_{i}"],
+                        block_table=table,
+                        atten_mask=w["mask"],
+                        sparse_mode=3,
+                        actual_seq_lengths=[c1 - c0],
+                        actual_seq_lengths_kv=[start + c1],
+                        **self._fia,
+                    ),
+                )
+                h = self._after_attention(layer, h, attn)
+        assert h is not None
+        logits = self._logits(w, h[-1:])
+        out: dict[str, torch.Tensor] = {}
+        names = plan.values["outputs"]
+        if "tokens" in names:
+            p = dev(torch.tensor([start + n], dtype=torch.int64))
+            out["tokens"] = sample(
+                logits, dev(host["temperature"]), dev(host["top_k"]), dev(host["top_p"]),
+                dev(host["seed"]), p, w["vocab"],
+            )  # fmt: skip
+        if "logits" in names:
+            out["logits"] = logits
+        if "logprobs" in names or "logprob_ids" in names:
+            lp, ids = torch.topk(torch.log_softmax(logits, dim=-1), c.logprobs, dim=-1)
+            out |= {"logprobs": lp, "logprob_ids": ids}
+        return {k: out[k] for k in names}
+
+
+__all__ = ["ModelConfig", "ModelProgram"]

@@ -1,0 +1,151 @@
+"""The ``model`` program served by a daemon, token for token as transformers' eager
+``generate``: tiny Llama (GQA, llama3 rope scaling, untied) and Qwen2 (q/k/v bias, tied)
+models with seeded weights saved to a directory the daemon loads, fp32, five sequences
+of different prompt lengths (one over a block, prefilled in chunks) joining and leaving
+a continuously batched decode, 64 new tokens each. One daemon serves both models (the
+second under its module path: a daemon names each program once)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+from model_ref import Sequence, reference, run_batching, save, tiny_model
+
+from graphlane import GraphlaneError
+from graphlane.client import SyncClient
+
+NEW = 64
+BLOCK, BLOCKS, MAX_BLOCKS = 128, 10, 2
+SERVING = dict(block_size=BLOCK, num_blocks=BLOCKS, max_blocks_per_seq=MAX_BLOCKS,
+               buckets=[1, 2, 4], prefill_chunk=48)  # fmt: skip
+QWEN = "graphlane.workers.programs.model:ModelProgram"
+PROMPTS = {0: 5, 1: 17, 2: 130, 3: 1, 4: 60}  # sid -> prompt length
+JOINS = {0: 0, 1: 0, 2: 9, 3: 30, 4: 66}  # at most 4 at once: buckets 1, 2 and 4 all run
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, str]]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for program, kind in (("model", "llama"), (QWEN, "qwen2")):
+        m = tiny_model(kind, seed=3)
+        out[program] = (m, save(m, root / kind))
+    return out
+
+
+@pytest.fixture
+def daemon(shared_daemon: Any, models: dict[str, tuple[Any, str]]) -> Any:
+    programs = [{"name": p, "model": d, **SERVING} for p, (_, d) in models.items()]
+    return shared_daemon(devices=1, programs=programs)
+
+
+def _sequences(seed: int) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sequence(sid, torch.randint(0, 256, (n,), generator=g).tolist(), JOINS[sid])
+        for sid, n in PROMPTS.items()
+    ]
+
+
+@pytest.mark.parametrize("program", ["model", QWEN], ids=["llama", "qwen2"])
+def test_continuous_batching_gives_transformers_greedy_tokens(
+    daemon: Any, models: dict[str, tuple[Any, str]], program: str
+) -> None:
+    model = models[program][0]
+    seqs = _sequences(7)
+    with SyncClient(daemon.endpoint, timeout=60) as c:
+        described = c.hello()["workers"][0]["programs"][program]
+        assert {"prefill", "kv_write", "kv_read"} <= set(described["state_ops"])
+        assert described["config"]["architecture"]["vocab_size"] == 256
+        assert described["inputs"]["tokens"] == {"shape": ["batch"], "dtype": "int64"}
+
+        def prefill(tokens: list[int], table: list[int]) -> int:
+            r = c.prefill(program, 0, tokens, table)
+            assert r.outputs["tokens"].dtype == torch.int64
+            return int(r.outputs["tokens"][0])
+
+        def step(tokens: list[int], lengths: list[int], tables: list[list[int]]) -> list[int]:
+            inputs = {
+                "tokens": torch.tensor(tokens),
+                "block_table": torch.tensor(tables, dtype=torch.int32),
+            }
+            lengths_param = {"actual_seq_lengths_kv": lengths}
+            r = c.step(program, 0, lengths_param, inputs, outputs=["tokens"])
+            assert set(r.outputs) == {"tokens"}  # nothing else unless asked
+            return r.outputs["tokens"].tolist()
+
+        got = run_batching(seqs, NEW, BLOCK, BLOCKS, MAX_BLOCKS, prefill, step)
+    for s in seqs:
+        assert got[s.sid] == reference(model, s.prompt, NEW), f"sequence {s.sid}"
+
+
+def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) -> None:
+    """Outputs only when asked, and a bad request names its field (no step runs)."""
+    model = models["model"][0]
+    prompt = [3, 1, 4, 1, 5]
+    with SyncClient(daemon.endpoint, timeout=60) as c:
+        r = c.prefill("model", 0, prompt, [9, 0], outputs=["tokens", "logprobs", "logprob_ids"])
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, -1]
+        top = torch.topk(torch.log_softmax(logits, -1), 5)
+        assert r.outputs["logprob_ids"][0].tolist() == top.indices.tolist()
+        torch.testing.assert_close(r.outputs["logprobs"][0], top.values, atol=1e-4, rtol=1e-4)
+        assert int(r.outputs["tokens"][0]) == int(top.indices[0])
+        table = torch.tensor([[9, 0]], dtype=torch.int32)
+        for params, inputs, field in [
+            ({"actual_seq_lengths_kv": [6], "top_p": [0.0]}, {}, "top_p"),
+            ({"actual_seq_lengths_kv": [6]}, {"tokens": torch.tensor([256])}, "tokens"),
+            ({"actual_seq_lengths_kv": [6], "beam": [2]}, {}, "beam"),
+        ]:
+            sent = {"tokens": torch.tensor([1]), "block_table": table} | inputs
+            with pytest.raises(GraphlaneError) as err:
+                c.step("model", 0, params, sent, outputs=["tokens"])
+            assert err.value.code == "BAD_REQUEST"
+            assert field in str(err.value)
+
+
+def test_a_restarted_worker_answers_state_lost_until_the_prompts_are_prefilled_again(
+    start_daemon: Any, models: dict[str, tuple[Any, str]]
+) -> None:
+    """The cache and the weights die with the worker: no step or prefill after the
+    restart runs until the scheduler adopts the new generation; then, prefilled again,
+    the sequence goes on with the tokens it would have had."""
+    model, path = models["model"]
+    d = start_daemon(devices=1, programs=[{"name": "model", "model": path, **SERVING}])
+    prompt = [11, 22, 33, 44]
+    expected = reference(model, prompt, 4)
+    table = torch.tensor([[3, 0]], dtype=torch.int32)
+
+    def decode(c: SyncClient, first: int, steps: int) -> list[int]:
+        out = [first]
+        for _ in range(steps):
+            inputs = {"tokens": torch.tensor(out[-1:]), "block_table": table}
+            lengths = {"actual_seq_lengths_kv": [len(prompt) + len(out)]}
+            r = c.step("model", 0, lengths, inputs, outputs=["tokens"])
+            out += r.outputs["tokens"].tolist()
+        return out
+
+    with SyncClient(d.endpoint, timeout=60) as c:
+        first = int(c.prefill("model", 0, prompt, table[0]).outputs["tokens"][0])
+        assert decode(c, first, 1) == expected[:2]
+        generation = c.generation(0)
+        os.kill(c.status()["workers"][0]["pid"], signal.SIGKILL)
+        codes: list[str] = []
+        while not codes or codes[-1] != "STATE_LOST":
+            assert len(codes) < 50, codes
+            try:
+                c.prefill("model", 0, prompt, table[0])
+            except GraphlaneError as exc:
+                codes.append(str(exc.code))
+                if exc.code == "WORKER_LOST":
+                    c.wait_ready(timeout=120)
+                continue
+            pytest.fail("a prefill after the restart ran on the lost generation")
+        assert set(codes) <= {"WORKER_LOST", "STATE_LOST"}
+        assert c.reset_state(0) == generation + 1
+        first = int(c.prefill("model", 0, prompt, table[0]).outputs["tokens"][0])
+        assert decode(c, first, 3) == expected
