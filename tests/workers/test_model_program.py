@@ -13,8 +13,8 @@ import pytest
 import torch
 from issuer import Issuer
 from model_ref import save, tiny_model
+from npusim import torch_npu
 
-from graphlane.sim import torch_npu
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.programs import (
     ModelConfig,
