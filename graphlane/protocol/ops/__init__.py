@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.kv import KvRead, KvWrite, Resume
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
@@ -30,7 +29,6 @@ __all__ = [
     "Step",
     "StepDone",
     "Update",
-    "op_named",
 ]
 
 
@@ -40,14 +38,6 @@ class Op:
     request: type[Any]
     reply: Any
     device: bool  # answered by a worker (True) or by the daemon (False)
-
-
-def op_named(name: str) -> Op:
-    """The op of that name; BAD_REQUEST naming the known ones otherwise."""
-    op = OPS.get(name)
-    if op is None:
-        raise BadRequest(f"unknown op {name!r} (known: {sorted(OPS)})")
-    return op
 
 
 OPS: dict[str, Op] = {
