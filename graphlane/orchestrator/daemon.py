@@ -89,7 +89,7 @@ class Daemon:
             else None
         )
         self._failed_log = Throttled(log)  # a message whose handling raised: its cause
-        cores = affinity.plan(
+        cores = affinity.core_sets(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
         )
         specs = [
@@ -271,7 +271,7 @@ class Daemon:
                     raise UnknownDevice(
                         f"device {d} is not served (serving {sorted(self.supervisor.workers)})"
                     )
-                self.supervisor.send(d, pipe.Drain())
+                self.supervisor.send(d, pipe.Finish())
             return {"draining": devices}
         self.request_shutdown("shutdown request")
         return {"state": self.state}

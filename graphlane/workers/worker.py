@@ -59,12 +59,12 @@ from graphlane.protocol.errors import (
 from graphlane.protocol.server import LATER, Origin
 from graphlane.workers import affinity
 from graphlane.workers.engine import StepEngine
+from graphlane.workers.job import Job, JobKind
 from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey
-from graphlane.workers.step import OpKind, Step
 
 log = logging.getLogger("graphlane.worker")
 
@@ -215,7 +215,7 @@ class Worker:
         )
         self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
-        self._open: dict[Step, None] = {}
+        self._open: dict[Job, None] = {}
         # When the last device request was answered (perf_counter): with requests open,
         # the time since then (or since the oldest was received) is how long the device
         # has made no progress, what the daemon's hang check reads (``stalled_s``).
@@ -224,7 +224,7 @@ class Worker:
         self.exit_code = 0
         self._stop_when_idle = False
         # Accepted steps waiting for one of the engine's in-flight permits (bounded).
-        self._waiting: collections.deque[Step] = collections.deque()
+        self._waiting: collections.deque[Job] = collections.deque()
         # Connections whose request changing device state was not applied: routing id ->
         # (that request's id, why). Their requests to stateful programs are refused until
         # they send resume (see _fence and docs/programs.md, "Ordering and retries").
@@ -295,7 +295,7 @@ class Worker:
             except ValueError:
                 log.error("ignored an unreadable message from the orchestrator")
                 continue
-            if isinstance(cmd, pipe.Drain):
+            if isinstance(cmd, pipe.Finish):
                 self.loop.post(functools.partial(self._begin_drain, cmd.stop))
             elif isinstance(cmd, pipe.Ping):
                 # Answered by the main thread: the status is its state, and a loop that
@@ -455,23 +455,23 @@ class Worker:
                 f"and name generation {self.spec.generation}"
             )
 
-    def _step(self, body: Any, op: str) -> Step:
+    def _step(self, body: Any, op: str) -> Job:
         """The step a device request's body asks for, validated (BAD_REQUEST if not)."""
         try:
             if type(body) is ops.Step:  # the common case first
                 outputs = tuple(body.outputs)
-                return Step(OpKind.STEP, self.engine.plan(body, outputs), outputs)
+                return Job(JobKind.STEP, self.engine.plan(body, outputs), outputs)
             if type(body) is ops.KvWrite:
                 fields = {"slots": body.slots, "key": body.key, "value": body.value}
-                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
+                return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.KvRead:
                 fields = {"slots": body.slots}
-                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
+                return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Update:
-                return Step(OpKind.UPDATE, self.engine.plan(body))
+                return Job(JobKind.UPDATE, self.engine.plan(body))
             outputs = tuple(body.outputs)
             plan = self.engine.plan_replay(body.program, body.batch, outputs)
-            return Step(OpKind.REPLAY, plan, outputs)
+            return Job(JobKind.REPLAY, plan, outputs)
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -493,14 +493,14 @@ class Worker:
                 return
             self.engine.issue(waiting.popleft())
 
-    def _on_done(self, step: Step) -> None:
+    def _on_done(self, step: Job) -> None:
         """The engine's completion callback (see StepEngine.issue)."""
         if threading.get_ident() == self._main:  # completed on the spot, during its issue
             self._finish(step)
         else:  # from the completion thread
             self.loop.post(functools.partial(self._finish, step))
 
-    def _finish(self, step: Step) -> None:
+    def _finish(self, step: Job) -> None:
         self._open.pop(step, None)
         self._progress_at = now = time.perf_counter()
         if step.results is None:

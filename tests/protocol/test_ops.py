@@ -519,8 +519,8 @@ def conns() -> Iterator[tuple[Connection, Connection]]:
         pipe.Failed("no device"),
         pipe.Pong({"state": "ready", "steps": 3, "queued": 0}),
         pipe.Ping(),
-        pipe.Drain(),
-        pipe.Drain(stop=True),
+        pipe.Finish(),
+        pipe.Finish(stop=True),
     ],
     ids=repr,
 )

@@ -55,7 +55,7 @@ def orchestrator():
     ready = pipe.recv(here)
     print(json.dumps(ready.info if isinstance(ready, pipe.Ready) else None), flush=True)
     sys.stdin.readline()
-    pipe.send(here, pipe.Drain(stop=True))
+    pipe.send(here, pipe.Finish(stop=True))
 threading.Thread(target=orchestrator, daemon=True).start()
 worker_main(WorkerSpec(**json.loads(sys.argv[1])), there)
 """
