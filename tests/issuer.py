@@ -14,8 +14,8 @@ from daemons import wait_for
 from graphlane.protocol import ops
 from graphlane.workers.backends.base import DeviceBackend
 from graphlane.workers.engine import StepEngine
+from graphlane.workers.job import Job, JobKind
 from graphlane.workers.programs import GraphProgram
-from graphlane.workers.step import OpKind, Step
 
 
 class Issuer:
@@ -25,10 +25,10 @@ class Issuer:
     def __init__(
         self, backend: DeviceBackend, programs: Sequence[GraphProgram], **options: Any
     ) -> None:
-        self.finished: list[tuple[Step, str]] = []  # (step, the thread that answered it)
+        self.finished: list[tuple[Job, str]] = []  # (step, the thread that answered it)
         self.engine = StepEngine(backend, programs, on_done=self._on_done, **options)
 
-    def _on_done(self, step: Step) -> None:
+    def _on_done(self, step: Job) -> None:
         self.finished.append((step, threading.current_thread().name))
 
     def __enter__(self) -> Issuer:
@@ -46,7 +46,7 @@ class Issuer:
         outputs: Sequence[str] = ("out",),
         program: str = "attention",
         params: dict[str, Any] | None = None,
-    ) -> Step:
+    ) -> Job:
         """A step of ``program`` (its params default to the attention program's)."""
         body = ops.Step(
             program,
@@ -56,21 +56,21 @@ class Issuer:
             list(outputs),
             batch,
         )
-        return Step(OpKind.STEP, self.engine.plan(body, tuple(outputs)), tuple(outputs))
+        return Job(JobKind.STEP, self.engine.plan(body, tuple(outputs)), tuple(outputs))
 
-    def state(self, program: str, op: str, fields: dict[str, Any]) -> Step:
+    def state(self, program: str, op: str, fields: dict[str, Any]) -> Job:
         """Issue an operation on ``program``'s device state (``kv_write``, ``kv_read``)."""
-        return self.issue(Step(OpKind.STATE, self.engine.plan_state(program, op, fields)))
+        return self.issue(Job(JobKind.STATE, self.engine.plan_state(program, op, fields)))
 
-    def issue(self, step: Step, blocking: bool = True) -> Step:
+    def issue(self, step: Job, blocking: bool = True) -> Job:
         assert self.engine.reserve(blocking)
         self.engine.issue(step)
         return step
 
-    def step(self, batch: int, lengths: list[int], **kw: Any) -> Step:
+    def step(self, batch: int, lengths: list[int], **kw: Any) -> Job:
         return self.issue(self.plan(batch, lengths, **kw))
 
-    def wait(self, steps: Sequence[Step], timeout: float = 30) -> list[Step]:
+    def wait(self, steps: Sequence[Job], timeout: float = 30) -> list[Job]:
         """The steps once finished; the first one's error raised if any failed."""
         wait_for(lambda: self._all_done(steps), timeout, f"{len(steps)} steps to finish")
         for s in steps:
@@ -78,9 +78,9 @@ class Issuer:
                 raise s.error
         return list(steps)
 
-    def _all_done(self, steps: Sequence[Step]) -> bool:
+    def _all_done(self, steps: Sequence[Job]) -> bool:
         done = {id(s) for s, _ in self.finished}
         return all(id(s) in done for s in steps)
 
-    def run(self, batch: int, lengths: list[int], **kw: Any) -> Step:
+    def run(self, batch: int, lengths: list[int], **kw: Any) -> Job:
         return self.wait([self.step(batch, lengths, **kw)])[0]

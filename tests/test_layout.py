@@ -1,21 +1,30 @@
 """The package layout by process role, checked on the source with ast.
 
-- no import cycle among graphlane modules (imports run when a module is loaded:
-  those at module level, outside functions; imports under ``if TYPE_CHECKING:``
-  are for type checkers only and do not count);
-- npusim (the simulated NPU, its own distribution under sim/) imports nothing
-  of graphlane, and imports only at module top (no imports inside functions,
-  none after the first statement);
-- graphlane.client and graphlane.protocol (what schedulers import) import nothing
-  of workers, orchestrator, sim or tools;
-- graphlane.orchestrator (the daemon) imports nothing of npusim or
-  graphlane.tools;
+Which graphlane package may import which (every import counts: at module level,
+inside functions, under TYPE_CHECKING), read from what each one is:
 
-The direction rules count every import, also those inside functions and under
-TYPE_CHECKING. An edge goes to the module named: ``import a.b`` and
-``from a import b`` (b a module) go to a.b, ``from a import name`` goes to a;
-the parent packages that Python also initialises are not edges, since a package
-importing its own submodules is not a cycle.
+- graphlane.protocol, the wire both sides share, imports nothing of graphlane but
+  itself and graphlane.logs;
+- graphlane.client (what schedulers import) imports the protocol and logs only;
+- graphlane.workers (a device's process) imports the protocol, logs and the sim (its
+  sim backend), never the daemon, the client or the tools;
+- graphlane.orchestrator (the daemon) imports the protocol, logs, the root package
+  (its version) and graphlane.workers (it spawns workers: their spec and entry
+  point), never the client, the sim or the tools; workers never import it back;
+- npusim (the simulated NPU, a distribution of its own under sim/) imports nothing of
+  graphlane, and imports only at module top.
+
+No import cycle among graphlane modules: an edge for every import, wherever it is
+(a function-level import still ties the two modules together, and one under
+TYPE_CHECKING ties their types). npusim is held to load-time imports only: its stream,
+device and runtime modules still name each other's types (a cycle under
+TYPE_CHECKING, issue 30); the tools' load testers are being untangled (issue 30), so
+their cycle is an expected failure until then.
+
+An edge goes to the module named: ``import a.b`` and ``from a import b`` (b a module)
+go to a.b, ``from a import name`` goes to a; the parent packages that Python also
+initialises are not edges, since a package importing its own submodules is not a
+cycle.
 """
 
 from __future__ import annotations
@@ -31,17 +40,21 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = (REPO / "graphlane", REPO / "sim" / "src" / "npusim")
 OURS = ("graphlane", "npusim")
 
-#: package -> packages it must not import (any import, anywhere in the module)
-FORBIDDEN = {
-    "npusim": ("graphlane",),
-    "graphlane.client": ("graphlane.workers", "graphlane.orchestrator", "npusim",
-                         "graphlane.tools"),
-    "graphlane.protocol": ("graphlane.workers", "graphlane.orchestrator", "npusim",
-                           "graphlane.tools"),
-    "graphlane.orchestrator": ("npusim", "graphlane.tools"),
+#: package -> the graphlane packages it may import (besides itself); "graphlane" alone is
+#: the root package (its __init__), not everything under it
+ALLOWED = {
+    "graphlane.protocol": ("graphlane.logs",),
+    "graphlane.client": ("graphlane.protocol", "graphlane.logs"),
+    "graphlane.workers": ("graphlane.protocol", "graphlane.logs", "npusim"),
+    "graphlane.orchestrator": ("graphlane.protocol", "graphlane.logs", "graphlane.workers",
+                               "graphlane"),
+    "npusim": (),
 }  # fmt: skip
 #: packages whose modules import only at module top
 TOP_IMPORTS_ONLY = ("npusim",)
+#: packages whose cycles are checked on load-time imports only / expected (see above)
+LOAD_TIME_CYCLES_ONLY = "npusim"
+BEING_UNTANGLED = "graphlane.tools"
 
 
 @dataclass(frozen=True)
@@ -58,7 +71,7 @@ class Import:
 
 
 def sources(roots: Iterable[Path] = ROOTS) -> dict[str, tuple[str, bool]]:
-    """Module name -> (source, is a package), for every module under the ``roots``."""
+    """Module name -> (source, is a package), for every module under ``root``."""
     out = {}
     for path in sorted(p for root in roots for p in root.rglob("*.py")):
         root = next(r for r in roots if r in path.parents)
@@ -85,13 +98,13 @@ def _is_preamble(node: ast.stmt) -> bool:
 def imports_of(
     name: str, source: str, is_package: bool, modules: Iterable[str]
 ) -> list[Import]:
-    """The imports of one module that go to graphlane or npusim."""
+    """The graphlane imports of one module."""
     known = set(modules)
     package = name if is_package else name.rpartition(".")[0]
     found: list[Import] = []
 
     def add(node: ast.stmt, target: str, in_function: bool, tc: bool, after: bool) -> None:
-        if any(_within(target, ours) for ours in OURS):
+        if any(target == ours or target.startswith(ours + ".") for ours in OURS):
             found.append(Import(name, target, node.lineno, in_function, tc, after))
 
     def visit(nodes: list[ast.stmt], in_function: bool, tc: bool, top: bool) -> None:
@@ -138,11 +151,14 @@ def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
-def find_cycle(imports: Iterable[Import]) -> list[str] | None:
-    """A cycle of load-time imports, as the list of modules around it, or None."""
+def find_cycle(imports: Iterable[Import], load_time_only: bool = False) -> list[str] | None:
+    """A cycle of imports (of those run when a module loads, with ``load_time_only``),
+    as the list of modules around it, or None."""
     graph: dict[str, set[str]] = {}
     for imp in imports:
-        if not imp.in_function and not imp.type_checking and imp.source != imp.target:
+        if load_time_only and (imp.in_function or imp.type_checking):
+            continue
+        if imp.source != imp.target:
             graph.setdefault(imp.source, set()).add(imp.target)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
@@ -165,12 +181,26 @@ def find_cycle(imports: Iterable[Import]) -> list[str] | None:
     return None
 
 
+def within(imports: Iterable[Import], package: str, inside: bool = True) -> list[Import]:
+    """The imports between modules of ``package`` (``inside``), or those from outside it."""
+    return [
+        imp
+        for imp in imports
+        if (_within(imp.source, package) and _within(imp.target, package)) == inside
+        and (inside or not _within(imp.source, package))
+    ]
+
+
 def direction_violations(imports: Iterable[Import]) -> list[str]:
     out = []
     for imp in imports:
-        for package, forbidden in FORBIDDEN.items():
-            if _within(imp.source, package) and any(_within(imp.target, f) for f in forbidden):
-                out.append(f"{imp} ({package} must not import {', '.join(forbidden)})")
+        for package, allowed in ALLOWED.items():
+            if not _within(imp.source, package) or _within(imp.target, package):
+                continue
+            if not any(imp.target == a if a == "graphlane" else _within(imp.target, a)
+                       for a in allowed):  # fmt: skip
+                may = ", ".join(allowed) or "nothing of graphlane"
+                out.append(f"{imp} ({package} may import {may})")
     return out
 
 
@@ -193,8 +223,24 @@ def imports() -> list[Import]:
     return all_imports(modules)
 
 
-def test_no_import_cycle_among_our_modules(imports: list[Import]) -> None:
-    cycle = find_cycle(imports)
+def test_no_import_cycle_among_graphlane_modules(imports: list[Import]) -> None:
+    rest = [
+        imp
+        for imp in imports
+        if not any(_within(imp.source, p) for p in (LOAD_TIME_CYCLES_ONLY, BEING_UNTANGLED))
+    ]
+    cycle = find_cycle(rest)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_load_time_import_cycle_in_the_sim(imports: list[Import]) -> None:
+    cycle = find_cycle(within(imports, LOAD_TIME_CYCLES_ONLY), load_time_only=True)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+@pytest.mark.xfail(strict=True, reason="the load testers import each other (issue 30, tools)")
+def test_no_import_cycle_in_the_tools(imports: list[Import]) -> None:
+    cycle = find_cycle(within(imports, BEING_UNTANGLED))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
@@ -247,12 +293,38 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
     ]
 
 
-def test_type_checking_imports_do_not_make_a_cycle() -> None:
-    imports = _fake(
-        {
-            "graphlane.x": "from graphlane import y\n",
-            "graphlane.y": "from typing import TYPE_CHECKING\n"
-            "if TYPE_CHECKING:\n    from graphlane import x\n",
-        }
-    )
-    assert find_cycle(imports) is None
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [
+        ("graphlane.protocol.wire", "graphlane.client.transport"),
+        ("graphlane.protocol.wire", "graphlane.workers.loop"),
+        ("graphlane.client.transport", "graphlane.workers.loop"),
+        ("graphlane.client.transport", "graphlane.orchestrator.daemon"),
+        ("graphlane.workers.loop", "graphlane.orchestrator.daemon"),
+        ("graphlane.workers.loop", "graphlane.client.transport"),
+        ("graphlane.workers.loop", "graphlane.tools.t"),
+        ("graphlane.orchestrator.daemon", "graphlane.client.transport"),
+        ("graphlane.orchestrator.daemon", "npusim.a"),
+        ("graphlane.orchestrator.daemon", "graphlane.tools.t"),
+        ("npusim.a", "graphlane.protocol.wire"),
+    ],
+)
+def test_each_direction_rule_sees_its_violation(source: str, target: str) -> None:
+    modules = ["graphlane.protocol.wire", "graphlane.client.transport", "graphlane.workers.loop",
+               "graphlane.orchestrator.daemon", "npusim.a", "graphlane.tools.t"]  # fmt: skip
+    package, _, name = target.rpartition(".")
+    files = {m: "" for m in modules}
+    files[source] = f"def f():\n    from {package} import {name}\n"
+    assert [v.split(" (")[0] for v in direction_violations(_fake(files))] == [
+        f"{source}:2 imports {target}"
+    ]
+
+
+def test_function_level_and_type_checking_imports_make_a_cycle() -> None:
+    for second in (
+        "def f():\n    from graphlane import x\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from graphlane import x\n",
+    ):
+        imports = _fake({"graphlane.x": "from graphlane import y\n", "graphlane.y": second})
+        assert find_cycle(imports) == ["graphlane.x", "graphlane.y", "graphlane.x"]
+        assert find_cycle(imports, load_time_only=True) is None

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from graphlane.protocol import ops
+from graphlane.protocol import ops, wire
 from graphlane.protocol.admission import CONTROL_LIMITS, DEFAULT_LIMITS, Limits
 from graphlane.protocol.endpoints import (
     InvalidEndpoint,
@@ -71,7 +71,7 @@ from .args import (
     output_names,
 )
 from .hosts import Host, expand
-from .transport import _BUNDLE_MAX, Channel, Sockets
+from .transport import Channel, Sockets
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +291,7 @@ class Client:
                 entry["endpoint"],
                 f"device {local} at {host.endpoint}",
                 self.keys,
-                bundle_max=_BUNDLE_MAX if takes_bundles else 1,
+                bundle_max=wire.BUNDLE_MAX if takes_bundles else 1,
                 limits=_worker_limits(capabilities),
             )
             return ch

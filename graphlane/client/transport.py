@@ -10,9 +10,9 @@ a deadline (:class:`~.deadlines.Deadlines`, one loop timer per channel).
 A call made while others are in flight on the same worker, and whose request
 is one frame (no tensor large enough for a frame of its own), is not sent at
 once: it waits for the end of the event loop's current turn and goes with the
-other calls made in that turn as one bundle (at most 32 requests, a full
-bundle going at once, and ``wire.BUNDLE_BYTES``, 64 KiB: a larger request
-goes alone), when the daemon says its workers take bundles. A call alone on its
+other calls made in that turn as one bundle (at most ``wire.BUNDLE_MAX``, 32
+requests, a full bundle going at once, and ``wire.BUNDLE_BYTES``, 64 KiB: a larger
+request goes alone), when the daemon says its workers take bundles. A call alone on its
 connection is sent at once. Bundling saves a message per call on both sides
 and changes nothing else: each call keeps its own id, deadline and reply.
 """
@@ -245,7 +245,7 @@ class Channel:
                 timer.cancel()
             self.pending.pop(request_id, None)
         try:
-            return reply.body(op.reply_decoder)  # raises the reply's error, if it is one
+            return reply.body(op)  # raises the reply's error, if it is one
         except wire.DecodeError as exc:
             raise InternalError(f"undecodable reply to {op.name}: {exc.message}") from None
 
@@ -441,11 +441,6 @@ class Sockets:
 
 
 _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
-# Requests per bundle: a full one goes at once, overlapping the worker. The worker
-# answers a bundle's requests together, so the first waits for the last; 32 kept
-# two bundles of a 64-call window in flight and gave the most steps/s on null
-# (16: ~10% fewer; 64: no overlap, half).
-_BUNDLE_MAX = 32
 
 
 def _fail(futs: list[asyncio.Future[wire.Reply]], exc: BaseException) -> None:

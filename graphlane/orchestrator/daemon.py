@@ -35,7 +35,8 @@ import zmq.asyncio
 from graphlane import __version__
 from graphlane.logs import Throttled
 from graphlane.protocol import admission, ops, pipe, security, wire
-from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownDevice, as_error
+from graphlane.protocol.errors import BadRequest, UnknownDevice
+from graphlane.protocol.server import Origin, Responder
 from graphlane.workers import affinity
 from graphlane.workers.worker import WorkerSpec
 
@@ -67,8 +68,17 @@ class Daemon:
         self.config = config
         self.state = RUNNING
         self.started = time.time()
-        self.counters = {"requests": 0, "undecodable": 0, "errors": 0}
-        self._dropped_log = Throttled(log)
+        # The control socket's requests, answered by this daemon (answer, below); the
+        # replies of one message are collected, then sent by the serving task.
+        self._replies: list[tuple[Any, list[Any]]] = []
+        self.responder = Responder(
+            wire.Codec(admission.CONTROL_LIMITS),
+            self,
+            lambda ident, frames, bundled: self._replies.append((ident, frames)),
+            log,
+            bundles=False,
+        )
+        self.counters = self.responder.counters
         generation = first_generation()
         #: Who may do what (None: every admitted key everything; no auth: no keys).
         self.roles = (
@@ -79,7 +89,7 @@ class Daemon:
             else None
         )
         self._failed_log = Throttled(log)  # a message whose handling raised: its cause
-        cores = affinity.plan(
+        cores = affinity.core_sets(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
         )
         specs = [
@@ -222,55 +232,25 @@ class Daemon:
 
     # ------------------------------------------------------------ control socket
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        replies = self._replies
         while True:
             frames = await sock.recv_multipart(copy=False)
-            self.counters["requests"] += 1
             try:
-                await self._message(sock, frames)
+                # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
+                sender = security.sender_of(frames[0]) if self.roles is not None else None
+                self.responder.message(frames, sender)
+                for ident, reply in replies:
+                    await sock.send_multipart([ident, *reply])
             except Exception as exc:  # no message may end the loop: the daemon would go deaf
                 self._failed_log.warning(
                     "a message failed: %s: %s", type(exc).__name__, exc, exc_info=exc
                 )
+            finally:
+                replies.clear()
 
-    async def _message(self, sock: zmq.asyncio.Socket, frames: list[Any]) -> None:
-        ident, payload = frames[0], frames[1:]
-        # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
-        sender = security.sender_of(ident) if self.roles is not None else None
-        try:
-            reqs = wire.decode_requests(payload, admission.CONTROL_LIMITS)
-        except wire.DecodeError as exc:
-            reqs = [exc]
-        bundle = len(reqs) > 1
-        for req in reqs:
-            reply = self._answer(req, bundle, sender)
-            if reply is not None:
-                await sock.send_multipart([ident, *reply])
-
-    def _answer(
-        self, req: wire.Request | wire.DecodeError, bundle: bool, sender: str | None = None
-    ) -> list[Any] | None:
-        """The reply frames to one request; None for one that names no id to answer."""
-        if type(req) is wire.DecodeError:
-            if req.request_id is None:
-                self.counters["undecodable"] += 1
-                self._dropped_log.warning("dropped an undecodable message: %s", req.message)
-                return None
-            return wire.encode_error(req.request_id, req.to_error())
-        assert type(req) is wire.Request
-        try:
-            if bundle:
-                raise BadRequest("the daemon's socket takes no bundles (a worker's does)")
-            return wire.encode_reply(req.id, self._handle(req, sender))
-        except wire.DecodeError as exc:
-            return wire.encode_error(req.id, exc.to_error())
-        except Exception as exc:
-            if not isinstance(exc, GraphlaneError):
-                log.exception("request %s (%s) failed", req.id, req.op)
-            self.counters["errors"] += 1
-            return wire.encode_error(req.id, as_error(exc))
-
-    def _handle(self, req: wire.Request, sender: str | None = None) -> dict[str, Any]:
-        op = ops.op_named(req.op)
+    def answer(self, req: wire.Request, origin: Origin) -> dict[str, Any]:
+        """The reply body to one request of the daemon's socket (a Handler's)."""
+        op = ops.OPS[req.op]
         if op.device:
             workers = {h.device: h.info.get("endpoint") for h in self.supervisor.workers.values()}
             raise BadRequest(
@@ -278,8 +258,8 @@ class Daemon:
                 f"device endpoints {workers} (see hello)"
             )
         if self.roles is not None:
-            self.roles.check(sender, req.op)  # FORBIDDEN: drain, shutdown need an admin
-        body = req.body(op.request_decoder)
+            self.roles.check(origin.sender, req.op)  # FORBIDDEN: drain, shutdown need an admin
+        body = req.body
         if isinstance(body, ops.Hello):
             return self.hello()
         if isinstance(body, ops.Status):
@@ -291,10 +271,13 @@ class Daemon:
                     raise UnknownDevice(
                         f"device {d} is not served (serving {sorted(self.supervisor.workers)})"
                     )
-                self.supervisor.send(d, pipe.Drain())
+                self.supervisor.send(d, pipe.Finish())
             return {"draining": devices}
         self.request_shutdown("shutdown request")
         return {"state": self.state}
+
+    def refused(self, error: wire.DecodeError, origin: Origin) -> None:
+        """A request that did not decode: answered with its error, nothing else to do."""
 
     def _worker_entry(self, h: WorkerHandle) -> dict[str, Any]:
         entry = h.describe()

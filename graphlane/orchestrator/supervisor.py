@@ -9,7 +9,7 @@ Lifecycle of a worker, explicit:
     A worker that answers the handshake with a *permanent* pipe.Failed (a bad
     configuration or program, a missing dependency, no such device: it would fail
     the same way again) is FAILED at once, without a restart.
-    stop: pipe.Drain(stop=True) (finish in-flight, exit) -> SIGTERM -> SIGKILL,
+    stop: pipe.Finish(stop=True) (finish in-flight, exit) -> SIGTERM -> SIGKILL,
     recording which step ended it.
 
 The pipe is also the worker's lifeline: when the orchestrator dies, the worker
@@ -387,7 +387,7 @@ class Supervisor:
         capturing = h.state == STARTING  # no in-flight work yet: do not wait for it
         h.state = STOPPING
         steps: list[tuple[str, float, Callable[[], None]]] = [
-            ("message", timeout_s, lambda: self.send(h.device, pipe.Drain(stop=True))),
+            ("message", timeout_s, lambda: self.send(h.device, pipe.Finish(stop=True))),
             ("SIGTERM", 5.0, lambda: proc.terminate()),
             ("SIGKILL", 5.0, lambda: self._kill(proc)),
         ]
@@ -413,4 +413,4 @@ class Supervisor:
 
     def drain(self) -> None:
         for device in self.workers:
-            self.send(device, pipe.Drain())
+            self.send(device, pipe.Finish())

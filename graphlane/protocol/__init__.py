@@ -2,10 +2,11 @@
 
 Transport: ZeroMQ, a scheduler's DEALER to the daemon's ROUTER; every request
 gets exactly one reply carrying the request's id. Encoding: msgpack, with one
-typed definition per message (:mod:`graphlane.protocol.wire` for envelopes,
-:mod:`graphlane.protocol.tensors` for tensors, :mod:`graphlane.protocol.ops` for
-each operation's body, msgspec Structs that the client encodes and the server
-decodes). No pickle, anywhere.
+typed definition per message (:mod:`graphlane.protocol.ops` for each operation's
+body, :mod:`graphlane.protocol.tensors` for tensors, msgspec Structs that the client
+encodes and the server decodes) and one codec that owns the format
+(:class:`graphlane.protocol.wire.Codec`: envelopes, frames, bundles, limits). No
+pickle, anywhere.
 
 Frame layout
 ============
@@ -46,40 +47,41 @@ Bundles
 =======
 
 A worker's socket also takes a *bundle*: a single-frame message whose frame 0
-is a msgpack array of request envelopes (1 to 65535 of them, within
-``wire.bundle``), none referencing data frames. Each envelope is checked
+is a msgpack array of request envelopes (1 to ``Limits.max_items`` of them), none
+referencing data frames. Each envelope is checked
 and answered on its own, as if it had come alone: one bad envelope fails alone,
 with its id. The replies to a bundle's requests may come back bundled the same
 way (an array of reply envelopes); however they group, each request gets
 exactly one reply. The limits of frame 0 (``Limits.max_envelope_bytes``) apply
 to the bundle as a whole: a bundle over them is refused unread (nobody is
 answered). So a sender keeps bundles small: graphlane's client and workers make
-none over ``wire.BUNDLE_BYTES`` (64 KiB), the client none of more than 32
-requests. Calls that carry tensors as frames never travel in a bundle. A daemon
+none over ``wire.BUNDLE_BYTES`` (64 KiB) nor of more than ``wire.BUNDLE_MAX`` (32)
+envelopes. Calls that carry tensors as frames never travel in a bundle. A daemon
 whose hello ``capabilities`` say ``"bundles": true`` runs workers that take
 them; the daemon's own socket answers each request of a bundle with
 BAD_REQUEST. ``wire.bundle`` builds one, ``wire.bundles`` packs envelopes into
-messages of bounded size; ``wire.decode_requests`` and ``wire.decode_replies``
+messages of bounded size; a codec's ``decode_requests`` and ``decode_replies``
 read a message of either kind.
 
-Decoding is validation, in this order: frame count and sizes
-(:class:`admission.Limits`), before any byte is decoded (over them: TOO_LARGE, to the id
-the envelope names in its first bytes); the shape of what is read untyped (a body
-kept as bytes, a bundle's envelopes, an untyped reply body): nesting depth
-(``Limits.max_depth``, 32, the envelope being level 1) and entries per array or
-map (``max_items``), walked without recursion before any decoder sees it
-(:mod:`.admission`: a BAD_REQUEST naming the id); the envelope, typed (``v``,
-``id``, ``op``, the body kept as bytes; an unknown envelope key is refused);
-``v`` (UNSUPPORTED_VERSION, also for an envelope of another version that does not
-fit this one's); ``op`` (an unknown op is a BAD_REQUEST); then the
-body with its op's type (:data:`ops.OPS`): an unknown field, a missing one, a
-wrong type or a value outside its bounds (lengths of names, lists and maps,
-tensor dimensions and bytes) is a BAD_REQUEST naming the field
-(``body.device: expected `int` >= 0``). An envelope that cannot be read is
-looked at once more, leniently, for its ``id``: if one is found the sender gets
-its BAD_REQUEST, else the message is dropped and counted. Whatever bytes
-arrive give a request or a ``DecodeError``, never another exception (one nobody
-foresaw is logged and becomes a BAD_REQUEST).
+Decoding is validation (one codec does it, :class:`wire.Codec`): frame count and
+sizes (:class:`admission.Limits`), before any byte is decoded (over them: TOO_LARGE,
+to the id the envelope names in its first bytes); then each request in one typed pass,
+envelope, body (with its op's type, :data:`ops.OPS`) and tensors (over the frames)
+together, which reads no deeper than the types allow. A request that does not pass
+is explained in this order: the shape of what is read untyped (nesting depth,
+``Limits.max_depth``, 32, the envelope being level 1, and entries per array or map,
+``max_items``), walked without recursion before any decoder sees it (:mod:`.admission`:
+a BAD_REQUEST naming the id); the envelope, typed (``v``, ``id``, ``op``; an unknown
+envelope key is refused); ``v`` (UNSUPPORTED_VERSION, also for an envelope of another
+version that does not fit this one's); ``op`` (an unknown op is a BAD_REQUEST); then
+the body: an unknown field, a missing one, a wrong type or a value outside its bounds
+(lengths of names, lists and maps, tensor dimensions and bytes) is a BAD_REQUEST
+naming the field (``body.device: expected `int` >= 0``). An envelope that cannot be
+read is looked at once more, leniently, for its ``id``: if one is found the sender
+gets its BAD_REQUEST, else the message is dropped and counted. Replies are read the
+same way, their bodies when the caller names the op they answer (``Reply.body``).
+Whatever bytes arrive give a request or a ``DecodeError``, never another exception
+(one nobody foresaw is logged and becomes a BAD_REQUEST).
 
 A message over a size limit is answered TOO_LARGE while its frames are under the
 receiving socket's ``ZMQ_MAXMSGSIZE`` (a worker's ``max_message_bytes``, 256 MiB;
@@ -267,11 +269,14 @@ from graphlane.protocol.ops import (
     StepDone,
     Update,
 )
-from graphlane.protocol.tensors import DTYPES, INLINE_TENSOR_BYTES, TENSOR_KEY, tensor_ref
+from graphlane.protocol.tensors import INLINE_TENSOR_BYTES, TENSOR_KEY, WIRE_DTYPES, tensor_ref
 from graphlane.protocol.wire import (
     BUNDLE_BYTES,
+    BUNDLE_MAX,
+    CODEC,
     DEFAULT_LIMITS,
     PROTOCOL_VERSION,
+    Codec,
     DecodeError,
     FrameLike,
     Limits,
@@ -288,15 +293,18 @@ from graphlane.protocol.wire import (
 
 __all__ = [
     "BUNDLE_BYTES",
+    "BUNDLE_MAX",
+    "CODEC",
     "DEFAULT_LIMITS",
-    "DTYPES",
     "INLINE_TENSOR_BYTES",
     "OPS",
     "PROTOCOL_VERSION",
     "RETRYABLE",
     "TENSOR_KEY",
+    "WIRE_DTYPES",
     "BadRequest",
     "Busy",
+    "Codec",
     "DecodeError",
     "Drain",
     "ErrorCode",

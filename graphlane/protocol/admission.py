@@ -84,7 +84,8 @@ frames over 4 MiB cut (a control socket holds no more than that for anyone)."""
 
 class DecodeError(Exception):
     """A message that cannot be accepted: ``request_id`` is set when the id could
-    be read (the sender then gets ``code``), else the message is only counted."""
+    be read (the sender then gets ``code``), else the message is only counted;
+    ``op`` when the envelope was read and only its body is wrong."""
 
     def __init__(
         self,
@@ -92,11 +93,13 @@ class DecodeError(Exception):
         *,
         code: ErrorCode = ErrorCode.BAD_REQUEST,
         request_id: int | None = None,
+        op: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
         self.request_id = request_id
+        self.op = op
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"

@@ -2,9 +2,11 @@
 
 Every failed request is answered with one stable code (an :class:`ErrorCode`);
 the message text is for people and may change. Both sides use the same tree:
-the server raises a subclass and sends ``{"code", "message", "retryable"}``
-(:func:`graphlane.protocol.wire.encode_error`); the client turns that map back
-into the same subclass with :func:`error_from_wire`.
+the server raises a subclass and sends it as a :class:`WireError`,
+``{"code", "message", "retryable"}`` (:func:`error_to_wire`, which the codec's
+``encode_error`` calls); the receiving codec reads that map, typed, and turns it back
+into the same subclass with :func:`error_from_wire`. Those two functions and
+:class:`WireError` are the only definition of the map.
 
 The tree is split by what the caller should do about it::
 
@@ -41,8 +43,9 @@ Tests assert on ``code``, never on message text.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
+
+from msgspec import Struct
 
 __all__ = [
     "RETRYABLE",
@@ -63,10 +66,12 @@ __all__ = [
     "UnknownDevice",
     "UnknownProgram",
     "UnsupportedVersion",
+    "WireError",
     "WorkerLost",
     "as_error",
     "error_class",
     "error_from_wire",
+    "error_to_wire",
 ]
 
 
@@ -123,10 +128,6 @@ class GraphlaneError(Exception):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r}, retryable={self.retryable})"
-
-    def to_wire(self) -> dict[str, Any]:
-        """The ``error`` map of a reply envelope."""
-        return {"code": str(self.code), "message": self.message, "retryable": self.retryable}
 
 
 class RequestError(GraphlaneError):
@@ -278,39 +279,27 @@ def error_class(code: str | ErrorCode) -> type[GraphlaneError]:
         return InternalError
 
 
-_WIRE_KEYS = frozenset({"code", "message", "retryable"})
+class WireError(Struct, frozen=True, forbid_unknown_fields=True):
+    """The ``error`` map of an error reply (a field missing, unknown or of another type
+    is refused when the reply is decoded, naming the field)."""
+
+    code: str
+    message: str
+    retryable: bool
 
 
-def error_from_wire(error: Mapping[str, Any]) -> GraphlaneError:
-    """Build the exception described by a reply's ``error`` map. Never raises.
+def error_to_wire(error: GraphlaneError) -> WireError:
+    return WireError(str(error.code), error.message, error.retryable)
 
-    A map that is not exactly ``{"code": str, "message": str, "retryable": bool}``
-    becomes an :class:`InternalError` describing what was wrong with it. A code
-    this side does not know becomes an ``InternalError`` whose message keeps the
-    code and the peer's message (its ``retryable`` flag is kept).
-    """
-    problem = _wire_problem(error)
-    if problem is not None:
-        return InternalError(f"malformed error from peer: {problem}")
-    code: str = error["code"]
-    message: str = error["message"]
-    retryable: bool = error["retryable"]
+
+def error_from_wire(error: WireError) -> GraphlaneError:
+    """The exception an error reply describes. A code this side does not know becomes
+    an :class:`InternalError` whose message keeps the code and the peer's message (its
+    ``retryable`` flag is kept)."""
     try:
-        known = ErrorCode(code)
+        known = ErrorCode(error.code)
     except ValueError:
-        return InternalError(f"unknown error code {code!r}: {message}", retryable=retryable)
-    return _CLASSES[known](message, retryable=retryable)
-
-
-def _wire_problem(error: object) -> str | None:
-    if not isinstance(error, Mapping):
-        return f"error must be a map, got {type(error).__name__}"
-    for key in error:
-        if key not in _WIRE_KEYS:
-            return f"unknown field error.{key}"
-    for key, kind in (("code", str), ("message", str), ("retryable", bool)):
-        if key not in error:
-            return f"missing field error.{key}"
-        if not isinstance(error[key], kind):
-            return f"error.{key} must be {kind.__name__}, got {type(error[key]).__name__}"
-    return None
+        return InternalError(
+            f"unknown error code {error.code!r}: {error.message}", retryable=error.retryable
+        )
+    return _CLASSES[known](error.message, retryable=error.retryable)

@@ -10,7 +10,7 @@ pipe. Only this module's messages cross it, each as one msgpack frame
                                   traceback)    again (not restarted)
                            Pong(status)         answer to Ping: the worker's figures
     supervisor -> worker   Ping()               health check
-                           Drain(stop)          finish in-flight work; exit if stop
+                           Finish(stop)         finish in-flight work; exit if stop
 
 End of file on the pipe means the other side died: a worker exits at once.
 """
@@ -48,11 +48,11 @@ class Ping(Struct, frozen=True, tag="ping"):
     pass
 
 
-class Drain(Struct, frozen=True, tag="drain"):
+class Finish(Struct, frozen=True, tag="finish"):
     stop: bool = False
 
 
-PipeMessage = Ready | Failed | Pong | Ping | Drain
+PipeMessage = Ready | Failed | Pong | Ping | Finish
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(PipeMessage)

@@ -2,38 +2,40 @@
 
 A tensor travels as a frame of its own (decoded as a view of the received buffer,
 no copy) or, at most ``INLINE_TENSOR_BYTES``, as inline bytes in the envelope.
-:func:`tensor_ref` makes one for sending, :meth:`Frames.tensor` turns one back
-into a ``torch.Tensor`` (checking the frame index, that each frame is used once,
-and the byte count). A body's tensor fields are typed :data:`Tensor`:
-:func:`body_decoder` notes them, :func:`with_tensors` makes their references
-tensors over the message's frames. Envelopes and messages are in
-:mod:`graphlane.protocol.wire`.
+:func:`tensor_ref` makes one for sending (the codec's encoder calls it for each
+tensor it meets, :mod:`graphlane.protocol.wire`). A body's tensor fields are typed
+:data:`Tensor`: on the wire a :class:`TensorRef`, which msgspec reads and checks
+like any other field and which turns itself into a ``torch.Tensor`` over the
+message's frames as it is decoded (:meth:`TensorRef.__post_init__`, in the same
+pass as the rest of the message; the frames are those the codec is reading, see
+:func:`start_reading`); the body then holds tensors (:func:`take_tensors`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 import msgspec
-import msgspec.inspect
 import numpy as np
 import torch
 from msgspec import Meta, Struct
 
+from graphlane.protocol.admission import Limits
 from graphlane.protocol.bounds import Count, Positive
 
-if TYPE_CHECKING:
-    from graphlane.protocol.wire import Frame, Limits
+Frame: TypeAlias = bytes | memoryview
+"""A frame as the encoder makes it: the envelope's bytes, a view of a tensor's memory."""
 
 INLINE_TENSOR_BYTES = 1024
 """Tensors of at most this many bytes travel inside the envelope, larger ones as frames."""
 TENSOR_KEY = "$tensor"
 
-DTYPES: dict[str, torch.dtype] = {
+WIRE_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float32": torch.float32,
@@ -45,12 +47,11 @@ DTYPES: dict[str, torch.dtype] = {
     "int64": torch.int64,
     "bool": torch.bool,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+"""The dtypes a tensor may have on the wire, by their wire name."""
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 DType = Literal[
     "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"
 ]
-
-T = TypeVar("T")
 
 
 class TensorSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -60,10 +61,22 @@ class TensorSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=
     data: bytes | None = None
 
 
-class TensorRef(Struct, frozen=True, forbid_unknown_fields=True):
-    """A tensor in a body: ``{"$tensor": {...}}``."""
+class TensorRef(Struct, forbid_unknown_fields=True, dict=True):
+    """A tensor in a body: ``{"$tensor": {...}}``. Decoded, it is checked and made a
+    tensor over the frames of the message being read (``tensor``), in the decoder's
+    pass: a reference that does not fit its frames fails there, and msgspec names the
+    field it is in."""
 
     spec: TensorSpec = msgspec.field(name=TENSOR_KEY)
+
+    def __post_init__(self) -> None:
+        frames: Frames | None = getattr(_reading, "frames", None)
+        if frames is None:  # made by a sender (tensor_ref), not read from a message
+            return
+        try:
+            self.tensor = frames.tensor(self.spec)
+        except ValueError as exc:  # msgspec names the field the reference is in
+            raise ValueError(f".{TENSOR_KEY}: {exc}") from None
 
 
 def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -> TensorRef:
@@ -77,7 +90,9 @@ def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") ->
         raise ValueError(f"{path}: {t.layout} tensors cannot be sent, only strided ones")
     name = DTYPE_NAMES.get(t.dtype)
     if name is None:
-        raise ValueError(f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(DTYPES)})")
+        raise ValueError(
+            f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(WIRE_DTYPES)})"
+        )
     if t.requires_grad:
         t = t.detach()
     if t.is_conj() or t.is_neg():
@@ -110,46 +125,41 @@ class Frames:
         self._used = 0
         self.limits = limits
 
-    def tensor(self, ref: TensorRef, path: str) -> torch.Tensor:
-        spec = ref.spec
+    def tensor(self, spec: TensorSpec) -> torch.Tensor:
+        """The tensor ``spec`` describes, over its frame (each frame is handed out
+        once) or its inline bytes; ValueError if it does not fit them or the limits."""
         shape = spec.shape
         if len(shape) > self.limits.max_tensor_dims:
-            raise ValueError(
-                f"{path}: {len(shape)} dimensions, at most {self.limits.max_tensor_dims}"
-            )
-        dtype = DTYPES[spec.dtype]
+            raise ValueError(f"{len(shape)} dimensions, at most {self.limits.max_tensor_dims}")
+        dtype = WIRE_DTYPES[spec.dtype]
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
         # Zero-sized dimensions count as one: an empty tensor whose other dimensions
         # are huge would overflow torch's stride computation.
         limit = self.limits.max_tensor_bytes
         if (count or math.prod(d or 1 for d in shape)) * dtype.itemsize > limit:
-            raise ValueError(f"{path}: shape {shape} of {spec.dtype} is over {limit} bytes")
+            raise ValueError(f"shape {shape} of {spec.dtype} is over {limit} bytes")
         if (spec.frame is None) == (spec.data is None):
-            raise ValueError(f"{path}: exactly one of $tensor.frame and $tensor.data")
+            raise ValueError("exactly one of $tensor.frame and $tensor.data")
         if spec.data is not None:
             buf: Any = spec.data
         else:
             index = spec.frame
             assert index is not None
             if index > len(self._frames):
-                raise ValueError(f"{path}: frame {index} does not exist ({len(self._frames)} sent)")
+                raise ValueError(f"frame {index} does not exist ({len(self._frames)} sent)")
             bit = 1 << index
             if self._used & bit:
-                raise ValueError(f"{path}: frame {index} is referenced twice")
+                raise ValueError(f"frame {index} is referenced twice")
             self._used |= bit
             buf = self._frames[index - 1]
         if len(buf) != nbytes:
-            raise ValueError(f"{path}: {len(buf)} bytes for shape {shape} of {spec.dtype}")
-        return _tensor_of(buf, dtype, shape, path, inline=spec.data is not None)
+            raise ValueError(f"{len(buf)} bytes for shape {shape} of {spec.dtype}")
+        return _tensor_of(buf, dtype, shape, inline=spec.data is not None)
 
     @property
     def count(self) -> int:
         return len(self._frames)
-
-    def fresh(self) -> Frames:
-        """The same frames, none handed out yet."""
-        return Frames(self._frames, self.limits)
 
     def check_all_used(self) -> None:
         if self._used != (1 << (len(self._frames) + 1)) - 2:
@@ -157,9 +167,7 @@ class Frames:
             raise ValueError(f"frames {unused} are referenced by no tensor")
 
 
-def _tensor_of(
-    buf: Any, dtype: torch.dtype, shape: list[int], path: str, *, inline: bool
-) -> torch.Tensor:
+def _tensor_of(buf: Any, dtype: torch.dtype, shape: list[int], *, inline: bool) -> torch.Tensor:
     """A tensor over ``buf``: a view of a received frame, a small copy of inline bytes."""
     if not len(buf):
         return torch.empty(shape, dtype=dtype)
@@ -168,7 +176,7 @@ def _tensor_of(
         # bytearray is the cheapest way to a small tensor.
         array = np.ndarray(shape, _NUMPY[dtype], bytearray(buf))
         if dtype is torch.bool and bool((array.view(np.uint8) > 1).any()):
-            raise ValueError(f"{path}: bool tensor bytes must be 0 or 1")
+            raise ValueError("bool tensor bytes must be 0 or 1")
         return torch.from_numpy(array)
     if inline:  # bfloat16: numpy has none; torch reads the bytes
         flat = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
@@ -183,7 +191,7 @@ def _tensor_of(
     if flat.data_ptr() % dtype.itemsize:
         flat = flat.clone()  # a misaligned frame: an aligned copy is the only safe view
     if dtype is torch.bool and bool((flat > 1).any()):
-        raise ValueError(f"{path}: bool tensor bytes must be 0 or 1")
+        raise ValueError("bool tensor bytes must be 0 or 1")
     return flat.view(dtype).reshape(shape)
 
 
@@ -207,41 +215,39 @@ else:
     Tensor = TensorRef
 # A tensor field of a body: on the wire a TensorRef, decoded and checked by msgspec
 # like any other field (in C, with the field's path in its errors); in Python a
-# torch.Tensor: decode_body turns each reference into a tensor over the message's
-# frames, and the encoder's hook turns each tensor into a reference.
+# torch.Tensor: the body's __post_init__ takes each reference's tensor (take_tensors),
+# and the encoder's hook turns each tensor into a reference.
+
+_reading = threading.local()
 
 
-# body type -> its tensor fields: (name, True for a dict of tensors)
-TENSOR_FIELDS: dict[type, tuple[tuple[str, bool], ...]] = {}
+def start_reading(frames: Frames) -> None:
+    """From now on, until :func:`end_reading`, references decoded on this thread are
+    made tensors over ``frames`` (the codec's decoding of one message)."""
+    _reading.frames = frames
 
 
-def body_decoder(kind: type[T]) -> msgspec.msgpack.Decoder[T]:
-    """The decoder of one body type (bodies may hold :data:`Tensor` fields, plain or
-    as the values of a dict)."""
-    fields: list[tuple[str, bool]] = []
-    info = msgspec.inspect.type_info(kind)
-    for f in getattr(info, "fields", ()):
-        t = f.type
-        if isinstance(t, msgspec.inspect.StructType) and t.cls is TensorRef:
-            fields.append((f.name, False))
-        elif isinstance(t, msgspec.inspect.DictType):
-            v = t.value_type
-            if isinstance(v, msgspec.inspect.StructType) and v.cls is TensorRef:
-                fields.append((f.name, True))
-    if fields:
-        TENSOR_FIELDS[kind] = tuple(fields)
-    return msgspec.msgpack.Decoder(kind)
+def end_reading() -> None:
+    _reading.frames = None
 
 
-def with_tensors(body: Any, fields: tuple[tuple[str, bool], ...], frames: Frames) -> Any:
-    """``body`` with its tensor references made tensors over ``frames``."""
-    changes: dict[str, Any] = {}
-    for name, many in fields:
-        value = getattr(body, name)
-        if many:
-            if value:
-                path = f".{name}[...].{TENSOR_KEY}"
-                changes[name] = {k: frames.tensor(ref, path) for k, ref in value.items()}
-        elif value is not None:
-            changes[name] = frames.tensor(value, f".{name}.{TENSOR_KEY}")
-    return msgspec.structs.replace(body, **changes) if changes else body
+def take_tensors(tensors: dict[str, Any]) -> None:
+    """Replace, in place, each decoded reference of a dict of tensors by its tensor
+    (a body's ``__post_init__``; values that are tensors already, a sender's, stay)."""
+    for name, value in tensors.items():
+        if type(value) is TensorRef:
+            tensors[name] = _tensor_or_fail(value)
+
+
+def take_tensor(body: Struct, name: str) -> None:
+    """Replace a decoded reference in field ``name`` of ``body`` by its tensor."""
+    value = getattr(body, name)
+    if type(value) is TensorRef:
+        msgspec.structs.force_setattr(body, name, _tensor_or_fail(value))
+
+
+def _tensor_or_fail(ref: TensorRef) -> torch.Tensor:
+    tensor = ref.__dict__.get("tensor")
+    if tensor is None:  # a reference made outside a codec's read: it names no frames
+        raise ValueError("a tensor reference outside a message being decoded")
+    return tensor

@@ -1,30 +1,36 @@
-"""Frames and envelopes: the typed wire (the layout is in the package docstring).
+"""The codec: the one object that turns messages into frames and frames into messages.
 
-Every envelope and every body is a :class:`msgspec.Struct`: decoding is typed
-validation in one pass of C (an unknown field, a wrong type, a value out of its
-bounds fails naming the field), and encoding packs the same Structs the
-decoder reads, so sender and receiver share one definition of each message.
+:class:`Codec` owns the wire format (the layout is in the package docstring): it
+encodes requests, replies and error replies, every tensor it meets made a
+``$tensor`` reference with its bytes in a frame of their own (or inline), in the
+encoder's one pass (its hook, as vLLM's ``MsgpackEncoder`` does with its aux
+buffers); and it decodes them, with what they carry: a request's envelope, its body
+typed by its op and the body's tensors over the message's frames are read in one
+pass of msgspec (a tagged union of one envelope type per op; each tensor reference
+makes itself a tensor as it is read, :mod:`graphlane.protocol.tensors`).
 
-Before any byte is decoded, the message's frame count and sizes are checked
-against :class:`Limits`, and what is read untyped is walked for its depth and
-entries (:mod:`graphlane.protocol.admission`). An envelope is read in two steps:
-the envelope itself (``v``, ``id``, ``op``, the body kept as raw bytes), then the
-body with the type of its op; so every body error can be answered with the
-request's id.
-When the envelope itself cannot be read, a lenient second look finds the id
-if it can (then the sender gets its BAD_REQUEST), else the message is dropped.
+What it takes is checked before and while it reads (:mod:`.admission`): frame count
+and sizes before any byte is decoded (TOO_LARGE); then the typed decode, bounded by
+the types (an unknown field, a wrong type, a value out of its bounds fails naming the
+field). A request that does not decode is explained, in the order the package
+docstring gives, by reading it step by step with the same types, what is read
+untyped walked for its depth and entries first; so the sender hears what is wrong,
+with its request's id when it can be read. A reply's envelope is read at once, its
+body (typed by the op of the request it answers, known to the caller) by
+:meth:`Reply.body`.
 
-Tensors are ``{"$tensor": {"dtype", "shape", "frame" | "data"}}``, a frame of
-their own or inline bytes for small ones (:mod:`graphlane.protocol.tensors`); the
-bounds every body uses are in :mod:`graphlane.protocol.bounds`.
+One codec per process role and limits: encoding keeps its state per thread, decoding
+none, so one may serve several threads. The module's functions (``encode_request``,
+``decode_replies``, ...) are those of :data:`CODEC`, with the default limits.
 """
 
 from __future__ import annotations
 
 import reprlib
 import threading
+import types
 from collections.abc import Sequence
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, Union
 
 import msgspec
 import numpy as np
@@ -33,50 +39,36 @@ import zmq
 from msgspec import Raw, Struct
 
 from graphlane.protocol import admission
-from graphlane.protocol.admission import DEFAULT_LIMITS, DecodeError, Limits
-from graphlane.protocol.admission import is_bundle as _bundle
+from graphlane.protocol.admission import DEFAULT_LIMITS, DecodeError, Limits, is_bundle
 from graphlane.protocol.bounds import Name, RequestId
-from graphlane.protocol.errors import ErrorCode, GraphlaneError, error_from_wire
-from graphlane.protocol.ops.steps import StepDone
-from graphlane.protocol.tensors import TENSOR_FIELDS, Frames, tensor_ref, with_tensors
+from graphlane.protocol.errors import (
+    ErrorCode,
+    GraphlaneError,
+    WireError,
+    error_from_wire,
+    error_to_wire,
+)
+from graphlane.protocol.ops import OPS, Op
+from graphlane.protocol.tensors import Frame, Frames, end_reading, start_reading, tensor_ref
 
 PROTOCOL_VERSION = 1
-T = TypeVar("T")
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
-Frame: TypeAlias = bytes | memoryview
 
-
-# ------------------------------------------------------------------ encoding
-# Bodies hold torch tensors; the hook below makes them ``$tensor`` references, with
-# the frames of the message being encoded.
-_local = threading.local()
-
-
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return tensor_ref(obj, _local.out, path="tensor")
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, np.ndarray):
-        return obj.tolist()
-    raise NotImplementedError(f"{type(obj).__name__} cannot be sent")
-
-
-_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-
-
-def encoder() -> msgspec.msgpack.Encoder:
-    return _encoder
+BUNDLE_MAX = 32
+"""The most requests (or replies) graphlane's senders put in one bundle: a full one
+goes at once. A receiver takes bundles of up to ``Limits.max_items`` envelopes from
+any sender; the sender's bound is the batching that pays: the worker answers a
+bundle's requests together, so the first waits for the last, and 32 keeps two bundles
+of a 64-call window in flight (the most steps/s on the null device)."""
+BUNDLE_BYTES = 64 * 1024
+"""The largest bundle graphlane's senders make, far below any reader's envelope limit."""
 
 
 # ------------------------------------------------------------------ envelopes
-class WireError(Struct, frozen=True, forbid_unknown_fields=True):
-    code: str
-    message: str
-    retryable: bool
-
-
 class _RequestEnvelope(Struct, frozen=True, forbid_unknown_fields=True):
+    """A request's envelope with its body kept as bytes: how a request that does not
+    decode is explained (see :meth:`Codec._refusal`)."""
+
     v: int
     id: RequestId
     op: Name
@@ -91,34 +83,74 @@ class _ReplyEnvelope(Struct, frozen=True, forbid_unknown_fields=True):
     error: WireError | None = None
 
 
+class _OkReply(Struct, frozen=True):
+    """An ok reply's envelope: packs as the map ``{"v", "id", "ok", "body"}`` would."""
+
+    v: int
+    id: int
+    ok: bool
+    body: Any
+
+
+class _ErrorReply(Struct, frozen=True):
+    v: int
+    id: int
+    ok: bool
+    error: WireError
+
+
 class _AnyId(Struct):
-    """What a lenient second look reads of an envelope that failed its checks."""
+    """What a lenient look reads of an envelope that failed its checks."""
 
     id: RequestId
     v: Any = msgspec.UNSET
 
 
+def _envelope_of(op: Op) -> type[Struct]:
+    """The envelope of one op: ``{"v", "id", "op": <its name>, "body": <its body>}``;
+    ``body`` may be left out when its type needs no field."""
+    try:
+        empty: Any = op.request()
+    except TypeError:  # a body with required fields: no default
+        body: tuple[Any, ...] = ("body", op.request)
+    else:
+        body = ("body", op.request, msgspec.field(default_factory=lambda: empty))
+    return msgspec.defstruct(
+        f"_{op.name.title().replace('_', '')}Envelope",
+        [("v", int), ("id", RequestId), body],
+        tag_field="op",
+        tag=op.name,
+        forbid_unknown_fields=True,
+        frozen=True,
+    )
+
+
+_OP_OF_ENVELOPE: dict[type, str] = {_envelope_of(op): name for name, op in OPS.items()}
+_ANY_REQUEST: Any = Union[tuple(_OP_OF_ENVELOPE)]  # noqa: UP007
+_request = msgspec.msgpack.Decoder(_ANY_REQUEST)
+# list[_ANY_REQUEST], built at run time
+_request_bundle: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    types.GenericAlias(list, _ANY_REQUEST)
+)
+# Typed through and through, these read no deeper than their types (a request nests at
+# most 6 levels), but for the values msgspec skips to find the tag when ``op`` comes
+# late: a skip too deep is a RecursionError (msgspec's skip costs little stack), and the
+# request is then explained the careful way, walked first.
 _request_envelope = msgspec.msgpack.Decoder(_RequestEnvelope)
 _reply_envelope = msgspec.msgpack.Decoder(_ReplyEnvelope)
-_any_id = msgspec.msgpack.Decoder(_AnyId)
 _reply_bundle = msgspec.msgpack.Decoder(list[_ReplyEnvelope])
+_any_id = msgspec.msgpack.Decoder(_AnyId)
+_request_bodies = {name: msgspec.msgpack.Decoder(op.request) for name, op in OPS.items()}
+_reply_bodies = {name: msgspec.msgpack.Decoder(op.reply) for name, op in OPS.items()}
+_DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError, ValueError)
 
 
 class Request(Struct, frozen=True):
-    """A decoded request envelope whose body is still bytes (see :meth:`body`), or
-    decoded already (``decoded``, by :mod:`graphlane.protocol.requests`)."""
+    """A decoded request: its id, its op and its body, typed (tensors included)."""
 
     id: int
     op: str
-    raw: Raw
-    frames: Frames
-    decoded: Any = None
-
-    def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
-        """The body, typed; :class:`DecodeError` (with this id) if it does not fit."""
-        if self.decoded is not None:
-            return self.decoded
-        return decode_body(decoder, self.raw, self.frames, self.id)
+    body: Any
 
 
 class Reply(Struct, frozen=True):
@@ -129,25 +161,26 @@ class Reply(Struct, frozen=True):
     error: GraphlaneError | None
     frames: Frames
 
-    def body(self, decoder: msgspec.msgpack.Decoder[T]) -> T:
+    def body(self, op: Op) -> Any:
+        """The body, typed as ``op``'s reply (tensors over the reply's frames); raises
+        the reply's error if it is one, :class:`DecodeError` (with this id) if the body
+        does not fit."""
         if self.error is not None:
             raise self.error
-        return decode_body(decoder, self.raw, self.frames, self.id)
+        decoder = _reply_bodies[op.name]
+        if admission.untyped(op.reply):  # reads values of any shape: walked first
+            problem = admission.walk(memoryview(self.raw), 0, self.frames.limits)[1]
+            if problem is not None:
+                raise DecodeError(f"body: {problem}", request_id=self.id)
+        return _decode_body(decoder, self.raw, self.frames, self.id)
 
 
-def decode_body(
-    decoder: msgspec.msgpack.Decoder[T], raw: Raw, frames: Frames, request_id: int | None
-) -> T:
-    kind: Any = decoder.type
-    if admission.untyped(kind):  # reads values of any shape: walked first
-        problem = admission.walk(memoryview(raw), 0, frames.limits)[1]
-        if problem is not None:
-            raise DecodeError(f"body: {problem}", request_id=request_id)
+def _decode_body(
+    decoder: msgspec.msgpack.Decoder[Any], raw: Any, frames: Frames, request_id: int | None
+) -> Any:
+    start_reading(frames)
     try:
         body = decoder.decode(raw)
-        fields = TENSOR_FIELDS.get(type(body))
-        if fields is not None:
-            body = with_tensors(body, fields, frames)
         frames.check_all_used()
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise DecodeError(_body_message(exc), request_id=request_id) from None
@@ -155,9 +188,274 @@ def decode_body(
         raise DecodeError(
             f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
         ) from None
+    finally:
+        end_reading()
     return body
 
 
+# ------------------------------------------------------------------ the codec
+_encoding = threading.local()  # the frames of the message being encoded, per thread
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return tensor_ref(obj, _encoding.frames)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    raise NotImplementedError(f"{type(obj).__name__} cannot be sent")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+class Codec:
+    """Messages to frames and back (see the module docstring); ``limits``: what its
+    decoders take."""
+
+    __slots__ = ("limits",)
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.limits = limits
+
+    # -------------------------------------------------------------- encoding
+    def encode_request(self, request_id: int, op: str, body: Any) -> list[Frame]:
+        """The frames of a request (``body`` a Struct of ``op``). Raises ``ValueError``
+        for a value that cannot be sent."""
+        if type(request_id) is not int or not 0 <= request_id < 2**64:
+            raise ValueError(f"request id must be an int in 0..2**64-1, got {request_id!r}")
+        return _encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, "body": body})
+
+    def encode_reply(self, request_id: int, body: Any) -> list[Frame]:
+        """The frames of an ok reply; ``ValueError`` for a value that cannot be sent."""
+        return _encode(_OkReply(PROTOCOL_VERSION, request_id, True, body))
+
+    def encode_error(self, request_id: int, error: GraphlaneError) -> list[Frame]:
+        """The single frame of an error reply."""
+        return _encode(_ErrorReply(PROTOCOL_VERSION, request_id, False, error_to_wire(error)))
+
+    # -------------------------------------------------------------- requests
+    def decode_requests(self, frames: Sequence[FrameLike]) -> list[Request | DecodeError]:
+        """The requests of a message, one or a bundle's: each a :class:`Request` or a
+        :class:`DecodeError` in its place. Raises DecodeError when the message as a
+        whole cannot be read (with the id frame 0 names, when it names one), never
+        anything else."""
+        limits = self.limits
+        try:
+            buffers = admission.check_sizes(frames, limits)
+            head = buffers[0]
+            if not is_bundle(head):
+                return [self._request(head, buffers[1:])]
+            if len(buffers) > 1:
+                raise DecodeError("a bundle carries no data frames")
+            return self._bundle(head)
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise admission.unreadable(frames, exc) from None
+
+    def _request(self, raw: Any, data: Sequence[memoryview]) -> Request | DecodeError:
+        frames = Frames(data, self.limits)
+        start_reading(frames)
+        try:
+            env = _request.decode(raw)
+            frames.check_all_used()
+        except _DECODE_ERRORS as exc:
+            return self._refusal(raw, data, exc)
+        finally:
+            end_reading()
+        if env.v != PROTOCOL_VERSION:
+            return _unsupported(env.v, env.id)
+        return Request(env.id, _OP_OF_ENVELOPE[type(env)], env.body)
+
+    def _bundle(self, head: memoryview) -> list[Request | DecodeError]:
+        """A bundle's requests, all in one pass when every one decodes (the common
+        case); else each envelope on its own, each refusal in its place."""
+        limits = self.limits
+        start_reading(Frames((), limits))  # a bundle carries no frames: inline tensors only
+        try:
+            envs = _request_bundle.decode(head)
+        except _DECODE_ERRORS:
+            envs = None
+        finally:
+            end_reading()
+        if (
+            envs is not None
+            and 0 < len(envs) <= limits.max_items
+            and all(env.v == PROTOCOL_VERSION for env in envs)
+        ):
+            return [Request(env.id, _OP_OF_ENVELOPE[type(env)], env.body) for env in envs]
+        try:
+            items = admission.bundle_items(head, limits)  # walked: bounded
+        except ValueError as exc:
+            raise DecodeError(str(exc)) from None
+        return [
+            self._request(raw, ()) if problem is None else admission.refused(raw, problem)
+            for raw, problem in items
+        ]
+
+    def _refusal(self, raw: Any, data: Sequence[memoryview], exc: Exception) -> DecodeError:
+        """Why a request does not decode, found by reading it step by step in the order
+        the package docstring gives, each step with the same types as the one pass."""
+        problem = admission.walk(raw, 0, self.limits)[1]  # what is read untyped: bounded
+        if problem is not None:
+            return admission.refused(raw, problem)
+        try:
+            env = _request_envelope.decode(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as envelope_exc:
+            request_id, version = _lenient(raw)
+            if version is not msgspec.UNSET and not _spoken(version):
+                # Another version's envelope need not fit this one's: its sender hears
+                # UNSUPPORTED_VERSION, not what it lacks by this version's rules.
+                return _unsupported(version, request_id)
+            return DecodeError(_envelope_message(envelope_exc), request_id=request_id)
+        if not _spoken(env.v):
+            return _unsupported(env.v, env.id)
+        decoder = _request_bodies.get(env.op)
+        if decoder is None:
+            return DecodeError(f"unknown op {env.op!r} (known: {sorted(OPS)})", request_id=env.id)
+        try:
+            _decode_body(decoder, env.body, Frames(data, self.limits), env.id)
+        except DecodeError as body_exc:
+            body_exc.op = env.op
+            return body_exc
+        # Each step reads it (a value msgspec skipped too deep, found by none of them).
+        return DecodeError(_envelope_message(exc), request_id=env.id)
+
+    # -------------------------------------------------------------- replies
+    def decode_replies(self, frames: Sequence[FrameLike]) -> list[Reply | DecodeError]:
+        """The replies of a message, as :meth:`decode_requests` reads requests (their
+        bodies left as bytes for :meth:`Reply.body`: the caller knows their op)."""
+        limits = self.limits
+        try:
+            # The common reply, one envelope as bytes within its limit, at once.
+            head = frames[0] if len(frames) == 1 else None
+            if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes:
+                buffers: list[Any] = [head]
+            else:
+                buffers = admission.check_sizes(frames, limits)
+            typed = _typed_replies(buffers[0], buffers[1:], limits)
+            if typed is not None:
+                return typed
+            return [
+                _reply(raw, data) if type(raw) is not DecodeError else raw
+                for raw, data in _reply_envelopes(buffers, limits)
+            ]
+        except DecodeError:
+            raise
+        except Exception as exc:
+            raise admission.unreadable(frames, exc) from None
+
+
+CODEC = Codec()
+"""A codec with the default limits (:data:`.admission.DEFAULT_LIMITS`)."""
+encode_request = CODEC.encode_request
+encode_reply = CODEC.encode_reply
+encode_error = CODEC.encode_error
+decode_requests = CODEC.decode_requests
+decode_replies = CODEC.decode_replies
+
+
+def _encode(envelope: Any) -> list[Frame]:
+    frames: list[Frame] = []
+    _encoding.frames = frames
+    try:
+        head = _encoder.encode(envelope)
+    except (TypeError, OverflowError, NotImplementedError, RecursionError) as exc:
+        raise ValueError(f"cannot encode: {exc}") from None
+    finally:
+        _encoding.frames = None
+    return [head, *frames] if frames else [head]
+
+
+def _spoken(version: Any) -> bool:
+    return type(version) is int and version == PROTOCOL_VERSION
+
+
+def _unsupported(version: Any, request_id: int | None) -> DecodeError:
+    return DecodeError(
+        f"protocol version {reprlib.repr(version)} is not spoken here "
+        f"(this side speaks {PROTOCOL_VERSION})",
+        code=ErrorCode.UNSUPPORTED_VERSION,
+        request_id=request_id,
+    )
+
+
+def _lenient(raw: Any) -> tuple[int | None, Any]:
+    """The id and ``v`` of an envelope that failed its checks (and passed its walk), as
+    far as they can still be read (``v`` UNSET when not): from the whole map, else as
+    :func:`.admission.scan_id` finds them."""
+    try:
+        found = _any_id.decode(raw)
+        return found.id, found.v
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return admission.scan_id(raw)
+
+
+def _typed_replies(head: Any, data: Sequence[memoryview], limits: Limits) -> list[Any] | None:
+    """The replies of a message whose envelopes (one, or a bundle's) all read with their
+    type at once, which bounds what is read but the bodies, skipped as bytes (a skip
+    too deep is a RecursionError, not a crash: msgspec's skip costs little stack).
+    None when the message must be read the careful way (walked first)."""
+    try:
+        if not is_bundle(head):
+            return [_reply_of(_reply_envelope.decode(head), Frames(data, limits))]
+        if data:
+            return None
+        envs = _reply_bundle.decode(head)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    if not 0 < len(envs) <= limits.max_items:
+        return None
+    none = Frames((), limits)
+    return [_reply_of(env, none) for env in envs]
+
+
+def _reply_envelopes(buffers: list[memoryview], limits: Limits) -> list[tuple[Any, Frames]]:
+    """The envelopes of a reply message whose sizes are checked: each one's bytes with
+    the message's data frames, or a DecodeError in its place when it breaks a limit of
+    its shape (depth, entries; with its id if it names one): only what passed the walk
+    (:mod:`.admission`) is handed to an untyped decode."""
+    head = buffers[0]
+    if not is_bundle(head):
+        problem = admission.walk(head, 0, limits)[1]
+        envelope = head if problem is None else admission.refused(head, problem)
+        return [(envelope, Frames(buffers[1:], limits))]
+    if len(buffers) > 1:
+        raise DecodeError("a bundle carries no data frames")
+    try:
+        items = admission.bundle_items(head, limits)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+    none = Frames((), limits)  # with no frames it never changes
+    return [
+        (raw if problem is None else admission.refused(raw, problem), none)
+        for raw, problem in items
+    ]
+
+
+def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
+    try:
+        env = _reply_envelope.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return DecodeError(_envelope_message(exc), request_id=_lenient(raw)[0])
+    return _reply_of(env, frames)
+
+
+def _reply_of(env: _ReplyEnvelope, frames: Frames) -> Reply | DecodeError:
+    if env.v != PROTOCOL_VERSION or env.ok != (env.error is None):
+        problem = "version" if env.v != PROTOCOL_VERSION else "ok and error disagree"
+        return DecodeError(f"reply envelope: {problem}", request_id=env.id)
+    error = None
+    if env.error is not None:
+        if frames.count:
+            return DecodeError("an error reply carries no data frames", request_id=env.id)
+        error = error_from_wire(env.error)
+    return Reply(env.id, env.body, error, frames)
+
+
+# ------------------------------------------------------------------ error messages
 def _location(exc: Exception) -> tuple[str, str]:
     """Where a msgspec error is, below ``$``, and what it is: "Expected `int` >= 0 -
     at `$.device`" -> (".device", "expected `int` >= 0"); a map's key: "... - at
@@ -183,213 +481,9 @@ _FIELD_PROBLEMS = (
 
 def _body_message(exc: Exception) -> str:
     # "Expected `int` >= 0 - at `$.device`" -> "body.device: expected `int` >= 0"; a
-    # tensor's own error (".inputs[...].$tensor: ...", from _with_tensors) continues the path.
+    # tensor's own error (".$tensor: ...", from TensorRef) continues the path.
     where, what = _location(exc)
     return f"body{where}{what}" if what.startswith(".") else f"body{where}: {what}"
-
-
-def encode_request(request_id: int, op: str, body: Any) -> list[Frame]:
-    """The frames of a request (``body`` a Struct of ``op``). Raises ``ValueError``
-    for a value that cannot be sent."""
-    if type(request_id) is not int or not 0 <= request_id < 2**64:
-        raise ValueError(f"request id must be an int in 0..2**64-1, got {request_id!r}")
-    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "op": op, "body": body})
-
-
-def encode_reply(request_id: int, body: Any) -> list[Frame]:
-    return _encode(_OkReply(PROTOCOL_VERSION, request_id, True, body))
-
-
-def encode_done(
-    request_id: int,
-    outputs: dict[str, torch.Tensor],
-    bucket: int,
-    instance: int,
-    patched: int,
-    server_us: float,
-    generation: int,
-) -> list[Frame]:
-    """``encode_reply(request_id, StepDone(outputs, ...))``, byte for byte, the outputs
-    made references here, not by the encoder's hook; ValueError if one cannot be sent."""
-    frames: list[Frame] = []
-    refs = {name: tensor_ref(t, frames) for name, t in outputs.items()}
-    done = StepDone(refs, bucket, instance, patched, server_us, generation)  # type: ignore[arg-type]
-    try:
-        head = _encoder.encode(_OkReply(PROTOCOL_VERSION, request_id, True, done))
-    except (TypeError, OverflowError, NotImplementedError, RecursionError) as exc:
-        raise ValueError(f"cannot encode: {exc}") from None
-    return [head, *frames] if frames else [head]
-
-
-def encode_error(request_id: int, error: GraphlaneError) -> list[Frame]:
-    """The single frame of an error reply."""
-    wire = WireError(str(error.code), error.message, error.retryable)
-    return _encode({"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "error": wire})
-
-
-class _OkReply(Struct, frozen=True):
-    """An ok reply's envelope: packs as the map ``{"v", "id", "ok", "body"}`` would."""
-
-    v: int
-    id: int
-    ok: bool
-    body: Any
-
-
-def _encode(envelope: Any) -> list[Frame]:
-    frames: list[Frame] = []
-    _local.out = frames
-    try:
-        head = _encoder.encode(envelope)
-    except (TypeError, OverflowError, NotImplementedError, RecursionError) as exc:
-        raise ValueError(f"cannot encode: {exc}") from None
-    finally:
-        _local.out = None
-    return [head, *frames] if frames else [head]
-
-
-# ------------------------------------------------------------------ messages
-def decode_requests(
-    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
-) -> list[Request | DecodeError]:
-    """The requests of a message, one or a bundle's: each a :class:`Request` or a
-    :class:`DecodeError` in its place. Raises DecodeError when the message as a whole
-    cannot be read (with the id frame 0 names, when it names one), never anything else."""
-    try:
-        return [
-            _request(raw, data) if type(raw) is not DecodeError else raw
-            for raw, data in _envelopes(admission.check_sizes(frames, limits), limits)
-        ]
-    except DecodeError:
-        raise
-    except Exception as exc:
-        raise admission.unreadable(frames, exc) from None
-
-
-def decode_replies(
-    frames: Sequence[FrameLike], limits: Limits = DEFAULT_LIMITS
-) -> list[Reply | DecodeError]:
-    """The replies of a message, as :func:`decode_requests` reads requests."""
-    try:
-        # The common reply, one envelope as bytes within its limit, at once.
-        head = frames[0] if len(frames) == 1 else None
-        if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes:
-            buffers: list[Any] = [head]
-        else:
-            buffers = admission.check_sizes(frames, limits)
-        typed = _typed_replies(buffers[0], buffers[1:], limits)
-        if typed is not None:
-            return typed
-        return [
-            _reply(raw, data) if type(raw) is not DecodeError else raw
-            for raw, data in _envelopes(buffers, limits)
-        ]
-    except DecodeError:
-        raise
-    except Exception as exc:
-        raise admission.unreadable(frames, exc) from None
-
-
-def _typed_replies(head: Any, data: Sequence[memoryview], limits: Limits) -> list[Any] | None:
-    """The replies of a message whose envelopes (one, or a bundle's) all read with their
-    type at once, which bounds what is read but the bodies, skipped as bytes (a skip
-    too deep is a RecursionError, not a crash: msgspec's skip costs little stack).
-    None when the message must be read the careful way (walked first)."""
-    try:
-        if not _bundle(head):
-            return [_reply_of(_reply_envelope.decode(head), Frames(data, limits))]
-        if data:
-            return None
-        envs = _reply_bundle.decode(head)
-    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-        return None
-    if not 0 < len(envs) <= limits.max_items:
-        return None
-    none = Frames((), limits)
-    return [_reply_of(env, none) for env in envs]
-
-
-def _envelopes(buffers: list[memoryview], limits: Limits) -> list[tuple[Any, Frames]]:
-    """The envelopes of a message whose sizes are checked: each one's bytes with the
-    message's data frames, or a DecodeError in its place when it breaks a limit of its
-    shape (depth, entries; answered with its id if it names one): only what passed
-    the walk (:mod:`.admission`) is handed to an untyped decode."""
-    head = buffers[0]
-    if not _bundle(head):
-        problem = admission.walk(head, 0, limits)[1]
-        envelope = head if problem is None else admission.refused(head, problem)
-        return [(envelope, Frames(buffers[1:], limits))]
-    if len(buffers) > 1:
-        raise DecodeError("a bundle carries no data frames")
-    try:
-        items = admission.bundle_items(head, limits)
-    except ValueError as exc:
-        raise DecodeError(str(exc)) from None
-    # One empty Frames serves every item: with no frames it never changes.
-    none = Frames((), limits)
-    return [
-        (raw if problem is None else admission.refused(raw, problem), none)
-        for raw, problem in items
-    ]
-
-
-def _request(raw: Any, frames: Frames) -> Request | DecodeError:
-    try:
-        env = _request_envelope.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        request_id, version = _lenient(raw)
-        if version is not msgspec.UNSET and not _spoken(version):
-            # Another version's envelope need not fit this one's: its sender hears
-            # UNSUPPORTED_VERSION, not what it lacks by this version's rules.
-            return _unsupported(version, request_id)
-        return DecodeError(_envelope_message(exc), request_id=request_id)
-    if not _spoken(env.v):
-        return _unsupported(env.v, env.id)
-    return Request(env.id, env.op, env.body, frames)
-
-
-def _spoken(version: Any) -> bool:
-    return type(version) is int and version == PROTOCOL_VERSION
-
-
-def _unsupported(version: Any, request_id: int | None) -> DecodeError:
-    return DecodeError(
-        f"protocol version {reprlib.repr(version)} is not spoken here "
-        f"(this side speaks {PROTOCOL_VERSION})",
-        code=ErrorCode.UNSUPPORTED_VERSION,
-        request_id=request_id,
-    )
-
-
-def _reply(raw: Any, frames: Frames) -> Reply | DecodeError:
-    try:
-        env = _reply_envelope.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return DecodeError(_envelope_message(exc), request_id=_lenient(raw)[0])
-    return _reply_of(env, frames)
-
-
-def _reply_of(env: _ReplyEnvelope, frames: Frames) -> Reply | DecodeError:
-    if env.v != PROTOCOL_VERSION or env.ok != (env.error is None):
-        problem = "version" if env.v != PROTOCOL_VERSION else "ok and error disagree"
-        return DecodeError(f"reply envelope: {problem}", request_id=env.id)
-    error = None
-    if env.error is not None:
-        if frames.count:
-            return DecodeError("an error reply carries no data frames", request_id=env.id)
-        error = error_from_wire(msgspec.structs.asdict(env.error))
-    return Reply(env.id, env.body, error, frames)
-
-
-def _lenient(raw: Any) -> tuple[int | None, Any]:
-    """The id and ``v`` of an envelope that failed its checks (and passed its walk), as
-    far as they can still be read (``v`` UNSET when not): from the whole map, else as
-    :func:`.admission.scan_id` finds them."""
-    try:
-        found = _any_id.decode(raw)
-        return found.id, found.v
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return admission.scan_id(raw)
 
 
 def _envelope_message(exc: Exception) -> str:
@@ -429,19 +523,14 @@ def recv_message(sock: zmq.Socket[Any], copied: int, flags: int = 0) -> list[Any
 
 
 # ------------------------------------------------------------------ bundles
-BUNDLE_BYTES = 64 * 1024
-"""The largest bundle graphlane's senders make, far below any reader's envelope limit."""
-
-
-_BUNDLE_MAX = 2**16 - 1  # envelopes in one bundle
 _BUNDLE_HEADER = 3  # bytes of the largest array header bundle() writes
 
 
 def bundle(envelopes: Sequence[bytes]) -> bytes:
     """Frame 0 of a bundle: the msgpack array of one-frame envelopes packed already."""
     n = len(envelopes)
-    if not 1 <= n <= _BUNDLE_MAX:
-        raise ValueError(f"a bundle holds 1 to {_BUNDLE_MAX} envelopes, not {n}")
+    if not 1 <= n <= BUNDLE_MAX:
+        raise ValueError(f"a bundle holds 1 to {BUNDLE_MAX} envelopes, not {n}")
     header = bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
     return header + b"".join(envelopes)
 
@@ -452,7 +541,7 @@ def bundles(envelopes: Sequence[bytes], max_bytes: int = BUNDLE_BYTES) -> list[t
     out: list[tuple[int, bytes]] = []
     start, size = 0, _BUNDLE_HEADER
     for i, envelope in enumerate(envelopes):
-        if i > start and (size + len(envelope) > max_bytes or i - start == _BUNDLE_MAX):
+        if i > start and (size + len(envelope) > max_bytes or i - start == BUNDLE_MAX):
             out.append(_message_of(envelopes[start:i]))
             start, size = i, _BUNDLE_HEADER
         size += len(envelope)

@@ -49,7 +49,7 @@ def per_step_us(bundles: int = 2000, blocks: int = 5) -> dict[str, Any]:
             def run(batch: list[list[Any]]) -> float:
                 t0 = time.thread_time()
                 for frames in batch:
-                    worker._handle(frames)  # the socket loop's own handler
+                    worker.loop.handle(frames)  # the socket loop's own handler
                 return (time.thread_time() - t0) / (len(batch) * BUNDLE) * 1e6
 
             run(messages[: bundles // 10])  # warm up

@@ -46,7 +46,7 @@ def available() -> tuple[int, ...]:
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
-def plan(
+def core_sets(
     setting: str | Sequence[Sequence[int]], backend: str, count: int, offset: int
 ) -> list[tuple[int, ...] | None]:
     """The cores of each of ``count`` workers (None: not pinned). ``setting`` is
@@ -96,4 +96,4 @@ def _policy(tid: int, policy: int | None) -> None:
         os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
-__all__ = ["PINNED_BY_AUTO", "available", "free_io_threads", "pin", "plan"]
+__all__ = ["PINNED_BY_AUTO", "available", "core_sets", "free_io_threads", "pin"]

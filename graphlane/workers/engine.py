@@ -5,7 +5,7 @@ One engine owns one device: a capture stream S (replays), an update stream U
 instances, an *update thread*
 and a *completion thread*. The worker's socket thread is its only issuer: it
 takes an in-flight permit (:meth:`StepEngine.reserve`, ``max_inflight`` in all)
-and issues a :class:`~graphlane.workers.step.Step` (:meth:`StepEngine.issue`),
+and issues a :class:`~graphlane.workers.job.Step` (:meth:`StepEngine.issue`),
 which launches the step's work on S and hands its work on U to the update
 thread, or dispatches it itself when the step is alone in the engine (the update
 thread is idle then, and a lone step's latency gains nothing from a hand-off).
@@ -66,6 +66,7 @@ import torch
 
 from graphlane.workers.backends.base import DeviceBackend
 from graphlane.workers.input_check import check_inputs
+from graphlane.workers.job import Job, JobKind
 from graphlane.workers.permits import Permits
 from graphlane.workers.programs.base import (
     CapturedGraph,
@@ -74,7 +75,6 @@ from graphlane.workers.programs.base import (
     StepError,
     StepPlan,
 )
-from graphlane.workers.step import OpKind, Step
 
 log = logging.getLogger("graphlane.pipeline")
 
@@ -120,7 +120,7 @@ class StepFields(Protocol):
     def inputs(self) -> Mapping[str, torch.Tensor]: ...
 
 
-OnDone = Callable[[Step], None]
+OnDone = Callable[[Job], None]
 """Called once per issued step, with its results or its ``error`` filled in."""
 
 _STOP = object()
@@ -297,7 +297,7 @@ class StepEngine:
         gives it back. Without a permit, :meth:`issue` must not be called."""
         return self._permits.acquire(blocking)
 
-    def issue(self, step: Step) -> None:
+    def issue(self, step: Job) -> None:
         """Issue one step's device work on a permit the caller holds. Only one thread
         issues. ``on_done(step)`` runs once: here if the work failed to issue, or the
         engine is serial (it waits here for the step); else in the update thread or
@@ -322,7 +322,7 @@ class StepEngine:
         else:
             self._updates.put((step, fence))
 
-    def _abandon(self, step: Step, error: BaseException) -> None:
+    def _abandon(self, step: Job, error: BaseException) -> None:
         self._permits.release()
         step.error = error
         step.results = None
@@ -333,16 +333,16 @@ class StepEngine:
         self._next[ring_key] = (i + 1) % self.depth
         return self._rings[ring_key][i]
 
-    def _issue(self, step: Step) -> Any:
+    def _issue(self, step: Job) -> Any:
         """Issue ``step``'s work on S; return the event its work on U waits for first
         (None: nothing to wait for), or ``_S_ONLY`` if it has no work on U."""
         plan = step.plan
         program = self.programs[plan.program]
-        if step.kind is OpKind.STATE:
+        if step.kind is JobKind.STATE:
             self._issue_state(program, step)
             return _S_ONLY
         ring_key = (plan.program, plan.bucket)
-        if step.kind is OpKind.UPDATE:  # its work is all on U
+        if step.kind is JobKind.UPDATE:  # its work is all on U
             g = self._staged.get(ring_key) or self._next_graph(ring_key)
             self._staged[ring_key] = g
             step.graph = g
@@ -352,7 +352,7 @@ class StepEngine:
         step.graph = g
         previous = g.last_done  # the previous replay of g; U waits for it
         b = self.backend
-        if step.kind is OpKind.STEP and not self.pipeline:  # patches, then the replay
+        if step.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
             step.patched = self._patch_groups(program, g, plan, release=True, copy=True)
             step.replay_at = time.perf_counter()
@@ -389,7 +389,7 @@ class StepEngine:
         b.record(copied, C)
         b.wait(self.capture_stream, copied)
 
-    def _on_update_stream(self, step: Step, previous: Any) -> None:
+    def _on_update_stream(self, step: Job, previous: Any) -> None:
         """``step``'s work on U: wait for ``previous`` (the previous replay of its graph
         instance), then patch (a step or an update) or release (a replay)."""
         b = self.backend
@@ -398,12 +398,12 @@ class StepEngine:
         assert g is not None
         if previous is not None:
             b.wait(U, previous)
-        if step.kind is OpKind.REPLAY:
+        if step.kind is JobKind.REPLAY:
             with b.use_stream(U):
                 for event in g.events:
                     b.record(event, U)
             return
-        release = step.kind is OpKind.STEP  # a step's inputs are on C already
+        release = step.kind is JobKind.STEP  # a step's inputs are on C already
         t0 = time.perf_counter()
         program = self.programs[step.plan.program]
         step.patched = self._patch_groups(program, g, step.plan, release, copy=not release)
@@ -413,7 +413,7 @@ class StepEngine:
             step.done = b.new_event()
             b.record(step.done, U)
 
-    def _issue_state(self, program: GraphProgram, step: Step) -> None:
+    def _issue_state(self, program: GraphProgram, step: Job) -> None:
         """A device-state operation, on the capture stream S: every replay reads and
         writes the state on S, so stream order fences it against replays issued before
         and after it (no graph instance or update-stream fence is involved)."""
@@ -427,7 +427,7 @@ class StepEngine:
         step.done = b.new_event()
         b.record(step.done, S)
 
-    def _collect(self, program: GraphProgram, g: CapturedGraph, step: Step) -> None:
+    def _collect(self, program: GraphProgram, g: CapturedGraph, step: Job) -> None:
         """Queue the outputs' copy to the host behind the replay, and the step's done event."""
         b = self.backend
         S = self.capture_stream
@@ -484,7 +484,7 @@ class StepEngine:
                 continue
             self._hand_over(step)
 
-    def _hand_over(self, step: Step) -> None:
+    def _hand_over(self, step: Job) -> None:
         """Complete ``step`` here if its device work is over, else in the completion thread."""
         try:
             finished = step.done.query()
@@ -503,7 +503,7 @@ class StepEngine:
                 return
             self._complete(item)
 
-    def _complete(self, step: Step) -> None:
+    def _complete(self, step: Job) -> None:
         try:
             step.done.synchronize()
         except BaseException as exc:

@@ -71,12 +71,6 @@ class WorkerMetrics:
     # replay_at, done_at) each, one append per step; sorted in by _take_done.
     done: list[tuple[str, str, float, float, float, float]] = field(default_factory=list)
 
-    def observe_step(self, program: str, op: str, seconds: float) -> None:
-        h = self.step_seconds.get((program, op))
-        if h is None:
-            h = self.step_seconds[(program, op)] = Histogram()
-        h.observe(seconds)
-
     def observe_done(
         self,
         program: str,

@@ -20,20 +20,21 @@ Startup handshake: the worker captures its programs, binds its socket, then
 sends ``pipe.Ready(info)`` on the pipe, or ``pipe.Failed`` with the cause, its
 traceback (logged here too) and whether it is permanent (see :func:`start_failure`).
 
-The socket loop, the replies and the lifeline are :class:`~.loop.WorkerLoop`'s,
-the Worker's base; the Worker does what requests ask of the device.
+The socket loop and the replies are a :class:`~.loop.WorkerLoop`'s (with the
+protocol's :class:`~graphlane.protocol.server.Responder`, which the daemon's socket
+uses too); the Worker is the loop's handler: it does what requests ask of the device.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 import zmq
 
-from graphlane.logs import Throttled, setup_logging
+from graphlane.logs import setup_logging
 from graphlane.protocol import ops, pipe, security, wire
 from graphlane.protocol.errors import (
     BadRequest,
@@ -55,14 +56,15 @@ from graphlane.protocol.errors import (
     UnknownProgram,
     as_error,
 )
+from graphlane.protocol.server import LATER, Origin
 from graphlane.workers import affinity
 from graphlane.workers.engine import StepEngine
+from graphlane.workers.job import Job, JobKind
 from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey
-from graphlane.workers.step import OpKind, Step
 
 log = logging.getLogger("graphlane.worker")
 
@@ -143,7 +145,9 @@ def start_failure(exc: BaseException) -> pipe.Failed:
     return pipe.Failed(message, permanent=not transient, traceback=trace)
 
 
-class Worker(WorkerLoop):
+class Worker:
+    """One device's worker process: the handler of its :class:`WorkerLoop`."""
+
     def __init__(self, spec: WorkerSpec, conn: Connection) -> None:
         from graphlane.workers.backends import create_backend
         from graphlane.workers.programs import load_program
@@ -179,9 +183,8 @@ class Worker(WorkerLoop):
         self.ctx: zmq.Context[Any] = zmq.Context()
         affinity.free_io_threads(self.ctx)  # a pinned worker's sockets do I/O on every core
         self.auth: Any = None
-        # Roles apply with CurveZMQ only; then each message's sender is noted (see _serve).
+        # Roles apply with CurveZMQ only; then each message's sender is noted (WorkerLoop).
         self.roles = spec.roles if spec.auth_dir is not None else None
-        self.sender: str | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         if spec.auth_dir is not None:
             keys = security.ServerKeys.load(spec.auth_dir)
@@ -201,40 +204,33 @@ class Worker(WorkerLoop):
             ) from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
-        self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0, "bundles": 0}
         self.metrics = WorkerMetrics()
-        self._dropped_log = Throttled(log)
-        self._failed_log = Throttled(log)
+        self.loop = WorkerLoop(
+            self.sock,
+            wire.Codec(spec.limits),
+            self,
+            pump=self._pump,
+            metrics=self.metrics,
+            roles=self.roles is not None,
+        )
+        self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
-        self._open: dict[Step, None] = {}
+        self._open: dict[Job, None] = {}
         # When the last device request was answered (perf_counter): with requests open,
         # the time since then (or since the oldest was received) is how long the device
         # has made no progress, what the daemon's hang check reads (``stalled_s``).
         self._progress_at = time.perf_counter()
         self.started = time.time()
         self.exit_code = 0
-        self._stopping = False
         self._stop_when_idle = False
         # Accepted steps waiting for one of the engine's in-flight permits (bounded).
-        self._waiting: collections.deque[Step] = collections.deque()
+        self._waiting: collections.deque[Job] = collections.deque()
         # Connections whose request changing device state was not applied: routing id ->
         # (that request's id, why). Their requests to stateful programs are refused until
         # they send resume (see _fence and docs/programs.md, "Ordering and retries").
         self._fences: collections.OrderedDict[bytes, tuple[int, str]] = collections.OrderedDict()
         self._stateful = any(p.state_ops for p in programs)
-        # Filled by other threads, emptied by the main thread after a wake-up:
-        # finished steps from the completion thread, commands from the lifeline.
-        self._finished: collections.deque[Step] = collections.deque()
-        self._commands: collections.deque[Callable[[], None]] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._woken = False  # a byte is (or is about to be) in the wake-up pipe
         self._main = threading.get_ident()
-        # Replies to bundled requests waiting to go back as one bundle per sender:
-        # the sender's routing id -> its reply envelopes; None when none is open.
-        self._outbox: dict[bytes, list[bytes]] | None = None
-        self._outbox_since = 0.0  # when the open outbox last went out (or opened)
 
     @property
     def inflight(self) -> int:
@@ -264,7 +260,7 @@ class Worker(WorkerLoop):
             "queued": len(self._waiting),
             "steps": self.engine.steps_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
-            "counters": dict(self.counters),
+            "counters": dict(self.responder.counters),
             "oldest_inflight_s": round(now - oldest, 3) if self._open else 0.0,
             "stalled_s": round(now - max(oldest, self._progress_at), 3) if self._open else 0.0,
             "metrics": self.metrics.snapshot(),
@@ -277,7 +273,7 @@ class Worker(WorkerLoop):
         pipe.send(self.conn, pipe.Ready(self.info()))
         threading.Thread(target=self._lifeline, name="graphlane-lifeline", daemon=True).start()
         try:
-            self._serve()
+            self.loop.serve()
         finally:
             self.engine.close()
             # Replies already queued (the last answers before a stop or a fault) go out.
@@ -285,28 +281,62 @@ class Worker(WorkerLoop):
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.destroy(linger=0)
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            self.loop.close()
         return self.exit_code
 
-    def _dispatch(self, ident: bytes, req: wire.Request, received: float, bundled: bool) -> None:
-        op = ops.OPS.get(req.op) or ops.op_named(req.op)  # op_named: the unknown op's error
+    def _lifeline(self) -> None:
+        """Commands from the orchestrator, run on the main thread; EOF means it died:
+        exit, do not linger as an orphan."""
+        while True:
+            try:
+                cmd = pipe.recv(self.conn)
+            except (EOFError, OSError):
+                os._exit(4)
+            except ValueError:
+                log.error("ignored an unreadable message from the orchestrator")
+                continue
+            if isinstance(cmd, pipe.Finish):
+                self.loop.post(functools.partial(self._begin_drain, cmd.stop))
+            elif isinstance(cmd, pipe.Ping):
+                # Answered by the main thread: the status is its state, and a loop that
+                # cannot answer is a hung worker.
+                self.loop.post(self._pong)
+
+    def _pong(self) -> None:
         try:
-            body = req.body(op.request_decoder)
-        except wire.DecodeError as exc:  # which program it meant is unknown: any of them
-            if req.op in _CHANGES_STATE and self._stateful:
-                self._fence(ident, req.id, str(exc.code))
-            raise
-        if not op.device:
+            pipe.send(self.conn, pipe.Pong(self.status()))
+        except OSError:
+            os._exit(4)
+
+    def _begin_drain(self, stop: bool) -> None:
+        self.draining = True
+        if stop:
+            self._stop_when_idle = True
+            self._maybe_stop()
+
+    def _maybe_stop(self) -> None:
+        if self._stop_when_idle and self.inflight == 0:
+            self.loop.stopping = True
+
+    # ------------------------------------------------------------ the loop's handler
+    def refused(self, error: wire.DecodeError, origin: Origin) -> None:
+        """A state change whose body did not decode (which program it meant is unknown:
+        any of them) was not applied: what this connection sent behind it is refused."""
+        if error.op in _CHANGES_STATE and self._stateful and error.request_id is not None:
+            self._fence(origin.ident, error.request_id, str(error.code))
+
+    def answer(self, req: wire.Request, origin: Origin) -> Any:
+        """The reply body of a request that is not device work; a device request's step
+        issued or queued (LATER: answered when it finishes, see _finish)."""
+        body = req.body
+        if not ops.OPS[req.op].device:
             if self.roles is not None:
-                self.roles.check(self.sender, req.op)  # FORBIDDEN: drain, shutdown
-            self._control(ident, req.id, body, bundled)
-            return
+                self.roles.check(origin.sender, req.op)  # FORBIDDEN: drain, shutdown
+            return self._control(body)
         if type(body) is ops.Resume:
-            self._resume(ident, req.id, body, bundled)
-            return
+            return self._resume(origin.ident, body)
         try:
-            self._accept(ident, req, body, received, bundled)
+            self._accept(req, body, origin)
         except Exception as exc:
             # A state change refused: what this connection sent behind it is refused too.
             # (STATE_LOST is a fence of its own; PREDECESSOR_FAILED: fenced already.)
@@ -315,15 +345,15 @@ class Worker(WorkerLoop):
                 and self._keeps_state(body.program)
                 and not isinstance(exc, StateLost | PredecessorFailed)
             ):
-                self._fence(ident, req.id, str(as_error(exc).code))
+                self._fence(origin.ident, req.id, str(as_error(exc).code))
             raise
+        return LATER
 
-    def _accept(
-        self, ident: bytes, req: wire.Request, body: Any, received: float, bundled: bool
-    ) -> None:
+    def _accept(self, req: wire.Request, body: Any, origin: Origin) -> None:
         """Validate a device request and issue or queue its step."""
+        ident = origin.ident
         if self.roles is not None:  # FORBIDDEN: a program that does not serve this key
-            self.roles.check(self.sender, req.op, body.program)
+            self.roles.check(origin.sender, req.op, body.program)
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
         if body.device != self.spec.device:
@@ -339,7 +369,8 @@ class Worker(WorkerLoop):
         if self._fences and ident in self._fences and self._keeps_state(body.program):
             raise self._refusal(ident)
         step = self._step(body, req.op)
-        step.ident, step.request_id, step.bundled, step.received = ident, req.id, bundled, received
+        step.ident, step.request_id, step.bundled = ident, req.id, origin.bundled
+        step.received = received = origin.received
         step.changes_state = req.op in _CHANGES_STATE and self._stateful
         if body.timeout_ms is not None:
             step.deadline = received + body.timeout_ms / 1000
@@ -352,19 +383,16 @@ class Worker(WorkerLoop):
         self._open[step] = None
         self.engine.issue(step)
 
-    def _control(self, ident: bytes, request_id: int, body: Any, bundled: bool) -> None:
-        """Answer a request that is not device work."""
+    def _control(self, body: Any) -> dict[str, Any]:
+        """The answer to a request that is not device work."""
         if isinstance(body, ops.Hello):
-            hello = {"version": wire.PROTOCOL_VERSION, **self.info()}
-            self._send(ident, wire.encode_reply(request_id, hello), bundled)
-        elif isinstance(body, ops.Status):
-            self._send(ident, wire.encode_reply(request_id, self.status()), bundled)
-        elif isinstance(body, ops.Drain):
+            return {"version": wire.PROTOCOL_VERSION, **self.info()}
+        if isinstance(body, ops.Status):
+            return self.status()
+        if isinstance(body, ops.Drain):
             self.draining = True
-            drained = {"state": "draining", "inflight": self.inflight}
-            self._send(ident, wire.encode_reply(request_id, drained), bundled)
-        else:
-            raise BadRequest(
+            return {"state": "draining", "inflight": self.inflight}
+        raise BadRequest(
                 "shutdown is an orchestrator operation; send it to the daemon's endpoint"
             )
 
@@ -394,7 +422,7 @@ class Worker(WorkerLoop):
             refusal = self._refusal(ident)
             for step in behind:
                 self._open.pop(step, None)
-                self._reply_error(step.ident, step.request_id, refusal, step.bundled)
+                self.responder.fail(step.ident, step.request_id, refusal, step.bundled)
 
     def _refusal(self, ident: bytes) -> PredecessorFailed:
         request_id, why = self._fences[ident]
@@ -404,12 +432,11 @@ class Worker(WorkerLoop):
             f"send resume, then request {request_id} again, then this one"
         )
 
-    def _resume(self, ident: bytes, request_id: int, body: Any, bundled: bool) -> None:
+    def _resume(self, ident: bytes, body: Any) -> dict[str, Any]:
         if body.device != self.spec.device:
             raise UnknownDevice(f"this worker serves device {self.spec.device}, not {body.device}")
         fence = self._fences.pop(ident, None)
-        resumed = {"resumed": fence[0] if fence is not None else None}
-        self._send(ident, wire.encode_reply(request_id, resumed), bundled)
+        return {"resumed": fence[0] if fence is not None else None}
 
     def _check_generation(self, body: Any) -> None:
         """A request naming another generation is refused (STATE_LOST); one that depends
@@ -428,26 +455,26 @@ class Worker(WorkerLoop):
                 f"and name generation {self.spec.generation}"
             )
 
-    def _step(self, body: Any, op: str) -> Step:
+    def _step(self, body: Any, op: str) -> Job:
         """The step a device request's body asks for, validated (BAD_REQUEST if not)."""
         try:
             if type(body) is ops.Step:  # the common case first
                 outputs = tuple(body.outputs)
-                return Step(OpKind.STEP, self.engine.plan(body, outputs), outputs)
+                return Job(JobKind.STEP, self.engine.plan(body, outputs), outputs)
             if type(body) is ops.KvWrite:
                 fields = {"slots": body.slots, "key": body.key, "value": body.value}
-                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
+                return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.KvRead:
                 fields = {"slots": body.slots}
-                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
+                return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Prefill:
                 fields = {f: getattr(body, f) for f in body.__struct_fields__}
-                return Step(OpKind.STATE, self.engine.plan_state(body.program, op, fields))
+                return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Update:
-                return Step(OpKind.UPDATE, self.engine.plan(body))
+                return Job(JobKind.UPDATE, self.engine.plan(body))
             outputs = tuple(body.outputs)
             plan = self.engine.plan_replay(body.program, body.batch, outputs)
-            return Step(OpKind.REPLAY, plan, outputs)
+            return Job(JobKind.REPLAY, plan, outputs)
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
 
@@ -461,7 +488,7 @@ class Worker(WorkerLoop):
                 waiting.popleft()
                 self._open.pop(step, None)
                 late = Timeout(f"{step.kind.value} waited past its deadline; it was not run")
-                self._reply_error(step.ident, step.request_id, late, step.bundled)
+                self.responder.fail(step.ident, step.request_id, late, step.bundled)
                 if step.changes_state and self._keeps_state(step.plan.program):
                     self._fence(step.ident, step.request_id, "TIMEOUT")
                 continue
@@ -469,20 +496,19 @@ class Worker(WorkerLoop):
                 return
             self.engine.issue(waiting.popleft())
 
-    def _on_done(self, step: Step) -> None:
+    def _on_done(self, step: Job) -> None:
         """The engine's completion callback (see StepEngine.issue)."""
         if threading.get_ident() == self._main:  # completed on the spot, during its issue
             self._finish(step)
         else:  # from the completion thread
-            self._finished.append(step)
-            self._wake()
+            self.loop.post(functools.partial(self._finish, step))
 
-    def _finish(self, step: Step) -> None:
+    def _finish(self, step: Job) -> None:
         self._open.pop(step, None)
         self._progress_at = now = time.perf_counter()
         if step.results is None:
             error = as_error(step.error or InternalError("step ended without results"))
-            self._reply_error(step.ident, step.request_id, error, step.bundled)
+            self.responder.fail(step.ident, step.request_id, error, step.bundled)
             if step.changes_state and self._keeps_state(step.plan.program):
                 self._fence(step.ident, step.request_id, str(error.code))
         else:
@@ -497,25 +523,16 @@ class Worker(WorkerLoop):
             )
             # A device-state operation runs on no graph instance: bucket and instance 0.
             key = step.graph.key if step.graph is not None else _NO_GRAPH
-            try:
-                frames = wire.encode_done(
-                    step.request_id,
-                    step.results,
-                    key.bucket,
-                    key.instance,
-                    step.patched,
-                    held * 1e6,  # the time it held the request, decode to reply, device work in
-                    self.spec.generation,
-                )
-            except Exception as exc:  # a program's outputs that cannot be sent: say so
-                log.exception("reply to request %s cannot be encoded", step.request_id)
-                self._reply_error(
-                    step.ident, step.request_id, InternalError(str(exc)), step.bundled
-                )
-            else:
-                self.counters["replies"] += 1
-                self._send(step.ident, frames, step.bundled)
-        if self.engine.failure is not None and not self._stopping:
+            done = ops.StepDone(
+                step.results,
+                key.bucket,
+                key.instance,
+                step.patched,
+                held * 1e6,  # the time it held the request, decode to reply, device work in
+                self.spec.generation,
+            )
+            self.responder.reply(step.ident, step.request_id, done, step.bundled)
+        if self.engine.failure is not None and not self.loop.stopping:
             # A device fault: this process cannot serve again. Answer what waits,
             # then exit; the orchestrator restarts the worker, which captures afresh.
             log.error("device fault, worker exits: %s", self.engine.failure)
@@ -523,9 +540,9 @@ class Worker(WorkerLoop):
             while self._waiting:
                 waiting = self._waiting.popleft()
                 self._open.pop(waiting, None)
-                self._reply_error(waiting.ident, waiting.request_id, failed, waiting.bundled)
+                self.responder.fail(waiting.ident, waiting.request_id, failed, waiting.bundled)
             self.exit_code = 5
-            self._stopping = True
+            self.loop.stopping = True
             return
         self._maybe_stop()
 

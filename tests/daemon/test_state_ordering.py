@@ -139,7 +139,7 @@ def test_a_step_queued_or_sent_behind_a_refused_write_is_refused_until_resume(
 
 
 def msgspec_map(reply: wire.Reply) -> dict[str, Any]:
-    body: dict[str, Any] = reply.body(ops.OPS["status"].reply_decoder)
+    body: dict[str, Any] = reply.body(ops.OPS["status"])
     return body
 
 

@@ -101,13 +101,13 @@ def test_auto_pins_each_sim_or_null_worker_to_a_core_of_its_own() -> None:
     if len(cores) < 2:
         pytest.skip("one core: nothing to choose (auto pins nothing)")
     for backend in ("sim", "null"):
-        plan = affinity.plan("auto", backend, 2, offset=7)
+        plan = affinity.core_sets("auto", backend, 2, offset=7)
         assert all(p is not None and len(p) == 1 for p in plan)
         assert plan[0] != plan[1] and {p[0] for p in plan if p} <= set(cores)
     # npu: the patches' host work runs outside the interpreter lock; off: nothing pinned
-    assert affinity.plan("auto", "npu", 2, offset=7) == [None, None]
-    assert affinity.plan("off", "sim", 2, offset=7) == [None, None]
-    assert affinity.plan(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
+    assert affinity.core_sets("auto", "npu", 2, offset=7) == [None, None]
+    assert affinity.core_sets("off", "sim", 2, offset=7) == [None, None]
+    assert affinity.core_sets(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
 
 
 def _auth_dir(tmp_path: Path) -> str:

@@ -18,25 +18,32 @@ from hypothesis import strategies as st
 
 from graphlane.protocol import (
     DEFAULT_LIMITS,
-    DTYPES,
     OPS,
     TENSOR_KEY,
+    WIRE_DTYPES,
+    Codec,
     DecodeError,
     ErrorCode,
     Limits,
     Reply,
     Request,
     bundle,
-    decode_replies,
-    decode_requests,
     encode_error,
     encode_reply,
     encode_request,
     ops,
-    requests,
 )
 from graphlane.protocol.admission import check_outgoing, walk
 from graphlane.protocol.errors import Busy, GraphlaneError, TooLarge
+
+
+def decode_requests(frames: Any, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    return Codec(limits).decode_requests(frames)
+
+
+def decode_replies(frames: Any, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    return Codec(limits).decode_replies(frames)
+
 
 FUZZ = settings(
     max_examples=300,
@@ -62,7 +69,7 @@ limits_st = st.sampled_from([DEFAULT_LIMITS, TIGHT])
 def check_value(value: Any, limits: Limits) -> None:
     """A decoded body holds only the documented types, tensors within the limits."""
     if isinstance(value, torch.Tensor):
-        assert value.dtype in DTYPES.values() and value.device.type == "cpu"
+        assert value.dtype in WIRE_DTYPES.values() and value.device.type == "cpu"
         assert value.dim() <= limits.max_tensor_dims
         assert value.numel() * value.element_size() <= limits.max_tensor_bytes
     elif isinstance(value, dict):
@@ -88,14 +95,13 @@ def check_result(result: Request | Reply, limits: Limits) -> None:
     """The envelope is sound; its body, read with every op's type that could apply,
     is a typed value or a DecodeError naming its id."""
     assert 0 <= result.id < 2**64
-    if isinstance(result, Request):
-        assert isinstance(result.op, str) and result.op
-        decoders = [OPS[result.op].request_decoder] if result.op in OPS else []
-    else:
-        decoders = [op.reply_decoder for op in OPS.values()]
-    for decoder in decoders:
+    if isinstance(result, Request):  # decoded with its body
+        assert result.op in OPS and type(result.body) is OPS[result.op].request
+        check_value(result.body, limits)
+        return
+    for op in OPS.values():
         try:
-            check_value(result.body(decoder), limits)
+            check_value(result.body(op), limits)
         except DecodeError as exc:
             check_refusal(exc)
             assert exc.request_id == result.id
@@ -151,7 +157,7 @@ keys = st.sampled_from(["v", "id", "op", "body", "ok", "error", "x", "dtype", "s
 tensor_specs = st.fixed_dictionaries(
     {},
     optional={
-        "dtype": st.sampled_from([*DTYPES, "complex64"]) | scalars,
+        "dtype": st.sampled_from([*WIRE_DTYPES, "complex64"]) | scalars,
         "shape": st.lists(st.integers(-2, 40), max_size=4) | scalars,
         "frame": st.integers(-1, 4) | scalars,
         "data": st.binary(max_size=64) | scalars,
@@ -259,10 +265,10 @@ def mutated(draw: st.DrawFn) -> list[bytes]:
 def test_the_unmutated_messages_decode() -> None:
     (request,) = decode_requests(VALID[0])
     assert isinstance(request, Request) and request.id == 12345
-    step = request.body(OPS["step"].request_decoder)
+    step = request.body
     assert step.inputs["mask"].dtype == torch.bool and step.params["scale"] == 0.5
     (reply,) = decode_replies(VALID[1])
-    assert isinstance(reply, Reply) and reply.body(OPS["step"].reply_decoder).instance == 1
+    assert isinstance(reply, Reply) and reply.body(OPS["step"]).instance == 1
     (error,) = decode_replies(VALID[2])
     assert isinstance(error, Reply) and isinstance(error.error, Busy)
 
@@ -283,7 +289,7 @@ def test_hostile_messages(frames: list[bytes], limits: Limits) -> None:
     frames cut or added: a value or a DecodeError, as ever."""
     decodes_or_refuses(frames, limits)
     # The worker's one-pass reading too (that it reads them alike: test_one_pass.py).
-    for decode in (requests.decode_requests, decode_requests):
+    for decode in (decode_requests,):
         try:
             decode(frames, limits)
         except DecodeError as exc:
@@ -312,10 +318,10 @@ def test_a_value_nested_deeper_than_the_limit_is_a_bad_request_naming_its_id(
         assert isinstance(reply, Reply) or reply.request_id == 7
         if isinstance(reply, Reply):
             with pytest.raises(DecodeError) as info:
-                reply.body(OPS["status"].reply_decoder)  # an untyped map: walked first
+                reply.body(OPS["status"])  # an untyped map: walked first
             assert info.value.request_id == 7
         return
-    for decode in (decode_requests, requests.decode_requests):
+    for decode in (decode_requests,):
         items = decode(frames)
         refusal = items[-1]
         assert isinstance(refusal, DecodeError), refusal
@@ -333,7 +339,7 @@ def test_deep_values_need_no_stack() -> None:
         import sys, threading
         sys.path.insert(0, TESTS)
         import hostile
-        from graphlane.protocol import OPS, requests, wire
+        from graphlane.protocol import OPS, wire
         deep = hostile.Packed(hostile.nested(100_000), "deep")
         messages = [
             [hostile.pack({"v": 1, "id": 7, "op": "status", "body": deep})],
@@ -343,11 +349,11 @@ def test_deep_values_need_no_stack() -> None:
         ]
         def run():
             for frames in messages:
-                for decode in (wire.decode_requests, requests.decode_requests, wire.decode_replies):
+                for decode in (wire.decode_requests, wire.decode_replies):
                     for item in decode(frames):
                         if isinstance(item, wire.Reply):
                             try:
-                                item.body(OPS["status"].reply_decoder)
+                                item.body(OPS["status"])
                             except wire.DecodeError:
                                 pass
             print("survived")
@@ -373,7 +379,7 @@ def test_deep_values_need_no_stack() -> None:
 )
 def test_wide_values_are_refused_before_anything_is_built(value: bytes) -> None:
     frames = [hostile.pack({"v": 1, "id": 7, "op": "status", "body": hostile.Packed(value, "")})]
-    for decode in (decode_requests, requests.decode_requests):
+    for decode in (decode_requests,):
         (refusal,) = decode(frames)
         assert isinstance(refusal, DecodeError)
         assert (refusal.code, refusal.request_id) == (ErrorCode.BAD_REQUEST, 7)
@@ -391,7 +397,7 @@ def test_a_message_over_a_size_limit_is_too_large_naming_its_id(what: str) -> No
         frames += [b"x"] * 4
     else:
         frames.append(bytes(8192))
-    for decode in (decode_requests, requests.decode_requests):
+    for decode in (decode_requests,):
         with pytest.raises(DecodeError) as info:
             decode(frames, limits)
         assert (info.value.code, info.value.request_id) == (ErrorCode.TOO_LARGE, 9)

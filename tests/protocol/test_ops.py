@@ -18,15 +18,18 @@ import pytest
 import torch
 
 from graphlane.protocol import (
+    DEFAULT_LIMITS,
     OPS,
     RETRYABLE,
     BadRequest,
     Busy,
+    Codec,
     DecodeError,
     ErrorCode,
     Forbidden,
     GraphlaneError,
     InternalError,
+    Limits,
     PredecessorFailed,
     Reply,
     Request,
@@ -41,18 +44,24 @@ from graphlane.protocol import (
     UnknownProgram,
     UnsupportedVersion,
     WorkerLost,
-    decode_replies,
-    decode_requests,
     encode_error,
     encode_reply,
     encode_request,
     error_class,
-    error_from_wire,
     ops,
     pipe,
 )
 from graphlane.protocol.bounds import MAX_ITEMS, MAX_NAME
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, MAX_PARAMS
+
+
+def decode_requests(frames: Any, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    return Codec(limits).decode_requests(frames)
+
+
+def decode_replies(frames: Any, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
+    return Codec(limits).decode_replies(frames)
+
 
 BAD = ErrorCode.BAD_REQUEST
 MISSING = object()
@@ -114,17 +123,19 @@ def plain(value: Any) -> Any:
 
 
 def request(op: str, body: Any, *frames: bytes) -> Request:
+    """The request decoded; its DecodeError raised."""
     if not frames and not isinstance(body, dict):
         sent = encode_request(11, op, body)
     else:
         sent = [msgpack.packb({"v": 1, "id": 11, "op": op, "body": body}), *frames]
     (req,) = decode_requests(sent)
-    assert isinstance(req, Request), req
+    if isinstance(req, DecodeError):
+        raise req
     return req
 
 
 def decoded(op: str, body: Any) -> Any:
-    return request(op, body).body(OPS[op].request_decoder)
+    return request(op, body).body
 
 
 def refused(op: str, body: Any, field: str) -> None:
@@ -191,10 +202,12 @@ def test_a_body_built_wrong_is_refused_by_its_receiver() -> None:
     refused("replay", ops.Replay("p", 0, 0), "body.batch")
 
 
-def test_an_unknown_op_has_no_type_to_decode_its_body() -> None:
+def test_an_unknown_op_is_refused_with_its_id() -> None:
     for op in ("stpe", "STEP", "x" * MAX_NAME):
-        req = request(op, {"program": "p"})
-        assert req.id == 11 and OPS.get(req.op) is None
+        with pytest.raises(DecodeError) as info:
+            request(op, {"program": "p"})
+        assert (info.value.code, info.value.request_id) == (BAD, 11)
+        assert op in info.value.message  # names the op it does not know
 
 
 # ---------------------------------------------------------------------------- validation
@@ -332,17 +345,17 @@ def test_step_done_round_trip() -> None:
     frames = encode_reply(9, ops.StepDone({"out": out, "lse": lse}, 8, 2, 4, 812.5))
     assert len(frames) == 2  # out as a frame, lse inline
     reply = reply_of(frames)
-    done = reply.body(OPS["step"].reply_decoder)
+    done = reply.body(OPS["step"])
     assert (reply.id, reply.error) == (9, None)
     assert torch.equal(done.outputs["out"], out) and torch.equal(done.outputs["lse"], lse)
     assert (done.bucket, done.instance, done.patched, done.server_us) == (8, 2, 4, 812.5)
 
 
 def test_step_done_defaults_and_fields_a_newer_server_adds() -> None:
-    done = reply_of(encode_reply(1, ops.StepDone())).body(OPS["update"].reply_decoder)
+    done = reply_of(encode_reply(1, ops.StepDone())).body(OPS["update"])
     assert (done.outputs, done.bucket, done.instance, done.patched) == ({}, 0, 0, 0)
     newer = {"v": 1, "id": 1, "ok": True, "body": {"instance": 1, "queue_us": 3.5}}
-    assert reply_of([msgpack.packb(newer)]).body(OPS["step"].reply_decoder).instance == 1
+    assert reply_of([msgpack.packb(newer)]).body(OPS["step"]).instance == 1
 
 
 @pytest.mark.parametrize(
@@ -357,13 +370,13 @@ def test_step_done_defaults_and_fields_a_newer_server_adds() -> None:
 def test_step_done_validation(body: dict[str, Any], field: str) -> None:
     reply = reply_of([msgpack.packb({"v": 1, "id": 4, "ok": True, "body": body})])
     with pytest.raises(DecodeError) as info:
-        reply.body(OPS["step"].reply_decoder)
+        reply.body(OPS["step"])
     assert (info.value.code, info.value.request_id) == (BAD, 4) and field in info.value.message
 
 
 def test_control_replies_are_maps() -> None:
     info = {"version": 1, "workers": [{"device": 0, "state": "ready"}], "new": True}
-    assert reply_of(encode_reply(2, info)).body(OPS["hello"].reply_decoder) == info
+    assert reply_of(encode_reply(2, info)).body(OPS["hello"]) == info
 
 
 def reply_env(**fields: Any) -> dict[str, Any]:
@@ -408,7 +421,7 @@ def test_an_error_reply_carries_no_data_frames() -> None:
 def test_a_reply_body_that_is_no_map() -> None:
     reply = reply_of([msgpack.packb(reply_env(body=[]))])
     with pytest.raises(DecodeError) as info:
-        reply.body(OPS["step"].reply_decoder)
+        reply.body(OPS["step"])
     assert info.value.request_id == 42 and "body" in info.value.message
 
 
@@ -459,7 +472,7 @@ def test_error_replies_round_trip_and_body_raises_them(
     assert (got.code, got.message, got.retryable) == (code, "what happened", sent.retryable)
     for op in OPS.values():
         with pytest.raises(CLASSES[code]):
-            reply.body(op.reply_decoder)
+            reply.body(op)
 
 
 def test_an_unknown_wire_code_keeps_the_message_and_retryable() -> None:
@@ -480,9 +493,10 @@ def test_an_unknown_wire_code_keeps_the_message_and_retryable() -> None:
         {"code": "BUSY", "message": "m", "retryable": True, "extra": 1},
     ],
 )
-def test_malformed_wire_errors_become_internal_errors(wire: Any) -> None:
-    err = error_from_wire(wire)
-    assert type(err) is InternalError and err.code == ErrorCode.INTERNAL
+def test_a_malformed_wire_error_is_an_undecodable_reply_with_its_id(wire: Any) -> None:
+    (err,) = decode_replies([msgpack.packb(reply_env(ok=False, body=MISSING, error=wire))])
+    assert isinstance(err, DecodeError) and err.request_id == reply_env()["id"], err
+    assert "envelope.error" in err.message
 
 
 # ----------------------------------------------------------------------------------- pipe
@@ -505,8 +519,8 @@ def conns() -> Iterator[tuple[Connection, Connection]]:
         pipe.Failed("no device"),
         pipe.Pong({"state": "ready", "steps": 3, "queued": 0}),
         pipe.Ping(),
-        pipe.Drain(),
-        pipe.Drain(stop=True),
+        pipe.Finish(),
+        pipe.Finish(stop=True),
     ],
     ids=repr,
 )

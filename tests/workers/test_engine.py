@@ -26,8 +26,8 @@ from graphlane.workers.backends.faults import FaultyBackend, InjectedDeviceFault
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.backends.null import NullBackend
 from graphlane.workers.engine import EngineError
+from graphlane.workers.job import Job, JobKind
 from graphlane.workers.programs import AttentionConfig, AttentionProgram, GraphKey, StepError
-from graphlane.workers.step import OpKind, Step
 
 CFG = AttentionConfig(
     layers=3, num_heads=4, num_kv_heads=2, head_dim=16, max_kv_len=24, buckets=(1, 2, 4)
@@ -130,8 +130,8 @@ def test_an_update_stages_an_instance_that_the_next_replay_releases() -> None:
     replay releases and replays that instance, as last patched."""
     with _issuer(depth=2) as it:
         body = ops.Update("attention", 0, {"actual_seq_lengths_kv": [4]}, batch=1)
-        update = it.issue(Step(OpKind.UPDATE, it.engine.plan(body)))
-        replay = it.issue(Step(OpKind.REPLAY, it.engine.plan_replay("attention", 1, ["out"]),
+        update = it.issue(Job(JobKind.UPDATE, it.engine.plan(body)))
+        replay = it.issue(Job(JobKind.REPLAY, it.engine.plan_replay("attention", 1, ["out"]),
                                ("out",)))  # fmt: skip
         following = it.step(1, [4])
         it.wait([update, replay, following])

@@ -15,6 +15,7 @@ from paged_kv import Scheduler
 
 from graphlane.protocol import ops
 from graphlane.workers.backends.npu import NpuBackend
+from graphlane.workers.job import Job
 from graphlane.workers.programs import (
     PagedAttentionConfig,
     PagedAttentionProgram,
@@ -22,7 +23,6 @@ from graphlane.workers.programs import (
     StepError,
     load_program,
 )
-from graphlane.workers.step import Step
 
 CFG = PagedAttentionConfig(
     layers=2, num_heads=4, num_kv_heads=2, head_dim=16, block_size=128, num_blocks=10,
@@ -40,13 +40,13 @@ def _engine(depth: int = 1, pipeline: bool = True) -> Issuer:
     )  # fmt: skip
 
 
-def _step(eng: Issuer, inputs: dict[str, torch.Tensor], lengths: list[int]) -> Step:
+def _step(eng: Issuer, inputs: dict[str, torch.Tensor], lengths: list[int]) -> Job:
     return eng.issue(
         eng.plan(len(lengths), lengths, inputs, ("out", "lse"), program="paged_attention")
     )
 
 
-def _done(eng: Issuer, step: Step) -> dict[str, torch.Tensor]:
+def _done(eng: Issuer, step: Job) -> dict[str, torch.Tensor]:
     (done,) = eng.wait([step], 60)
     assert done.results is not None
     return done.results

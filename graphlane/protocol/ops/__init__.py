@@ -9,14 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.kv import KvRead, KvWrite, Resume
 from graphlane.protocol.ops.prefill import Prefill
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
-from graphlane.protocol.tensors import body_decoder
 
 __all__ = [
     "MAX_OUTPUTS",
@@ -35,7 +31,6 @@ __all__ = [
     "Step",
     "StepDone",
     "Update",
-    "op_named",
 ]
 
 
@@ -45,21 +40,6 @@ class Op:
     request: type[Any]
     reply: Any
     device: bool  # answered by a worker (True) or by the daemon (False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "request_decoder", body_decoder(self.request))
-        object.__setattr__(self, "reply_decoder", body_decoder(self.reply))
-
-    request_decoder: msgspec.msgpack.Decoder[Any] = None  # type: ignore[assignment]
-    reply_decoder: msgspec.msgpack.Decoder[Any] = None  # type: ignore[assignment]
-
-
-def op_named(name: str) -> Op:
-    """The op of that name; BAD_REQUEST naming the known ones otherwise."""
-    op = OPS.get(name)
-    if op is None:
-        raise BadRequest(f"unknown op {name!r} (known: {sorted(OPS)})")
-    return op
 
 
 OPS: dict[str, Op] = {

@@ -20,7 +20,7 @@ from msgspec import Struct
 
 from graphlane.protocol.bounds import Count, Name
 from graphlane.protocol.ops.steps import Deadline
-from graphlane.protocol.tensors import Tensor
+from graphlane.protocol.tensors import Tensor, take_tensor
 
 
 class KvWrite(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -36,6 +36,11 @@ class KvWrite(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=Tru
     generation: Count | None = None
     timeout_ms: Deadline | None = None
 
+    def __post_init__(self) -> None:
+        take_tensor(self, "slots")
+        take_tensor(self, "key")
+        take_tensor(self, "value")
+
 
 class KvRead(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Read back ``key``/``value`` [layers, n, num_kv_heads, head_dim] of ``slots`` [n]."""
@@ -45,6 +50,9 @@ class KvRead(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     slots: Tensor
     generation: Count | None = None
     timeout_ms: Deadline | None = None
+
+    def __post_init__(self) -> None:
+        take_tensor(self, "slots")
 
 
 class Resume(Struct, frozen=True, forbid_unknown_fields=True):

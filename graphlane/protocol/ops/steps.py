@@ -16,7 +16,7 @@ from typing import Annotated
 from msgspec import Meta, Struct
 
 from graphlane.protocol.bounds import MAX_ITEMS, Count, Name, Positive
-from graphlane.protocol.tensors import Tensor
+from graphlane.protocol.tensors import Tensor, take_tensors
 
 MAX_OUTPUTS = 16
 MAX_PARAMS = 64
@@ -43,6 +43,10 @@ class Step(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     timeout_ms: Deadline | None = None
     generation: Count | None = None
 
+    def __post_init__(self) -> None:
+        if self.inputs:
+            take_tensors(self.inputs)
+
 
 class Update(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """Patch the next replay of the batch's bucket (no replay, no outputs)."""
@@ -54,6 +58,10 @@ class Update(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     batch: Positive | None = None
     timeout_ms: Deadline | None = None
     generation: Count | None = None
+
+    def __post_init__(self) -> None:
+        if self.inputs:
+            take_tensors(self.inputs)
 
 
 class Replay(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -77,3 +85,7 @@ class StepDone(Struct, frozen=True, omit_defaults=True):
     patched: Count = 0  # task groups patched
     server_us: float = 0.0  # time the worker held the request, device work included
     generation: Count = 0  # the answering worker's generation (unique per daemon start)
+
+    def __post_init__(self) -> None:
+        if self.outputs:
+            take_tensors(self.outputs)

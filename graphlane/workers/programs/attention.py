@@ -30,7 +30,7 @@ import torch
 from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
-    DTYPES,
+    COMPUTE_DTYPES,
     FIA_OUT,
     FIA_WORKSPACE,
     GraphProgram,
@@ -81,7 +81,7 @@ class AttentionProgram(GraphProgram):
         self.config.validate()
         self.name = name
         self.buckets = tuple(sorted(self.config.buckets))
-        self.dtype = DTYPES[self.config.dtype]
+        self.dtype = COMPUTE_DTYPES[self.config.dtype]
         c = self.config
         self._fia = dict(
             num_heads=c.num_heads,

@@ -39,7 +39,7 @@ class ProgramConfigError(ValueError):
         self.key = key
 
 
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 """The dtypes a program's ``dtype`` key may name."""
 
 
@@ -105,8 +105,8 @@ def check_attention_config(config: Any, ints: Iterable[str], where: str) -> None
             raise ProgramConfigError(f"{where}.buckets", f"{b!r} is not a positive batch size")
     if len(set(config.buckets)) != len(config.buckets):
         raise ProgramConfigError(f"{where}.buckets", "batch sizes must be distinct")
-    if config.dtype not in DTYPES:
-        raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(DTYPES)}")
+    if config.dtype not in COMPUTE_DTYPES:
+        raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
-    DTYPES,
+    COMPUTE_DTYPES,
     FIA_OUT,
     FIA_WORKSPACE,
     LENGTHS,
@@ -124,9 +124,9 @@ class ModelConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ProgramConfigError(f"{where}.seed", "must be an integer")
-        dtype = self.dtype or (spec.torch_dtype if spec.torch_dtype in DTYPES else "float32")
-        if dtype not in DTYPES:
-            raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(DTYPES)}")
+        dtype = self.dtype or (spec.torch_dtype if spec.torch_dtype in COMPUTE_DTYPES else "float32")
+        if dtype not in COMPUTE_DTYPES:
+            raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
         out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
         out.kv_config().validate(where)
         return out
@@ -169,7 +169,7 @@ class ModelProgram(GraphProgram):
         self.name = name
         self.kv = PagedAttentionProgram(c.kv_config(), name=name)  # the cache, KV ops
         self.buckets = self.kv.buckets
-        self.dtype = DTYPES[c.dtype]
+        self.dtype = COMPUTE_DTYPES[c.dtype]
         self.max_len = c.max_blocks_per_seq * c.block_size
         self.parameters = {
             LENGTHS: "per row, the sequence's length with the token fed this step, in "

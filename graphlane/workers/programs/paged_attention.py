@@ -61,7 +61,7 @@ import torch
 from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
-    DTYPES,
+    COMPUTE_DTYPES,
     FIA_OUT,
     FIA_WORKSPACE,
     GraphProgram,
@@ -131,7 +131,7 @@ class PagedAttentionProgram(GraphProgram):
         c.validate()
         self.name = name
         self.buckets = tuple(sorted(c.buckets))
-        self.dtype = DTYPES[c.dtype]
+        self.dtype = COMPUTE_DTYPES[c.dtype]
         self.parameters = {
             "actual_seq_lengths_kv": "one KV length per batch row (the new token included), "
             f"in 1..{c.max_kv_len} (max_blocks_per_seq * block_size)",

@@ -1,6 +1,6 @@
-"""One step, update or replay, from the worker's decode of it to its reply.
+"""A job: one accepted device request (step, update, replay, kv op), from its decode to its reply.
 
-The worker makes a :class:`Step` when it accepts a request (routing, request id,
+The worker makes a :class:`Job` when it accepts a request (routing, request id,
 deadline, the program's validated :class:`~graphlane.workers.programs.StepPlan`),
 the engine fills in what the device did (graph instance, done event, outputs,
 patched groups, times, or the error), and the worker answers from it. Nothing
@@ -18,7 +18,7 @@ import torch
 from graphlane.workers.programs.base import CapturedGraph, StepPlan
 
 
-class OpKind(enum.Enum):
+class JobKind(enum.Enum):
     """What a device request does (its wire op of the same name)."""
 
     STEP = "step"  # patch, copy inputs, release, replay, answer outputs
@@ -28,10 +28,10 @@ class OpKind(enum.Enum):
 
 
 @dataclass(eq=False, slots=True)
-class Step:
+class Job:
     """An accepted device request and, once done, its result."""
 
-    kind: OpKind
+    kind: JobKind
     plan: StepPlan
     outputs: tuple[str, ...] = ()  # names of the outputs asked for
     # routing (the worker's): who asked, and how to answer
@@ -52,4 +52,4 @@ class Step:
     error: BaseException | None = None  # why it failed (then no results)
 
 
-__all__ = ["OpKind", "Step"]
+__all__ = ["Job", "JobKind"]
