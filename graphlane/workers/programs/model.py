@@ -124,7 +124,8 @@ class ModelConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ProgramConfigError(f"{where}.seed", "must be an integer")
-        dtype = self.dtype or (spec.torch_dtype if spec.torch_dtype in COMPUTE_DTYPES else "float32")
+        fallback = spec.torch_dtype if spec.torch_dtype in COMPUTE_DTYPES else "float32"
+        dtype = self.dtype or fallback
         if dtype not in COMPUTE_DTYPES:
             raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
         out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
