@@ -103,6 +103,19 @@ EXAMPLES: list[tuple[str, Any]] = [
         ),
     ),
     ("kv_read", ops.KvRead("paged_attention", 1, torch.arange(3, dtype=torch.int32))),
+    ("resume", ops.Resume(0)),
+    (
+        "prefill",
+        ops.Prefill(
+            "model",
+            0,
+            torch.arange(5, dtype=torch.int64),
+            torch.arange(4, dtype=torch.int32),
+            start=2,
+            params={"temperature": 0.5, "seed": 7},
+            outputs=["tokens"],
+        ),
+    ),
     ("drain", ops.Drain()),
     ("drain", ops.Drain(device=3)),
     ("shutdown", ops.Shutdown()),
@@ -154,6 +167,12 @@ def refused(op: str, body: Any, field: str) -> None:
 def test_round_trip(op: str, message: Any) -> None:
     got = decoded(op, message)
     assert type(got) is OPS[op].request and plain(got) == plain(message)
+
+
+def test_every_op_has_a_round_trip_example() -> None:
+    """A new op's tensors come out as tensors only if its body takes them: each op is
+    round-tripped above."""
+    assert {op for op, _ in EXAMPLES} == set(OPS)
 
 
 def test_ops_and_their_types() -> None:

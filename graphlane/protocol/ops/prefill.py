@@ -19,7 +19,7 @@ from msgspec import Struct
 
 from graphlane.protocol.bounds import Count, Name
 from graphlane.protocol.ops.steps import Deadline, Outputs, Params
-from graphlane.protocol.tensors import Tensor
+from graphlane.protocol.tensors import Tensor, take_tensor
 
 
 class Prefill(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -34,3 +34,7 @@ class Prefill(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=Tru
     outputs: Outputs = []
     generation: Count | None = None
     timeout_ms: Deadline | None = None
+
+    def __post_init__(self) -> None:
+        take_tensor(self, "tokens")
+        take_tensor(self, "block_table")
