@@ -280,8 +280,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "bench":
         import json
 
-        from graphlane.tools.bench import format_report, run_all
-        from graphlane.tools.bench_goals import exit_status, goals
+        from graphlane.bench.goals import exit_status, goals
+        from graphlane.bench.suite import format_report, run_all
 
         report = run_all(quick=args.quick)
         verdicts = goals(report)

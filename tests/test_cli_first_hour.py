@@ -142,7 +142,7 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_setting(tmp_path: Path) ->
 
 
 def test_bench_exits_non_zero_when_a_goal_fails(capsys) -> None:
-    from graphlane.tools.bench_goals import EXIT_FAILED, EXIT_MET, EXIT_NOISY, exit_status, goals
+    from graphlane.bench.goals import EXIT_FAILED, EXIT_MET, EXIT_NOISY, exit_status, goals
 
     def report(rtt: float, windowed: float, spread: float) -> dict[str, Any]:
         null = {"step_rtt_vs_raw": rtt, "windowed_vs_raw": windowed, "windowed_spread": spread}

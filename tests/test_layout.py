@@ -32,12 +32,12 @@ ROOT = Path(__file__).resolve().parents[1] / "graphlane"
 #: package -> packages it must not import (any import, anywhere in the module)
 FORBIDDEN = {
     "graphlane.sim": ("graphlane.workers", "graphlane.orchestrator", "graphlane.client",
-                      "graphlane.tools"),
+                      "graphlane.tools", "graphlane.bench"),
     "graphlane.client": ("graphlane.workers", "graphlane.orchestrator", "graphlane.sim",
-                         "graphlane.tools"),
+                         "graphlane.tools", "graphlane.bench"),
     "graphlane.protocol": ("graphlane.workers", "graphlane.orchestrator", "graphlane.sim",
-                           "graphlane.tools"),
-    "graphlane.orchestrator": ("graphlane.sim", "graphlane.tools"),
+                           "graphlane.tools", "graphlane.bench"),
+    "graphlane.orchestrator": ("graphlane.sim", "graphlane.tools", "graphlane.bench"),
 }  # fmt: skip
 #: packages whose modules import only at module top
 TOP_IMPORTS_ONLY = ("graphlane.sim",)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+from graphlane.bench import sim_ops as bench_sim
 from graphlane.sim import configure
-from graphlane.tools import bench_sim
 
 
 def test_bench_sim_returns_every_figure_and_restores_the_config() -> None:
