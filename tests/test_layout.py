@@ -6,10 +6,14 @@
 - graphlane.sim (the simulated NPU) imports nothing of the worker, the daemon,
   the client or the tools, and imports only at module top (no imports inside
   functions, none after the first statement);
+- the tools (graphlane.loadtest, graphlane.bench, graphlane.demo,
+  graphlane.example: what drives a daemon or the sim from outside) also import
+  graphlane modules only at module top, so that no import inside a function hides a
+  cycle among them; nothing of the product imports them;
 - graphlane.client and graphlane.protocol (what schedulers import) import nothing
   of workers, orchestrator, sim or tools;
-- graphlane.orchestrator (the daemon) imports nothing of graphlane.sim or
-  graphlane.tools;
+- graphlane.orchestrator (the daemon) imports nothing of graphlane.sim or the
+  tools, graphlane.workers nothing of the tools;
 
 The direction rules count every import, also those inside functions and under
 TYPE_CHECKING. An edge goes to the module named: ``import a.b`` and
@@ -29,18 +33,21 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "graphlane"
 
+#: what drives a daemon or the sim from outside
+TOOLS = ("graphlane.loadtest", "graphlane.bench", "graphlane.demo", "graphlane.example")
 #: package -> packages it must not import (any import, anywhere in the module)
 FORBIDDEN = {
     "graphlane.sim": ("graphlane.workers", "graphlane.orchestrator", "graphlane.client",
-                      "graphlane.tools", "graphlane.bench"),
+                      *TOOLS),
     "graphlane.client": ("graphlane.workers", "graphlane.orchestrator", "graphlane.sim",
-                         "graphlane.tools", "graphlane.bench"),
+                         *TOOLS),
     "graphlane.protocol": ("graphlane.workers", "graphlane.orchestrator", "graphlane.sim",
-                           "graphlane.tools", "graphlane.bench"),
-    "graphlane.orchestrator": ("graphlane.sim", "graphlane.tools", "graphlane.bench"),
+                           *TOOLS),
+    "graphlane.orchestrator": ("graphlane.sim", *TOOLS),
+    "graphlane.workers": TOOLS,
 }  # fmt: skip
-#: packages whose modules import only at module top
-TOP_IMPORTS_ONLY = ("graphlane.sim",)
+#: packages whose modules import graphlane modules only at module top
+TOP_IMPORTS_ONLY = ("graphlane.sim", *TOOLS)
 
 
 @dataclass(frozen=True)
@@ -227,9 +234,9 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
             "graphlane.workers.__init__": "",
             "graphlane.workers.engine": "",
             "graphlane.client.__init__": "from typing import TYPE_CHECKING\n"
-            "if TYPE_CHECKING:\n    from graphlane.tools import t\n",
-            "graphlane.tools.__init__": "",
-            "graphlane.tools.t": "",
+            "if TYPE_CHECKING:\n    from graphlane.loadtest import t\n",
+            "graphlane.loadtest.__init__": "",
+            "graphlane.loadtest.t": "",
             "graphlane.orchestrator.__init__": "try:\n    import graphlane.sim\n"
             "except ImportError:\n    pass\n",
         }
@@ -237,7 +244,7 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
     assert find_cycle(imports) == ["graphlane.sim.a", "graphlane.sim.b", "graphlane.sim.a"]
     directions = direction_violations(imports)
     assert any("graphlane.sim.b:3 imports graphlane.workers.engine" in v for v in directions)
-    assert any("graphlane.client:3 imports graphlane.tools.t" in v for v in directions)
+    assert any("graphlane.client:3 imports graphlane.loadtest.t" in v for v in directions)
     assert any("graphlane.orchestrator:2 imports graphlane.sim" in v for v in directions)
     assert placement_violations(imports) == [
         "graphlane.sim.b:3 imports graphlane.workers.engine inside a function",

@@ -11,8 +11,9 @@ import pytest
 import torch
 from reference import decode_stack
 
+from graphlane.loadtest.attention import reference
+from graphlane.loadtest.workload import TOLERANCE
 from graphlane.sim import torch_npu
-from graphlane.tools.loadtest_workload import TOLERANCE, reference
 from graphlane.workers.programs.attention import AttentionConfig
 
 
