@@ -23,7 +23,7 @@ import torch
 
 from graphlane.client import Client
 
-from .attention import AttentionWorkload
+from .attention import ATTENTION_SHAPE, AttentionWorkload
 from .batching import Sequences
 from .calls import drive_calls, preflight
 from .config import LoadConfig
@@ -79,8 +79,7 @@ CALL_WORKLOADS: dict[
         [LoadConfig, Mapping[str, Any], tuple[int, ...], tuple[int, ...], tuple[int, ...]],
         CallWorkload,
     ],
-] = {"attention-shaped (step parameter actual_seq_lengths_kv, inputs query, key and value, "
-     "output out; e.g. attention)": _attention}  # fmt: skip
+] = {f"attention-shaped ({ATTENTION_SHAPE}; e.g. attention)": _attention}
 #: Programs with device state, by the state's kind: what they are (for messages), and
 #: one scheduler per device with what the report shows of the program (``shape``,
 #: ``buckets``, ``tolerance``).

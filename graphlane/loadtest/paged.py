@@ -121,7 +121,6 @@ class Sequence:
     length: int  # tokens in the cache (prompt + decoded)
     remaining: int  # tokens still to decode
     generation: int | None = None  # the worker generation its KV was written in
-    decoded: int = 0
 
     def slots(self, block_size: int, start: int, stop: int) -> torch.Tensor:
         pos = torch.arange(start, stop)
@@ -224,7 +223,6 @@ class PagedScheduler:
             seq = self.seqs[sid]
             seq.length += 1
             seq.remaining -= 1
-            seq.decoded += 1
             if seq.remaining <= 0:
                 done.append(sid)
         return done
