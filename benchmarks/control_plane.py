@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from graphlane.tools import bench_control as bench
-from graphlane.tools import bench_worker
+from graphlane.bench import control_plane as bench
+from graphlane.bench import worker as bench_worker
 
 
 def main() -> None:

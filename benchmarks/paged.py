@@ -1,4 +1,4 @@
-"""The paged program's figures (see graphlane/tools/bench_paged.py): request bytes per
+"""The paged program's figures (see graphlane/bench/paged.py): request bytes per
 decode step at three context lengths, and pipelined paged decode through a daemon on the
 timed sim against the limit and against a serial daemon.
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from graphlane.tools import bench_paged as bench
+from graphlane.bench import paged as bench
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """The step pipeline through a real daemon on the timed sim: pipelined vs the limit and
-vs a serial daemon, single-step latency vs the floor (see graphlane/tools/bench_pipeline.py).
+vs a serial daemon, single-step latency vs the floor (see graphlane/bench/pipeline.py).
 
 .venv/bin/python benchmarks/pipeline.py [--steps 60] [--depths] [--zero-cost] [--json]
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from graphlane.tools import bench_pipeline as bench
+from graphlane.bench import pipeline as bench
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Figures for the README's reliability table (measured in graphlane.tools.bench_reliability):
+"""Figures for the README's reliability table (measured in graphlane.bench.reliability):
 a worker SIGKILLed under load, overload against a bounded queue, hostile frames.
 
     .venv/bin/python benchmarks/reliability.py
@@ -6,7 +6,7 @@ a worker SIGKILLed under load, overload against a bounded queue, hostile frames.
 
 from __future__ import annotations
 
-from graphlane.tools.bench_reliability import main
+from graphlane.bench.reliability import main
 
 if __name__ == "__main__":
     main()

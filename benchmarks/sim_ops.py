@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from graphlane.tools import bench_sim
+from graphlane.bench import sim_ops as bench_sim
 
 if __name__ == "__main__":
     bench_sim.main()

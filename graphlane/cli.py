@@ -1,6 +1,6 @@
 """The ``graphlane`` command line (also ``python -m graphlane``): ``serve`` and ``status``
 run the daemon and ask it (graphlane.orchestrator, graphlane.client), the other commands
-are tools (graphlane.tools)."""
+are tools (graphlane.loadtest, graphlane.bench, graphlane.demo, graphlane.example)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     cc.add_argument("file", metavar="FILE", help="the TOML configuration to check")
 
-    from graphlane.tools.loadtest_cli import add_parser as add_loadtest_parser
+    from graphlane.loadtest.cli import add_parser as add_loadtest_parser
 
     add_loadtest_parser(sub)
 
@@ -251,7 +251,7 @@ def _main(argv: list[str] | None) -> int:
 
         return check_config(args.file)
     if args.command == "example":
-        from graphlane.tools.example import run
+        from graphlane.example import run
 
         return run(steps=args.steps, layers=args.layers)
     if args.command == "keys":
@@ -274,14 +274,14 @@ def _main(argv: list[str] | None) -> int:
             )
         return 0
     if args.command == "loadtest":
-        from graphlane.tools.loadtest_cli import main as loadtest_main
+        from graphlane.loadtest.cli import main as loadtest_main
 
         return loadtest_main(args)
     if args.command == "bench":
         import json
 
-        from graphlane.tools.bench import format_report, run_all
-        from graphlane.tools.bench_goals import exit_status, goals
+        from graphlane.bench.goals import exit_status, goals
+        from graphlane.bench.suite import format_report, run_all
 
         report = run_all(quick=args.quick)
         verdicts = goals(report)
@@ -293,7 +293,7 @@ def _main(argv: list[str] | None) -> int:
             print(format_report(report))
         return exit_status(verdicts)
     if args.command == "demo":
-        from graphlane.tools.demo import run as run_demo
+        from graphlane.demo import run as run_demo
 
         return run_demo(
             devices=args.devices,

@@ -142,7 +142,7 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_setting(tmp_path: Path) ->
 
 
 def test_bench_exits_non_zero_when_a_goal_fails(capsys) -> None:
-    from graphlane.tools.bench_goals import EXIT_FAILED, EXIT_MET, EXIT_NOISY, exit_status, goals
+    from graphlane.bench.goals import EXIT_FAILED, EXIT_MET, EXIT_NOISY, exit_status, goals
 
     def report(rtt: float, windowed: float, spread: float) -> dict[str, Any]:
         null = {"step_rtt_vs_raw": rtt, "windowed_vs_raw": windowed, "windowed_spread": spread}
@@ -197,14 +197,13 @@ def test_loadtest_says_which_programs_it_can_drive(capsys, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "workers"))
     from prefill_program import PrefillProgram  # docs/programs.md's worked example
 
-    from graphlane.tools.loadtest import LoadTestError
-    from graphlane.tools.loadtest_config import LoadConfig
-    from graphlane.tools.loadtest_workload import resolve_plan
+    from graphlane.loadtest import LoadConfig, LoadTestError
+    from graphlane.loadtest.driver import Plan
 
     hello = {"workers": [{"device": 0, "programs": {"prefill": PrefillProgram().describe()}}]}
     config = LoadConfig("ipc:///nowhere", 1.0, concurrency=1, program="prefill")
     with pytest.raises(LoadTestError) as err:
-        resolve_plan(config, hello)
+        Plan(config, hello)
     text = str(err.value)
     assert "--program" in text and "'attention'" not in text and "--shape" not in text
     assert "attention" in text and "paged_attention" in text

@@ -18,8 +18,9 @@ No import cycle among graphlane modules: an edge for every import, wherever it i
 (a function-level import still ties the two modules together, and one under
 TYPE_CHECKING ties their types). npusim is held to load-time imports only: its stream,
 device and runtime modules still name each other's types (a cycle under
-TYPE_CHECKING, issue 30); the tools' load testers are being untangled (issue 30), so
-their cycle is an expected failure until then.
+TYPE_CHECKING, issue 30). The tools (graphlane.loadtest, graphlane.bench, the demo,
+the example, the command line) may import any of graphlane; nothing above imports
+them.
 
 An edge goes to the module named: ``import a.b`` and ``from a import b`` (b a module)
 go to a.b, ``from a import name`` goes to a; the parent packages that Python also
@@ -54,7 +55,6 @@ ALLOWED = {
 TOP_IMPORTS_ONLY = ("npusim",)
 #: packages whose cycles are checked on load-time imports only / expected (see above)
 LOAD_TIME_CYCLES_ONLY = "npusim"
-BEING_UNTANGLED = "graphlane.tools"
 
 
 @dataclass(frozen=True)
@@ -224,23 +224,13 @@ def imports() -> list[Import]:
 
 
 def test_no_import_cycle_among_graphlane_modules(imports: list[Import]) -> None:
-    rest = [
-        imp
-        for imp in imports
-        if not any(_within(imp.source, p) for p in (LOAD_TIME_CYCLES_ONLY, BEING_UNTANGLED))
-    ]
+    rest = [imp for imp in imports if not _within(imp.source, LOAD_TIME_CYCLES_ONLY)]
     cycle = find_cycle(rest)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
 def test_no_load_time_import_cycle_in_the_sim(imports: list[Import]) -> None:
     cycle = find_cycle(within(imports, LOAD_TIME_CYCLES_ONLY), load_time_only=True)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-
-
-@pytest.mark.xfail(strict=True, reason="the load testers import each other (issue 30, tools)")
-def test_no_import_cycle_in_the_tools(imports: list[Import]) -> None:
-    cycle = find_cycle(within(imports, BEING_UNTANGLED))
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
@@ -275,9 +265,9 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
             "graphlane.workers.__init__": "",
             "graphlane.workers.engine": "",
             "graphlane.client.__init__": "from typing import TYPE_CHECKING\n"
-            "if TYPE_CHECKING:\n    from graphlane.tools import t\n",
-            "graphlane.tools.__init__": "",
-            "graphlane.tools.t": "",
+            "if TYPE_CHECKING:\n    from graphlane.loadtest import t\n",
+            "graphlane.loadtest.__init__": "",
+            "graphlane.loadtest.t": "",
             "graphlane.orchestrator.__init__": "try:\n    import npusim\n"
             "except ImportError:\n    pass\n",
         }
@@ -285,7 +275,7 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
     assert find_cycle(imports) == ["npusim.a", "npusim.b", "npusim.a"]
     directions = direction_violations(imports)
     assert any("npusim.b:3 imports graphlane.workers.engine" in v for v in directions)
-    assert any("graphlane.client:3 imports graphlane.tools.t" in v for v in directions)
+    assert any("graphlane.client:3 imports graphlane.loadtest.t" in v for v in directions)
     assert any("graphlane.orchestrator:2 imports npusim" in v for v in directions)
     assert placement_violations(imports) == [
         "npusim.b:3 imports graphlane.workers.engine inside a function",
@@ -302,16 +292,16 @@ def test_the_checker_sees_each_kind_of_violation() -> None:
         ("graphlane.client.transport", "graphlane.orchestrator.daemon"),
         ("graphlane.workers.loop", "graphlane.orchestrator.daemon"),
         ("graphlane.workers.loop", "graphlane.client.transport"),
-        ("graphlane.workers.loop", "graphlane.tools.t"),
+        ("graphlane.workers.loop", "graphlane.loadtest.t"),
         ("graphlane.orchestrator.daemon", "graphlane.client.transport"),
         ("graphlane.orchestrator.daemon", "npusim.a"),
-        ("graphlane.orchestrator.daemon", "graphlane.tools.t"),
+        ("graphlane.orchestrator.daemon", "graphlane.loadtest.t"),
         ("npusim.a", "graphlane.protocol.wire"),
     ],
 )
 def test_each_direction_rule_sees_its_violation(source: str, target: str) -> None:
     modules = ["graphlane.protocol.wire", "graphlane.client.transport", "graphlane.workers.loop",
-               "graphlane.orchestrator.daemon", "npusim.a", "graphlane.tools.t"]  # fmt: skip
+               "graphlane.orchestrator.daemon", "npusim.a", "graphlane.loadtest.t"]  # fmt: skip
     package, _, name = target.rpartition(".")
     files = {m: "" for m in modules}
     files[source] = f"def f():\n    from {package} import {name}\n"

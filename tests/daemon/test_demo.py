@@ -86,7 +86,7 @@ def test_a_demo_past_its_deadline_says_what_it_waited_for_and_exits(tmp_path: Pa
 # not end, prints "the run went on".
 _BUSY_TASK_DEMO = """
 import asyncio, os, signal, subprocess, sys, tempfile, time
-from graphlane.tools import demo
+from graphlane import demo
 
 async def load():
     async def verifier():  # CPU-bound client work, as the load test's output checks
@@ -110,7 +110,7 @@ print("the run went on", flush=True)
 
 _SIGNAL_BEFORE_REGISTERED = """
 import os, signal, subprocess, sys, threading
-from graphlane.tools import demo
+from graphlane import demo
 
 real_popen, told = subprocess.Popen, threading.Event()
 

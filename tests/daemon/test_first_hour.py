@@ -19,9 +19,9 @@ import torch
 from daemons import SMALL, free_port, wait_for
 
 from graphlane.client import Client, SyncClient
+from graphlane.loadtest import LoadConfig, run_load
+from graphlane.loadtest.availability import BACKOFF_CAP_S, Backoff, DeviceBackoff
 from graphlane.protocol.errors import BadRequest, GraphlaneError, UnknownProgram
-from graphlane.tools.loadtest import LoadConfig, run_load
-from graphlane.tools.loadtest_availability import BACKOFF_CAP_S, Backoff, DeviceBackoff
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {k: SMALL[k] for k in ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len")}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphlane.tools.bench_goals import format_goals, goals, progress
+from graphlane.bench.goals import format_goals, goals, progress
 
 
 def _report(rtt: float, windowed: float, bandwidth: float, spread: float) -> dict:

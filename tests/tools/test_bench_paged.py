@@ -4,8 +4,8 @@ pipelined paged decode are judged when the figures are there."""
 
 from __future__ import annotations
 
-from graphlane.tools.bench_goals import goals
-from graphlane.tools.bench_paged import request_bytes
+from graphlane.bench.goals import goals
+from graphlane.bench.paged import request_bytes
 
 
 def test_paged_request_bytes_do_not_grow_with_the_context() -> None:

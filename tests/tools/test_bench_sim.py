@@ -6,7 +6,7 @@ import math
 
 from npusim import configure
 
-from graphlane.tools import bench_sim
+from graphlane.bench import sim_ops as bench_sim
 
 
 def test_bench_sim_returns_every_figure_and_restores_the_config() -> None:

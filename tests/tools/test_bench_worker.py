@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from graphlane.tools.bench_worker import per_step_us
+from graphlane.bench.worker import per_step_us
 
 
 def test_the_worker_figure_answers_every_bundled_step() -> None:

@@ -1,5 +1,6 @@
-"""``graphlane loadtest`` against real daemons: closed and open loop, verification,
-errors of a drained device, the report files, and ``main`` through its own parser."""
+"""``graphlane loadtest`` of a stateless program (independent calls) against real daemons:
+closed and open loop, verification, errors of a drained device, the report files, and
+``main`` through its own parser. (A program with device state: test_loadtest_paged.)"""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ from daemons import SMALL
 from reference import decode_stack
 
 from graphlane.client import Client
-from graphlane.tools.loadtest import run_load
-from graphlane.tools.loadtest_cli import add_parser, main
-from graphlane.tools.loadtest_config import LoadConfig
-from graphlane.tools.loadtest_record import Recorder
-from graphlane.tools.loadtest_report import assess, build_report
-from graphlane.tools.loadtest_workload import SHAPE_KEYS, Plan, Workload, check_output
-from graphlane.tools.report import write_report
+from graphlane.loadtest import LoadConfig, run_load
+from graphlane.loadtest.attention import SHAPE_KEYS, AttentionWorkload
+from graphlane.loadtest.cli import add_parser, main
+from graphlane.loadtest.record import Recorder
+from graphlane.loadtest.report import assess, build_report
+from graphlane.loadtest.report_files import write_report
+from graphlane.loadtest.workload import close_to
 from graphlane.workers.programs.attention import AttentionConfig
 
 SHAPE = {k: SMALL[k] for k in ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len")}
@@ -77,6 +78,7 @@ def test_closed_loop_with_verification_writes_a_sane_report(shared_daemon, tmp_p
     assert 0 < report["verified"] <= report["steps"] and report["verify_failures"] == 0
     check_latency(report["latency_ms"])
     assert report["latency_ms"]["count"] == report["steps"]
+    assert report["load"] == "calls" and report["config"]["verify"] == 0.5
     assert report["config"]["mode"] == "closed" and report["config"]["concurrency"] == 4
     assert report["config"]["devices"] == [0, 1]
     assert report["config"]["batch_sizes"] == SMALL["buckets"]  # default: hello's buckets
@@ -196,7 +198,13 @@ def test_main_with_a_drained_device_counts_shutting_down_and_completes(
                                   "--report", str(tmp_path / "absent")])  # fmt: skip
     assert main(absent) == 2
     assert "--devices" in capsys.readouterr().err
-    assert not (tmp_path / "wrong").exists() and not (tmp_path / "absent").exists()
+    # A setting of sequences, for a program without device state: refused, naming it.
+    seqs = parser().parse_args([*common, "--rate", "5", "--duration", "1", "--decode-tokens",
+                                "2,3", "--report", str(tmp_path / "seqs")])  # fmt: skip
+    assert main(seqs) == 2
+    assert "--decode-tokens" in capsys.readouterr().err
+    for name in ("wrong", "absent", "seqs"):
+        assert not (tmp_path / name).exists()
 
 
 # ---------------------------------------------------------------------------- no daemon
@@ -217,6 +225,8 @@ def test_main_with_a_drained_device_counts_shutting_down_and_completes(
         ({"rate": 5.0, "shape": {"heads": 4}}, "--shape: unknown key"),
         ({"rate": 5.0, "shape": {"num_heads": 6, "num_kv_heads": 4}}, "--shape.num_kv_heads"),
         ({"rate": 5.0, "max_outstanding": 0}, "--max-outstanding"),
+        ({"rate": 5.0, "prompt_lens": (3, 2)}, "--prompt-lens"),
+        ({"rate": 5.0, "decode_tokens": (0, 2)}, "--decode-tokens"),
     ],
 )
 def test_config_validation_names_the_flag(kwargs: dict[str, Any], message: str) -> None:
@@ -249,18 +259,19 @@ def test_parser_help_and_flag_errors(capsys) -> None:
 
 def test_verification_reference_and_exit_status(tmp_path: Path) -> None:
     shape = AttentionConfig(**SHAPE)
-    plan = Plan(devices=(0,), batch_sizes=(1, 3), buckets=(1, 2, 4), shape=shape)
-    work = Workload(plan, seed=1, verify=1.0)
-    case = work.verified_step(0, 3).case
-    assert case is not None and work.verified_step(0, 3).case is not case  # cases take turns
-    q, k, v = case.inputs["query"], case.inputs["key"], case.inputs["value"]
+    work = AttentionWorkload(shape, (0,), (1, 3), (1, 2, 4), seed=1, verify=1.0)
+    call = work.checked(0, 3)
+    assert call.expected is not None
+    assert work.checked(0, 3).expected is not call.expected  # cases take turns
+    q, k, v = call.inputs["query"], call.inputs["key"], call.inputs["value"]
+    lengths = call.params["actual_seq_lengths_kv"]
     # The client's eager reference agrees with the tests' independent one.
     torch.testing.assert_close(
-        case.expected, decode_stack(q, list(k), list(v), case.lengths), atol=2e-3, rtol=2e-3
+        call.expected, decode_stack(q, list(k), list(v), lengths), atol=2e-3, rtol=2e-3
     )
-    assert check_output(case, case.expected.clone(), torch.float16) == 0.0
-    assert check_output(case, case.expected + 0.5, torch.float16) is None
-    assert check_output(case, case.expected[:1], torch.float16) is None
+    assert work.check(call, call.expected.clone()) == 0.0
+    assert close_to(call.expected + 0.5, call.expected, torch.float16) is None
+    assert work.check(call, call.expected[:1]) is None
 
     # A run in which nothing succeeded still makes a full report, with exit status 1.
     config = LoadConfig("ipc:///nowhere", 1.0, rate=5.0, progress=False)
@@ -268,7 +279,12 @@ def test_verification_reference_and_exit_status(tmp_path: Path) -> None:
     rec.sent = rec.arrivals = 3
     for _ in range(3):
         rec.error("SHUTTING_DOWN", 100.3, device=0, retryable=True)
-    report = build_report(config, plan, rec, {}, {"0": "SHUTTING_DOWN"}, "now", 100.0, 101.0)
+    resolved = {"devices": [0], "batch_sizes": [1, 3], "buckets": [1, 2, 4],
+                "shape": work.describe()["shape"]}  # fmt: skip
+    report = build_report(
+        config, rec, {}, load="calls", resolved=resolved, tolerance=1e-2,
+        preflight={"0": "SHUTTING_DOWN"}, started_at="now", start=100.0, end=101.0,
+    )  # fmt: skip
     assert report["latency_ms"]["p50"] is None and report["steps"] == 0
     assert report["verdict"] == {"exit_code": 1, "ok": False, "reasons": ["no step succeeded"]}
     json_path, html_path = write_report(report, tmp_path / "empty")
@@ -279,7 +295,7 @@ def test_verification_reference_and_exit_status(tmp_path: Path) -> None:
     base = {"steps": 10, "verified": 4, "verify_failures": 0, "non_retryable_errors": 0}
     assert assess({**base, "errors": {"BUSY": 3, "TIMEOUT": 1}}) == (0, [])
     code, why = assess({**base, "verify_failures": 1})
-    assert code == 1 and "differ from eager" in why[0]
+    assert code == 1 and "differ from the reference" in why[0]
     code, why = assess({**base, "errors": {"INTERNAL": 2}, "non_retryable_errors": 2})
     assert code == 1 and "INTERNAL" in why[0]
     assert set(SHAPE) <= set(SHAPE_KEYS)

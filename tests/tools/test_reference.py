@@ -12,7 +12,8 @@ import torch
 from npusim import torch_npu
 from reference import decode_stack
 
-from graphlane.tools.loadtest_workload import TOLERANCE, reference
+from graphlane.loadtest.attention import reference
+from graphlane.loadtest.workload import TOLERANCE
 from graphlane.workers.programs.attention import AttentionConfig
 
 

@@ -27,7 +27,8 @@ import zmq.asyncio
 from graphlane import GraphlaneError
 from graphlane.client import Client
 
-from .bench_control import SCALE, BenchDaemon
+from .control_plane import SCALE
+from .daemon import BenchDaemon
 
 SLOW = {"mode": "timed", "task_us": 5000.0, "patch_us": 200.0}
 

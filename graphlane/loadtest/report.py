@@ -1,7 +1,10 @@
 """The report of a finished ``graphlane loadtest`` run (:func:`build_report`) and its
-verdict (:func:`assess`): the dict :mod:`.report` writes as report.json and report.html.
+verdict (:func:`assess`): the dict :mod:`.report_files` writes as report.json and
+report.html. One format for every program: what :class:`.record.Recorder` measured, plus
+the figures of the shape of load (``load``: "calls" or "sequences"; see
+:mod:`.batching` for the latter's).
 
-See :mod:`graphlane.tools.loadtest` (what the report holds, the exit status).
+See :mod:`graphlane.loadtest` (what the report holds, the exit status).
 """
 
 from __future__ import annotations
@@ -12,45 +15,42 @@ from typing import Any
 from graphlane import __version__
 from graphlane.protocol.errors import RETRYABLE
 
-from .loadtest_availability import MAX_UNAVAILABLE
-from .loadtest_config import LoadConfig
-from .loadtest_record import DeviceStats, Recorder, summary
-from .loadtest_workload import TOLERANCE, Plan
+from .availability import MAX_UNAVAILABLE
+from .config import LoadConfig
+from .record import DeviceStats, Recorder, summary
+from .run import CLIENT_DEADLINE, CLIENT_OVERLOAD
 
-#: Error codes of the load generator itself (never on the wire).
-CLIENT_OVERLOAD = "CLIENT_OVERLOAD"
-CLIENT_DEADLINE = "CLIENT_DEADLINE"
 _CLIENT_RETRYABLE = frozenset({CLIENT_OVERLOAD, CLIENT_DEADLINE})
 
 
 def build_report(
     config: LoadConfig,
-    plan: Plan,
     rec: Recorder,
     hello: Mapping[str, Any],
+    *,
+    load: str,
+    resolved: Mapping[str, Any],
+    tolerance: float,
     preflight: dict[str, str],
     started_at: str,
     start: float,
     end: float,
-    *,
     sent_until: float | None = None,
     interrupted: bool = False,
+    extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """``resolved``: what the run resolved against the daemon (``devices``, ``buckets``,
+    ``shape``, and ``batch_sizes`` for calls), shown in the report's ``config``."""
     elapsed = max(end - start, 1e-9)
     sending_s = max((end if sent_until is None else sent_until) - start, 1e-9)
     unavailable_s = rec.availability.total(start + sending_s)
-    resolved = config.to_dict()
-    resolved.update(
-        devices=list(plan.devices),
-        batch_sizes=list(plan.batch_sizes),
-        shape=plan.shape_dict(),
-        buckets=list(plan.buckets),
-        window_s=rec.window_s,
-    )
-    if config.mode == "open":
-        resolved["max_outstanding"] = config.outstanding_cap()
+    devices = list(resolved["devices"])
+    settings = config.to_dict()
+    settings.update(resolved, verify=config.verify_share(load), window_s=rec.window_s)
+    if config.mode == "open" and load == "calls":
+        settings["max_outstanding"] = config.outstanding_cap()
     per_device = {}
-    for d in plan.devices:
+    for d in devices:
         s = rec.devices.get(d) or DeviceStats()
         lat = summary(s.hist)
         per_device[str(d)] = {
@@ -68,7 +68,8 @@ def build_report(
     report: dict[str, Any] = {
         "tool": f"graphlane loadtest {__version__}",
         "started_at": started_at,
-        "config": resolved,
+        "load": load,
+        "config": settings,
         "server": {
             "server": hello.get("server"),
             "protocol_version": hello.get("version"),
@@ -83,9 +84,13 @@ def build_report(
         "sent": rec.sent,
         "steps": rec.steps,
         "throughput": round(rec.steps / elapsed, 3),
-        "offered_rate": config.rate,
+        # the throughput plot's line: steps/s offered (for sequences R is arrivals of
+        # sequences, not of steps)
+        "offered_rate": config.rate if load == "calls" else None,
         "latency_ms": summary(rec.latency),
-        "latency_basis": "scheduled arrival time" if config.mode == "open" else "send time",
+        "latency_basis": "scheduled arrival time"
+        if config.mode == "open" and load == "calls"
+        else "send time",
         "errors_total": rec.errors_total,
         "errors": dict(sorted(rec.errors.items())),
         "non_retryable_errors": rec.non_retryable,
@@ -93,11 +98,12 @@ def build_report(
         "unavailable_share": round(min(1.0, unavailable_s / sending_s), 4),
         "max_unavailable": config.max_unavailable,
         "error_examples": dict(sorted(rec.error_examples.items())),
-        "verify_fraction": config.verify,
+        "verify_fraction": config.verify_share(load),
         "verified": rec.verified,
         "verify_failures": rec.verify_failures,
         "verify_max_abs_error": rec.verify_max_error,
-        "verify_tolerance": TOLERANCE.get(plan.dtype, 1e-2),
+        "verify_tolerance": tolerance,
+        "verified_by_generation": {str(k): v for k, v in rec.verified_by_generation.items()},
         "verify_failure_examples": rec.failure_examples,
         "per_device": per_device,
         "per_batch": per_batch,
@@ -110,8 +116,12 @@ def build_report(
         },
         "latency_hdr_us": rec.latency.encode().decode("ascii"),
     }
-    if config.mode == "open":
+    if config.mode == "open" and load == "calls":
         report["send_lag_ms"] = summary(rec.send_lag)
+    if extra:
+        report.update(extra)
+        if "tokens" in extra:
+            report["tokens_per_s"] = round(extra["tokens"] / elapsed, 3)
     code, reasons = assess(report)
     report["verdict"] = {"exit_code": code, "ok": code == 0, "reasons": reasons}
     return report
@@ -122,8 +132,8 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
     reasons = []
     if report.get("verify_failures", 0):
         reasons.append(
-            f"{report['verify_failures']} of {report.get('verified', 0)} verified outputs "
-            "differ from eager attention"
+            f"{report['verify_failures']} of {report.get('verified', 0)} checked outputs "
+            "differ from the reference"
         )
     if report.get("non_retryable_errors", 0):
         codes = [
@@ -144,3 +154,13 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
     if not report.get("steps", 0):
         reasons.append("no step succeeded")
     return (1 if reasons else 0), reasons
+
+
+def load_text(report: Mapping[str, Any]) -> str:
+    """The load of a run in words: its loop and what C or R count."""
+    cfg = report.get("config", {})
+    what = "sequence" if report.get("load") == "sequences" else "call"
+    if report.get("mode") == "open":
+        return f"open loop, {cfg.get('rate', 0):g} {what} arrivals/s (Poisson)"
+    live = "live sequences" if what == "sequence" else "calls in flight"
+    return f"closed loop, {cfg.get('concurrency')} {live}"

@@ -13,12 +13,11 @@ import math
 import time
 
 import torch
+from npusim import torch_npu
 
 
 def run(steps: int = 8, layers: int = 4, batch: int = 4, heads: int = 8, kv_heads: int = 2,
         head_dim: int = 64, max_kv: int = 256, seed: int = 0) -> int:  # fmt: skip
-    from npusim import torch_npu
-
     npu = torch_npu.npu
 
     gen = torch.Generator().manual_seed(seed)

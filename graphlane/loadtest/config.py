@@ -1,6 +1,9 @@
-"""The configuration of ``graphlane loadtest``: :class:`LoadConfig`, checked where it is made.
+"""The configuration of ``graphlane loadtest``: :class:`LoadConfig`, checked where it is
+made. One config for every program; the settings that only one shape of load reads
+(``batch_sizes`` and ``shape`` for independent calls, ``prompt_lens`` and
+``decode_tokens`` for sequences) are refused by :mod:`.driver` for the other.
 
-See :mod:`graphlane.tools.loadtest`.
+See :mod:`graphlane.loadtest`.
 """
 
 from __future__ import annotations
@@ -11,22 +14,34 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from graphlane.cli_support import key_flags_problem
 from graphlane.workers.programs.attention import AttentionConfig
 from graphlane.workers.programs.base import ProgramConfigError
 
-from .loadtest_availability import MAX_UNAVAILABLE
-from .loadtest_workload import SHAPE_KEYS
+from .attention import SHAPE_KEYS
+from .availability import MAX_UNAVAILABLE
+
+#: Tokens each sequence decodes when ``decode_tokens`` is not given.
+DECODE_TOKENS = (4, 32)
+#: The checked share of steps when ``verify`` is not given: independent calls carry
+#: their own key/value when checked, which costs bandwidth; a sequence's step is checked
+#: from the host copy of its state at no cost on the wire.
+VERIFY = {"calls": 0.0, "sequences": 0.2}
 
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """One load test. Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop).
+    """One load test. Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop):
+    calls in flight and call arrivals/s for a stateless program, live sequences and
+    sequence arrivals/s for one with device state.
 
-    ``shape`` overrides AttentionConfig's defaults for the keys in
-    :data:`SHAPE_KEYS`; ``layers`` defaults to the task groups the daemon's
-    ``hello`` reports. ``max_outstanding`` caps the open loop's calls in flight
-    (None: 10 s worth of arrivals, clamped to 100..10,000). Invalid values raise
-    ValueError naming the command-line flag.
+    ``verify``: the share of steps checked (None: :data:`VERIFY` by the shape of load).
+    ``shape`` overrides AttentionConfig's defaults for the keys in :data:`SHAPE_KEYS`
+    where the daemon's ``hello`` does not describe them. ``max_outstanding`` caps the
+    open loop's calls in flight (None: 10 s worth of arrivals, clamped to 100..10,000).
+    ``prompt_lens`` (None: 1..half the longest sequence) and ``decode_tokens`` (None:
+    :data:`DECODE_TOKENS`) are the ranges a sequence's lengths are drawn from. Invalid
+    values raise ValueError naming the command-line flag.
     """
 
     endpoint: str
@@ -36,7 +51,7 @@ class LoadConfig:
     program: str = "attention"
     devices: tuple[int, ...] | None = None
     batch_sizes: tuple[int, ...] | None = None
-    verify: float = 0.0
+    verify: float | None = None
     report_dir: str | None = None
     seed: int = 0
     timeout_s: float = 30.0
@@ -46,12 +61,15 @@ class LoadConfig:
     max_unavailable: float = MAX_UNAVAILABLE
     server_key: str | None = None  # CurveZMQ: the daemon's server.key
     client_key: str | None = None  # CurveZMQ: this client's NAME.key_secret
+    prompt_lens: tuple[int, int] | None = None
+    decode_tokens: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.devices is not None:
             object.__setattr__(self, "devices", tuple(self.devices))
-        if self.batch_sizes is not None:
-            object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
+        for name in ("batch_sizes", "prompt_lens", "decode_tokens"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "shape", MappingProxyType(dict(self.shape or {})))
         self.validate()
 
@@ -74,15 +92,13 @@ class LoadConfig:
             raise ValueError(f"--duration must be > 0 seconds, not {self.duration_s!r}")
         if not (_is_real(self.timeout_s) and 0 < self.timeout_s < math.inf):
             raise ValueError(f"--timeout must be > 0 seconds, not {self.timeout_s!r}")
-        if not (_is_real(self.verify) and 0.0 <= self.verify <= 1.0):
+        if self.verify is not None and not (_is_real(self.verify) and 0.0 <= self.verify <= 1.0):
             raise ValueError(f"--verify must be a fraction in [0, 1], not {self.verify!r}")
         if not (_is_real(self.max_unavailable) and 0.0 <= self.max_unavailable <= 1.0):
             raise ValueError(
                 f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}"
             )
         if (self.server_key is None) != (self.client_key is None):
-            from graphlane.cli_support import key_flags_problem
-
             raise ValueError(key_flags_problem(self.server_key, self.client_key))
         if not isinstance(self.program, str) or not self.program:
             raise ValueError("--program must name a program")
@@ -104,6 +120,12 @@ class LoadConfig:
             not _is_int(self.max_outstanding) or self.max_outstanding < 1
         ):
             raise ValueError(f"--max-outstanding must be >= 1, not {self.max_outstanding!r}")
+        for flag, pair in (("--prompt-lens", self.prompt_lens),
+                           ("--decode-tokens", self.decode_tokens)):  # fmt: skip
+            if pair is not None and not (
+                len(pair) == 2 and all(_is_int(v) for v in pair) and 1 <= pair[0] <= pair[1]
+            ):
+                raise ValueError(f"{flag} takes two integers LO,HI with 1 <= LO <= HI")
         unknown = sorted(set(self.shape) - set(SHAPE_KEYS))
         if unknown:
             raise ValueError(f"--shape: unknown key(s) {unknown} (known: {', '.join(SHAPE_KEYS)})")
@@ -114,6 +136,10 @@ class LoadConfig:
         except TypeError as exc:
             raise ValueError(f"--shape: {exc}") from None
 
+    def verify_share(self, load: str) -> float:
+        """The share of steps checked for ``load`` ("calls" or "sequences")."""
+        return VERIFY[load] if self.verify is None else self.verify
+
     def outstanding_cap(self) -> int:
         if self.max_outstanding is not None:
             return self.max_outstanding
@@ -122,7 +148,9 @@ class LoadConfig:
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["devices"] = None if self.devices is None else list(self.devices)
-        out["batch_sizes"] = None if self.batch_sizes is None else list(self.batch_sizes)
+        for name in ("batch_sizes", "prompt_lens", "decode_tokens"):
+            value = getattr(self, name)
+            out[name] = None if value is None else list(value)
         out["shape"] = dict(self.shape)
         out["mode"] = self.mode
         return out

@@ -2,16 +2,16 @@
 
 - pipeline: through a real daemon at serve's default config on the timed sim,
   pipelined vs the limit and vs a serial daemon, latency vs the floor, and the
-  zero-cost rate (:mod:`.bench_pipeline`);
+  zero-cost rate (:mod:`.pipeline`);
 - control plane: a raw pyzmq+msgpack round trip between two processes against
   the daemon, in the same run: sequential round trips, windowed throughput, and
-  large-tensor bandwidth (:mod:`.bench_control`);
-- scaling: windowed steps/s over 1, 2 and 4 simulated devices (:mod:`.bench_control`);
+  large-tensor bandwidth (:mod:`.control_plane`);
+- scaling: windowed steps/s over 1, 2 and 4 simulated devices (:mod:`.control_plane`);
 - paged decode: request bytes per step at three context lengths, and pipelined paged
   decode through a daemon on the timed sim vs the limit and vs serial
-  (:mod:`.bench_paged`).
+  (:mod:`.paged`).
 
-The reliability figures (:mod:`.bench_reliability`) are a run of their own:
+The reliability figures (:mod:`.reliability`) are a run of their own:
 ``benchmarks/reliability.py``.
 """
 
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import bench_control, bench_paged, bench_worker
-from . import bench_pipeline as pipeline_bench
-from .bench_goals import format_goals, progress
+from . import control_plane, paged, worker
+from . import pipeline as pipeline_bench
+from .goals import format_goals, progress
 
 
 def run_all(quick: bool = False) -> dict[str, Any]:
@@ -31,21 +31,21 @@ def run_all(quick: bool = False) -> dict[str, Any]:
     with progress("the zero-cost rate through a daemon (4 layers, no modelled cost)"):
         zero = pipeline_bench.zero_cost(steps=1000 if quick else 2000)
     with progress("the control plane against raw pyzmq+msgpack, null device then timed sim"):
-        cp = bench_control.control_plane(200 if quick else 500)
+        cp = control_plane.control_plane(200 if quick else 500)
     with progress("the worker's own CPU time per bundled step, in-process, null device"):
-        cp["worker_in_process"] = bench_worker.per_step_us(1000 if quick else 2000)
+        cp["worker_in_process"] = worker.per_step_us(1000 if quick else 2000)
     with progress("tensor bandwidth against raw pyzmq, null device then timed sim"):
-        bw = bench_control.bandwidth(10 if quick else 30)
+        bw = control_plane.bandwidth(10 if quick else 30)
     with progress("scaling over 1, 2 and 4 simulated devices"):
-        sc = bench_control.scaling(steps=100 if quick else 200)
+        sc = control_plane.scaling(steps=100 if quick else 200)
     with progress("paged decode: request bytes, then pipelined vs serial daemons"):
-        paged = {
-            "request_bytes": bench_paged.request_bytes(),
-            "pipeline": bench_paged.pipeline(steps=steps, reps=2 if quick else 3),
+        paged_figures = {
+            "request_bytes": paged.request_bytes(),
+            "pipeline": paged.pipeline(steps=steps, reps=2 if quick else 3),
         }
     return {
         "pipeline": [r.as_dict() for r in pipe],
-        "paged": paged,
+        "paged": paged_figures,
         "pipeline_table": pipeline_bench.table(pipe),
         "zero_cost": zero,
         "control_plane": cp,
@@ -104,5 +104,5 @@ def format_report(r: dict[str, Any]) -> str:
             f"  {n} device(s): {rate:.1f} steps/s ({sc['vs_one_device'][n]:.2f}x one device)"
         )
     if "paged" in r:
-        lines += ["", *bench_paged.format_paged(r["paged"])]
+        lines += ["", *paged.format_paged(r["paged"])]
     return "\n".join([*lines, "", *format_goals(r)])

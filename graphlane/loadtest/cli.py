@@ -1,7 +1,6 @@
-"""The command line of ``graphlane loadtest``: its flags, the live progress view, the
-summary table and :func:`main`.
+"""The command line of ``graphlane loadtest``: its flags, the summary table and :func:`main`.
 
-See :mod:`graphlane.tools.loadtest`.
+See :mod:`graphlane.loadtest`.
 """
 
 from __future__ import annotations
@@ -11,95 +10,23 @@ import asyncio
 import contextlib
 import signal
 import sys
-import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from graphlane.client import Client
 from graphlane.orchestrator.config import DEFAULT_LISTEN
 from graphlane.protocol.endpoints import InvalidEndpoint
-from graphlane.protocol.errors import GraphlaneError
+from graphlane.protocol.errors import GraphlaneError, Timeout
 
-from .loadtest import LoadTestError, Run, run_load
-from .loadtest_availability import MAX_UNAVAILABLE
-from .loadtest_config import LoadConfig
-from .loadtest_paged import (
-    PagedLoadConfig,
-    PagedLoadError,
-    is_paged,
-    print_paged_summary,
-    run_paged,
-)
-from .loadtest_workload import SHAPE_KEYS
-
-
-# ---------------------------------------------------------------------------- progress
-class Progress:
-    """A rich Live view on stderr, refreshed 4 times a second by an asyncio task."""
-
-    def __init__(self) -> None:
-        from rich.console import Console, Group
-        from rich.live import Live
-        from rich.text import Text
-
-        self._group, self._text = Group, Text
-        self.console = Console(stderr=True)
-        self.live = Live(console=self.console, auto_refresh=False, transient=False)
-        self.history: deque[tuple[float, int]] = deque(maxlen=5)
-        self.run_: Run | None = None
-        self.finished = False
-
-    def render(self) -> Any:
-        assert self.run_ is not None
-        run, rec, c = self.run_, self.run_.rec, self.run_.config
-        now = time.monotonic()
-        elapsed = now - rec.start
-        self.history.append((now, rec.steps))
-        t0, n0 = self.history[0]
-        recent = (rec.steps - n0) / (now - t0) if now > t0 else 0.0
-        lat = rec.latency
-        n = lat.get_total_count()
-        p50 = f"{lat.get_value_at_percentile(50) / 1000:.2f}" if n else "-"
-        p99 = f"{lat.get_value_at_percentile(99) / 1000:.2f}" if n else "-"
-        how = f"closed loop x{c.concurrency}" if c.mode == "closed" else f"open loop {c.rate:g}/s"
-        phase = (
-            "done"
-            if self.finished
-            else "sending"
-            if run.sent_until is None
-            else "waiting for calls in flight"
-        )
-        errs = ", ".join(f"{k} {v}" for k, v in sorted(rec.errors.items())) or "none"
-        check = f"  verified {rec.verified}, wrong {rec.verify_failures}" if c.verify else ""
-        T = self._text
-        return self._group(
-            T.from_markup(f"[bold]graphlane loadtest[/] {how} -> {c.endpoint}"),
-            T.from_markup(
-                f"elapsed [bold]{min(elapsed, c.duration_s):.1f}[/]/{c.duration_s:g} s "
-                f"({phase})  steps [bold]{rec.steps}[/]  steps/s [bold]{recent:.1f}[/] "
-                f"(avg {rec.steps / max(elapsed, 1e-9):.1f})  in flight {rec.in_flight}"
-            ),
-            T.from_markup(
-                f"latency ms p50 [bold]{p50}[/] p99 [bold]{p99}[/]  errors "
-                f"[{'red' if rec.errors else 'green'}]{errs}[/]{check}"
-            ),
-        )
-
-    async def tick(self, run: Run) -> None:
-        self.run_ = run
-        self.live.start()
-        while True:
-            self.live.update(self.render(), refresh=True)
-            await asyncio.sleep(0.25)
-
-    def close(self) -> None:
-        if self.run_ is None:
-            return
-        self.finished = True
-        self.live.update(self.render(), refresh=True)
-        self.live.stop()
-        if not self.console.is_terminal:
-            self.console.line()
+from .attention import SHAPE_KEYS
+from .availability import MAX_UNAVAILABLE
+from .config import DECODE_TOKENS, VERIFY, LoadConfig
+from .driver import run_load
+from .report import load_text
+from .workload import LoadTestError
 
 
 # ---------------------------------------------------------------------------- command line
@@ -150,41 +77,45 @@ def _number(flag: str) -> Callable[[str], float]:
 
 
 _DESCRIPTION = """\
-Send attention steps to a running graphlane daemon for --duration seconds:
+Drive a program of a running graphlane daemon for --duration seconds, as its
+hello entry describes it, and measure it. Shows live progress, prints a summary
+and writes DIR/report.json and DIR/report.html (with PNG plots).
+
+Programs it can drive (--program): attention-shaped ones (step parameter
+actual_seq_lengths_kv, inputs query/key/value, output out; e.g. attention), and
+ones with a paged KV cache (e.g. paged_attention).
+
+A program without device state (e.g. attention) gets independent calls:
   closed loop (--concurrency C): C calls in flight, each caller sending its next
-      step when the previous one is answered;
-  open loop (--rate R): Poisson arrivals at R steps/s, latency measured from each
+      call when the previous one is answered;
+  open loop (--rate R): Poisson arrivals at R calls/s, latency measured from each
       arrival's scheduled time, so a stalled server shows as latency, not as
       fewer arrivals.
-Shows live progress, prints a summary and writes DIR/report.json and
-DIR/report.html (with PNG plots). With --verify F, a fraction F of the steps
-carry their own query/key/value and their output is checked against eager
-attention; the other steps send lengths and a query only.
+  With --verify F, a share F of the calls carry their own query/key/value and
+  their output is checked against eager attention; the others send lengths and
+  a query only. --batch-sizes and --shape apply.
 
-Errors are counted by code, never retried. After an error on a device, the
-closed loop holds that device back: a random pause in [d/2, d], d doubling per
+A program that keeps a paged KV cache on the device (its hello entry says so, e.g.
+paged_attention) gets a scheduler's decode loop instead, with its shapes from
+hello: sequences arrive (--concurrency C: C live sequences, a new one when one
+ends; --rate R: R sequence arrivals/s), get blocks from a client-side allocator,
+have a random prompt (--prompt-lens) written into their slots with kv_write, and
+decode --decode-tokens tokens in continuously batched steps (one step in flight
+per device; arrivals join, finished sequences leave and their blocks are reused).
+A --verify share of the steps (default 0.2) is checked against
+scaled_dot_product_attention over the client's own copy of the KV. After a
+worker restart (STATE_LOST) the live sequences are written again; nothing
+computed on an emptied cache counts as verified. The report adds tokens/s, batch
+occupancy (mean batch / bucket), request bytes per step and the sequences.
+
+Errors are counted by code, never retried as the same call. After an error on a
+device, that device is held back: a random pause in [d/2, d], d doubling per
 consecutive error from 10 ms up to 1 s, reset by a success; callers draw other
 devices meanwhile and wait only when every device is held.
 
-Programs it can drive (--program): attention-shaped ones, e.g. attention (step
-parameter actual_seq_lengths_kv, inputs query/key/value, output out), and ones
-with a paged KV cache, e.g. paged_attention. Any other program is refused with
-what its hello entry describes: the load test cannot know what values another
-program's inputs and parameters take; drive it with graphlane.Client.
-
-A program that keeps a paged KV cache on the device (its hello entry says so, e.g.
---program paged_attention) gets a scheduler's decode workload instead, with its
-shapes from the daemon's hello: sequences arrive (--concurrency C: C live
-sequences, a new one when one ends; --rate R: R sequence arrivals/s), get blocks
-from a client-side allocator, have a random prompt (--prompt-lens) written into
-their slots with kv_write, and decode --decode-tokens tokens in continuously
-batched steps (one step in flight per device; arrivals join, finished sequences
-leave and their blocks are reused). A --verify share of the steps (default 0.2)
-is checked against scaled_dot_product_attention over the client's own copy of
-the KV. After a worker restart (STATE_LOST) the live sequences are written again;
-nothing computed on an emptied cache counts as verified. It reports tokens/s,
-batch occupancy (mean batch / bucket), request bytes per step, verified/wrong,
-and writes DIR/report.json."""
+Any other program is refused with what its hello entry describes: the load test
+cannot know what values another program's inputs and parameters take; drive it
+with graphlane.Client."""
 
 _EPILOG = """\
 exit status:
@@ -197,17 +128,20 @@ exit status:
      unavailable when no step succeeded in it and calls got WORKER_LOST,
      SHUTTING_DOWN, TIMEOUT or CLIENT_DEADLINE (or none ended, right after such
      a window);
-  2  invalid flags, or a run that could not start (the program is not served or
-     not one loadtest can drive, its shapes differ, --connect is no daemon's);
+  2  invalid flags (also a flag the program's shape of load does not read), or
+     a run that could not start (the program is not served or not one loadtest
+     can drive, its shapes differ, --connect is no daemon's);
   3  nothing answered at --connect within --connect-timeout (no daemon there,
      or one with other CurveZMQ keys);
   130  Ctrl-C: one line, "interrupted". After the run started, the first Ctrl-C
      ends the sending, prints the summary and writes the report of the steps
      so far, then exits 130; a second one aborts at once.
 
-example:
+examples:
   graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 --duration 30 \\
-      --verify 0.05 --report out/"""
+      --verify 0.05 --report out/
+  graphlane loadtest --connect tcp://127.0.0.1:7450 --program paged_attention \\
+      --concurrency 16 --duration 30 --report out-paged/"""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -230,14 +164,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--concurrency",
         type=int,
         metavar="C",
-        help="closed loop: keep C steps in flight, each caller sending its next step when "
-        "the previous one is answered",
+        help="closed loop: keep C calls in flight, each caller sending its next call when "
+        "the previous one is answered (a program with device state: C live sequences)",
     )
     mode.add_argument(
         "--rate",
         type=_number("--rate"),
         metavar="R",
-        help="open loop: Poisson arrivals at R steps/s, whatever the server does",
+        help="open loop: Poisson arrivals at R calls/s, whatever the server does (a program "
+        "with device state: R sequence arrivals/s)",
     )
     p.add_argument(
         "--duration",
@@ -250,8 +185,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--program",
         default="attention",
         metavar="NAME",
-        help="program to step (default attention): an attention-shaped one, or one with "
-        "a paged KV cache (e.g. paged_attention: the paged decode workload above); "
+        help="program to drive (default attention): a stateless attention-shaped one, or "
+        "one with a paged KV cache (e.g. paged_attention: the decode loop above); "
         "loadtest refuses others, see above",
     )
     p.add_argument(
@@ -264,30 +199,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--batch-sizes",
         type=_int_list("--batch-sizes"),
         metavar="LIST",
-        help="batch sizes to draw from uniformly, e.g. 1,3,8 (default: the program's buckets)",
+        help="independent calls: batch sizes to draw from uniformly, e.g. 1,3,8 (default: "
+        "the program's buckets)",
     )
     p.add_argument(
         "--verify",
         type=_number("--verify"),
         default=None,
         metavar="FRACTION",
-        help="fraction of steps (0..1) checked against eager attention computed here "
-        "(default 0; 0.2 for a paged program)",
+        help="fraction of steps (0..1) checked against a reference computed here (default "
+        f"{VERIFY['calls']:g} for independent calls, {VERIFY['sequences']:g} for sequences)",
     )
     p.add_argument(
         "--prompt-lens",
         type=_int_list("--prompt-lens"),
         metavar="LO,HI",
-        help="paged program: prompt lengths drawn uniformly in LO..HI "
+        help="sequences: prompt lengths drawn uniformly in LO..HI "
         "(default 1..half the longest sequence)",
     )
     p.add_argument(
         "--decode-tokens",
         type=_int_list("--decode-tokens"),
-        default=(4, 32),
         metavar="LO,HI",
-        help="paged program: tokens each sequence decodes, drawn uniformly in LO..HI "
-        "(default 4,32)",
+        help="sequences: tokens each sequence decodes, drawn uniformly in LO..HI "
+        f"(default {DECODE_TOKENS[0]},{DECODE_TOKENS[1]})",
     )
     p.add_argument(
         "--report",
@@ -300,7 +235,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=parse_shape,
         default={},
         metavar="KEY=VALUE,...",
-        help="the shapes of an attention-shaped program whose hello entry has no "
+        help="independent calls: the shapes of an attention-shaped program whose hello "
+        "entry has no "
         "'config' (the daemon's built-in programs describe themselves): keys "
         + ", ".join(SHAPE_KEYS)
         + " (defaults num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256,dtype=float16; "
@@ -324,7 +260,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-outstanding",
         type=int,
         metavar="N",
-        help="open loop: most calls in flight; arrivals over it count as CLIENT_OVERLOAD "
+        help="open loop of calls: most calls in flight; arrivals over it count as "
+        "CLIENT_OVERLOAD "
         "(default 10 x rate, within 100..10000)",
     )
     p.add_argument("--server-key", metavar="FILE", help="CurveZMQ: the daemon's server.key")
@@ -362,7 +299,7 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         program=args.program,
         devices=args.devices,
         batch_sizes=args.batch_sizes,
-        verify=args.verify or 0.0,
+        verify=args.verify,
         report_dir=args.report,
         seed=args.seed,
         timeout_s=args.timeout,
@@ -372,23 +309,26 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         max_unavailable=args.max_unavailable,
         server_key=args.server_key,
         client_key=args.client_key,
+        prompt_lens=_pair("--prompt-lens", args.prompt_lens),
+        decode_tokens=_pair("--decode-tokens", args.decode_tokens),
     )
+
+
+def _pair(flag: str, values: tuple[int, ...] | None) -> tuple[int, int] | None:
+    if values is None:
+        return None
+    if len(values) != 2:
+        raise ValueError(f"{flag} takes two integers LO,HI")
+    return values[0], values[1]
 
 
 def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
     """A rich table of the run's results."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     lat = report["latency_ms"]
     cfg = report["config"]
-    how = (
-        f"closed loop, concurrency {cfg['concurrency']}"
-        if report["mode"] == "closed"
-        else f"open loop, {cfg['rate']:g} arrivals/s"
-    )
-    t = Table(title=f"graphlane loadtest: {how}", show_header=False, title_justify="left")
+    t = Table(title=f"graphlane loadtest: {load_text(report)}", show_header=False,
+              title_justify="left")  # fmt: skip
     t.add_column(style="bold")
     t.add_column()
 
@@ -412,13 +352,30 @@ def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
     if "send_lag_ms" in report:
         lag = report["send_lag_ms"]
         t.add_row("send lag ms", f"p50 {ms(lag['p50'])}  p99 {ms(lag['p99'])}")
+    if report.get("load") == "sequences":
+        seqs, rb = report["sequences"], report["request_bytes"]
+        t.add_row("tokens", f"{report['tokens']} ({report['tokens_per_s']:.1f}/s)")
+        t.add_row("batch occupancy", f"{report['occupancy']:.2f} (mean batch "
+                  f"{report['mean_batch']})")  # fmt: skip
+        t.add_row(
+            "sequences",
+            f"{seqs['arrived']} arrived, {seqs['admitted']} admitted, {seqs['finished']} "
+            f"finished, {seqs['cut']} cut at the end, {seqs['never_admitted']} still queued, "
+            f"{seqs['reprefilled']} written again",
+        )
+        if rb["mean"] is not None:
+            t.add_row("request bytes/step", f"mean {rb['mean']:.0f}  min {rb['min']}  "
+                      f"max {rb['max']}")  # fmt: skip
+        if "blocks_reused" in report:
+            t.add_row("blocks reused", str(report["blocks_reused"]))
+        t.add_row("state lost", str(report["state_lost"]))
     errors = ", ".join(f"{k}: {v}" for k, v in report["errors"].items()) or "none"
     t.add_row("errors", f"[red]{errors}[/]" if report["errors"] else errors)
     if report["verify_fraction"]:
         t.add_row(
             "verified",
             f"{report['verified']} checked, {report['verify_failures']} wrong "
-            f"(max |out - eager| {report['verify_max_abs_error']:.2g})",
+            f"(max |out - reference| {report['verify_max_abs_error']:.2g})",
         )
     verdict = report["verdict"]
     t.add_row(
@@ -458,7 +415,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _main(args: argparse.Namespace, config: LoadConfig) -> int:
     try:
-        hello = asyncio.run(_first_hello(config, args.connect_timeout))
+        asyncio.run(_first_hello(config, args.connect_timeout))
     except NoAnswer as exc:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return EXIT_NO_ANSWER
@@ -469,18 +426,11 @@ def _main(args: argparse.Namespace, config: LoadConfig) -> int:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
     try:
-        paged = _paged_config(args, config, hello)
-        if paged is not None:
-            report, interrupted = asyncio.run(_run_interruptible(paged))
-        else:
-            report, interrupted = asyncio.run(_run_interruptible(config))
-    except (ValueError, LoadTestError, PagedLoadError, GraphlaneError) as exc:
+        report, interrupted = asyncio.run(_run_interruptible(config))
+    except (ValueError, LoadTestError, GraphlaneError) as exc:
         print(f"graphlane loadtest: {exc}", file=sys.stderr)
         return 2
-    if paged is not None:
-        print_paged_summary(report)
-    else:
-        print_summary(report)
+    print_summary(report)
     if interrupted:  # the steps so far are summed up and written; the run did not end
         print("graphlane loadtest: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -489,9 +439,6 @@ def _main(args: argparse.Namespace, config: LoadConfig) -> int:
 
 async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
     """The daemon's hello, or NoAnswer naming the endpoint, the wait and its flag."""
-    from graphlane.client import Client
-    from graphlane.protocol.errors import Timeout
-
     client = Client(
         config.endpoint, timeout=wait_s,
         server_key=config.server_key, client_key=config.client_key,
@@ -519,38 +466,8 @@ def _no_op() -> None:
     pass
 
 
-def _paged_config(
-    args: argparse.Namespace, config: LoadConfig, hello: Mapping[str, Any]
-) -> PagedLoadConfig | None:
-    """The paged workload's config when the daemon describes ``--program`` as paged."""
-    keys = {"server_key": config.server_key, "client_key": config.client_key}
-    if not is_paged(hello, config.program):
-        return None
-    prompt = args.prompt_lens
-    for flag, pair in (("--prompt-lens", prompt), ("--decode-tokens", args.decode_tokens)):
-        if pair is not None and len(pair) != 2:
-            raise ValueError(f"{flag} takes two integers LO,HI")
-    return PagedLoadConfig(
-        endpoint=config.endpoint,
-        duration_s=config.duration_s,
-        concurrency=config.concurrency,
-        rate=config.rate,
-        program=config.program,
-        devices=config.devices,
-        verify=0.2 if args.verify is None else args.verify,
-        prompt_lens=(prompt[0], prompt[1]) if prompt else None,
-        decode_tokens=(args.decode_tokens[0], args.decode_tokens[1]),
-        seed=config.seed,
-        timeout_s=config.timeout_s,
-        report_dir=config.report_dir,
-        **keys,
-    )
-
-
-async def _run_interruptible(
-    config: LoadConfig | PagedLoadConfig,
-) -> tuple[dict[str, Any], bool]:
-    """run_load (or run_paged) where the first Ctrl-C ends sending early (the report of
+async def _run_interruptible(config: LoadConfig) -> tuple[dict[str, Any], bool]:
+    """run_load where the first Ctrl-C ends sending early (the report of
     the steps so far is still written) and a second one aborts; the report, and
     whether a Ctrl-C came."""
     stop = asyncio.Event()
@@ -565,16 +482,8 @@ async def _run_interruptible(
     try:
         loop.add_signal_handler(signal.SIGINT, on_sigint)
     except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
-        return await _run_either(config), False
+        return await run_load(config), False
     try:
-        return await _run_either(config, stop), stop.is_set()
+        return await run_load(config, stop=stop), stop.is_set()
     finally:
         loop.remove_signal_handler(signal.SIGINT)
-
-
-async def _run_either(
-    config: LoadConfig | PagedLoadConfig, stop: asyncio.Event | None = None
-) -> dict[str, Any]:
-    if isinstance(config, PagedLoadConfig):
-        return await run_paged(config, stop=stop)
-    return await run_load(config, stop=stop)

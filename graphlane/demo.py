@@ -7,7 +7,8 @@ its workers are ready, and drives every device for half the duration each:
 1. a closed-loop load test of ``attention`` (random batch sizes and sequence
    lengths; a share of the steps carry their own query/key/value and their
    outputs are checked against eager attention);
-2. the paged decode workload of ``paged_attention`` (:mod:`.loadtest_paged`):
+2. the continuous-batching decode loop of ``paged_attention``
+   (:mod:`graphlane.loadtest.batching`):
    sequences prefilled through ``kv_write``, continuously batched decode steps,
    blocks reused, a share of the steps checked against
    ``scaled_dot_product_attention`` over the demo's own copy of the KV.
@@ -39,11 +40,9 @@ from pathlib import Path
 from types import FrameType
 
 from graphlane.client import Client
-
-from .loadtest import run_load
-from .loadtest_cli import print_summary
-from .loadtest_config import LoadConfig
-from .loadtest_paged import PagedLoadConfig, print_paged_summary, run_paged
+from graphlane.loadtest.cli import print_summary
+from graphlane.loadtest.config import LoadConfig
+from graphlane.loadtest.driver import run_load
 
 _STOP_GRACE_S = 10.0  # from the daemon's SIGTERM to its SIGKILL
 
@@ -262,16 +261,19 @@ def _run(
                 f"load test: paged_attention decode for {half:g} s, {PAGED_SEQUENCES} live "
                 f"sequences, {verify:.0%} of steps verified against SDPA over the demo's KV copy"
             )
-            paged_config = PagedLoadConfig(
+            paged_config = LoadConfig(
                 endpoint=endpoint,
                 duration_s=half,
                 concurrency=PAGED_SEQUENCES,
+                program="paged_attention",
                 verify=verify,
                 report_dir=str(report / "paged"),
+                progress=sys.stderr.isatty(),
             )
             phase("the paged decode load test to finish")
-            paged = asyncio.run(run_paged(paged_config))
-            print_paged_summary(paged)
+            paged = asyncio.run(run_load(paged_config))
+            print_summary(paged)
+            print(f"report: {(report / 'paged').resolve() / 'report.html'} (and report.json)")
             phase("the daemon to stop")
             code = _stop(daemon)
             print(f"daemon stopped with exit code {code}")

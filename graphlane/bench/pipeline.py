@@ -40,7 +40,8 @@ from typing import Any
 
 from graphlane.client import Client
 
-from .bench_control import BenchDaemon, RawClient, with_raw_server
+from .control_plane import RawClient, with_raw_server
+from .daemon import BenchDaemon
 
 PROFILES: dict[str, tuple[float, float]] = {
     # name: (patch_us, task_us); the 910B3 field figures are ~185 us per layer of

@@ -31,7 +31,7 @@ from graphlane.client import Client
 from graphlane.protocol import ops
 from graphlane.protocol.wire import encode_request
 
-from .bench_control import BenchDaemon
+from .daemon import BenchDaemon
 
 LAYERS = 4
 BATCH = 4

@@ -1,6 +1,6 @@
 """The files of a load test report: ``report.json``, ``report.html`` and its PNG plots.
 
-:func:`write_report` takes the dict :func:`graphlane.tools.loadtest.run_load`
+:func:`write_report` takes the dict :func:`graphlane.loadtest.driver.run_load`
 returns and writes, into one directory:
 
 * ``report.json``: that dict, plus ``plots`` (the PNG file names);
@@ -9,7 +9,8 @@ returns and writes, into one directory:
 * ``report.html``: a page with no outside resources: the verdict and a summary
   table first, then the plots (``<img>`` by relative path, so the directory can
   be moved or served as is), then per-device and per-batch tables and the
-  configuration.
+  configuration. A run of sequences (see :mod:`.batching`) adds its tokens, batch
+  occupancy, sequences and request bytes to the summary.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from .report import load_text
 
 __all__ = ["PLOTS", "plot_all", "render_html", "write_report"]
 
@@ -44,6 +47,8 @@ def _nan(values: Sequence[float | None]) -> list[float]:
 
 
 def _figure(width: float = 9.0, height: float = 4.0) -> Any:
+    # matplotlib loads in about a second: only a run that writes a report pays for it
+    # (not ``graphlane --help``, whose parser imports the load test's flags).
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -74,11 +79,7 @@ def plot_all(report: Mapping[str, Any], directory: Path) -> dict[str, str]:
 
 def _subtitle(report: Mapping[str, Any]) -> str:
     cfg = report.get("config", {})
-    if report.get("mode") == "open":
-        how = f"open loop, {cfg.get('rate', 0):g} arrivals/s"
-    else:
-        how = f"closed loop, concurrency {cfg.get('concurrency')}"
-    return f"{cfg.get('program')} on devices {cfg.get('devices')}, {how}"
+    return f"{cfg.get('program')} on devices {cfg.get('devices')}, {load_text(report)}"
 
 
 def plot_latency_over_time(report: Mapping[str, Any]) -> Any:
@@ -238,6 +239,27 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return f"<table><tr>{head}</tr>\n{body}</table>"
 
 
+def _sequence_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The summary rows of a run of sequences (none for independent calls)."""
+    if report.get("load") != "sequences":
+        return []
+    seqs = report.get("sequences", {})
+    rb = report.get("request_bytes", {})
+    rows = [
+        ("tokens", _e(f"{report.get('tokens')} ({report.get('tokens_per_s', 0):.1f}/s)")),
+        ("batch occupancy",
+         _e(f"{report.get('occupancy')} (mean batch {report.get('mean_batch')})")),
+        ("sequences", _e(", ".join(f"{v} {k.replace('_', ' ')}" for k, v in seqs.items()))),
+        ("state lost", _e(report.get("state_lost", 0))),
+    ]  # fmt: skip
+    if rb.get("mean") is not None:
+        rows.append(("request bytes/step", _e(f"mean {rb['mean']:.0f}, min {rb['min']}, "
+                                              f"max {rb['max']}")))  # fmt: skip
+    if "blocks_reused" in report:
+        rows.append(("blocks reused", _e(report["blocks_reused"])))
+    return rows
+
+
 def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     cfg = report.get("config", {})
     lat = report.get("latency_ms", {})
@@ -254,16 +276,12 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
         if errors
         else "none"
     )
-    how = (
-        f"closed loop, concurrency {cfg.get('concurrency')}"
-        if report.get("mode") == "closed"
-        else f"open loop, {cfg.get('rate')} arrivals/s (Poisson)"
-    )
+    how = load_text(report)
     rows: list[tuple[str, str]] = [
         ("load", _e(how)),
         ("endpoint", _e(cfg.get("endpoint"))),
         ("program / devices", _e(f"{cfg.get('program')} on devices {cfg.get('devices')}")),
-        ("batch sizes", _e(cfg.get("batch_sizes"))),
+        ("batch sizes", _e(cfg.get("batch_sizes") or "the live sequences of each step")),
         (
             "time",
             _e(
@@ -294,12 +312,13 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
                 f"max {_ms(lag.get('max'))}",
             )
         )
+    rows += _sequence_rows(report)
     rows.append(("errors", errors_text))
     if report.get("verify_fraction"):
         failures = report.get("verify_failures", 0)
         text = (
-            f"{report.get('verified', 0)} checked against eager attention, "
-            f"{failures} wrong (max |out - eager| {report.get('verify_max_abs_error', 0):.2g}, "
+            f"{report.get('verified', 0)} checked against the reference, "
+            f"{failures} wrong (max |out - ref| {report.get('verify_max_abs_error', 0):.2g}, "
             f"tolerance {report.get('verify_tolerance')})"
         )
         rows.append(("verified", f'<span class="err">{_e(text)}</span>' if failures else _e(text)))

@@ -27,6 +27,8 @@ the figures are the sim's own cost, not the math:
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
 import threading
@@ -36,6 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from npusim import configure, torch_npu
 
 # Shapes of the daemon's small test program: batch 2, 4 heads over 2 KV heads.
 BATCH, HEADS, KV_HEADS, HEAD_DIM, MAX_KV = 2, 4, 2, 16, 32
@@ -152,8 +155,6 @@ def run(
     Restores the sim's configuration afterwards; runs torch on one CPU thread.
     ``n`` ops per repeat (graph figures use ``n // layers`` replays, at least 10).
     """
-    from npusim import configure, torch_npu
-
     npu = torch_npu.npu
     fia_out = torch_npu.npu_fused_infer_attention_score.out
     old = configure()
@@ -225,8 +226,6 @@ def _eager_figures(npu: Any, n: int, repeats: int) -> list[Figure]:
 def _graph_figures(
     npu: Any, fia_out: Any, layers: int, n: int, repeats: int, step_n: int | None
 ) -> list[Figure]:
-    from npusim import configure, torch_npu
-
     plain = _Attention(npu, fia_out, layers, "npu", waits=False)
     waited = _Attention(npu, fia_out, layers, "npu", waits=True)
     cpu = _Attention(None, fia_out, layers, "cpu", waits=False)
@@ -373,9 +372,6 @@ def table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import json
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("-n", type=int, default=200, help="ops per repeat")

@@ -1,7 +1,8 @@
 """The recording of ``graphlane loadtest``: counts, HDR histograms and the time series of
 a run.
 
-See :mod:`graphlane.tools.loadtest`.
+Every shape of load records here (independent calls and continuously batched
+sequences alike), so every run has the same report. See :mod:`graphlane.loadtest`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .loadtest_availability import Availability
-from .loadtest_workload import Step
+from hdrh.histogram import HdrHistogram
+
+from .availability import Availability
+from .workload import Call
 
 #: Latency samples kept (reservoir) for the latency-over-time plot.
 MAX_SAMPLES = 2000
@@ -26,8 +29,6 @@ PERCENTILES = (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p99.9", 99.9))
 
 # ---------------------------------------------------------------------------- recording
 def _hist(significant_figures: int = 3) -> Any:
-    from hdrh.histogram import HdrHistogram
-
     return HdrHistogram(1, HIGHEST_US, significant_figures)
 
 
@@ -91,6 +92,7 @@ class Recorder:
         self.verified = 0
         self.verify_failures = 0
         self.verify_max_error = 0.0
+        self.verified_by_generation: Counter[int] = Counter()
         self.failure_examples: list[dict[str, Any]] = []
         self.samples: list[tuple[float, float]] = []
         self._seen = 0
@@ -110,21 +112,21 @@ class Recorder:
             d = self.devices[device] = DeviceStats()
         return d
 
-    def ok(self, step: Step, scheduled: float, done: float) -> None:
+    def ok(self, call: Call, scheduled: float, done: float) -> None:
         latency = done - scheduled
         self.steps += 1
         self.availability.ok(done)
         _record(self.latency, latency)
         w = self._window(done)
         w.steps += 1
-        w.devices[step.device] += 1
+        w.devices[call.device] += 1
         _record(w.hist, latency)
-        d = self._device(step.device)
+        d = self._device(call.device)
         d.steps += 1
         _record(d.hist, latency)
-        b = self.batches.get(step.batch)
+        b = self.batches.get(call.batch)
         if b is None:
-            b = self.batches[step.batch] = _hist()
+            b = self.batches[call.batch] = _hist()
         _record(b, latency)
         # Reservoir sample (algorithm R) for the latency-over-time scatter.
         self._seen += 1
@@ -136,8 +138,10 @@ class Recorder:
             if j < MAX_SAMPLES:
                 self.samples[j] = sample
 
-    def verification(self, step: Step, error: float | None) -> None:
-        d = self._device(step.device)
+    def verification(self, call: Call, error: float | None, generation: int | None = None) -> None:
+        """A checked output: wrong (``error`` None) or right within ``error``, computed by
+        the worker ``generation``."""
+        d = self._device(call.device)
         self.verified += 1
         d.verified += 1
         if error is None:
@@ -145,10 +149,12 @@ class Recorder:
             d.verify_failures += 1
             if len(self.failure_examples) < MAX_EXAMPLES:
                 self.failure_examples.append(
-                    {"device": step.device, "batch": step.batch, "lengths": step.lengths}
+                    {"device": call.device, "batch": call.batch, "params": call.params}
                 )
         else:
             self.verify_max_error = max(self.verify_max_error, error)
+            if generation is not None:
+                self.verified_by_generation[generation] += 1
 
     def error(
         self, code: str, done: float, *, device: int | None, retryable: bool, message: str = ""

@@ -63,7 +63,7 @@ def _pipeline_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float
             if key == "pipelined_vs_serial" and not profile.startswith("balanced"):
                 continue
             value = row.get(key)
-            # A serial figure of 0: the run had no serial daemon (bench_pipeline.depths).
+            # A serial figure of 0: the run had no serial daemon (pipeline.depths).
             if isinstance(value, (int, float)) and (value or key != "pipelined_vs_serial"):
                 out.append((f"{profile} {label}", value, op, goal))
     return out
