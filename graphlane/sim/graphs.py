@@ -72,7 +72,11 @@ class TaskNode:
 # =================================================================== replay
 @dataclass(eq=False)
 class Launch:
-    graph: NPUGraph
+    """One replay of a graph. It names its graph but does not hold it: memory-access
+    records and finished stream entries keep launches, and a graph the program dropped
+    must be collectable (its private pool freed) once its replays ran."""
+
+    graph_name: str
     number: int
     seqs: dict[Any, int] = field(default_factory=dict)
     issued: int = field(default_factory=ISSUED.__next__)  # issue order, for messages
@@ -82,7 +86,6 @@ class ReplayWork:
     def __init__(
         self, graph: NPUGraph, launch: Launch, nodes: list[Any] | None = None, where: str = ""
     ) -> None:
-        self.graph = graph
         self.launch = launch
         self.nodes = list(graph.nodes if nodes is None else nodes)
         self.label = f"replay #{launch.number} of {graph.name}{where}"
@@ -90,7 +93,8 @@ class ReplayWork:
     def run(self, ex: Stream) -> None:
         # Tasks in a row are charged together (CostClock.add_at); anything else (a wait,
         # a record, a fork or join) first waits until the tasks before it are over.
-        for node in self.nodes:
+        nodes, self.nodes = self.nodes, []  # a finished entry stays referenced (a stream's
+        for node in nodes:  # last entry, a buffer's uses): it must not keep the graph alive
             if type(node) is not TaskNode:
                 ex.settle()
             node.run(ex, self.launch)
@@ -228,7 +232,7 @@ class NPUGraph:
             if s.capturing is not None:
                 raise SimUsageError(f"replay of {self.name} on {s.name} while it captures")
             self.replays += 1
-            launch = Launch(self, self.replays)
+            launch = Launch(self.name, self.replays)
             for node in self.nodes:
                 node.launch_locked(launch, s)
             for branch in self.branches:
