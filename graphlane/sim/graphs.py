@@ -138,9 +138,15 @@ class GraphDispatchState:
     """``NPUGraph.graph_dispatch_mode`` of torch_npu: the records of an
     ``auto_dispatch_capture`` (``graph_dispatch_records``) and their update."""
 
+    #: The one update stream of the process (torch_npu creates it with the first
+    #: ``_GraphDispatchMode``, i.e. the first NPUGraph): every ``update`` runs on it.
+    update_stream: Stream | None = None
+
     def __init__(self, graph: NPUGraph) -> None:
         self.graph = graph
         self.graph_dispatch_records: list[Any] = []
+        if GraphDispatchState.update_stream is None:
+            GraphDispatchState.update_stream = Stream()
 
     #: Re-issues the records with new arguments: set by the auto-dispatch capture
     #: module when it is imported (it imports this one, not the other way round).
@@ -212,10 +218,15 @@ class NPUGraph:
                 capture_rules.LIVE.remove(cap)
             unjoined = forkjoin.end_capture_locked(cap)
             if open_group is not None:
-                raise SimUsageError(
-                    f"capture of {self.name} ended inside task group {open_group.index}: "
+                cause = open_group.cause
+                why = (
                     "call graph_task_group_end first"
+                    if cause is None
+                    else f"{type(cause).__name__} raised inside it left it open: {cause}"
                 )
+                raise SimUsageError(
+                    f"capture of {self.name} ended inside task group {open_group.index}: {why}"
+                ) from cause
             if unjoined:
                 self.nodes, self.groups, self.branches = [], [], []
                 raise SimUsageError(unjoined)

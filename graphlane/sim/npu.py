@@ -6,10 +6,12 @@ The names follow torch_npu 2.14: streams, events, graphs and the four
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 
+from . import npugraph_handler as _npugraph_handler
 from .allocation import (
     empty_cache,
     graph_pool_handle,
@@ -34,6 +36,7 @@ from .npu_extras import (
     reset_stream_limit,
     set_stream_limit,
 )
+from .npugraph_handler import NpuGraphOpHandler, register_npu_graph_handler
 from .runtime import RUNTIME
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 from .task_groups import (
@@ -42,6 +45,13 @@ from .task_groups import (
     graph_task_update_begin,
     graph_task_update_end,
 )
+
+# torch_npu.npu._npugraph_handlers: the package of the graph-op handler registry
+# (``_npugraph_handlers.npugraph_handler._NPU_GRAPH_OP_HANDLERS``).
+_npugraph_handlers = types.ModuleType(f"{__name__}._npugraph_handlers")
+_npugraph_handlers.npugraph_handler = _npugraph_handler  # type: ignore[attr-defined]
+_npugraph_handlers.NpuGraphOpHandler = NpuGraphOpHandler  # type: ignore[attr-defined]
+_npugraph_handlers.register_npu_graph_handler = register_npu_graph_handler  # type: ignore[attr-defined]
 
 
 def is_available() -> bool:
@@ -119,6 +129,7 @@ __all__ = [
     "Event",
     "ExternalEvent",
     "NPUGraph",
+    "NpuGraphOpHandler",
     "Stream",
     "current_device",
     "current_stream",
@@ -151,6 +162,7 @@ __all__ = [
     "memory_reserved",
     "memory_stats",
     "memory_stats_as_nested_dict",
+    "register_npu_graph_handler",
     "reset_accumulated_memory_stats",
     "reset_max_memory_allocated",
     "reset_peak_memory_stats",

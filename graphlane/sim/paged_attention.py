@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from . import fia_kernel
-from .autodispatch import GraphOpHandler, register_handler
 from .errors import SimUsageError
 from .fia_layout import Plan
 from .fia_ops import Signature, check_workspace, planned
+from .npugraph_handler import NpuGraphOpHandler, register_npu_graph_handler
 from .streams import current_stream
 from .tensor import PATCHABLE_OPS, issue, register_host_op
 
@@ -140,6 +140,15 @@ register_host_op(
     getattr(torch.ops.npu, f"{NAME}_get_workspace").default,
     lambda func, args, kwargs: get_workspace(*args, **kwargs),
 )
-register_handler(
-    [paged_attention.default], GraphOpHandler(update_specs=(("arg", 7, "context_lens"),))
-)
+
+
+@register_npu_graph_handler(["_npu_paged_attention.default", "npu_multi_head_latent_attention.out"])
+class SimpleGraphHandler(NpuGraphOpHandler):
+    """torch_npu's ``_SimpleGraphHandler`` (``_npugraph_handlers/simple_handler.py``): an
+    update's ``context_lens`` replaces argument 7 (the MLA op it also names is not
+    simulated)."""
+
+    UPDATE_SPECS = {
+        "_npu_paged_attention.default": [("arg", 7, "context_lens")],
+        "npu_multi_head_latent_attention.out": [("arg", 5, "context_lens")],
+    }
