@@ -86,6 +86,7 @@ class Plan:
     mask: bool
     pse: bool
     softmax_lse: bool
+    kv_capacity: int = 0  # key positions the shapes hold per batch (all of them for TND)
 
     def out_shape(self) -> tuple[int, ...]:
         return out_shape(self.layout_out, self.batch, self.num_heads, self.q_seq,
@@ -99,10 +100,15 @@ class Plan:
         return (self.batch, self.num_heads, self.q_seq, 1)
 
     def workspace_bytes(self) -> int:
-        """Scores and probabilities in float32 per head over the used lengths, plus a
-        fixed system part: grows with the lengths, so a workspace sized for short
-        lengths cannot hold longer ones."""
-        return workspace_bytes(self.num_heads, self.q_lens, self.kv_lens)
+        """Scores and probabilities in float32 per head over the longest lengths the
+        shapes allow (not the call's lengths), plus a fixed system part: torch_npu sizes
+        the workspace once, by ``_get_max_workspace`` on the captured arguments, and
+        updates to any lengths the shapes hold reuse it (lmdeploy captures with a kv
+        length of 1)."""
+        if self.layout_in in ("TND", "NTD"):
+            return workspace_bytes(self.num_heads, (self.q_total,), (self.kv_capacity,))
+        cap = max(self.kv_capacity, self.kv_seq)
+        return workspace_bytes(self.num_heads, (self.q_seq,) * self.batch, (cap,) * self.batch)
 
 
 def workspace_bytes(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
@@ -349,7 +355,7 @@ def plan(a: dict[str, Any]) -> Plan:
         nb, dk, bnsd_cache, dv = _kv_paged(key, value, layout_in, nkv, block_size)
         if kv_lens_arg is None:
             raise fail("actual_seq_lengths_kv", "is required with page attention")
-        capacity = bt.shape[1] * block_size
+        capacity = kv_capacity = bt.shape[1] * block_size
         kv_lens = per_batch("actual_seq_lengths_kv", kv_lens_arg, b, capacity)
         per_seq = [-(-kv // block_size) for kv in kv_lens]
         blocks_needed = max(per_seq, default=0)
@@ -361,6 +367,7 @@ def plan(a: dict[str, Any]) -> Plan:
         if block_size:
             raise fail("block_size", "is only used with block_table (page attention)")
         skv_total, dk, dv = _kv_dense(key, value, layout_in, b, nkv)
+        kv_capacity = skv_total
         if tnd:
             kv_lens, kv_starts = cumulative("actual_seq_lengths_kv", kv_lens_arg, skv_total)
             if len(kv_lens) != b:
@@ -416,4 +423,5 @@ def plan(a: dict[str, Any]) -> Plan:
         layout_in, layout_out, b, n, nkv, d, rope, dv, sq, skv, q_total, tuple(q_lens),
         tuple(q_starts), tuple(kv_lens), kv_starts, paged, block_size, bnsd_cache,
         blocks_needed, incremental, mode, pre, nxt, mask is not None, pse is not None, lse,
+        kv_capacity,
     )  # fmt: skip

@@ -24,6 +24,7 @@ from .errors import SimUsageError
 from .fia_layout import Plan
 from .fia_ops import Signature, check_workspace, planned
 from .npugraph_handler import NpuGraphOpHandler, register_npu_graph_handler
+from .opcall import PATCH_PARAMETERS
 from .streams import current_stream
 from .tensor import PATCHABLE_OPS, issue, register_host_op
 
@@ -116,6 +117,7 @@ def _meta(*args: Any, **kwargs: Any) -> None:
 _lib.impl(NAME, _cpu, "CPU")
 _lib.impl(NAME, _meta, "Meta")
 PATCHABLE_OPS.add(paged_attention.default)
+PATCH_PARAMETERS[paged_attention.default] = frozenset({"workspace"})
 
 
 def _issue_checked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
