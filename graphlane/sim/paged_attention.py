@@ -6,6 +6,10 @@ vllm-ascend and sglang) and ``_npu_paged_attention_get_workspace``, with the whe
         block_table int32 [B, max_blocks], context_lens int32 host tensor [B],
         out [B, N, Dv], *, workspace=None)
 
+value_cache's D may differ from key_cache's (ATB PagedAttention takes a value head size of
+its own: torch_npu's ``test_paged_attention_aclgraph_update`` runs key D 288 with value D
+96).
+
 ``context_lens`` is a host tensor: the dispatch reads it when the op is issued (it sizes
 the tiling), so it is a parameter that a graph update replaces, not device memory. Its
 values are checked at every issue (eager, capture, update): each within the batch's
@@ -90,6 +94,7 @@ def _v1(b: dict[str, Any], lengths: list[int]) -> dict[str, Any]:
         "scale": b["scale_value"],
         "block_size": k.shape[1],
         "input_layout": "BSH",
+        "value_d_free": True,
     }
 
 
