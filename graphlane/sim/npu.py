@@ -20,6 +20,7 @@ from .allocation import (
     mem_get_info,
     memory_allocated,
     memory_reserved,
+    memory_snapshot,
     memory_stats,
     memory_stats_as_nested_dict,
     reset_accumulated_memory_stats,
@@ -30,6 +31,7 @@ from .capture import graph
 from .device import current_device, device, device_count, set_device, synchronize
 from .events import ExternalEvent
 from .graphs import NPUGraph, is_current_stream_capturing
+from .npu_extras import _sleep as _sleep  # torch.npu._sleep
 from .npu_extras import (
     get_stream_limit,
     make_graphed_callables,
@@ -160,6 +162,7 @@ __all__ = [
     "mem_get_info",
     "memory_allocated",
     "memory_reserved",
+    "memory_snapshot",
     "memory_stats",
     "memory_stats_as_nested_dict",
     "register_npu_graph_handler",
