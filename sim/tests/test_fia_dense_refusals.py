@@ -105,6 +105,10 @@ ERROR_CASES: dict[str, tuple[Mutation, str]] = {
         _single_query_with(input_layout="BNSD_BSND"),
         "input_layout: BNSD_BSND",
     ),
+    "layout_bnsd_nbsd_single_query_without_rope": (
+        _single_query_with(input_layout="BNSD_NBSD"),
+        "input_layout: BNSD_NBSD",
+    ),
     "sparse_mode_3_without_mask": (_with(sparse_mode=3), "atten_mask: sparse_mode 3 needs"),
     "sparse_mode_3_full_mask": (
         _with(sparse_mode=3, atten_mask=torch.zeros(4, 8, dtype=BOOL)),
@@ -117,7 +121,6 @@ ERROR_CASES: dict[str, tuple[Mutation, str]] = {
         _with(block_table=torch.zeros(3, 4, dtype=torch.int32)),
         "block_size: page attention",
     ),
-    "block_size_without_block_table": (_with(block_size=128), "block_size: is only used"),
     "antiquant_mode": (_with(antiquant_mode=1), "antiquant_mode is not implemented"),
     "quant_scale2": (_with(quant_scale2=torch.ones(1)), "quant_scale2 is not implemented"),
     "key_shared_prefix": (

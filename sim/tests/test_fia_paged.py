@@ -212,7 +212,7 @@ def test_out_returns_attention_out_and_softmax_lse() -> None:
     assert got[0] is o and got[1] is lse
 
 
-def test_workspace_too_small_wrong_dtype_and_outgrown_by_an_update() -> None:
+def test_workspace_too_small_or_of_the_wrong_dtype() -> None:
     n, d, s = 2, 8, 512
     q, kv = rand(1, n, 1, d).npu(), rand(1, n, s, d).npu()
     kw = dict(num_heads=n, input_layout="BNSD")
@@ -230,12 +230,6 @@ def test_workspace_too_small_wrong_dtype_and_outgrown_by_an_update() -> None:
             q, kv, kv, actual_seq_lengths_kv=[64], workspace=ws.to(torch.float32), out=[o, lse],
             **kw,
         )  # fmt: skip
-    g = torch.npu.NPUGraph()
-    with torch.npu.graph(g, auto_dispatch_capture=True):
-        torch_npu.npu_fused_infer_attention_score(q, kv, kv, actual_seq_lengths_kv=[64], **kw)
-    g.update(cpu_update_input=[{"actual_seq_lengths_kv": [60]}])  # fits
-    with pytest.raises(SimUsageError, match="cannot hold an update to longer ones"):
-        g.update(cpu_update_input=[{"actual_seq_lengths_kv": [500]}])
 
 
 def test_update_of_a_key_the_capture_did_not_pass_is_dropped_and_warned() -> None:

@@ -387,7 +387,7 @@ def _who(write: bool, desc: Desc, name: str) -> str:
         label, launch = what
         return (
             f"the {kind} of `{name}` by {label} in replay #{launch.number} of "
-            f"{launch.graph.name} on {ex.name}"
+            f"{launch.graph_name} on {ex.name}"
         )
     return f"the {kind} of `{name}` by {what} on {ex.name}"
 
@@ -396,7 +396,7 @@ def _op(desc: Desc) -> str:
     _, what, _ = desc
     if isinstance(what, tuple):
         label, launch = what
-        return f"replay #{launch.number} of {launch.graph.name} ({label})"
+        return f"replay #{launch.number} of {launch.graph_name} ({label})"
     return str(what)
 
 

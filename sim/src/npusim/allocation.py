@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .blocks import ALLOCATED, Block, PrivatePool, block_at, live_overlap
+from .blocks import ALLOCATED, FREE, Block, PrivatePool, block_at, live_overlap
 from .device import device_index
 from .errors import HazardError
 from .memory import LOCK, RELEASED, Allocation, device_memory, drain_locked, observe
@@ -305,3 +305,53 @@ def empty_cache() -> None:
         for i in range(RUNTIME.device_count):
             device_memory(i).release_cached()
     observe(observed)
+
+
+def memory_snapshot(mempool_id: Any = None) -> list[dict[str, Any]]:
+    """torch_npu's ``memory_snapshot``: the allocator's segments on every device, as
+    ``torch.cuda.memory_snapshot`` lists them (``_npu_memorySnapshot(...)["segments"]``);
+    with ``mempool_id`` only the segments of that graph pool. No allocation history is
+    recorded, so ``frames`` are empty."""
+    want = None if mempool_id is None else tuple(mempool_id)
+    observed: list[Clock] = []
+    out: list[dict[str, Any]] = []
+    with LOCK:
+        drain_locked(observed)
+        for i in range(RUNTIME.device_count):
+            dm = device_memory(i)
+            pools = [((0, 0), dm.small), ((0, 0), dm.large)]
+            for pid, private in dm.private.items():
+                pools += [(tuple(pid), private.small), (tuple(pid), private.large)]
+            for pid, pool in pools:
+                if want is None or pid == want:
+                    out += [_segment_dict(i, pid, pool.small, seg) for seg in pool.segments]
+    observe(observed)
+    return sorted(out, key=lambda s: (s["device"], s["address"]))
+
+
+_STATES = {ALLOCATED: "active_allocated", FREE: "inactive"}
+
+
+def _segment_dict(device: int, pool_id: tuple[int, ...], small: bool, seg: Any) -> dict[str, Any]:
+    blocks, b = [], seg.head
+    while b is not None:
+        state = _STATES.get(b.state, "active_pending_free")
+        blocks.append({"address": b.ptr, "size": b.size, "state": state, "frames": [],
+                       "requested_size": b.requested if b.state == ALLOCATED else 0})  # fmt: skip
+        b = b.next
+    stream = seg.head.stream if seg.head is not None else None
+    allocated = sum(x["size"] for x in blocks if x["state"] == "active_allocated")
+    return {
+        "device": device,
+        "address": seg.base,
+        "total_size": seg.size,
+        "allocated_size": allocated,
+        "active_size": sum(x["size"] for x in blocks if x["state"] != "inactive"),
+        "requested_size": sum(x["requested_size"] for x in blocks),
+        "stream": getattr(stream, "npu_stream", 0),
+        "segment_type": "small" if small else "large",
+        "segment_pool_id": pool_id,
+        "is_expandable": False,
+        "frames": [],
+        "blocks": blocks,
+    }

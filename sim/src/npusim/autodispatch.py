@@ -19,8 +19,9 @@ sim-only diagnostic, because it is a classic source of wrong answers.
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Callable
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,15 @@ from . import ops
 from .errors import SimUsageError, UpdateKeyIgnoredWarning
 from .events import ExternalEvent
 from .graphs import GraphDispatchState, NPUGraph
-from .streams import Stream, current_stream
+from .npugraph_handler import (
+    _NPU_GRAPH_OP_HANDLERS,
+    NpuGraphOpHandler,
+    TensorListOutHandler,
+    _weak_ref_tensor,
+    register_npu_graph_handler,
+    specs_for,
+)
+from .streams import current_stream
 from .streams import stream as stream_ctx
 from .task_groups import (
     graph_task_group_begin,
@@ -43,7 +52,9 @@ from .task_groups import (
 
 @dataclass
 class GraphDispatchRecord:
-    """torch_npu's ``_GraphDispatchRecord``: one recorded op call of a capture."""
+    """torch_npu's ``_GraphDispatchRecord``: one recorded op call of a capture. Its device
+    tensors are weak references (``_weak_ref_tensor``), as torch_npu records them: the
+    record does not keep them allocated."""
 
     event: ExternalEvent
     handle: Any
@@ -52,61 +63,77 @@ class GraphDispatchRecord:
     op_cache_entry: Any = None
 
 
-@dataclass(frozen=True)
-class GraphOpHandler:
-    """What a capture does with one op family; ``update_specs`` maps update keys to
-    positional slots (``("arg", index, key)``) as torch_npu's ``UPDATE_SPECS`` do."""
+@register_npu_graph_handler([
+    "npu_fused_infer_attention_score",
+    "npu_fused_infer_attention_score.default",
+    "npu_fused_infer_attention_score.out",
+])  # fmt: skip
+class IFAv1DefaultHandler(TensorListOutHandler):
+    """torch_npu's ``_IFAv1DefaultHandler``: ``.default`` gets a workspace sized once, here,
+    by ``_get_max_workspace`` on the captured arguments, and outputs from
+    ``_infer_output``, and becomes ``.out``; ``.out`` passes through."""
 
-    update_specs: tuple[tuple[str, int, str], ...] = ()
-    prepare: Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[Any, tuple[Any, ...],
-                      dict[str, Any]]] | None = None  # fmt: skip
-    returns_out: bool = False  # the result is kwargs["out"] (tensor-list outputs)
+    UPDATE_SPECS = specs_for(
+        "npu_fused_infer_attention_score",
+        [("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")],
+    )
 
-
-HANDLERS: dict[Any, GraphOpHandler] = {}
-
-
-def register_handler(funcs: list[Any], handler: GraphOpHandler) -> None:
-    for func in funcs:
-        HANDLERS[func] = handler
-
-
-def _prepare_fia(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    out_op = ops.fused_infer_attention_score.out
-    if func is out_op:
-        return func, args, kwargs
-    kwargs = dict(kwargs)
-    kwargs["workspace"] = ops.get_max_workspace(*args, **kwargs)
-    keys = ("input_layout", "quant_scale2", "block_table", "num_heads", "num_key_value_heads",
-            "softmax_lse_flag", "query_rope")  # fmt: skip
-    o, lse = ops.infer_output(args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs})
-    kwargs["out"] = [o, lse]
-    return out_op, args, kwargs
+    @classmethod
+    def prepare_capture(cls, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        out_op = ops.fused_infer_attention_score.out
+        if func is out_op:
+            return func, args, kwargs
+        kwargs = dict(kwargs)
+        kwargs["workspace"] = ops.get_max_workspace(*args, **kwargs)
+        keys = ("input_layout", "quant_scale2", "block_table", "num_heads",
+                "num_key_value_heads", "softmax_lse_flag", "query_rope")  # fmt: skip
+        o, lse = ops.infer_output(args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs})
+        kwargs["out"] = [o, lse]
+        return out_op, args, kwargs
 
 
-register_handler(
-    [ops.fused_infer_attention_score.default, ops.fused_infer_attention_score.out],
-    GraphOpHandler(
-        update_specs=(("arg", 5, "actual_seq_lengths"), ("arg", 6, "actual_seq_lengths_kv")),
-        prepare=_prepare_fia,
-        returns_out=True,
-    ),
-)
+_TENSOR_PARAMS: dict[str, list[str]] = {}
+
+
+def _tensor_param_names(func: Any) -> list[str]:
+    """The tensor parameters of ``func``'s schema (torch_npu's ``update_schema``)."""
+    name = str(func.__name__)
+    names = _TENSOR_PARAMS.get(name)
+    if names is None:
+        names = _TENSOR_PARAMS[name] = re.findall(r"Tensor(?:\(a!\)|\?)?\s+(\w+)",
+                                                  str(func._schema))  # fmt: skip
+    return names
+
+
+def _record(event: ExternalEvent, handle: Any, args: Any, kwargs: dict[str, Any], func: Any,
+            handler: type[NpuGraphOpHandler]) -> GraphDispatchRecord:  # fmt: skip
+    """torch_npu's ``_append_dispatch_record``: device tensors as weak references, every
+    other value deep-copied."""
+    args_ref = [
+        _weak_ref_tensor(a) if torch.is_tensor(a) and "npu" in str(a.device) else deepcopy(a)
+        for a in args
+    ]
+    names = _tensor_param_names(func)
+    kwargs_ref = {k: handler.record_wrap_kwarg(k, v, names) for k, v in kwargs.items()}
+    return GraphDispatchRecord(event, handle, kwargs_ref, args_ref, func)
 
 
 class GraphDispatchMode(TorchDispatchMode):
-    update_stream: Stream | None = None  # one per process, as in torch_npu
+    """The dispatch mode of one auto-dispatch capture: the capture skeleton of torch_npu's
+    ``_GraphDispatchMode.__torch_dispatch__`` (the records go to the graph's
+    ``graph_dispatch_mode``)."""
 
     def __init__(self, graph: NPUGraph) -> None:
         super().__init__()
         self.graph = graph
-        if GraphDispatchMode.update_stream is None:
-            GraphDispatchMode.update_stream = Stream()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        handler = HANDLERS.get(func)
+        handler = _NPU_GRAPH_OP_HANDLERS.get(func.__name__)
         if handler is None or not current_stream().capturing:
+            return func(*args, **kwargs)
+        should_handle = getattr(handler, "should_handle", None)
+        if should_handle is not None and not should_handle(func, args, kwargs):
             return func(*args, **kwargs)
         records = self.graph.graph_dispatch_mode.graph_dispatch_records
         stream = current_stream()
@@ -114,25 +141,36 @@ class GraphDispatchMode(TorchDispatchMode):
         event.label = f"auto-dispatch task {len(records)} of {self.graph.name}"
         event.wait(stream)
         event.reset(stream)
-        if handler.prepare is not None:
-            func, args, kwargs = handler.prepare(func, args, kwargs)
+        func, args, kwargs = handler.prepare_capture(func, args, dict(kwargs))
         graph_task_group_begin(stream)
-        result = func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except BaseException as exc:  # the group stays open (as torch_npu leaves it): the
+            cap = stream.capturing  # capture's end names this error as its cause
+            if cap is not None and cap.open_group is not None:
+                cap.open_group.cause = exc
+            raise
         handle = graph_task_group_end(stream)
-        records.append(GraphDispatchRecord(event, handle, dict(kwargs), list(args), func))
-        return list(kwargs["out"]) if handler.returns_out else result
+        records.append(_record(event, handle, args, kwargs, func, handler))
+        return handler.postprocess_result(result, kwargs)
 
 
 def _apply(record: GraphDispatchRecord, update: dict[str, Any]) -> None:
-    handler = HANDLERS[record.op_cache_entry]
+    name = record.op_cache_entry.__name__
+    handler = _NPU_GRAPH_OP_HANDLERS.get(name)
+    if handler is None:
+        raise SimUsageError(
+            f"No handler for recorded op: {name}. This indicates the handler was "
+            "unregistered between capture and update."
+        )
     applied = set()
     for key, value in update.items():
         if key in record.kwargs:
             record.kwargs[key] = value
             applied.add(key)
-    for loc, index, key in handler.update_specs:
-        if loc == "arg" and key in update and len(record.args) > index:
-            record.args[index] = update[key]
+    handler.update_args(record, update)
+    for loc, index, key in handler.get_update_specs(name):
+        if key in update and (loc == "kwarg" or len(record.args) > index):
             applied.add(key)
     for key in update.keys() - applied:
         warnings.warn(
@@ -154,8 +192,8 @@ def update_records(graph: NPUGraph, cpu_update_input: list[dict[str, Any]]) -> N
             f"Currently, there are {len(records)} operators that need to be updated by capture, "
             f"and there are only {len(updates)} elements in the incoming cpu_update_input list"
         )
-    u = GraphDispatchMode.update_stream
-    assert u is not None
+    u = graph.graph_dispatch_mode.update_stream
+    assert u is not None  # made with the graph
     with stream_ctx(u):
         for record, update in zip(records, updates, strict=True):
             graph_task_update_begin(u, record.handle)
@@ -170,9 +208,7 @@ GraphDispatchState.updater = update_records
 __all__ = [
     "GraphDispatchMode",
     "GraphDispatchRecord",
-    "GraphOpHandler",
+    "IFAv1DefaultHandler",
     "UpdateKeyIgnoredWarning",
-    "register_handler",
-    "torch",
     "update_records",
 ]

@@ -142,7 +142,7 @@ class ExternalEvent:
     def consumed_locked(self, ex: Stream, launch: Launch | None) -> None:
         """The record that set the flag is consumed on ``ex`` (its next may follow)."""
         self._consume_clock = dict(ex.clock)
-        where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph.name}"
+        where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph_name}"
         self._consumed_by = where
 
     def add_pending_locked(self, s: Stream) -> None:
@@ -168,7 +168,7 @@ class ExtRecordWork:
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event
         ex.tick()
-        where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph.name}"
+        where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph_name}"
         with RUNTIME.cond:
             ev._done_pending_locked(ex)
             if ev.flag:
@@ -222,7 +222,7 @@ class ExtWaitWork:
         self.label = f"wait {event.name}"
 
     def launch_locked(self, launch: Launch, stream: Stream) -> None:
-        self.event.wait_issued_locked(f"by replay #{launch.number} of {launch.graph.name}")
+        self.event.wait_issued_locked(f"by replay #{launch.number} of {launch.graph_name}")
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ev = self.event

@@ -12,7 +12,8 @@ the argument (:mod:`fia_args` reads the arguments); the registered ops
 
 * Dense BSH/BSND/BNSD: ``D = H / N``; ``num_heads`` equals query's N axis (BSND/BNSD) or
   divides H (BSH). ``num_key_value_heads`` 0 means ``num_heads``; it divides
-  ``num_heads``, the ratio is at most 64, and it equals key's N axis. key and value
+  ``num_heads``, the ratio is at most 64 (not with MLA of query D 512, whose section takes
+  query N 128 over KV_N 1), and it equals key's N axis. key and value
   shapes match except value's D, which is attention_out's D.
 * dtypes: query float16/bfloat16 (float32 is the sim's extension); key, value and
   pse_shift take query's dtype; atten_mask is bool/int8/uint8 (nonzero: do not attend).
@@ -28,12 +29,18 @@ the argument (:mod:`fia_args` reads the arguments); the registered ops
   length is the batch); without ``block_table`` ``actual_seq_lengths_kv`` holds
   cumulative key ends too, with ``block_table`` it holds per-batch lengths.
 * Paged KV (``block_table`` given): ``block_size`` > 0; key/value are caches of shape
-  (blocknum, blocksize, H) or, for BNSD/TND queries, (blocknum, KV_N, blocksize, D);
-  ``block_table`` is int32 [B, >= maxBlockNumPerSeq]; ``actual_seq_lengths_kv`` is required;
-  blocknum must cover the blocks all batches need.
-* MLA: ``query_rope`` and ``key_rope`` together; query D 512 (paged, KV_N 1, rope D 64,
-  no softmax_lse, Q_S 1..16, sparse 0 without mask at Q_S 1, sparse 3 with mask above) or
-  query D 128 (TND/NTD_TND, not paged, bfloat16).
+  (blocknum, blocksize, H) or, for BNSD/TND queries, (blocknum, KV_N, blocksize, D), of
+  one shape ("key和value的shape需保证一致"; ATB's ``_npu_paged_attention`` lets value's D
+  differ, see :mod:`paged_attention`); ``block_table`` is int32 [B, >= maxBlockNumPerSeq];
+  ``actual_seq_lengths_kv`` is required; blocknum must cover the blocks all batches need.
+  Without ``block_table`` a ``block_size`` is ignored (its default 0 means "no page
+  attention"; vllm-ascend's prefill passes the cache's block size to a dense call).
+* MLA: ``query_rope`` and ``key_rope`` together; query D 512 (paged with a block_size a
+  multiple of 16 up to 1024, query N 1/2/4/8/16/32/64/128, KV_N 1, rope D 64, no
+  softmax_lse, Q_S 1..16, sparse 0 without mask at Q_S 1, sparse 3 with mask above; the
+  ``*_NBSD`` layouts at any of those Q_S, a one-token query included: the MLA section
+  lists them without the general "Q_S 2..16" of the layout table, and vllm-ascend's MLA
+  decode calls ``BNSD_NBSD`` with Q_S 1) or query D 128 (TND/NTD_TND, not paged, bfloat16).
 * sparse_mode 0..4: 0 and 1 take a full mask, 2/3/4 an optimised (2048, 2048) mask;
   TND layouts take only 0 without a mask or 3 with one.
 """
@@ -54,6 +61,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
 _WORKSPACE_BASE = 64 * 1024
 _WORKSPACE_ALIGN = 512
+_MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ class Plan:
     mask: bool
     pse: bool
     softmax_lse: bool
+    kv_capacity: int = 0  # key positions the shapes hold per batch (all of them for TND)
 
     def out_shape(self) -> tuple[int, ...]:
         return out_shape(self.layout_out, self.batch, self.num_heads, self.q_seq,
@@ -99,10 +108,15 @@ class Plan:
         return (self.batch, self.num_heads, self.q_seq, 1)
 
     def workspace_bytes(self) -> int:
-        """Scores and probabilities in float32 per head over the used lengths, plus a
-        fixed system part: grows with the lengths, so a workspace sized for short
-        lengths cannot hold longer ones."""
-        return workspace_bytes(self.num_heads, self.q_lens, self.kv_lens)
+        """Scores and probabilities in float32 per head over the longest lengths the
+        shapes allow (not the call's lengths), plus a fixed system part: torch_npu sizes
+        the workspace once, by ``_get_max_workspace`` on the captured arguments, and
+        updates to any lengths the shapes hold reuse it (lmdeploy captures with a kv
+        length of 1)."""
+        if self.layout_in in ("TND", "NTD"):
+            return workspace_bytes(self.num_heads, (self.q_total,), (self.kv_capacity,))
+        cap = max(self.kv_capacity, self.kv_seq)
+        return workspace_bytes(self.num_heads, (self.q_seq,) * self.batch, (cap,) * self.batch)
 
 
 def workspace_bytes(num_heads: int, q_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
@@ -124,9 +138,6 @@ def _heads(num_heads: object, num_key_value_heads: object) -> tuple[int, int]:
     if n % nkv:
         raise fail("num_key_value_heads",
                    f"num_heads ({n}) must be divisible by num_key_value_heads ({nkv})")  # fmt: skip
-    if n // nkv > 64:
-        raise fail("num_key_value_heads", f"num_heads / num_key_value_heads = {n // nkv} "
-                   "exceeds 64")  # fmt: skip
     return n, nkv
 
 
@@ -188,13 +199,15 @@ def _kv_dense(key: torch.Tensor, value: torch.Tensor, layout: str, b: int, nkv: 
     return skv, dk, dv
 
 
-def _kv_paged(key: torch.Tensor, value: torch.Tensor, layout: str, nkv: int,
-              block_size: int) -> tuple[int, int, bool, int]:  # fmt: skip
-    """(blocknum, D_k, cache is (blocknum, KV_N, blocksize, D), D_v) of paged caches."""
-    if tuple(key.shape) != tuple(value.shape):
+def _kv_paged(key: torch.Tensor, value: torch.Tensor, layout: str, nkv: int, block_size: int,
+              value_d_free: bool = False) -> tuple[int, int, bool, int]:  # fmt: skip
+    """(blocknum, D_k, cache is (blocknum, KV_N, blocksize, D), D_v) of paged caches;
+    ``value_d_free``: value's last axis may differ from key's (ATB PagedAttention)."""
+    ks, vs = tuple(key.shape), tuple(value.shape)
+    if ks[:-1] != vs[:-1] or (ks[-1] != vs[-1] and not value_d_free):
         raise fail("value", f"paged key and value caches must have the same shape, got "
-                   f"{tuple(key.shape)} and {tuple(value.shape)}")  # fmt: skip
-    s = tuple(key.shape)
+                   f"{ks} and {vs}")  # fmt: skip
+    s = ks
     if key.dim() == 3:
         nb, bs, h = s
         if h % nkv:
@@ -215,13 +228,19 @@ def _kv_paged(key: torch.Tensor, value: torch.Tensor, layout: str, nkv: int,
                    f"blocksize, D), got {s}")  # fmt: skip
     if bs != block_size:
         raise fail("block_size", f"{block_size} differs from the caches' block axis ({bs})")
-    return nb, d, bnsd, d
+    if bnsd:
+        return nb, d, bnsd, vs[-1]
+    if vs[-1] % nkv:
+        raise fail("value", f"cache hidden size {vs[-1]} is not divisible by "
+                   f"num_key_value_heads ({nkv})")  # fmt: skip
+    return nb, d, bnsd, vs[-1] // nkv
 
 
 def _check_block_size(block_size: int, q_seq: int, mla512: bool, tnd: bool) -> None:
     if mla512:
-        if block_size not in (16, 128):
-            raise fail("block_size", f"MLA with query D 512 takes 16 or 128, got {block_size}")
+        if block_size % 16 or not 16 <= block_size <= 1024:
+            raise fail("block_size", f"MLA with query D 512 takes a multiple of 16 up to 1024, "
+                       f"got {block_size}")  # fmt: skip
     elif q_seq == 1 and not tnd:
         if block_size % 16:
             raise fail("block_size", f"must be a multiple of 16 for float16/bfloat16 caches, "
@@ -288,9 +307,9 @@ def _rope(a: dict[str, Any], layout: str, q: torch.Tensor, paged: bool, n: int, 
     if d == 512:
         if not paged:
             raise fail("block_table", "MLA with query D 512 needs page attention")
-        if nkv != 1 or n not in (32, 64, 128):
-            raise fail("num_heads", f"MLA with query D 512 takes query N 32/64/128 and key N 1, "
-                       f"got {n} and {nkv}")  # fmt: skip
+        if nkv != 1 or n not in _MLA_HEADS:
+            raise fail("num_heads", f"MLA with query D 512 takes query N 1/2/4/8/16/32/64/128 "
+                       f"and key N 1, got {n} and {nkv}")  # fmt: skip
         if any(not 1 <= s <= 16 for s in q_lens):
             raise fail("query", "MLA with query D 512 takes a query S of 1..16 per batch")
         if a.get("softmax_lse_flag"):
@@ -346,10 +365,11 @@ def plan(a: dict[str, Any]) -> Plan:
                        f"batch ({b})")  # fmt: skip
         if block_size <= 0:
             raise fail("block_size", "page attention (block_table given) needs block_size > 0")
-        nb, dk, bnsd_cache, dv = _kv_paged(key, value, layout_in, nkv, block_size)
+        nb, dk, bnsd_cache, dv = _kv_paged(key, value, layout_in, nkv, block_size,
+                                           bool(a.get("value_d_free")))  # fmt: skip
         if kv_lens_arg is None:
             raise fail("actual_seq_lengths_kv", "is required with page attention")
-        capacity = bt.shape[1] * block_size
+        capacity = kv_capacity = bt.shape[1] * block_size
         kv_lens = per_batch("actual_seq_lengths_kv", kv_lens_arg, b, capacity)
         per_seq = [-(-kv // block_size) for kv in kv_lens]
         blocks_needed = max(per_seq, default=0)
@@ -358,9 +378,9 @@ def plan(a: dict[str, Any]) -> Plan:
                        "batches' actual_seq_lengths_kv need")  # fmt: skip
         skv = pse_kv = blocks_needed * block_size
     else:
-        if block_size:
-            raise fail("block_size", "is only used with block_table (page attention)")
+        block_size = 0  # ignored without block_table
         skv_total, dk, dv = _kv_dense(key, value, layout_in, b, nkv)
+        kv_capacity = skv_total
         if tnd:
             kv_lens, kv_starts = cumulative("actual_seq_lengths_kv", kv_lens_arg, skv_total)
             if len(kv_lens) != b:
@@ -376,8 +396,13 @@ def plan(a: dict[str, Any]) -> Plan:
     rope = _rope(a, layout_in, q, paged, n, nkv, d, q_lens)
     if paged:
         _check_block_size(block_size, sq, d == 512 and rope > 0, tnd)
-    if layout_out == "NBSD" and not 2 <= sq <= 16:
-        raise fail("input_layout", f"{a['input_layout']} takes a query S of 2..16, got {sq}")
+    mla512 = rope > 0 and d == 512
+    if n // nkv > 64 and not mla512:  # the MLA section takes query N 128 over key N 1
+        raise fail("num_key_value_heads", f"num_heads / num_key_value_heads = {n // nkv} "
+                   "exceeds 64")  # fmt: skip
+    if layout_out == "NBSD" and not (1 if mla512 else 2) <= sq <= 16:
+        raise fail("input_layout", f"{a['input_layout']} takes a query S of 2..16 (1..16 with "
+                   f"MLA rope inputs of query D 512), got {sq}")  # fmt: skip
     if layout_in == "BNSD" and layout_out == "BSND" and sq == 1:
         raise fail("input_layout", "BNSD_BSND takes a query S above 1")
     mode = check_int("sparse_mode", a.get("sparse_mode", 0))
@@ -416,4 +441,5 @@ def plan(a: dict[str, Any]) -> Plan:
         layout_in, layout_out, b, n, nkv, d, rope, dv, sq, skv, q_total, tuple(q_lens),
         tuple(q_starts), tuple(kv_lens), kv_starts, paged, block_size, bnsd_cache,
         blocks_needed, incremental, mode, pre, nxt, mask is not None, pse is not None, lse,
+        kv_capacity,
     )  # fmt: skip

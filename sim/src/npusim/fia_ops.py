@@ -2,8 +2,9 @@
 the workspace and output checks, and the errors they raise.
 
 Checks run at issue time (the ops' meta kernels and :func:`tensor.register_host_op`
-handlers), so a bad call, a too-small workspace or an update to lengths the captured
-workspace cannot hold is refused at the call that makes it, before anything runs.
+handlers), so a bad call or a too-small workspace is refused at the call that makes
+it, before anything runs. A workspace's size follows the shapes, not the lengths (what
+``_get_max_workspace`` returns for the captured arguments holds every update).
 Plans are cached by shapes and values: a replayed task does not re-validate.
 """
 
@@ -132,9 +133,7 @@ def refuse_short_workspace(op_name: str, have: int, needed: int, getter: str) ->
     if have < needed:
         raise SimUsageError(
             f"{op_name}: workspace holds {have} bytes but this call needs {needed} ({getter} "
-            "for these shapes and lengths). A workspace sized at capture for shorter lengths "
-            "cannot hold an update to longer ones: size it with the longest lengths the graph "
-            "will be updated to."
+            "for these shapes): get it with the shapes the call uses."
         )
 
 

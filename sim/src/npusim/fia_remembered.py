@@ -53,7 +53,7 @@ class Lengths:
         if p.paged:
             self.capacity = a["block_table"].shape[1] * p.block_size
             self.blocks = _kv_paged(a["key"], a["value"], p.layout_in, p.num_kv_heads,
-                                    p.block_size)[0]  # fmt: skip
+                                    p.block_size, bool(a.get("value_d_free")))[0]  # fmt: skip
         workspace = a.get("workspace")
         self.workspace = None if workspace is None else workspace.numel()
         # The workspace lengths need grows with them: one that holds what the longest

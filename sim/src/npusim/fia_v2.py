@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .autodispatch import GraphOpHandler, register_handler
 from .fia_layout import Plan
 from .fia_ops import Kernels, Signature, inferred_outputs, planned, refuse
+from .npugraph_handler import TensorListOutHandler, register_npu_graph_handler, specs_for
 from .tensor import PATCHABLE_OPS, register_host_op
 
 NAME = "npu_fused_infer_attention_score_v2"
@@ -111,25 +111,29 @@ register_host_op(
 )
 
 
-def _prepare(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    out_op = fused_infer_attention_score_v2.out
-    if func is out_op:
-        return func, args, kwargs
-    kwargs = dict(kwargs)
-    kwargs["workspace"] = get_max_workspace(*args, **kwargs)
-    keys = ("query_dtype", "value_dtype", "input_layout", "quant_scale_out", "block_table",
-            "num_query_heads", "num_key_value_heads", "return_softmax_lse", "query_rope",
-            "out_dtype")  # fmt: skip
-    o, lse = infer_output(args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs})
-    kwargs["out"] = [o, lse]
-    return out_op, args, kwargs
+@register_npu_graph_handler([
+    "npu_fused_infer_attention_score_v2",
+    "npu_fused_infer_attention_score_v2.default",
+    "npu_fused_infer_attention_score_v2.out",
+])  # fmt: skip
+class IFAv2DefaultHandler(TensorListOutHandler):
+    """torch_npu's ``_IFAv2DefaultHandler`` (``_npugraph_handlers/ifa_handler.py``)."""
 
+    UPDATE_SPECS = specs_for(
+        "npu_fused_infer_attention_score_v2",
+        [("arg", 7, "actual_seq_qlen"), ("arg", 8, "actual_seq_kvlen")],
+    )
 
-register_handler(
-    [fused_infer_attention_score_v2.default, fused_infer_attention_score_v2.out],
-    GraphOpHandler(
-        update_specs=(("arg", 7, "actual_seq_qlen"), ("arg", 8, "actual_seq_kvlen")),
-        prepare=_prepare,
-        returns_out=True,
-    ),
-)
+    @classmethod
+    def prepare_capture(cls, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        out_op = fused_infer_attention_score_v2.out
+        if func is out_op:
+            return func, args, kwargs
+        kwargs = dict(kwargs)
+        kwargs["workspace"] = get_max_workspace(*args, **kwargs)
+        keys = ("query_dtype", "value_dtype", "input_layout", "quant_scale_out", "block_table",
+                "num_query_heads", "num_key_value_heads", "return_softmax_lse", "query_rope",
+                "out_dtype")  # fmt: skip
+        o, lse = infer_output(args[0], args[2], **{k: kwargs[k] for k in keys if k in kwargs})
+        kwargs["out"] = [o, lse]
+        return out_op, args, kwargs

@@ -72,7 +72,11 @@ class TaskNode:
 # =================================================================== replay
 @dataclass(eq=False)
 class Launch:
-    graph: NPUGraph
+    """One replay of a graph. It names its graph but does not hold it: memory-access
+    records and finished stream entries keep launches, and a graph the program dropped
+    must be collectable (its private pool freed) once its replays ran."""
+
+    graph_name: str
     number: int
     seqs: dict[Any, int] = field(default_factory=dict)
     issued: int = field(default_factory=ISSUED.__next__)  # issue order, for messages
@@ -82,7 +86,6 @@ class ReplayWork:
     def __init__(
         self, graph: NPUGraph, launch: Launch, nodes: list[Any] | None = None, where: str = ""
     ) -> None:
-        self.graph = graph
         self.launch = launch
         self.nodes = list(graph.nodes if nodes is None else nodes)
         self.label = f"replay #{launch.number} of {graph.name}{where}"
@@ -90,7 +93,8 @@ class ReplayWork:
     def run(self, ex: Stream) -> None:
         # Tasks in a row are charged together (CostClock.add_at); anything else (a wait,
         # a record, a fork or join) first waits until the tasks before it are over.
-        for node in self.nodes:
+        nodes, self.nodes = self.nodes, []  # a finished entry stays referenced (a stream's
+        for node in nodes:  # last entry, a buffer's uses): it must not keep the graph alive
             if type(node) is not TaskNode:
                 ex.settle()
             node.run(ex, self.launch)
@@ -134,9 +138,15 @@ class GraphDispatchState:
     """``NPUGraph.graph_dispatch_mode`` of torch_npu: the records of an
     ``auto_dispatch_capture`` (``graph_dispatch_records``) and their update."""
 
+    #: The one update stream of the process (torch_npu creates it with the first
+    #: ``_GraphDispatchMode``, i.e. the first NPUGraph): every ``update`` runs on it.
+    update_stream: Stream | None = None
+
     def __init__(self, graph: NPUGraph) -> None:
         self.graph = graph
         self.graph_dispatch_records: list[Any] = []
+        if GraphDispatchState.update_stream is None:
+            GraphDispatchState.update_stream = Stream()
 
     #: Re-issues the records with new arguments: set by the auto-dispatch capture
     #: module when it is imported (it imports this one, not the other way round).
@@ -208,10 +218,15 @@ class NPUGraph:
                 capture_rules.LIVE.remove(cap)
             unjoined = forkjoin.end_capture_locked(cap)
             if open_group is not None:
-                raise SimUsageError(
-                    f"capture of {self.name} ended inside task group {open_group.index}: "
+                cause = open_group.cause
+                why = (
                     "call graph_task_group_end first"
+                    if cause is None
+                    else f"{type(cause).__name__} raised inside it left it open: {cause}"
                 )
+                raise SimUsageError(
+                    f"capture of {self.name} ended inside task group {open_group.index}: {why}"
+                ) from cause
             if unjoined:
                 self.nodes, self.groups, self.branches = [], [], []
                 raise SimUsageError(unjoined)
@@ -228,7 +243,7 @@ class NPUGraph:
             if s.capturing is not None:
                 raise SimUsageError(f"replay of {self.name} on {s.name} while it captures")
             self.replays += 1
-            launch = Launch(self, self.replays)
+            launch = Launch(self.name, self.replays)
             for node in self.nodes:
                 node.launch_locked(launch, s)
             for branch in self.branches:

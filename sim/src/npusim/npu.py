@@ -6,10 +6,12 @@ The names follow torch_npu 2.14: streams, events, graphs and the four
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 
+from . import npugraph_handler as _npugraph_handler
 from .allocation import (
     empty_cache,
     graph_pool_handle,
@@ -18,6 +20,7 @@ from .allocation import (
     mem_get_info,
     memory_allocated,
     memory_reserved,
+    memory_snapshot,
     memory_stats,
     memory_stats_as_nested_dict,
     reset_accumulated_memory_stats,
@@ -28,12 +31,14 @@ from .capture import graph
 from .device import current_device, device, device_count, set_device, synchronize
 from .events import ExternalEvent
 from .graphs import NPUGraph, is_current_stream_capturing
+from .npu_extras import _sleep as _sleep  # torch.npu._sleep
 from .npu_extras import (
     get_stream_limit,
     make_graphed_callables,
     reset_stream_limit,
     set_stream_limit,
 )
+from .npugraph_handler import NpuGraphOpHandler, register_npu_graph_handler
 from .runtime import RUNTIME
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 from .task_groups import (
@@ -42,6 +47,13 @@ from .task_groups import (
     graph_task_update_begin,
     graph_task_update_end,
 )
+
+# torch_npu.npu._npugraph_handlers: the package of the graph-op handler registry
+# (``_npugraph_handlers.npugraph_handler._NPU_GRAPH_OP_HANDLERS``).
+_npugraph_handlers = types.ModuleType(f"{__name__}._npugraph_handlers")
+_npugraph_handlers.npugraph_handler = _npugraph_handler  # type: ignore[attr-defined]
+_npugraph_handlers.NpuGraphOpHandler = NpuGraphOpHandler  # type: ignore[attr-defined]
+_npugraph_handlers.register_npu_graph_handler = register_npu_graph_handler  # type: ignore[attr-defined]
 
 
 def is_available() -> bool:
@@ -119,6 +131,7 @@ __all__ = [
     "Event",
     "ExternalEvent",
     "NPUGraph",
+    "NpuGraphOpHandler",
     "Stream",
     "current_device",
     "current_stream",
@@ -149,8 +162,10 @@ __all__ = [
     "mem_get_info",
     "memory_allocated",
     "memory_reserved",
+    "memory_snapshot",
     "memory_stats",
     "memory_stats_as_nested_dict",
+    "register_npu_graph_handler",
     "reset_accumulated_memory_stats",
     "reset_max_memory_allocated",
     "reset_peak_memory_stats",

@@ -8,6 +8,11 @@
 * torchair's tensor-from-storage constructors ``torch_npu._C._construct_storage_from_data_pointer``
   and ``_construct_NPU_Tensor_From_Storage_And_Metadata``: rebuild a device tensor that
   views the live device storage holding a data pointer.
+* ``torch.npu._sleep(cycles)``: a device-side busy wait of ``cycles`` on the current
+  stream (torch_npu ``_npu_sleep``; ``torch_npu.testing``'s ``get_cycles_per_ms`` measures
+  its rate with two timed events). The sim's clock is :data:`SLEEP_CYCLES_PER_MS`: the
+  work item takes that long on the stream's thread (modelled time in timed mode); it is
+  captured as a node (refused inside a task group: it is no Cube/Vector kernel of an op).
 * ``torch.npu.make_graphed_callables``: capture callables into graphs; inference only
   (sample inputs must not require grad: the sim has no autograd graphs).
 """
@@ -15,6 +20,7 @@
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
@@ -23,7 +29,8 @@ import torch
 
 from .capture import graph
 from .errors import SimUsageError
-from .graphs import NPUGraph
+from .graphs import Launch, NPUGraph
+from .runtime import RUNTIME, busy_until
 from .streams import Stream, current_stream
 from .streams import stream as stream_ctx
 from .tensor import NpuTensor
@@ -60,6 +67,43 @@ def get_stream_limit(stream: Any) -> dict[str, int]:
         "cube_core_num": limits.get("cube_core_num", DEVICE_CUBE_CORES),
         "vector_core_num": limits.get("vector_core_num", DEVICE_VECTOR_CORES),
     }
+
+
+# The sim's device clock for ``_sleep`` (a 1 GHz clock: 10**6 cycles a millisecond).
+SLEEP_CYCLES_PER_MS = 1_000_000
+
+
+class SleepWork:
+    """``_sleep(cycles)``: a work item that keeps its stream busy for that long."""
+
+    def __init__(self, cycles: int) -> None:
+        self.cycles = cycles
+        self.label = f"_sleep({cycles})"
+
+    def launch_locked(self, launch: Launch, stream: Stream) -> None:
+        pass
+
+    def run(self, ex: Stream, launch: Launch | None = None) -> None:
+        ex.tick()
+        us = self.cycles * 1000 / SLEEP_CYCLES_PER_MS
+        if RUNTIME.config.mode == "timed":
+            started = ex.resume_at if ex.resume_at is not None else ex.timed_now()
+            ex.resume_at = None
+            ex.cost.add_at(us, started)
+            ex.settle()
+        else:
+            busy_until(time.perf_counter() + us * 1e-6)
+
+
+def _sleep(cycles: int) -> None:
+    """torch_npu's ``torch.npu._sleep``: sleep ``cycles`` on the current stream."""
+    s = current_stream()
+    work = SleepWork(int(cycles))
+    with RUNTIME.cond:
+        if s.capturing is not None:
+            s.capturing.add_node(work)
+        else:
+            s.issue_locked(work)
 
 
 class Format(IntEnum):

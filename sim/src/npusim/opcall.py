@@ -19,6 +19,12 @@ PATCHABLE_OPS: set[Any] = set()
 HOST_CHECKS: dict[Any, Callable[..., Any]] = {}
 
 
+# Keyword tensor arguments of an op that a patch may replace by another tensor: they
+# are parameters of the task, not memory its captured footprint names (the workspace
+# of ``_npu_paged_attention``: vllm-ascend's full-graph update passes the workspace it
+# holds now, ATB re-binds it).
+PATCH_PARAMETERS: dict[Any, frozenset[str]] = {}
+
 _AS_IS = (type(None), str)
 
 
@@ -186,7 +192,13 @@ class OpCall:
         if keys is None:
             host = self.host
             tensors: list[torch.Tensor] = []
-            for v in (*self.args, *self.kwargs.values()):  # flat(), inline
+            skip = PATCH_PARAMETERS.get(self.op)
+            kwargs = (
+                self.kwargs.values()
+                if skip is None
+                else [v for k, v in self.kwargs.items() if k not in skip]
+            )
+            for v in (*self.args, *kwargs):  # flat(), inline
                 if isinstance(v, torch.Tensor):
                     if id(v) not in host:
                         tensors.append(v)

@@ -6,6 +6,10 @@ vllm-ascend and sglang) and ``_npu_paged_attention_get_workspace``, with the whe
         block_table int32 [B, max_blocks], context_lens int32 host tensor [B],
         out [B, N, Dv], *, workspace=None)
 
+value_cache's D may differ from key_cache's (ATB PagedAttention takes a value head size of
+its own: torch_npu's ``test_paged_attention_aclgraph_update`` runs key D 288 with value D
+96).
+
 ``context_lens`` is a host tensor: the dispatch reads it when the op is issued (it sizes
 the tiling), so it is a parameter that a graph update replaces, not device memory. Its
 values are checked at every issue (eager, capture, update): each within the batch's
@@ -20,10 +24,11 @@ from typing import Any
 import torch
 
 from . import fia_kernel
-from .autodispatch import GraphOpHandler, register_handler
 from .errors import SimUsageError
 from .fia_layout import Plan
 from .fia_ops import Signature, check_workspace, planned
+from .npugraph_handler import NpuGraphOpHandler, register_npu_graph_handler
+from .opcall import PATCH_PARAMETERS
 from .streams import current_stream
 from .tensor import PATCHABLE_OPS, issue, register_host_op
 
@@ -89,6 +94,7 @@ def _v1(b: dict[str, Any], lengths: list[int]) -> dict[str, Any]:
         "scale": b["scale_value"],
         "block_size": k.shape[1],
         "input_layout": "BSH",
+        "value_d_free": True,
     }
 
 
@@ -116,6 +122,7 @@ def _meta(*args: Any, **kwargs: Any) -> None:
 _lib.impl(NAME, _cpu, "CPU")
 _lib.impl(NAME, _meta, "Meta")
 PATCHABLE_OPS.add(paged_attention.default)
+PATCH_PARAMETERS[paged_attention.default] = frozenset({"workspace"})
 
 
 def _issue_checked(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -140,6 +147,15 @@ register_host_op(
     getattr(torch.ops.npu, f"{NAME}_get_workspace").default,
     lambda func, args, kwargs: get_workspace(*args, **kwargs),
 )
-register_handler(
-    [paged_attention.default], GraphOpHandler(update_specs=(("arg", 7, "context_lens"),))
-)
+
+
+@register_npu_graph_handler(["_npu_paged_attention.default", "npu_multi_head_latent_attention.out"])
+class SimpleGraphHandler(NpuGraphOpHandler):
+    """torch_npu's ``_SimpleGraphHandler`` (``_npugraph_handlers/simple_handler.py``): an
+    update's ``context_lens`` replaces argument 7 (the MLA op it also names is not
+    simulated)."""
+
+    UPDATE_SPECS = {
+        "_npu_paged_attention.default": [("arg", 7, "context_lens")],
+        "npu_multi_head_latent_attention.out": [("arg", 5, "context_lens")],
+    }

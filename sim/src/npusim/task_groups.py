@@ -59,6 +59,9 @@ class TaskGroup:
     patches: dict[int, Access] = field(default_factory=dict)  # per stream actor
     _tasks: list[TaskNode] | None = field(default=None, repr=False)
     lane: list[Any] | None = field(default=None, repr=False)  # its branch's nodes
+    # The error an op raised inside the open group (an auto-dispatch capture's op): if the
+    # capture ends with the group still open, that error is the cause ending reports.
+    cause: BaseException | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:

@@ -23,6 +23,7 @@ from .npu_extras import (
     _construct_storage_from_data_pointer,
     get_npu_format,
 )
+from .npugraph_handler import _weak_ref_tensor
 from .paged_attention import paged_attention
 from .task_groups import TaskGroupHandle
 
@@ -53,6 +54,7 @@ _C = SimpleNamespace(
     _NPUTaskGroupHandle=TaskGroupHandle,
     _construct_storage_from_data_pointer=_construct_storage_from_data_pointer,
     _construct_NPU_Tensor_From_Storage_And_Metadata=_construct_NPU_Tensor_From_Storage_And_Metadata,
+    _weak_ref_tensor=_weak_ref_tensor,
 )
 
 __all__ = [
