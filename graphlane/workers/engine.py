@@ -306,11 +306,16 @@ class StepEngine:
             self._abandon(step, EngineError(f"engine failed: {self._failure}"))
             return
         try:
-            fence = self._issue(step)
             # Alone in the engine (the update thread is idle): U's work is issued here.
-            inline = fence is not _S_ONLY and (self._u_inline or self._permits.alone())
+            alone = self._u_inline or self._permits.alone()
+            fence = self._issue(step, collect=not alone)
+            inline = fence is not _S_ONLY and alone
             if inline:
                 self._on_update_stream(step, fence)
+            if alone and step.done is None and step.kind is not OpKind.UPDATE:
+                # a replay's output copy and done event, after its patches
+                assert step.graph is not None
+                self._collect(self.programs[step.plan.program], step.graph, step)
         except BaseException as exc:  # a device fault or a misuse: fail loudly
             self._fail(exc)
             self._abandon(step, exc)
@@ -333,9 +338,11 @@ class StepEngine:
         self._next[ring_key] = (i + 1) % self.depth
         return self._rings[ring_key][i]
 
-    def _issue(self, step: Step) -> Any:
+    def _issue(self, step: Step, collect: bool = True) -> Any:
         """Issue ``step``'s work on S; return the event its work on U waits for first
-        (None: nothing to wait for), or ``_S_ONLY`` if it has no work on U."""
+        (None: nothing to wait for), or ``_S_ONLY`` if it has no work on U. Without
+        ``collect``, a pipelined replay's output copy and done event are left to the
+        caller (``step.done`` stays None), which issues U's work first."""
         plan = step.plan
         program = self.programs[plan.program]
         if step.kind is OpKind.STATE:
@@ -366,10 +373,13 @@ class StepEngine:
             self._on_update_stream(step, previous)
         # Pipelined, the replay goes first: it waits for layer 0's release. The output
         # copy is queued behind the replay on S, so queueing it before the patches
-        # costs the device nothing.
+        # costs the device nothing; a step alone in the engine queues it after its own
+        # patches (``collect``), where its host time overlaps the replay's last layer
+        # instead of delaying layer 0's release (a lone step's latency).
         step.replay_at = time.perf_counter()
         b.replay(g.graph, self.capture_stream)
-        self._collect(program, g, step)
+        if collect or self.records_first:
+            self._collect(program, g, step)
         return _S_ONLY if self.records_first else previous
 
     def _copy_inputs(
