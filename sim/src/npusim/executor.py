@@ -50,7 +50,7 @@ class WaitInfo(Protocol):
 
 
 class _Entry:
-    __slots__ = ("clock", "done", "done_clock", "epoch", "model", "work")
+    __slots__ = ("clock", "done", "done_at", "done_clock", "epoch", "model", "work")
 
     def __init__(self, work: Work, clock: Clock, epoch: int, model: float) -> None:
         self.work = work
@@ -59,6 +59,7 @@ class _Entry:
         self.model = model  # the issuing host's time in the timed model (0: compute mode)
         self.done = False
         self.done_clock: Clock = {}
+        self.done_at = 0.0  # timed mode: the stream's modelled time when it finished
 
 
 class OpWork:
@@ -198,6 +199,7 @@ class StreamExecutor:
         self.blocked = None
         entry.done = True
         entry.done_clock = dict(self.clock)
+        entry.done_at = self.model_time
         if self._queue and self._queue[0] is entry:
             self._queue.popleft()
         if self._queue:  # else the idle loop wakes the waiters
@@ -244,7 +246,7 @@ class StreamExecutor:
             if target is None:
                 return
             RUNTIME.wait_until(lambda: target.done, f"{self.name} to finish")
-            RUNTIME.host_join(target.done_clock)
+            RUNTIME.host_join(target.done_clock, target.done_at)
 
     def query(self) -> bool:
         with RUNTIME.cond:
@@ -253,7 +255,7 @@ class StreamExecutor:
             if target is None:
                 return True
             if target.done:
-                RUNTIME.host_join(target.done_clock)
+                RUNTIME.host_join(target.done_clock, target.done_at)
             return target.done
 
     # ------------------------------------------------------------ reset support

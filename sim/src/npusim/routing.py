@@ -8,6 +8,7 @@ NPU), charged on this thread's cost clock.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from . import access
 from .graphs import TaskNode
 from .opcall import OpCall
-from .runtime import HOST_COST, RUNTIME
+from .runtime import RUNTIME, host_clock
 from .streams import Stream
 
 
@@ -48,6 +49,7 @@ def route(
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
     # from the start of its dispatch: the sim's own Python is inside it.
     if RUNTIME.config.mode == "timed":
-        HOST_COST.clock.charge(RUNTIME.config.patch_us, started)
+        t0 = time.perf_counter() if started is None else started
+        host_clock(t0).charge(RUNTIME.config.patch_us, t0)
     with RUNTIME.cond:
         stream.issue_locked(patch)

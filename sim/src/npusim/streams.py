@@ -299,7 +299,7 @@ class Event:
             seq = self._issued
             if self._done >= seq:
                 if seq:
-                    RUNTIME.host_join(self._clocks[seq])
+                    RUNTIME.host_join(self._clocks[seq], self._times[seq])
                 return True
             return False
 
@@ -310,7 +310,7 @@ class Event:
             if seq == 0:
                 return
             RUNTIME.wait_until(lambda: self._done >= seq, f"{self.name} to complete")
-            RUNTIME.host_join(self._clocks[seq])
+            RUNTIME.host_join(self._clocks[seq], self._times[seq])
 
     def elapsed_time(self, end_event: Event) -> float:
         if not (self.enable_timing and end_event.enable_timing):
