@@ -118,3 +118,22 @@ def test_event_times_are_modelled_device_time(restore_config: None) -> None:
         end.synchronize()
         # two replays of one task back to back: 2 x 700 us of device time
         assert start.elapsed_time(end) == pytest.approx(1.4, abs=1e-6)
+
+
+def test_a_thread_that_was_blocked_between_two_charges_does_not_hide_the_wait() -> None:
+    """Only what the thread computed is hidden in the window: time it spent blocked (on
+    a queue, a socket: waiting for work that had not arrived) between two charges is
+    added to the second's start, so no chain of charges runs below its model."""
+    slack = CostClock.SLACK_S
+    clock = CostClock()
+    clock.charge(100)
+    end = clock.end
+    time.sleep(slack / 2)  # blocked: no CPU time on this thread
+    clock.add(100)
+    # the sleep (or, if it overslept past the window, the time it started) is in the start
+    assert clock.end - end >= 100e-6 + slack / 2 - 100e-6
+
+    clock = CostClock()  # a synthetic wake-up: all of the gap was computed, none blocked
+    clock.end, clock.woke, clock.woke_cpu = 10.0, 10.0, time.thread_time() - slack
+    clock.add(100, started=10.0 + slack / 2)
+    assert clock.end <= 10.0 + 100e-6 + 1e-9

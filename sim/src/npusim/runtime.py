@@ -156,7 +156,8 @@ class Runtime:
         self.observed_version = 0
         # Timed mode: the latest modelled end of device work a host observed, and the
         # wall time it was observed at (see :func:`host_clock`).
-        self.observed_at: tuple[float, float] = (0.0, 0.0)
+        # (modelled end, wall time seen, the observing thread, its CPU time then)
+        self.observed_at: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
         self.epoch = 0  # bumped by reset(): work of an older epoch is dropped
         self.closing = False  # set at interpreter exit: stream threads stop
         # Threads blocked in wait_for_locked, each with the condition it waits for.
@@ -198,7 +199,7 @@ class Runtime:
         Caller holds ``cond``. Later host actions of every thread are ordered after it,
         and in timed mode happen no earlier than ``at`` (:func:`host_clock`)."""
         if at is not None and at > self.observed_at[0] and self.config.mode == "timed":
-            self.observed_at = (at, time.perf_counter())
+            self.observed_at = (at, time.perf_counter(), threading.get_ident(), time.thread_time())
         _, clock = self.host_actor()
         clock_join(clock, other)
         observed = self.observed
@@ -436,6 +437,13 @@ class CostClock:
     late (the machine was busy, or another thread held the interpreter) is the
     simulator's delay, not work of the thread's, so it does not eat the window.
 
+    Only time the thread spent computing is hidden: the part of the gap in which it
+    did not run (blocked on a queue, a socket, a lock, or not scheduled) is added to
+    the start. The window hides the simulator's Python, never a wait for work that
+    had not arrived yet: a worker that idles between a reply and the next request
+    must not start that request's patch back to back with the last one (which would
+    let a step through a daemon take less than its modelled floor).
+
     :meth:`add` charges without waiting and :meth:`settle` waits for what was
     added: a stream running several tasks in a row with nothing in between that
     another stream or the host could observe (no record, no wait) sleeps once for
@@ -448,13 +456,27 @@ class CostClock:
     def __init__(self) -> None:
         self.end = 0.0
         self.woke = 0.0  # when the last wait for a charge returned
+        self.woke_cpu = 0.0  # the thread's CPU time (time.thread_time) then
+
+    def start_for(self, t0: float, cpu: float | None = None) -> float:
+        """Where work that began at wall time ``t0`` (the thread's CPU time then:
+        ``cpu``, default now) starts in the model: back to back with the previous
+        charge plus the part of the gap the thread did not compute, within the window;
+        ``t0`` after it."""
+        ref = max(self.end, self.woke)
+        if t0 >= ref + self.SLACK_S:
+            return t0
+        computed = (time.thread_time() if cpu is None else cpu) - self.woke_cpu
+        return self.end + max(0.0, (t0 - ref) - computed)
+
+    def woke_at(self, wall: float, cpu: float) -> None:
+        self.woke, self.woke_cpu = wall, cpu
 
     def add(self, cost_us: float, started: float | None = None) -> None:
         if cost_us <= 0:
             return
         t0 = time.perf_counter() if started is None else started
-        start = self.end if t0 < max(self.end, self.woke) + self.SLACK_S else t0
-        self.end = start + cost_us * 1e-6
+        self.end = self.start_for(t0) + cost_us * 1e-6
 
     def add_at(self, cost_us: float, at: float) -> None:
         """Charge work that starts at modelled time ``at`` (no simulator delay in it, so
@@ -464,12 +486,12 @@ class CostClock:
 
     def settle(self) -> None:
         if self.end > self.woke:
-            self.woke = busy_until(self.end)
+            self.woke_at(busy_until(self.end), time.thread_time())
 
     def charge(self, cost_us: float, started: float | None = None) -> None:
         if cost_us > 0:
             self.add(cost_us, started)
-            self.woke = busy_until(self.end)
+            self.woke_at(busy_until(self.end), time.thread_time())
 
 
 def streams_named(streams: Iterable[Stream]) -> str:
@@ -499,11 +521,15 @@ def host_clock(started: float) -> CostClock:
     that saw the step end may hand it to the one that issues the next, by a queue or a
     socket the simulator cannot see); work that began before it is not moved."""
     c = HOST_COST.clock
-    at, seen = RUNTIME.observed_at
+    at, seen, observer, observer_cpu = RUNTIME.observed_at
     if at > c.end and seen <= started:
         c.end = at
         if seen > c.woke:  # the window of slack opens at the observation
-            c.woke = seen
+            # What this thread computed since then is hidden (its own observation);
+            # news from another thread came by a path the sim cannot see (a queue, a
+            # socket): none of the time since is this thread's Python.
+            own = observer == threading.get_ident()
+            c.woke_at(seen, observer_cpu if own else time.thread_time())
     return c
 
 
@@ -518,6 +544,6 @@ def model_now() -> float:
     from when the simulator's threads got round to it."""
     now = time.perf_counter()
     c = host_clock(now)
-    if c.end and now < max(c.end, c.woke) + CostClock.SLACK_S:
-        return min(now, c.end)
+    if c.end:
+        return min(now, c.start_for(now))
     return now
