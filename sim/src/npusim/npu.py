@@ -43,6 +43,9 @@ from .task_groups import (
     graph_task_update_end,
 )
 
+#: Marks this module as the simulator's torch.npu (what ops.refuse_real_torch_npu reads).
+__graphlane_sim__ = True
+
 
 def is_available() -> bool:
     return True
