@@ -18,7 +18,7 @@ No import cycle among the modules of graphlane and npusim: an edge for every imp
 wherever it is (a function-level import still ties the two modules together, and one
 under TYPE_CHECKING ties their types; a lower module names what it needs of a higher
 one by a Protocol of its own). The tools (graphlane.loadtest, graphlane.bench, the
-demo, the example, the command line) may import any of graphlane; nothing above
+demo, the command line) may import any of graphlane; nothing above
 imports them.
 
 An edge goes to the module named: ``import a.b`` and ``from a import b`` (b a module)
