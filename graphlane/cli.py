@@ -1,6 +1,6 @@
 """The ``graphlane`` command line (also ``python -m graphlane``): ``serve`` and ``status``
 run the daemon and ask it (graphlane.orchestrator, graphlane.client), the other commands
-are tools (graphlane.loadtest, graphlane.bench, graphlane.demo, graphlane.example)."""
+are tools (graphlane.loadtest, graphlane.bench, graphlane.demo; the example is npusim's)."""
 
 from __future__ import annotations
 
@@ -251,7 +251,7 @@ def _main(argv: list[str] | None) -> int:
 
         return check_config(args.file)
     if args.command == "example":
-        from graphlane.example import run
+        from npusim.example import run
 
         return run(steps=args.steps, layers=args.layers)
     if args.command == "keys":

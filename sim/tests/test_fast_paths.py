@@ -1,9 +1,9 @@
-"""The sim's fast paths check what the slow paths check.
+"""The sim's short paths check what the dispatcher's path checks.
 
 A captured task's tensor keys are taken at capture and a patch is compared with
-them; the fused update binding skips torch's dispatcher when its arguments are
-plain. Each test here is a way such a shortcut could let a wrong patch through or
-change a result.
+them; the fused update binding binds its arguments itself and never takes torch's
+dispatcher (as on the NPU). Each test here is a way such a shortcut could let a wrong
+patch through or change a result.
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ class Layer:
         torch.npu.synchronize()
         return self.out.cpu()
 
-    def expected(self, lengths: list[int]) -> torch.Tensor:
+    def expected(self, lengths: list[int], **over: Any) -> torch.Tensor:
         out = torch.zeros(B, N, 1, D, dtype=torch.float16)
-        a = self.args(lengths, query=self.q_cpu, key=self.kv_cpu, value=self.kv_cpu)
+        a = self.args(lengths, query=self.q_cpu, key=self.kv_cpu, value=self.kv_cpu, **over)
         a["out"] = [out, torch.zeros(1)]
         fia.out(**a)
         return out
@@ -111,20 +111,18 @@ def test_captured_tensor_whose_layout_changed_in_place_is_refused() -> None:
 @pytest.mark.parametrize(
     "over",
     [
-        {"actual_seq_lengths_kv": (4, 4)},  # a tuple: the dispatcher's list conversion
+        {"actual_seq_lengths_kv": (4, 4)},  # a tuple for a list, as a binding converts it
         {"scale": 1},  # an int for a float
     ],
 )
-def test_fused_binding_with_other_argument_types_patches_as_the_dispatcher_does(
+def test_fused_binding_converts_argument_types_as_a_binding_does(
     over: dict[str, Any],
 ) -> None:
     layer = Layer()
     lengths = list(over.get("actual_seq_lengths_kv", [KV] * B))
     fused(layer.u, layer.handle, layer.ev, **layer.args(lengths, **over))
-    expected = layer.expected(lengths) if "scale" not in over else None
-    got = layer.run()
-    if expected is not None:
-        assert torch.equal(got, expected)
+    scale = float(over.get("scale", 1 / math.sqrt(D)))
+    assert torch.equal(layer.run(), layer.expected(lengths, scale=scale))
 
 
 def test_fused_binding_with_an_out_of_range_length_is_refused_at_issue() -> None:
@@ -134,12 +132,47 @@ def test_fused_binding_with_an_out_of_range_length_is_refused_at_issue() -> None
 
 
 def test_fused_binding_with_a_host_tensor_is_refused() -> None:
-    """A host tensor where the capture had a device tensor: host tensors are values a
-    patch may change (paged attention's context_lens), not memory, so the re-issued op
-    has one device tensor fewer than the captured task, and is refused."""
+    """A host tensor where the capture had a device tensor: refused, naming it."""
     layer = Layer()
-    with pytest.raises(SimUsageError, match=r"does not match captured task .*tensor arguments"):
+    with pytest.raises(SimUsageError, match="'key'"):
         fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], key=layer.kv_cpu))
+    with pytest.raises(SimUsageError, match="'out'"):
+        fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], out=[layer.q_cpu, layer.lse]))
+    fused(layer.u, layer.handle, layer.ev, **layer.args([2, 5]))  # the update stream is free
+    assert torch.equal(layer.run(), layer.expected([2, 5]))
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"num_heads": "4"}, "num_heads"),
+        ({"num_heads": True}, "num_heads"),
+        ({"actual_seq_lengths_kv": [1.0, 2.0]}, "actual_seq_lengths_kv"),
+        ({"no_such_argument": 1}, "no_such_argument"),
+        ({"query": None}, "query"),
+    ],
+)
+def test_fused_binding_refuses_what_does_not_bind_naming_the_argument(
+    over: dict[str, Any], named: str
+) -> None:
+    """As the NPU's C++ binding: a TypeError naming the argument, never a conversion by
+    torch's dispatcher; the update is closed, so the stream can update again."""
+    layer = Layer()
+    with pytest.raises(TypeError, match=named):
+        fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], **over))
+    args = layer.args([1, 1])
+    with pytest.raises(TypeError, match="query"):
+        fused(layer.u, layer.handle, layer.ev, args.pop("query"), query=layer.q, **args)
+    fused(layer.u, layer.handle, layer.ev, **layer.args([3, 3]))
+    assert torch.equal(layer.run(), layer.expected([3, 3]))
+
+
+def test_fused_binding_binds_positional_arguments_in_schema_order() -> None:
+    layer = Layer()
+    args = layer.args([4, 2])
+    q, k, v = args.pop("query"), args.pop("key"), args.pop("value")
+    fused(layer.u, layer.handle, layer.ev, q, k, v, **args)
+    assert torch.equal(layer.run(), layer.expected([4, 2]))
 
 
 class _Seen(TorchDispatchMode):
@@ -152,18 +185,19 @@ class _Seen(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_fused_binding_goes_through_an_active_dispatch_mode() -> None:
+def test_fused_binding_is_not_seen_by_an_active_dispatch_mode() -> None:
+    """A C++ binding on the NPU: torch's dispatch modes do not see it."""
     layer = Layer()
     with _Seen() as mode:
         fused(layer.u, layer.handle, layer.ev, **layer.args([2, 3]))
-    assert fia.out in mode.funcs
+    assert fia.out not in mode.funcs
     assert torch.equal(layer.run(), layer.expected([2, 3]))
 
 
-def test_a_plain_fused_call_does_not_take_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fast path is taken: no call reaches the npu tensor's __torch_dispatch__ (it
-    once stopped applying when the op's schema came to return its out tensors, and
-    every patch silently took the dispatcher's path); a call it does not cover does."""
+def test_a_fused_call_does_not_take_the_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No call reaches the npu tensor's __torch_dispatch__ (the binding once stopped
+    applying when the op's schema came to return its out tensors, and every patch
+    silently took the dispatcher's path), whatever its argument types."""
     from npusim.tensor import NpuTensor
 
     seen: list[Any] = []
@@ -178,9 +212,9 @@ def test_a_plain_fused_call_does_not_take_the_dispatcher(monkeypatch: pytest.Mon
     fused(layer.u, layer.handle, layer.ev, **layer.args([2, 3]))
     assert fia.out not in seen
     assert torch.equal(layer.run(), layer.expected([2, 3]))
-    fused(layer.u, layer.handle, layer.ev, **layer.args([4, 1], scale=1))  # an int: not plain
-    assert fia.out in seen
-    layer.run()
+    fused(layer.u, layer.handle, layer.ev, **layer.args([4, 1], scale=1))  # an int for a float
+    assert fia.out not in seen
+    assert torch.equal(layer.run(), layer.expected([4, 1], scale=1.0))
 
 
 def test_patch_keys_of_a_list_the_caller_mutates_afterwards_are_those_of_issue() -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 
+from npusim import bench as bench_sim
 from npusim import configure
-
-from graphlane.bench import sim_ops as bench_sim
 
 
 def test_bench_sim_returns_every_figure_and_restores_the_config() -> None:

@@ -62,6 +62,18 @@ class GraphDispatchRecord:
     args: list[Any] = field(default_factory=list)
     op_cache_entry: Any = None
 
+    def update(self, values: dict[str, Any]) -> None:
+        """Re-issue the call with ``values`` patched in (``NPUGraph.update``), on the
+        process's update stream, and record its event."""
+        u = GraphDispatchState.update_stream
+        assert u is not None  # made with the first graph
+        with stream_ctx(u):
+            graph_task_update_begin(u, self.handle)
+            _apply(self, values)
+            self.op_cache_entry(*self.args, **self.kwargs)
+            graph_task_update_end(u)
+            self.event.record(u)
+
 
 @register_npu_graph_handler([
     "npu_fused_infer_attention_score",
@@ -178,37 +190,13 @@ def _apply(record: GraphDispatchRecord, update: dict[str, Any]) -> None:
             "captured call did not pass it (or passed its default), so torch_npu drops it "
             "silently and the replay keeps the captured value. Pass it at capture.",
             UpdateKeyIgnoredWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
-
-def update_records(graph: NPUGraph, cpu_update_input: list[dict[str, Any]]) -> None:
-    records = graph.graph_dispatch_mode.graph_dispatch_records
-    updates = list(cpu_update_input)
-    if len(updates) == 1:
-        updates = [dict(updates[0]) for _ in records]
-    if len(updates) != len(records):
-        raise SimUsageError(
-            f"Currently, there are {len(records)} operators that need to be updated by capture, "
-            f"and there are only {len(updates)} elements in the incoming cpu_update_input list"
-        )
-    u = graph.graph_dispatch_mode.update_stream
-    assert u is not None  # made with the graph
-    with stream_ctx(u):
-        for record, update in zip(records, updates, strict=True):
-            graph_task_update_begin(u, record.handle)
-            _apply(record, update)
-            record.op_cache_entry(*record.args, **record.kwargs)
-            graph_task_update_end(u)
-            record.event.record(u)
-
-
-GraphDispatchState.updater = update_records
 
 __all__ = [
     "GraphDispatchMode",
     "GraphDispatchRecord",
     "IFAv1DefaultHandler",
     "UpdateKeyIgnoredWarning",
-    "update_records",
 ]

@@ -26,7 +26,6 @@ def setup() -> None:
         if _done:
             return
         ops.refuse_real_torch_npu()
-        npu.__graphlane_sim__ = True  # type: ignore[attr-defined]
         _setup_privateuseone_for_python_backend("npu", backend_module=npu)
         lib = torch.library.Library("_", "IMPL")
         lib.fallback(backend_kernel, dispatch_key="PrivateUse1")

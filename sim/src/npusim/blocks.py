@@ -11,12 +11,18 @@ at a device address through the index of segments by address.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .memory import DeviceMemory
+from .runtime import Clock
+
+
+class DeviceMemory(Protocol):
+    """The device memory a pool's blocks go back to (:class:`.memory.DeviceMemory`,
+    which cuts them)."""
+
+    def free(self, block: Block, observed: list[Clock]) -> None: ...
 
 ALLOCATED, PENDING, FREE, DEAD = 0, 1, 2, 3
 

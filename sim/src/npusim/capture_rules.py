@@ -14,18 +14,30 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from .errors import SimUsageError
+from .streams import Capture, Stream
 
-if TYPE_CHECKING:
-    from .graphs import CaptureState
-    from .streams import Stream
+
+class CaptureOrigin(Capture, Protocol):
+    """The capture stream's part in a capture (a :class:`.graphs.CaptureState`, built on
+    this module): its mode, the thread that began it, and the side streams that joined
+    it (:mod:`.forkjoin`)."""
+
+    mode: str  # capture_error_mode
+    thread: int
+    members: list[Any]
+
+    def member(self, stream: Stream, nodes: list[Any]) -> Capture:
+        """The part of side stream ``stream``, which joins the capture, recording into
+        ``nodes``."""
+
 
 #: The capture streams' states of the captures underway (kept by graphs.py).
-LIVE: list[CaptureState] = []
+LIVE: list[CaptureOrigin] = []
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
@@ -38,7 +50,7 @@ def check_mode(mode: str) -> None:
         )
 
 
-def refuse_in_group(cap: CaptureState, what: str) -> None:
+def refuse_in_group(cap: Capture, what: str) -> None:
     """CANN packs only Cube/Vector-core kernels into a task group (EE1006)."""
     group = cap.open_group
     assert group is not None
@@ -50,7 +62,7 @@ def refuse_in_group(cap: CaptureState, what: str) -> None:
     )
 
 
-def forbidding_capture() -> CaptureState | None:
+def forbidding_capture() -> CaptureOrigin | None:
     """The capture underway whose mode forbids an unsafe call from this thread."""
     for origin in list(LIVE):
         if origin.stream.capturing is not origin:  # ended by a device reset

@@ -7,22 +7,23 @@ lock) -> ``NpuTensor.__torch_dispatch__`` (which takes it again) ->
 again (41 for the fused attention op) to unwrap them, check them and key them.
 That is most of the host cost of a task-group patch.
 
-:func:`call` issues the call itself when it is plain: keyword arguments only, each
-of the plain Python type its schema asks for (an npu tensor for a Tensor, an
-``int`` for an int, a list of ``int`` for an int[] ...), for an op of the sim that
-returns nothing, or only the ``out`` tensors it writes (then it returns None: the
-caller has them), and has an issue-time check (``HOST_CHECKS``). It walks only the
-arguments given, binds them as the dispatcher would (schema order, keyword-only
-ones as keywords, defaults filled in), runs the op's issue-time check and routes
-the call as :func:`.tensor.issue` does. Anything else (positional arguments, another
-type the dispatcher might convert or refuse, an unknown or missing argument, a
-host tensor, an active dispatch or function mode) takes the dispatcher's path, so
-the result and the errors are the dispatcher's whenever the fast path does not
-apply.
+:func:`call` binds a call itself, as a C++ binding does, for an op of the sim that
+returns nothing, or only the ``out`` tensors it writes (the caller has them), and has
+an issue-time check (``HOST_CHECKS``): positional arguments in schema order, then
+keywords, each of the Python type its schema asks for (an npu tensor for a Tensor, an
+``int`` for an int, an ``int`` or ``float`` for a float, a list or tuple of ``int``
+for an int[] ...), defaults filled in. It walks only the arguments given, runs the
+op's issue-time check and routes the call as :func:`.tensor.issue` does. What it
+cannot bind is refused: a TypeError for an unknown, missing or mistyped argument, a
+SimUsageError for a host tensor. It never falls back to the dispatcher, so torch's
+dispatch and function modes do not see the call, as they do not see the NPU's
+binding.
 
-Used by the fused update binding (:mod:`.fused`), the simulated
-``torch_npu._C._npu_fused_infer_attention_score_out_graph``: on the NPU that
-binding goes straight to C++ too.
+The only path of the fused update binding (:mod:`.fused`), the simulated
+``torch_npu._C._npu_fused_infer_attention_score_out_graph``: on the NPU that binding
+goes straight to C++ too. It is there for what it buys: a step of
+``python -m npusim.bench`` (4 layers, timed at 0 us) costs about 1.6 times as much
+host time with the binding going through the dispatcher.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .allocation import note_uses
+from .errors import SimUsageError
 from .opcall import HOST_CHECKS, OpCall, RememberedCheck, _tensor_key
 from .routing import route
 from .streams import current_stream
@@ -86,49 +88,75 @@ class _Binding:
             a.name == "out" and a.alias_info is not None and a.alias_info.is_write
             for a in schema.arguments
         )
-        self.ok = self.check is not None and (not schema.returns or writes_out)
+        self.name = str(func)
+        if self.check is None or (schema.returns and not writes_out):
+            raise SimUsageError(f"{func} returns what a binding cannot: it takes the dispatcher")
         check = self.check
         self.varying = check.varying if isinstance(check, RememberedCheck) else frozenset()
         self.slots: dict[str, tuple[int, int, bool, type | None]] = {}  # name -> slot, kind
         self.defaults: list[Any] = []
         self.keyword: list[str] = []
+        self.positional: list[str] = []
         self.required: set[str] = set()
         for slot, a in enumerate(schema.arguments):
             kind = _kind(a.type)
             if kind is None:
-                self.ok = False
-                return
+                raise SimUsageError(f"{func} takes a {a.type} ({a.name}): no binding binds it")
             self.slots[a.name] = (slot, *kind)
             if not a.has_default_value():
                 self.required.add(a.name)
             if a.kwarg_only:
                 self.keyword.append(a.name)
             else:
+                self.positional.append(a.name)
                 self.defaults.append(a.default_value if a.has_default_value() else None)
         # By the names of a call, in its order: what _layout says of them.
-        self._layouts: dict[tuple[str, ...], _Layout | None] = {}
+        self._layouts: dict[tuple[str, ...], _Layout] = {}
 
-    def _layout(self, names: tuple[str, ...]) -> _Layout | None:
+    def by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name: ``args`` in schema order, then ``kwargs``."""
+        if not args:
+            return kwargs
+        if len(args) > len(self.positional):
+            raise TypeError(
+                f"{self.name}() takes {len(self.positional)} positional arguments, "
+                f"got {len(args)}"
+            )
+        named = dict(zip(self.positional, args, strict=False))
+        for name in kwargs:
+            if name in named:
+                raise TypeError(f"{self.name}() got multiple values for argument {name!r}")
+        named.update(kwargs)
+        return named
+
+    def _layout(self, names: tuple[str, ...]) -> _Layout:
         """How a call naming ``names`` (in that order) binds: each name's slot and kind,
-        and the keyword-only ones among them in schema order; None when a name is not
-        the op's or a required one is missing (the dispatcher's path then)."""
-        if names in self._layouts:
-            return self._layouts[names]
-        layout: _Layout | None = None
-        if self.required.issubset(names) and all(n in self.slots for n in names):
-            specs = tuple((n, *self.slots[n]) for n in names)
-            keyword = tuple(n for n in self.keyword if n in names)
-            layout = _Layout(specs, keyword)
+        and the keyword-only ones among them in schema order."""
+        layout = self._layouts.get(names)
+        if layout is not None:
+            return layout
+        unknown = [n for n in names if n not in self.slots]
+        if unknown:
+            raise TypeError(f"{self.name}() got an unexpected keyword argument {unknown[0]!r}")
+        missing = sorted(self.required.difference(names))
+        if missing:
+            raise TypeError(f"{self.name}() missing required argument {missing[0]!r}")
+        specs = tuple((n, *self.slots[n]) for n in names)
+        keyword = tuple(n for n in self.keyword if n in names)
+        layout = _Layout(specs, keyword)
         if len(self._layouts) >= _LAYOUTS_MAX:
             self._layouts.clear()
         self._layouts[names] = layout
         return layout
 
-    def issue(self, func: Any, kwargs: dict[str, Any], started: float) -> bool:
-        """Issue ``func(**kwargs)`` if the call is plain; False (nothing done) if not."""
+    def _mistyped(self, name: str, wants: str, v: Any) -> TypeError:
+        return TypeError(
+            f"{self.name}(): argument {name!r} must be {wants}, not {type(v).__name__}"
+        )
+
+    def issue(self, func: Any, kwargs: dict[str, Any], started: float) -> None:
+        """Issue ``func(**kwargs)``, or refuse what does not bind."""
         layout = self._layout(tuple(kwargs))
-        if layout is None:
-            return False
         n_pos = len(self.defaults)
         cpu_pos = list(self.defaults)
         checked: dict[str, Any] = {}  # the given arguments, unwrapped, for the check
@@ -140,35 +168,40 @@ class _Binding:
         ):
             if v is None:
                 if not optional:
-                    return False
+                    raise self._mistyped(name, "given", v)
                 cpu: Any = None
                 values.append((name, None))
             elif kind == _SCALAR:
                 if type(v) is not scalar:
-                    return False
+                    if scalar is not float or type(v) is not int:
+                        raise self._mistyped(name, getattr(scalar, "__name__", "?"), v)
+                    v = float(v)  # an int for a float, as a binding converts it
                 cpu = v
                 values.append((name, v))
             elif kind == _TENSOR:
                 if type(v) is not NpuTensor:
-                    return False
+                    raise _not_npu(name, v)
                 cpu = v._data
                 tensors.append((slot, 0, cpu, v))
             elif kind == _INT_LIST:
                 if type(v) not in (list, tuple) or not all(type(e) is int for e in v):
-                    return False
+                    raise self._mistyped(name, "a list of int", v)
                 cpu = list(v)  # the values of issue time, as the dispatcher's copy
                 if name not in varying:
                     values.append((name, tuple(cpu)))
             else:  # _TENSOR_LIST
-                if type(v) not in (list, tuple) or not all(type(e) is NpuTensor for e in v):
-                    return False
+                if type(v) not in (list, tuple):
+                    raise self._mistyped(name, "a list of tensors", v)
+                for e in v:
+                    if type(e) is not NpuTensor:
+                        raise _not_npu(name, e)
                 cpu = [e._data for e in v]
                 tensors += [(slot, j, c, e) for j, (c, e) in enumerate(zip(cpu, v, strict=True))]
             checked[name] = cpu
             if slot < n_pos:
                 cpu_pos[slot] = cpu
         if not tensors:
-            return False
+            raise SimUsageError(f"{self.name}: a call with no npu tensor has no stream")
         # Keyword-only arguments in schema order, as the dispatcher passes them.
         cpu_kw = {name: checked[name] for name in layout.keyword}
         tensors.sort(key=_SCHEMA_ORDER)  # as the call flattens them
@@ -188,23 +221,24 @@ class _Binding:
         stream = current_stream(first.device.index or 0)
         route(stream, call, func, started)
         note_uses(stream, (), kwargs)  # memory used on another stream than its own
-        return True
+
+
+def _not_npu(name: str, v: Any) -> Exception:
+    if isinstance(v, torch.Tensor):
+        return SimUsageError(
+            f"argument {name!r} is a tensor on {v.device}: the binding takes npu tensors"
+        )
+    return TypeError(f"argument {name!r} must be an npu tensor, not {type(v).__name__}")
 
 
 _BINDINGS: dict[Any, _Binding] = {}
 
 
-def _modes_active() -> bool:
-    return bool(torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled())
-
-
-def call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float) -> Any:
-    """``func(*args, **kwargs)`` for an op of the sim, without the dispatcher when the
-    call is plain (see the module docstring). ``started``: when the host began this
-    op's dispatch (a timed patch is charged from there)."""
+def call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float) -> None:
+    """Issue ``func(*args, **kwargs)``, an op of the sim, bound here, never through the
+    dispatcher (see the module docstring). ``started``: when the host began the call
+    (a timed patch is charged from there)."""
     binding = _BINDINGS.get(func)
     if binding is None:
         binding = _BINDINGS[func] = _Binding(func)
-    if binding.ok and not args and not _modes_active() and binding.issue(func, kwargs, started):
-        return None
-    return func(*args, **kwargs)
+    binding.issue(func, binding.by_name(args, kwargs), started)

@@ -27,14 +27,9 @@ before it is left to release it is reported as a HazardError of kind
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from .errors import HazardError, SimUsageError
 from .runtime import RUNTIME, Clock, clock_join, clock_leq, new_event_id
-from .streams import Stream, current_stream
-
-if TYPE_CHECKING:
-    from .graphs import Launch
+from .streams import Launch, Stream, current_stream
 
 
 def _stream_of(stream: Stream | None) -> Stream:

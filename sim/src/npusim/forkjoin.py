@@ -20,14 +20,12 @@ the happens-before checks see exactly those edges.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .capture_rules import CaptureOrigin
 from .errors import SimUsageError
 from .runtime import RUNTIME
-from .streams import Event, EventRecordWork, EventWaitWork, Stream
-
-if TYPE_CHECKING:
-    from .graphs import CaptureState, Launch
+from .streams import Capture, Event, EventRecordWork, EventWaitWork, Launch, Stream
 
 
 class Branch:
@@ -115,7 +113,7 @@ def capture_wait(event: Event, s: Stream) -> bool:
     return True
 
 
-def _join(origin: CaptureState, s: Stream) -> CaptureState:
+def _join(origin: CaptureOrigin, s: Stream) -> Capture:
     if s.is_default:
         raise SimUsageError(
             f"{s.name} cannot join the capture of {origin.graph.name}: a disallowed implicit "
@@ -127,13 +125,13 @@ def _join(origin: CaptureState, s: Stream) -> CaptureState:
     graph = origin.graph
     branch = Branch(graph, len(graph.branches) + 1, s)
     graph.branches.append(branch)
-    member = type(origin)(graph, s, origin.mode, origin=origin, nodes=branch.nodes)
+    member = origin.member(s, branch.nodes)
     origin.members.append(member)
     s.capturing = member
     return member
 
 
-def end_capture_locked(origin: CaptureState) -> str:
+def end_capture_locked(origin: CaptureOrigin) -> str:
     """End the capture of every stream that joined ``origin``'s; return why it fails
     (a branch not joined back), or "". Caller holds the runtime lock."""
     graph = origin.graph
@@ -182,5 +180,3 @@ def give_streams(graph: Any, device: int) -> None:
             branch.stream = stream
             stream.label = f"branch {branch.index} of {graph.name}"
 
-
-Event.capture_wait = capture_wait

@@ -5,7 +5,7 @@ event, <arguments of npu_fused_infer_attention_score.out>)`` does
 ``graph_task_update_begin`` + the op + ``graph_task_update_end`` + ``event.record``
 on ``update_stream`` in one call (on hardware, with the GIL released) and returns
 ``(attention_out, softmax_lse)``, the ``out`` tensors. Like the hardware binding, it
-does not go through torch's dispatcher (:mod:`.direct`).
+binds its arguments itself and never goes through torch's dispatcher (:mod:`.direct`).
 """
 
 from __future__ import annotations
@@ -40,14 +40,11 @@ def fused_update_out_graph(
     with stream_ctx(update_stream):
         graph_task_update_begin(update_stream, handle)
         try:
-            result = direct.call(_OUT, args, kwargs, started)
+            direct.call(_OUT, args, kwargs, started)
         except BaseException:
             abandon_update(update_stream)  # the op's error, not "ended after 0 tasks"
             raise
         graph_task_update_end(update_stream)
         event.record(update_stream)
-    if result is None:  # the direct path returns nothing: the outputs are the out tensors
-        out = kwargs.get("out")
-        if out is not None and len(out) == 2:
-            return out[0], out[1]
-    return result
+    out = kwargs["out"]  # (keyword-only in the schema: the binding refused a call without)
+    return out[0], out[1]

@@ -12,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import capture_rules, forkjoin
 from .access import ISSUED, Footprint, TaskAccess
@@ -22,12 +21,27 @@ from .allocation import capture_begin, capture_end, graph_reset, replay_issued_l
 from .errors import SimUsageError
 from .opcall import OpCall
 from .runtime import RUNTIME
-from .streams import Stream, current_stream
-
-if TYPE_CHECKING:
-    from .task_groups import TaskGroup
+from .streams import Event, Stream, current_stream
 
 _graph_ids = itertools.count(1)
+
+
+class TaskGroup(Protocol):
+    """A task group of a captured graph as the graph sees it (a
+    :class:`.task_groups.TaskGroup`: task groups are built on graphs)."""
+
+    index: int
+    cause: BaseException | None  # what left it open, if a capture ended inside it
+
+    def check_read_locked(self, ex: Stream, launch: Launch) -> None: ...
+
+
+class DispatchRecord(Protocol):
+    """One op call an ``auto_dispatch_capture`` recorded (an
+    :class:`.autodispatch.GraphDispatchRecord`: auto-dispatch is built on graphs)."""
+
+    def update(self, values: dict[str, Any]) -> None:
+        """Re-issue the call with ``values`` patched in, on the process's update stream."""
 
 
 # =================================================================== nodes
@@ -132,6 +146,15 @@ class CaptureState:
             node.group = group
             node.call.tensor_keys()  # what a patch is checked against: capture-time keys
 
+    def member(self, stream: Stream, nodes: list[Any]) -> CaptureState:
+        """The part of side stream ``stream``, which joins this capture, recording into
+        ``nodes`` (its branch: :mod:`.forkjoin`)."""
+        return CaptureState(self.graph, stream, self.mode, origin=self, nodes=nodes)
+
+    def wait_locked(self, event: Event, stream: Stream) -> bool:
+        """A wait that involves this capture: captured, or a fork (:mod:`.forkjoin`)."""
+        return forkjoin.capture_wait(event, stream)
+
 
 # =================================================================== NPUGraph
 class GraphDispatchState:
@@ -144,16 +167,25 @@ class GraphDispatchState:
 
     def __init__(self, graph: NPUGraph) -> None:
         self.graph = graph
-        self.graph_dispatch_records: list[Any] = []
+        self.graph_dispatch_records: list[DispatchRecord] = []
         if GraphDispatchState.update_stream is None:
             GraphDispatchState.update_stream = Stream()
 
-    #: Re-issues the records with new arguments: set by the auto-dispatch capture
-    #: module when it is imported (it imports this one, not the other way round).
-    updater: Callable[[NPUGraph, list[dict[str, Any]]], None] | None = None
-
     def update_capture_record(self, cpu_update_input: list[dict[str, Any]]) -> None:
-        self.graph.update(cpu_update_input)
+        """Re-issue every record with its entry of ``cpu_update_input`` (one entry: the
+        same for every record) patched in."""
+        records = self.graph_dispatch_records
+        updates = list(cpu_update_input)
+        if len(updates) == 1:
+            updates = [dict(updates[0]) for _ in records]
+        if len(updates) != len(records):
+            raise SimUsageError(
+                f"Currently, there are {len(records)} operators that need to be updated by "
+                f"capture, and there are only {len(updates)} elements in the incoming "
+                "cpu_update_input list"
+            )
+        for record, update in zip(records, updates, strict=True):
+            record.update(update)
 
 
 class NPUGraph:
@@ -204,7 +236,7 @@ class NPUGraph:
         s = self.capture_stream
         with RUNTIME.cond:
             cap = self.capturing
-            if s is None or cap is None or s.capturing is not cap:  # (a device reset ends it)
+            if s is None or s.capturing is not cap or cap is None:  # (a device reset ends it)
                 self.capturing = None
                 raise SimUsageError(f"capture_end on {self.name}, which is not capturing")
             if current_stream() is not s:  # torch_npu's NPUGraph::capture_end
@@ -282,10 +314,7 @@ class NPUGraph:
                 "The current graph configuration does not support update; capture with "
                 "auto_dispatch_capture=True"
             )
-        updater = GraphDispatchState.updater
-        if updater is None:
-            raise SimUsageError("NPUGraph.update: nothing was captured with auto_dispatch_capture")
-        updater(self, cpu_update_input)
+        self.graph_dispatch_mode.update_capture_record(cpu_update_input)
 
     def debug_dump(self, debug_path: str) -> None:
         with open(debug_path, "w") as f:

@@ -54,6 +54,8 @@ _npugraph_handlers = types.ModuleType(f"{__name__}._npugraph_handlers")
 _npugraph_handlers.npugraph_handler = _npugraph_handler  # type: ignore[attr-defined]
 _npugraph_handlers.NpuGraphOpHandler = NpuGraphOpHandler  # type: ignore[attr-defined]
 _npugraph_handlers.register_npu_graph_handler = register_npu_graph_handler  # type: ignore[attr-defined]
+#: Marks this module as the simulator's torch.npu (what ops.refuse_real_torch_npu reads).
+__graphlane_sim__ = True
 
 
 def is_available() -> bool:

@@ -37,14 +37,43 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import DeadlockError, SimError
 
-if TYPE_CHECKING:
-    from .streams import Stream
+
+class WaitInfo(Protocol):
+    """What a blocked stream waits for (for the deadlock analysis and messages)."""
+
+    def providers(self) -> Sequence[Queue]:
+        """The streams whose queued work will release the wait."""
+
+    def ready(self) -> bool: ...
+
+    def describe(self) -> str: ...
+
+
+class Queue(Protocol):
+    """A device stream as the runtime sees it (a :class:`.streams.Stream`, built on the
+    runtime): its name, what it is blocked on, and how a reset and shutdown stop it."""
+
+    blocked: WaitInfo | None
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device_index(self) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+    def drop_pending_locked(self) -> None: ...
+
+    def wait_idle_after_reset(self) -> None: ...
+
+    def join(self, timeout: float) -> None: ...
 
 Clock = dict[int, int]
 
@@ -147,7 +176,7 @@ class Runtime:
         self.cond = threading.Condition(threading.Lock())
         self.config = SimConfig.from_env()
         self.fault: SimError | None = None
-        self.streams: list[Stream] = []
+        self.streams: list[Queue] = []
         self.device_count = 8
         self._host = threading.local()
         # What host threads observed complete (see the module doc), and a counter
@@ -285,7 +314,7 @@ class Runtime:
         # Live: running or idle; blocked but already satisfied (about to wake up); or
         # blocked with nothing queued to release it, which a host thread may still do
         # (the watchdog covers those).
-        live: set[Stream] = {
+        live: set[Queue] = {
             s
             for s in self.streams
             if s.blocked is None or s.blocked.ready() or not s.blocked.providers()
@@ -307,7 +336,7 @@ class Runtime:
                 )
             )
 
-    def provider_added_locked(self, provider: Stream) -> None:
+    def provider_added_locked(self, provider: Queue) -> None:
         """Work that releases waits (records) was queued on ``provider``. Caller holds
         ``cond``. That can close a cycle only if ``provider`` is blocked now: a stream
         that is not blocked is live, and so is every wait it provides for; if it blocks
@@ -494,10 +523,6 @@ class CostClock:
             self.woke_at(busy_until(self.end), time.thread_time())
 
 
-def streams_named(streams: Iterable[Stream]) -> str:
-    return ", ".join(s.name for s in streams)
-
-
 class _HostCost(threading.local):
     def __init__(self) -> None:
         self.clock = CostClock()
@@ -539,7 +564,7 @@ def model_now() -> float:
     (its Python since then is hidden inside that charge, as CostClock hides it between
     charges), else now.
 
-    Work the host issues carries it (see :class:`.executor.StreamExecutor`), so what
+    Work the host issues carries it (see :class:`.streams.Stream`), so what
     the device does after a charged patch starts from the patch's modelled end, not
     from when the simulator's threads got round to it."""
     now = time.perf_counter()

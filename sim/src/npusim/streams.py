@@ -1,9 +1,15 @@
 """Streams and events of the simulated NPU.
 
-A stream is an in-order queue executed by its own thread, asynchronously to
-the host and to the other streams (:mod:`.executor`). Work is issued by host
-threads; while a stream captures a graph, work issued to it is recorded into the
-graph instead.
+A stream is an in-order queue of work executed by its own thread, asynchronously to
+the host and to the other streams. Host threads issue :class:`Work`
+(:meth:`Stream.issue`): it is queued as an entry stamped with the issuing host's
+clock, and the stream's thread, started by the first issue, runs the entries in
+order. A wait inside an entry blocks that thread (:meth:`Stream.block_until`, which
+runs the deadlock analysis); an error in one is reported as the device's fault. The
+host waits for the queue with ``synchronize`` and ``query``; a device reset drops
+what is pending. While a stream captures a graph, work issued to it is recorded into
+the graph instead (:mod:`.routing`); while it updates a task group, the ops issued
+patch the group's tasks.
 The current stream is per host thread and per device, as with torch_npu.
 
 ``Event`` has CUDA/NPU semantics: ``record`` marks the work issued to a stream
@@ -11,33 +17,106 @@ so far; ``wait`` makes a stream wait for the latest record issued before the
 call; waiting on a never-recorded event does nothing. It lives here, with the
 streams, because a stream makes one (``record_event``, ``wait_stream``);
 ``ExternalEvent``, the graph's binary flag, is in :mod:`.events`.
+
+Captures, task-group updates and graph launches are built on streams
+(:mod:`.graphs`, :mod:`.task_groups`): a stream knows them by what it asks of them,
+the protocols :class:`Capture`, :class:`Update` and :class:`Launch` below.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .device import current_device, device_index, set_current_device
-from .errors import SimUsageError
-from .executor import StreamExecutor
-from .runtime import RUNTIME, Clock, clock_join, new_event_id
+from .errors import DeadlockError, DeviceFaultError, SimError, SimUsageError
+from .runtime import (
+    RUNTIME,
+    Clock,
+    CostClock,
+    WaitInfo,
+    clock_join,
+    model_now,
+    new_actor_id,
+    new_event_id,
+)
 
-if TYPE_CHECKING:
-    from .graphs import CaptureState, Launch
-    from .task_groups import UpdateState
+
+class Work(Protocol):
+    """Something a stream executes, eagerly or as a node of a replayed graph."""
+
+    label: str
+
+    def run(self, ex: Stream) -> None: ...
+
+
+class Capture(Protocol):
+    """The capture a stream records into: a :class:`.graphs.CaptureState` (the capture
+    stream's part, or a side stream's that joined it)."""
+
+    graph: Any  # the NPUGraph being captured
+    stream: Stream  # the stream whose part this is
+    open_group: Any  # the task group open on this stream (task_groups.TaskGroup), or None
+    nodes: list[Any]  # this stream's branch of the graph
+
+    def add_node(self, node: Any) -> None:
+        """Record ``node`` (work issued to the stream) into the graph."""
+
+    def wait_locked(self, event: Event, stream: Stream) -> bool:
+        """``event.wait(stream)`` where ``stream`` captures or ``event`` was recorded in
+        this capture: done by the capture (a captured wait, or ``stream`` joins it), or
+        False when it is an eager wait after all. Caller holds the runtime lock."""
+
+
+class Update(Protocol):
+    """The task-group update open on a stream (:class:`.task_groups.UpdateState`): the
+    ops issued to the stream patch the group's tasks, in order."""
+
+    handle: Any  # the task_groups.TaskGroupHandle being updated
+    tasks: list[Any]  # the group's captured tasks
+    next: int  # how many of them were re-issued so far
+    begun: float  # when the update's host work began (perf_counter)
+
+    def patch_for(self, call: Any, stream: Stream) -> Work:
+        """The work that patches the next task with ``call`` (an OpCall)."""
+
+
+class Launch(Protocol):
+    """One replay of a graph (:class:`.graphs.Launch`), which its nodes run in."""
+
+    graph_name: str  # the NPUGraph replayed (named, not held: it stays collectable)
+    number: int  # which replay of it
+    seqs: dict[Any, int]  # the event record numbers this replay issued, by captured node
+
+
+class Dropped(Exception):
+    """Raised inside a stream thread when its work is abandoned (fault or reset)."""
+
+
+class _Entry:
+    __slots__ = ("clock", "done", "done_at", "done_clock", "epoch", "model", "work")
+
+    def __init__(self, work: Work, clock: Clock, epoch: int, model: float) -> None:
+        self.work = work
+        self.clock = clock
+        self.epoch = epoch
+        self.model = model  # the issuing host's time in the timed model (0: compute mode)
+        self.done = False
+        self.done_clock: Clock = {}
+        self.done_at = 0.0  # timed mode: the stream's modelled time when it finished
 
 
 _PRIVATEUSE1 = int(torch._C._autograd.DeviceType.PrivateUse1)  # type: ignore[call-overload]
 _by_id: dict[tuple[int, int], Stream] = {}  # (device index, stream id) -> stream
 
 
-class Stream(StreamExecutor, torch.Stream):
+class Stream(torch.Stream):
     """An in-order device queue with its own executor thread.
 
     Same constructor as torch_npu 2.14's ``torch_npu.npu.Stream(device=None,
@@ -73,9 +152,24 @@ class Stream(StreamExecutor, torch.Stream):
         self.priority = priority
         self.is_default = _default
         _by_id[(self.device_index, self.stream_id)] = self
-        super().__init__()  # the queue and its executor thread (StreamExecutor)
-        self.capturing: CaptureState | None = None
-        self.updating: UpdateState | None = None
+        # What work issued to the stream turns into (:mod:`.routing`).
+        self.capturing: Capture | None = None
+        self.updating: Update | None = None
+        # The queue and its thread (torch.Stream's own __init__ does not run: __new__
+        # made the C stream).
+        self.actor = new_actor_id()
+        self.clock: Clock = {self.actor: 0}
+        self.cost = CostClock()
+        self.resume_at: float | None = None  # when the last device wait was satisfied
+        # Timed mode: where this stream is in modelled time (see ``timed_now``).
+        self.model_time = 0.0
+        self._queue: deque[_Entry] = deque()
+        self._last: _Entry | None = None
+        self._wake = threading.Condition(RUNTIME.cond._lock)  # type: ignore[attr-defined]
+        self._thread: threading.Thread | None = None
+        self._idle = True
+        self.blocked: WaitInfo | None = None
+        self.run_epoch = 0  # the epoch of the entry this stream's thread is running
         with RUNTIME.cond:
             RUNTIME.streams.append(self)
 
@@ -118,6 +212,177 @@ class Stream(StreamExecutor, torch.Stream):
             event = Event()
         event.record(self)
         return event
+
+    # ------------------------------------------------------------ issue
+    def issue(self, work: Work) -> None:
+        """Queue ``work`` (host side). Caller must not hold the runtime lock."""
+        with RUNTIME.cond:
+            self.issue_locked(work)
+
+    def issue_locked(self, work: Work) -> None:
+        model = model_now() if RUNTIME.config.mode == "timed" else 0.0
+        entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch, model)
+        self._queue.append(entry)
+        self._last = entry
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"sim-{self.name}", daemon=True)
+            self._thread.start()
+        if self._idle:  # a busy executor takes the entry without being woken
+            self._wake.notify()
+
+    # ------------------------------------------------------------ executor thread
+    def tick(self) -> None:
+        self.clock[self.actor] += 1
+
+    def resume(self, at: float) -> None:
+        """A wait in the running entry was satisfied at (modelled) time ``at``: the work
+        after it starts there (``resume_at``), and the stream's modelled time is past it."""
+        self.resume_at = at
+        if at > self.model_time:
+            self.model_time = at
+
+    def settle(self) -> None:
+        """Wait until the device time charged so far is over; the stream's modelled time
+        is then past it."""
+        cost = self.cost
+        cost.settle()
+        if cost.end > self.model_time:
+            self.model_time = cost.end
+
+    def timed_now(self) -> float:
+        """When this stream's current work happens: in timed mode its modelled time (its
+        entry's issue in the host's model, the waits it passed, the device time it was
+        charged), which leaves out the simulator's own delays in getting to it; in
+        compute mode the wall clock."""
+        if RUNTIME.config.mode == "timed":
+            return self.model_time
+        return time.perf_counter()
+
+    def _loop(self) -> None:
+        cond = RUNTIME.cond
+        entry: _Entry | None = None
+        while True:
+            with cond:  # one critical section per entry: finish one, take the next
+                if entry is not None:
+                    self._finish_locked(entry)
+                while not self._queue:
+                    self._idle = True
+                    RUNTIME.wake_locked()
+                    if RUNTIME.closing:
+                        return
+                    self._wake.wait()
+                self._idle = False
+                entry = self._queue[0]
+                self.run_epoch = entry.epoch  # waits inside this entry drop after a reset
+                stale = entry.epoch != RUNTIME.epoch or RUNTIME.fault is not None
+            if not stale:
+                for k, v in entry.clock.items():
+                    if self.clock.get(k, 0) < v:
+                        self.clock[k] = v
+                self.resume_at = None  # a wait's release time holds within one entry
+                if entry.model > self.model_time:  # it could not start before its issue
+                    self.model_time = entry.model
+                try:
+                    entry.work.run(self)
+                except Dropped:
+                    pass
+                except SimError as exc:
+                    with cond:
+                        RUNTIME.report(exc)
+                except Exception as exc:
+                    with cond:
+                        RUNTIME.report(
+                            DeviceFaultError(
+                                f"{entry.work.label} failed on {self.name}: "
+                                f"{type(exc).__name__}: {exc}"
+                            )
+                        )
+
+    def _finish_locked(self, entry: _Entry) -> None:
+        self.blocked = None
+        entry.done = True
+        entry.done_clock = dict(self.clock)
+        entry.done_at = self.model_time
+        if self._queue and self._queue[0] is entry:
+            self._queue.popleft()
+        if self._queue:  # else the idle loop wakes the waiters
+            RUNTIME.wake_locked()
+
+    def block_until(self, ready: Callable[[], bool], wait: WaitInfo, epoch: int) -> None:
+        """Stream-thread wait for device state; caller holds the runtime lock.
+
+        Runs the deadlock analysis when it blocks; waits with no pending
+        provider (only the host can release them) are bounded by the watchdog.
+        """
+        since = time.monotonic()
+        while not ready():
+            if RUNTIME.fault is not None or RUNTIME.epoch != epoch:
+                self.blocked = None
+                raise Dropped
+            if self.blocked is None:
+                self.blocked = wait
+                RUNTIME.check_deadlock()
+                continue
+            if not wait.providers() and RUNTIME.watchdog_expired(since):
+                RUNTIME.report(
+                    DeadlockError(
+                        f"deadlock: {self.name} has waited {RUNTIME.config.watchdog_s:g} s for "
+                        f"{wait.describe()}, and no queued work will release it "
+                        "(NPUSIM_WATCHDOG_S sets this limit)",
+                        kind="watchdog",
+                    )
+                )
+                continue
+            RUNTIME.wait_for_locked(ready, 0.25)
+        self.blocked = None
+
+    # ------------------------------------------------------------ host side
+    def synchronize(self) -> None:
+        """Block the host until all work issued to this stream so far ran."""
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            if self.capturing is not None:
+                raise SimUsageError(
+                    f"synchronize() on {self.name} while it captures a graph is not allowed"
+                )
+            target = self._last
+            if target is None:
+                return
+            RUNTIME.wait_until(lambda: target.done, f"{self.name} to finish")
+            RUNTIME.host_join(target.done_clock, target.done_at)
+
+    def query(self) -> bool:
+        with RUNTIME.cond:
+            RUNTIME.raise_if_faulted()
+            target = self._last
+            if target is None:
+                return True
+            if target.done:
+                RUNTIME.host_join(target.done_clock, target.done_at)
+            return target.done
+
+    # ------------------------------------------------------------ reset support
+    def drop_pending_locked(self) -> None:
+        """Forget queued work (device reset); the running entry finishes or drops itself."""
+        running = self._queue[0] if self._queue and not self._idle else None
+        for entry in self._queue:
+            if entry is not running:
+                entry.done = True
+        self._queue = deque([running] if running is not None else [])
+        self.capturing = None
+        self.updating = None
+        self._wake.notify()
+
+    def join(self, timeout: float) -> None:
+        with RUNTIME.cond:
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wait_idle_after_reset(self) -> None:
+        with RUNTIME.cond:
+            while self._queue and self._thread is not None:
+                RUNTIME.wait_for_locked(lambda: not self._queue, 0.05)
 
 
 #: The keywords torch_npu's ``_NPUStreamBase`` takes (Stream.cpp's kwlist).
@@ -238,9 +503,6 @@ def _stream_of(stream: Stream | None) -> Stream:
 class Event:
     """``torch_npu.npu.Event(enable_timing=False, blocking=False, interprocess=False)``."""
 
-    #: A wait that involves a capture (set by :mod:`.forkjoin`, which imports this module).
-    capture_wait: Callable[[Event, Stream], bool]
-
     def __init__(
         self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
     ) -> None:
@@ -283,10 +545,10 @@ class Event:
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
         with RUNTIME.cond:
-            graph = self._captured_in
-            if (
-                s.capturing is not None or (graph is not None and graph.capturing is not None)
-            ) and Event.capture_wait(self, s):  # in a capture, or a fork (forkjoin.py)
+            cap = s.capturing
+            if cap is None and self._captured_in is not None:
+                cap = self._captured_in.capturing  # recorded in a capture that may be live
+            if cap is not None and cap.wait_locked(self, s):  # captured, or a fork (forkjoin)
                 return
             seq = self._issued
             if seq == 0:

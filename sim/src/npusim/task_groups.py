@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 from .errors import HazardError, SimUsageError
 from .graphs import TaskNode
 from .runtime import RUNTIME, Clock, clock_leq
+from .streams import Capture, Stream
 
 if TYPE_CHECKING:
-    from .graphs import CaptureState, Launch, NPUGraph
+    from .graphs import Launch, NPUGraph
     from .opcall import OpCall
-    from .streams import Stream
 
 
 # =================================================================== groups and patches
@@ -171,7 +171,7 @@ class UpdateState:
 
 
 # =================================================================== the graph_task_* API
-def _require_capturing(stream: Stream, what: str) -> CaptureState:
+def _require_capturing(stream: Stream, what: str) -> Capture:
     cap = stream.capturing
     if cap is None:
         raise SimUsageError(f"{what} on {stream.name}, which is not capturing a graph")
@@ -194,7 +194,11 @@ def graph_task_group_end(stream: Stream) -> TaskGroupHandle:
     with RUNTIME.cond:
         cap = stream.capturing
         if cap is None or cap.open_group is None:
-            others = [s.name for s in RUNTIME.streams if s.capturing and s.capturing.open_group]
+            others = [
+                s.name
+                for s in RUNTIME.streams
+                if isinstance(s, Stream) and s.capturing and s.capturing.open_group
+            ]
             hint = f" (a group is open on {', '.join(others)})" if others else ""
             raise SimUsageError(
                 f"graph_task_group_end on {stream.name} without a graph_task_group_begin on "

@@ -22,7 +22,7 @@ the figures are the sim's own cost, not the math:
     ext event      ExternalEvent record + a wait that consumes it
                                                             vs threading.Event set + wait
 
-    python benchmarks/sim_ops.py [--layers 4] [--json]
+    python -m npusim.bench [--layers 4] [-n 200] [--repeats 5] [--json]
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from npusim import configure, torch_npu
+
+from . import torch_npu
+from .runtime import configure
 
 # Shapes of the daemon's small test program: batch 2, 4 heads over 2 KV heads.
 BATCH, HEADS, KV_HEADS, HEAD_DIM, MAX_KV = 2, 4, 2, 16, 32

@@ -5,6 +5,8 @@ Each step replays the graph on the capture stream while the update stream patche
 layer after layer; the graph waits at each layer's ExternalEvent, so the replay
 of layer k overlaps the patch of layer k+1. The update stream first waits for an
 event recorded after the previous replay, so a patch never races a replay.
+
+    python -m npusim.example    (also ``graphlane example``)
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import math
 import time
 
 import torch
-from npusim import torch_npu
+
+from . import torch_npu
 
 
 def run(steps: int = 8, layers: int = 4, batch: int = 4, heads: int = 8, kv_heads: int = 2,
@@ -87,3 +90,7 @@ def run(steps: int = 8, layers: int = 4, batch: int = 4, heads: int = 8, kv_head
         f"worst difference from eager {worst:.3g}"
     )
     return 0 if worst == 0.0 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())
