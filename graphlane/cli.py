@@ -182,9 +182,11 @@ def _parser() -> argparse.ArgumentParser:
         "attention load test with a share of the outputs checked against eager attention, "
         "then a scheduler's paged decode loop (sequences prefilled with kv_write, "
         "continuously batched decode steps, blocks reused) with a share of the steps checked "
-        "against SDPA over the demo's own copy of the KV. Print the summaries and where the "
-        "reports are, stop the daemon and exit: 0 when every checked number was right, 1 "
-        "otherwise.",
+        "against SDPA over the demo's own copy of the KV; then a tiny Llama (the model "
+        "program) generating in a continuously batched loop that decodes ahead, a share of "
+        "its sequences checked against transformers' generate. Print the summaries and where "
+        "the reports are, stop the daemon and exit: 0 when every checked number and token was "
+        "right, 1 otherwise.",
     )
     d.add_argument("--devices", type=int, default=2, help="simulated devices (default 2)")
     d.add_argument("--duration", type=float, default=20.0, help="seconds of load (default 20)")

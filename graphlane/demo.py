@@ -13,8 +13,13 @@ its workers are ready, and drives every device for half the duration each:
    blocks reused, a share of the steps checked against
    ``scaled_dot_product_attention`` over the demo's own copy of the KV.
 
-It prints both summaries and where the reports are, then stops the daemon with
-SIGTERM and exits: 0 when every verified output of both was right and the
+3. then a tiny Llama served by the ``model`` program (:mod:`.demo_model`): a
+   continuous-batching generation loop per device, decoding ahead (each step sent
+   before the previous one's tokens are back), a share of the sequences checked
+   against transformers' ``generate``, its tokens/s printed.
+
+It prints the summaries and where the reports are, then stops the daemon with
+SIGTERM and exits: 0 when every verified output and token was right and the
 daemon stopped cleanly, 1 otherwise.
 
 The demo cannot hang and leaves nothing behind: the whole run has a deadline
@@ -40,6 +45,7 @@ from pathlib import Path
 from types import FrameType
 
 from graphlane.client import Client
+from graphlane.demo_model import PROGRAM_TOML, print_model_summary, run_model
 from graphlane.loadtest.cli import print_summary
 from graphlane.loadtest.config import LoadConfig
 from graphlane.loadtest.driver import run_load
@@ -230,7 +236,8 @@ def _run(
     with temporary as tmp:
         endpoint = f"ipc://{tmp}/daemon.sock"
         config_path = Path(tmp, "demo.toml")
-        config_path.write_text(f'listen = "{endpoint}"\ndevices = {devices}\n' + DEMO_CONFIG)
+        head = f'listen = "{endpoint}"\ndevices = {devices}\n'
+        config_path.write_text(head + DEMO_CONFIG + PROGRAM_TOML)
         cmd = [sys.executable, "-m", "graphlane", "serve", "--config", str(config_path),
                "--log-level", "WARNING"]  # fmt: skip
         print(f"starting: graphlane serve --listen {endpoint} --devices {devices} (simulated NPUs)")
@@ -274,6 +281,13 @@ def _run(
             paged = asyncio.run(run_load(paged_config))
             print_summary(paged)
             print(f"report: {(report / 'paged').resolve() / 'report.html'} (and report.json)")
+            print(
+                "generation: a tiny Llama (model program), continuously batched, decoding "
+                f"ahead; {verify:.0%} of sequences checked against transformers' generate"
+            )
+            phase("the model's generation loop to finish")
+            model = asyncio.run(run_model(endpoint, devices, verify))
+            print_model_summary(model)
             phase("the daemon to stop")
             code = _stop(daemon)
             print(f"daemon stopped with exit code {code}")
@@ -281,4 +295,4 @@ def _run(
             if code is None:  # interrupted or failed: the daemon goes too
                 _stop(daemon)
     verdicts = (int(result["verdict"]["exit_code"]), int(paged["verdict"]["exit_code"]))
-    return 0 if verdicts == (0, 0) and code == 0 else 1
+    return 0 if verdicts == (0, 0) and not model["wrong"] and code == 0 else 1

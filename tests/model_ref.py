@@ -8,6 +8,7 @@ std 0.3 the top two logits are usually well apart, and the tests compare tokens)
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -113,3 +114,70 @@ def run_batching(
 
 def _table(s: Sequence, max_blocks: int) -> list[int]:
     return s.blocks + [0] * (max_blocks - len(s.blocks))
+
+
+async def run_ahead(
+    client: Any, program: str, seqs: list[Sequence], new: int, block_size: int,
+    num_blocks: int, max_blocks: int, window: int = 3, shuffle_seed: int = 0,
+) -> dict[int, list[int]]:  # fmt: skip
+    """Continuous batching as :func:`run_batching` (the same joins, leaves and row
+    shuffles), decoding ahead: every row is fed the token its sequence sampled in its
+    previous step (token -1, ``sequence_id`` the sid), prefills and steps are sent without
+    waiting for a reply, up to ``window`` requests in flight. Returns tokens by sid."""
+    free = list(range(num_blocks))
+    rng = random.Random(shuffle_seed)
+    inflight: list[asyncio.Task[Any]] = []
+    replies: list[tuple[asyncio.Task[Any], list[Sequence]]] = []
+    issued = {s.sid: 0 for s in seqs}  # tokens asked for so far
+    active: list[Sequence] = []
+    waiting = sorted(seqs, key=lambda s: s.joins)
+
+    async def send(coro: Any, rows: list[Sequence]) -> None:
+        while len(inflight) >= window:
+            await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            inflight[:] = [t for t in inflight if not t.done()]
+        task = asyncio.create_task(coro)  # tasks start in order: requests go in order
+        await asyncio.sleep(0)  # let it send
+        inflight.append(task)
+        replies.append((task, rows))
+
+    # Reach the worker first: the client sends calls in the order they are made once it
+    # has the worker's connection; calls made while it connects may overtake each other.
+    await client.worker_status(0)
+    t = 0
+    while waiting or active:
+        while waiting and waiting[0].joins <= t:
+            s = waiting.pop(0)
+            need = -(-(len(s.prompt) + new) // block_size)
+            s.blocks = [free.pop(rng.randrange(len(free))) for _ in range(need)]
+            params = {"sequence_id": s.sid}
+            await send(client.prefill(program, 0, s.prompt, _table(s, max_blocks),
+                                      params=params), [s])  # fmt: skip
+            issued[s.sid] = 1
+            active.append(s)
+        rows = [s for s in active if issued[s.sid] < new]
+        rng.shuffle(rows)
+        if rows:
+            lengths = [len(s.prompt) + issued[s.sid] for s in rows]
+            params = {"actual_seq_lengths_kv": lengths, "sequence_id": [s.sid for s in rows]}
+            inputs = {
+                "tokens": torch.full((len(rows),), -1),
+                "block_table": torch.tensor([_table(s, max_blocks) for s in rows],
+                                            dtype=torch.int32),
+            }  # fmt: skip
+            await send(client.step(program, 0, params, inputs, outputs=["tokens"]), rows)
+            for s in rows:
+                issued[s.sid] += 1
+        for s in [s for s in active if issued[s.sid] >= new]:
+            active.remove(s)
+            free += s.blocks  # its last step runs before any later prefill writes them
+        t += 1
+    done = await asyncio.gather(*(task for task, _ in replies), return_exceptions=True)
+    for r in done:
+        if isinstance(r, BaseException):  # the first failure, in the order sent
+            raise r
+    for r, (_, rows) in zip(done, replies, strict=True):
+        tokens = r.outputs["tokens"].tolist()
+        for s, tok in zip(rows, tokens, strict=True):
+            s.out.append(tok)
+    return {s.sid: s.out for s in seqs}

@@ -22,9 +22,12 @@ The tree is split by what the caller should do about it::
     │   │                       (raised by the client: the server sends nothing)
     │   ├── Forbidden           the key is admitted, but its role does not allow this
     │   │                       operation (an admin's, or another program's: docs/security.md)
-    │   └── StateLost           the request names a worker generation that is gone: the
+    │   ├── StateLost           the request names a worker generation that is gone: the
     │                           device state it depends on (a KV cache) was lost in a
     │                           restart; re-read the generation, write the state again
+    │   └── NoPreviousToken     a row asks for the token its sequence sampled in its
+    │                           previous step (decoding ahead) and the worker has none
+    │                           it may feed; send that token itself
     └── ServiceError        the service could not serve it now: may retry
         ├── Busy                queue full; retry after a pause            (retryable)
         ├── WorkerLost          the worker died while holding the request  (retryable)
@@ -55,6 +58,7 @@ __all__ = [
     "Forbidden",
     "GraphlaneError",
     "InternalError",
+    "NoPreviousToken",
     "PredecessorFailed",
     "RequestError",
     "ServiceError",
@@ -92,6 +96,7 @@ class ErrorCode(enum.StrEnum):
     STATE_LOST = "STATE_LOST"
     PREDECESSOR_FAILED = "PREDECESSOR_FAILED"
     TOO_LARGE = "TOO_LARGE"
+    NO_PREVIOUS_TOKEN = "NO_PREVIOUS_TOKEN"
 
 
 RETRYABLE: frozenset[ErrorCode] = frozenset(
@@ -193,6 +198,18 @@ class StateLost(RequestError):
     code = ErrorCode.STATE_LOST
 
 
+class NoPreviousToken(RequestError):
+    """A step row asks for the token its sequence sampled in its previous step (decoding
+    ahead: docs/models.md) and this worker has no such token it may feed: that step was
+    refused, failed or never reached this worker (it was cancelled, or ran on a worker
+    that has since restarted), it was not the step right before this one (the lengths
+    do not follow), or the token was overwritten since. Feeding anything else would be
+    a stale token, so the row is refused. Not retryable as is: send the token itself
+    (or prefill the sequence again after STATE_LOST)."""
+
+    code = ErrorCode.NO_PREVIOUS_TOKEN
+
+
 class ServiceError(GraphlaneError):
     """The service could not serve the request now: it may be retried."""
 
@@ -260,6 +277,7 @@ _CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
         Unauthorized,
         Forbidden,
         StateLost,
+        NoPreviousToken,
         Busy,
         WorkerLost,
         Timeout,

@@ -5,7 +5,7 @@ One engine owns one device: a capture stream S (replays), an update stream U
 instances, an *update thread*
 and a *completion thread*. The worker's socket thread is its only issuer: it
 takes an in-flight permit (:meth:`StepEngine.reserve`, ``max_inflight`` in all)
-and issues a :class:`~graphlane.workers.job.Step` (:meth:`StepEngine.issue`),
+and issues a :class:`~graphlane.workers.job.Job` (:meth:`StepEngine.issue`),
 which launches the step's work on S and hands its work on U to the update
 thread, or dispatches it itself when the step is alone in the engine (the update
 thread is idle then, and a lone step's latency gains nothing from a hand-off).
@@ -70,6 +70,7 @@ from graphlane.workers.job import Job, JobKind
 from graphlane.workers.permits import Permits
 from graphlane.workers.programs.base import (
     CapturedGraph,
+    DeviceFeed,
     GraphKey,
     GraphProgram,
     StepError,
@@ -305,8 +306,17 @@ class StepEngine:
         if self._failure is not None:
             self._abandon(step, EngineError(f"engine failed: {self._failure}"))
             return
+        program = self.programs[step.plan.program]
+        if step.kind is JobKind.STEP:
+            try:  # copies from earlier steps' outputs (decoding ahead), if it has any
+                step.feeds = program.feeds(step.plan)
+            except Exception as exc:  # nothing of it was issued: its refusal alone
+                self._abandon(step, exc)
+                return
         try:
             fence = self._issue(step)
+            if step.kind is JobKind.STEP or step.kind is JobKind.STATE:
+                program.issued(step.plan, step.graph, step.done)
             # Alone in the engine (the update thread is idle): U's work is issued here.
             inline = fence is not _S_ONLY and (self._u_inline or self._permits.alone())
             if inline:
@@ -354,14 +364,17 @@ class StepEngine:
         b = self.backend
         if step.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
-            step.patched = self._patch_groups(program, g, plan, release=True, copy=True)
+            if step.feeds:  # the inputs and the feeds on C, before the replay
+                self._copy_inputs(program, g, plan, previous, step.feeds)
+            copy = not step.feeds
+            step.patched = self._patch_groups(program, g, plan, release=True, copy=copy)
             step.replay_at = time.perf_counter()
             step.dispatch_s = step.replay_at - t0
             b.replay(g.graph, self.capture_stream)
             self._collect(program, g, step)
             return _S_ONLY
-        if plan.inputs:
-            self._copy_inputs(program, g, plan, previous)
+        if plan.inputs or step.feeds:
+            self._copy_inputs(program, g, plan, previous, step.feeds)
         if self.records_first:  # ENPU: every record before the replay that waits on it
             self._on_update_stream(step, previous)
         # Pipelined, the replay goes first: it waits for layer 0's release. The output
@@ -373,10 +386,16 @@ class StepEngine:
         return _S_ONLY if self.records_first else previous
 
     def _copy_inputs(
-        self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, previous: Any
+        self,
+        program: GraphProgram,
+        g: CapturedGraph,
+        plan: StepPlan,
+        previous: Any,
+        feeds: Sequence[DeviceFeed] | None = None,
     ) -> None:
         """Copy a pipelined step's inputs into g's buffers on C, after ``previous`` (the
-        previous replay of g) and before this replay (S waits for the copies)."""
+        previous replay of g) and before this replay (S waits for the copies); then its
+        ``feeds``, each after the event behind the step whose output it reads."""
         b = self.backend
         C = self.copy_stream
         if previous is not None:
@@ -385,6 +404,12 @@ class StepEngine:
             for group in range(program.num_groups):
                 for dst, src in program.input_writes(g.buffers, plan, group):
                     b.copy_in(dst, src)
+            waited: list[Any] = [previous]
+            for feed in feeds or ():
+                if not any(feed.after is e for e in waited):
+                    b.wait(C, feed.after)
+                    waited.append(feed.after)
+                g.buffers[feed.buffer][feed.index].copy_(feed.source)
         copied = b.new_event()
         b.record(copied, C)
         b.wait(self.capture_stream, copied)

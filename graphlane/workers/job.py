@@ -41,6 +41,7 @@ class Job:
     received: float = 0.0  # perf_counter time the worker decoded it
     deadline: float | None = None  # perf_counter time after which it is not issued
     changes_state: bool = False  # a kv_write or step of a program with device state
+    feeds: list[Any] | None = None  # its DeviceFeeds, resolved at issue (GraphProgram.feeds)
     # filled by the engine
     graph: CapturedGraph | None = None  # the graph instance it ran on
     done: Any = None  # the device event that ends its work

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
-from model_ref import Sequence, reference, run_batching, save, tiny_model
+from model_ref import Sequence, reference, run_ahead, run_batching, save, tiny_model
 
 from graphlane import GraphlaneError
-from graphlane.client import SyncClient
+from graphlane.client import Client, SyncClient
 
 NEW = 64
 BLOCK, BLOCKS, MAX_BLOCKS = 128, 10, 2
@@ -83,6 +83,23 @@ def test_continuous_batching_gives_transformers_greedy_tokens(
         assert got[s.sid] == reference(model, s.prompt, NEW), f"sequence {s.sid}"
 
 
+@pytest.mark.parametrize("program", ["model", QWEN], ids=["llama", "qwen2"])
+async def test_decoding_ahead_gives_transformers_greedy_tokens(
+    daemon: Any, models: dict[str, tuple[Any, str]], program: str
+) -> None:
+    """The same sequences as above, every row fed on the device the token its sequence
+    sampled in its previous step, each step sent before the replies of the two before it
+    (docs/models.md, "Decoding ahead")."""
+    model = models[program][0]
+    seqs = _sequences(7)
+    async with Client(daemon.endpoint, timeout=60) as c:
+        got = await run_ahead(c, program, seqs, NEW, BLOCK, BLOCKS, MAX_BLOCKS, window=3)
+        status = await c.worker_status(0)
+    for s in seqs:
+        assert got[s.sid] == reference(model, s.prompt, NEW), f"sequence {s.sid}"
+    assert status["failure"] is None
+
+
 def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) -> None:
     """Outputs only when asked, and a bad request names its field (no step runs)."""
     model = models["model"][0]
@@ -120,18 +137,19 @@ def test_a_restarted_worker_answers_state_lost_until_the_prompts_are_prefilled_a
     expected = reference(model, prompt, 4)
     table = torch.tensor([[3, 0]], dtype=torch.int32)
 
-    def decode(c: SyncClient, first: int, steps: int) -> list[int]:
+    def decode(c: SyncClient, first: int, steps: int, ahead: bool = False) -> list[int]:
         out = [first]
         for _ in range(steps):
-            inputs = {"tokens": torch.tensor(out[-1:]), "block_table": table}
-            lengths = {"actual_seq_lengths_kv": [len(prompt) + len(out)]}
-            r = c.step("model", 0, lengths, inputs, outputs=["tokens"])
+            token = torch.tensor([-1] if ahead else out[-1:])  # -1: decoding ahead
+            inputs = {"tokens": token, "block_table": table}
+            params = {"actual_seq_lengths_kv": [len(prompt) + len(out)], "sequence_id": [5]}
+            r = c.step("model", 0, params, inputs, outputs=["tokens"])
             out += r.outputs["tokens"].tolist()
         return out
 
     with SyncClient(d.endpoint, timeout=60) as c:
         first = int(c.prefill("model", 0, prompt, table[0]).outputs["tokens"][0])
-        assert decode(c, first, 1) == expected[:2]
+        assert decode(c, first, 1) == expected[:2]  # sequence 5's token is on the device
         generation = c.generation(0)
         os.kill(c.status()["workers"][0]["pid"], signal.SIGKILL)
         codes: list[str] = []
@@ -147,5 +165,10 @@ def test_a_restarted_worker_answers_state_lost_until_the_prompts_are_prefilled_a
             pytest.fail("a prefill after the restart ran on the lost generation")
         assert set(codes) <= {"WORKER_LOST", "STATE_LOST"}
         assert c.reset_state(0) == generation + 1
-        first = int(c.prefill("model", 0, prompt, table[0]).outputs["tokens"][0])
-        assert decode(c, first, 3) == expected
+        # Its next row may not ask for the token it sampled before the restart.
+        after = {"actual_seq_lengths_kv": [len(prompt) + 2], "sequence_id": [5]}
+        with pytest.raises(GraphlaneError) as err:
+            c.step("model", 0, after, {"tokens": torch.tensor([-1]), "block_table": table})
+        assert err.value.code == "NO_PREVIOUS_TOKEN"
+        again = c.prefill("model", 0, prompt, table[0], params={"sequence_id": 5})
+        assert decode(c, int(again.outputs["tokens"][0]), 3, ahead=True) == expected

@@ -6,15 +6,18 @@ test_model_serving.py."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from daemons import wait_for
 from issuer import Issuer
 from model_ref import save, tiny_model
 from npusim import torch_npu
 
+from graphlane.protocol.errors import NoPreviousToken
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.programs import (
     ModelConfig,
@@ -23,6 +26,7 @@ from graphlane.workers.programs import (
     StepError,
     load_program,
 )
+from graphlane.workers.programs.model import PREVIOUS
 
 SERVING = dict(block_size=128, num_blocks=6, max_blocks_per_seq=1, buckets=(1, 2, 4))
 
@@ -202,6 +206,10 @@ def test_steps_and_prefills_that_cannot_run_name_the_field() -> None:
         ({"actual_seq_lengths_kv": [3], "temperature": [-1.0]}, ok, "params.temperature[0]"),
         ({"actual_seq_lengths_kv": [3], "seed": [0.5]}, ok, "params.seed[0]"),
         ({"actual_seq_lengths_kv": [3]}, {**ok, "tokens": torch.tensor([-1])}, "inputs.tokens"),
+        ({"actual_seq_lengths_kv": [3, 3], "sequence_id": [4, 4]},
+         {"tokens": torch.tensor([1, 2]), "block_table": torch.tensor([[0], [1]],
+          dtype=torch.int32)}, "params.sequence_id"),
+        ({"actual_seq_lengths_kv": [3], "sequence_id": ["a"]}, ok, "params.sequence_id[0]"),
         ({"actual_seq_lengths_kv": [3]}, {**ok, "block_table": table + 6},
          "inputs.block_table[0]"),
         ({"actual_seq_lengths_kv": [3, 3]},
@@ -218,7 +226,105 @@ def test_steps_and_prefills_that_cannot_run_name_the_field() -> None:
         ({**prompt, "block_table": torch.tensor([6], dtype=torch.int32)}, "block_table"),
         ({**prompt, "outputs": ["out"]}, "outputs"),
         ({**prompt, "params": {"top_k": [1]}}, "params.top_k"),
+        ({**prompt, "params": {"sequence_id": 1.5}}, "params.sequence_id"),
     ]:
         with pytest.raises(StepError) as err:
             program.plan_state("prefill", fields)
         assert err.value.field == field
+
+
+def _ahead_step(eng: Issuer, rows: list[tuple[int, int, int]], block_width: int = 1) -> Any:
+    """Issue (not wait for) a greedy step of rows (sequence id, length, block), each
+    fed the token its sequence sampled in its previous step."""
+    params = {"actual_seq_lengths_kv": [n for _, n, _ in rows],
+              "sequence_id": [sid for sid, _, _ in rows]}  # fmt: skip
+    inputs = {
+        "tokens": torch.full((len(rows),), PREVIOUS),
+        "block_table": torch.tensor([[b] * block_width for _, _, b in rows], dtype=torch.int32),
+    }
+    return eng.step(len(rows), params["actual_seq_lengths_kv"], inputs=inputs, program="model",
+                    params=params, outputs=("tokens",))  # fmt: skip
+
+
+def _prefill_ahead(eng: Issuer, sid: int, prompt: list[int], block: int) -> Any:
+    fields = {"tokens": torch.tensor(prompt), "block_table": torch.tensor([block],
+              dtype=torch.int32), "params": {"sequence_id": sid}}  # fmt: skip
+    return eng.state("model", "prefill", fields)
+
+
+def test_decoding_ahead_feeds_every_row_its_previous_token_on_the_device() -> None:
+    """Every step is issued before any reply is read: rows joining (fed the token their
+    prefill sampled), leaving, in a new order each step (the copies from the previous
+    step's rows are not one run), across the two instances of a bucket and across
+    buckets. The tokens are those of steps that were sent each token. A dropped fence
+    is a race the sim reports; a dropped feed gives other tokens."""
+    prompts = {10: [7, 100, 3, 55], 11: [9, 9], 12: list(range(30, 60)), 13: [200]}
+    blocks = {10: 0, 11: 1, 12: 2, 13: 3}
+    joins, leaves = {10: 0, 11: 0, 12: 2, 13: 5}, {10: 9, 11: 4, 12: 10, 13: 10}
+    program = _random_program()
+    with Issuer(NpuBackend(torch_npu, 0), [program], depth=2) as eng:
+        runner = Runner(eng)
+        expected = {}
+        for sid, prompt in prompts.items():  # explicit tokens, one step at a time
+            (out,), _ = runner.decode([(prompt, blocks[sid], {})], leaves[sid] - joins[sid] + 1)
+            expected[sid] = out
+        issued: list[tuple[Any, list[int]]] = []
+        firsts = {}
+        rng = random.Random(3)
+        length = {sid: len(p) for sid, p in prompts.items()}
+        for t in range(11):
+            for sid in prompts:
+                if joins[sid] == t:
+                    firsts[sid] = _prefill_ahead(eng, sid, prompts[sid], blocks[sid])
+            rows = [sid for sid in prompts if joins[sid] <= t < leaves[sid]]
+            rng.shuffle(rows)
+            if rows:
+                for sid in rows:
+                    length[sid] += 1
+                step = _ahead_step(eng, [(sid, length[sid], blocks[sid]) for sid in rows])
+                issued.append((step, rows))
+        eng.wait(list(firsts.values()) + [s for s, _ in issued], 120)
+        got = {sid: [int(s.results["tokens"][0])] for sid, s in firsts.items()}
+        for step, rows in issued:
+            for sid, token in zip(rows, step.results["tokens"].tolist(), strict=True):
+                got[sid].append(token)
+        assert {sid for step, _ in issued for sid in [step.graph.key.instance]} == {0, 1}
+        assert {step.plan.bucket for step, _ in issued} == {2, 4}
+    assert got == expected
+
+
+def test_a_row_with_no_token_to_feed_is_refused_never_fed_a_stale_one() -> None:
+    program = _random_program()
+
+    def refused(step: Any) -> bool:
+        wait_for(lambda: step.error is not None or step.results is not None, 60, "the step")
+        return isinstance(step.error, NoPreviousToken)
+
+    with Issuer(NpuBackend(torch_npu, 0), [program], depth=2) as eng:
+        runner = Runner(eng)
+        (expected,), _ = runner.decode([([5, 6, 7], 0, {})], 4)
+        first = _prefill_ahead(eng, 1, [5, 6, 7], 0)
+        assert refused(_ahead_step(eng, [(99, 4, 1)]))  # never seen on this worker
+        assert refused(_ahead_step(eng, [(1, 5, 0)]))  # its length-4 step was not sent
+        # Refused for another row's sake: sequence 1's length-4 step did not run, so its
+        # length-5 row has no token either (the prefill's would be stale).
+        assert refused(_ahead_step(eng, [(1, 4, 0), (99, 4, 1)]))
+        assert refused(_ahead_step(eng, [(1, 5, 0)]))
+        steps = [_ahead_step(eng, [(1, 4, 0)]), _ahead_step(eng, [(1, 5, 0)])]
+        # Its token is overwritten when the instance of its last step runs another step
+        # (bucket 1 has two: two steps without it).
+        other = {"tokens": torch.tensor([3]), "block_table": torch.tensor([[1]], dtype=torch.int32)}
+        for n in (2, 3):
+            eng.step(1, [n], inputs=other, program="model", params={"actual_seq_lengths_kv": [n]},
+                     outputs=("tokens",))  # fmt: skip
+        assert refused(_ahead_step(eng, [(1, 6, 0)]))
+        eng.wait([first, *steps], 60)
+        got = [int(first.results["tokens"][0])] + [int(s.results["tokens"][0]) for s in steps]
+        assert got == expected[:3]
+        # A row that sends its token itself starts the sequence again.
+        resent = {"tokens": torch.tensor(expected[2:3]), "block_table": torch.tensor([[0]],
+                  dtype=torch.int32)}  # fmt: skip
+        params = {"actual_seq_lengths_kv": [6], "sequence_id": [1]}
+        eng.step(1, [6], inputs=resent, program="model", params=params, outputs=("tokens",))
+        (last,) = eng.wait([_ahead_step(eng, [(1, 7, 0)])], 60)
+        assert last.error is None

@@ -132,6 +132,20 @@ class CapturedGraph:
     last_done: Any = None  # event recorded after this instance's latest replay
 
 
+@dataclass(frozen=True)
+class DeviceFeed:
+    """A copy on the device into a step's static buffer from the output of an earlier
+    step, with no host round trip (decoding ahead: a row's token is the one its
+    sequence sampled in its previous step). The engine issues it on the stream that
+    copies the step's inputs, after those and after ``after``: the event recorded
+    behind the earlier step's replay, so the copy reads what that replay wrote."""
+
+    after: Any  # event recorded after the step that wrote ``source``
+    source: torch.Tensor  # device rows of that step's output
+    buffer: str  # the static buffer of this step's instance written to
+    index: Any  # where in it: ``buffers[buffer][index].copy_(source)``
+
+
 OpCall = tuple[str, tuple[Any, ...], dict[str, Any]]
 """``(op, args, kwargs)``: an op of torch_npu's namespace by name, and its arguments."""
 
@@ -265,6 +279,17 @@ class GraphProgram(abc.ABC):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device destination, host source) copies that must land before group ``group`` runs."""
         return []
+
+    def feeds(self, plan: StepPlan) -> list[DeviceFeed]:
+        """The device-to-device copies a step needs beside its host inputs, resolved when
+        it is issued (in issue order, after every step issued before it); an exception
+        refuses this step alone (nothing of it was issued)."""
+        return []
+
+    def issued(self, plan: StepPlan, graph: CapturedGraph | None, done: Any) -> None:
+        """Called by the issuing thread once a step (``graph`` its instance) or a
+        device-state operation (``graph`` None) is issued, ``done`` recorded after it."""
+        return None
 
     def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
         """Validate a device-state operation ``op`` (one of :attr:`state_ops`) with its

@@ -34,6 +34,13 @@ int64 [b] (sampled), and only when asked ``logprobs`` float32 [b, K] / ``logprob
 int64 [b, K] (the K most likely tokens' log-probabilities, before temperature) and
 ``logits`` float32 [b, vocab]. A step's bytes do not grow with the context length.
 
+Decoding ahead (docs/models.md): with ``sequence_id`` (per row, the scheduler's ids), a
+row's token may be PREVIOUS (-1): the token its sequence sampled in its last step issued
+on this worker (or its prefill, which named the id). :meth:`ModelProgram.feeds` resolves
+it when the step is issued, to a copy on the device from that step's ``tokens`` output,
+fenced by that step's event (:class:`~.base.DeviceFeed`), or refuses the step
+(NO_PREVIOUS_TOKEN) when no such token can be fed: never a stale one.
+
 ``prefill`` (a device-state operation, in order with the replays on the capture
 stream): one sequence's prompt ``tokens`` [n] from position ``start`` (0, or the
 tokens already in its cache), ``block_table`` [max_blocks_per_seq]; run eagerly in
@@ -44,6 +51,7 @@ when asked).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphlane.protocol.errors import NoPreviousToken
 from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
@@ -58,6 +67,8 @@ from .base import (
     FIA_OUT,
     FIA_WORKSPACE,
     LENGTHS,
+    CapturedGraph,
+    DeviceFeed,
     GraphProgram,
     OpCall,
     ProgramConfigError,
@@ -72,6 +83,9 @@ from .sampling import PARAMS, sample, sampling_tensors
 FIA = "npu_fused_infer_attention_score"
 MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin document)
 OUTPUTS = ("tokens", "logprobs", "logprob_ids", "logits")
+SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
+PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
+REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps track of
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
 
 
@@ -143,6 +157,17 @@ class ModelConfig:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Sampled:
+    """Where the token a sequence sampled in its last step is on the device."""
+
+    tokens: torch.Tensor  # what that step wrote: its instance's "tokens", a prefill's own
+    row: int  # the sequence's row in it
+    length: int  # the sequence's length with the token that step fed
+    done: Any  # the event recorded after that step
+    graph: CapturedGraph | None  # its instance (None: a prefill's tensor, never rewritten)
+
+
 @dataclass
 class _Layer:
     ln1: torch.Tensor
@@ -176,6 +201,9 @@ class ModelProgram(GraphProgram):
             LENGTHS: "per row, the sequence's length with the token fed this step, in "
             f"1..{self.max_len} (max_blocks_per_seq * block_size)",
             **PARAMS,
+            SEQUENCE: "per row, optional: the scheduler's id of the row's sequence (any "
+            f"integer, unique in the step); a row of token {PREVIOUS} is fed the token its "
+            "sequence sampled in its previous step, on the device (decoding ahead)",
         }
         self.state_ops = {
             "prefill": "run a prompt's tokens [n] (from position start) through the model "
@@ -198,6 +226,10 @@ class ModelProgram(GraphProgram):
         self._pad_floats = torch.tensor([[0.0, 1.0]] * top)  # temperature, top_p
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
+        # Decoding ahead: each sequence's last sampled token, by the scheduler's id (the
+        # issuing thread's alone; a restarted worker starts with none).
+        self._sampled: OrderedDict[int, _Sampled] = OrderedDict()
+        self._prefilled: torch.Tensor | None = None  # the last prefill's sampled token
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -448,11 +480,12 @@ class ModelProgram(GraphProgram):
         c = self.config
         bucket = self.bucket_for(batch)
         for key in params:
-            if key != LENGTHS and key not in PARAMS:
+            if key != LENGTHS and key != SEQUENCE and key not in PARAMS:
                 raise StepError(
                     f"params.{key}", f"unknown parameter (known: {sorted(self.parameters)})"
                 )
         lengths = params.get(LENGTHS)
+        sequences = self._sequence_ids(params.get(SEQUENCE), batch)
         if not isinstance(lengths, list | tuple) or len(lengths) != batch:
             raise StepError(f"params.{LENGTHS}", f"must be a list of {batch} lengths (one per row)")
         for i, n in enumerate(lengths):
@@ -467,6 +500,16 @@ class ModelProgram(GraphProgram):
         }
         _check_tensors(inputs, expected, "inputs")
         tokens, table = inputs["tokens"], inputs["block_table"]
+        ahead: tuple[int, ...] = ()
+        if bool((tokens == PREVIOUS).any()):
+            if sequences is None:
+                raise StepError(
+                    "inputs.tokens",
+                    f"a token {PREVIOUS} (the token the row's sequence sampled in its "
+                    f"previous step) needs params.{SEQUENCE}: which sequence the row is",
+                )
+            ahead = tuple((tokens == PREVIOUS).nonzero()[:, 0].tolist())
+            tokens = torch.where(tokens == PREVIOUS, 0, tokens)  # fed on the device
         self._check_tokens(tokens, "inputs.tokens")
         pos = torch.tensor(lengths, dtype=torch.int64) - 1
         slots = self._slots(table, pos, lengths)
@@ -485,7 +528,94 @@ class ModelProgram(GraphProgram):
         full_table[:batch] = table
         padded = tuple(lengths) + (1,) * (bucket - batch)
         host = {"ints": ints, "floats": floats, "block_table": full_table}
-        return StepPlan(self.name, batch, bucket, {"lengths": padded}, host)
+        values = {"lengths": padded, "sequences": sequences, "ahead": ahead}
+        return StepPlan(self.name, batch, bucket, values, host)
+
+    def _sequence_ids(self, ids: Any, rows: int, where: str = f"params.{SEQUENCE}") -> Any:
+        """A step's (``rows`` ids) or a prefill's (one, ``rows`` 0) sequence ids; None
+        when not given; StepError naming the parameter otherwise."""
+        if ids is None:
+            return None
+        many = ids if rows else [ids]
+        if not isinstance(many, list | tuple) or len(many) != max(rows, 1):
+            raise StepError(where, f"must be a list of {rows} ids (one per row)")
+        for i, sid in enumerate(many):
+            if isinstance(sid, bool) or not isinstance(sid, int):
+                raise StepError(f"{where}[{i}]" if rows else where, f"{sid!r} is not an integer")
+        if len(set(many)) != len(many):
+            raise StepError(where, "two rows name one sequence")
+        return tuple(many) if rows else many[0]
+
+    # ------------------------------------------------------------ decoding ahead
+    def feeds(self, plan: StepPlan) -> list[DeviceFeed]:
+        """The copies that feed each row of token PREVIOUS the token its sequence sampled
+        in its previous step, from that step's output on the device (fenced after that
+        step by its event); NoPreviousToken when there is no such token to feed. Runs in
+        issue order, so "previous" is the sequence's last step issued before this one."""
+        ahead = plan.values.get("ahead")
+        if not ahead:
+            return []
+        sequences, lengths = plan.values["sequences"], plan.values["lengths"]
+        feeds: list[DeviceFeed] = []
+        run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
+        for i in ahead:
+            sid, n = sequences[i], lengths[i]
+            rec = self._sampled.get(sid)
+            if rec is None:
+                raise NoPreviousToken(
+                    f"row {i}: sequence {sid} has no step on this worker to take its token "
+                    "from (its steps were refused or failed, or ran on a worker that has "
+                    "restarted since, or it is long gone); send the token itself"
+                )
+            if rec.length + 1 != n:
+                raise NoPreviousToken(
+                    f"row {i}: sequence {sid}'s last step on this worker fed length "
+                    f"{rec.length}, so this row would be length {rec.length + 1}, not {n}: "
+                    "the step in between was refused, failed, timed out or was not sent; "
+                    "send the token itself"
+                )
+            if rec.graph is not None and rec.graph.last_done is not rec.done:
+                raise NoPreviousToken(
+                    f"row {i}: sequence {sid}'s token is gone: the graph instance of its "
+                    "previous step ran another step since (it skipped a step); send the "
+                    "token itself"
+                )
+            if run and run[1].tokens is rec.tokens and run[1].done is rec.done and (
+                run[1].row + run[2] == rec.row and run[0] + run[2] == i
+            ):
+                run[2] += 1
+                continue
+            if run:
+                feeds.append(self._feed(*run))
+            run = [i, rec, 1]
+        feeds.append(self._feed(*run))
+        return feeds
+
+    @staticmethod
+    def _feed(row: int, rec: _Sampled, rows: int) -> DeviceFeed:
+        source = rec.tokens[rec.row : rec.row + rows]
+        return DeviceFeed(rec.done, source, "ints", (slice(row, row + rows), 0))
+
+    def issued(self, plan: StepPlan, graph: CapturedGraph | None, done: Any) -> None:
+        """Remember where each identified sequence's sampled token is (a step's rows, a
+        prefill's token), for the next step that asks for it."""
+        sampled = self._sampled
+        if graph is not None:
+            sequences = plan.values.get("sequences")
+            if sequences is None:
+                return
+            tokens, lengths = graph.buffers["tokens"], plan.values["lengths"]
+            for i, sid in enumerate(sequences):
+                sampled[sid] = _Sampled(tokens, i, lengths[i], done, graph)
+                sampled.move_to_end(sid)
+        elif plan.values.get("op") == "prefill" and plan.values.get("sequence") is not None:
+            sid, token = plan.values["sequence"], self._prefilled
+            assert token is not None
+            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch, done, None)
+            sampled.move_to_end(sid)
+        self._prefilled = None
+        while len(sampled) > REMEMBERED:
+            sampled.popitem(last=False)
 
     def _check_tokens(self, tokens: torch.Tensor, where: str) -> None:
         v = self.spec.vocab_size
@@ -565,7 +695,9 @@ class ModelProgram(GraphProgram):
                 raise StepError("outputs", f"unknown output {name!r} (known: {list(OUTPUTS)})")
         if len(set(names)) != len(names):
             raise StepError("outputs", f"names must be unique, got {list(names)}")
-        sampling = sampling_tensors(fields.get("params") or {}, 1, "params", per_row=False)
+        prefill_params = fields.get("params") or {}
+        sequence = self._sequence_ids(prefill_params.get(SEQUENCE), 0, f"params.{SEQUENCE}")
+        sampling = sampling_tensors(prefill_params, 1, "params", per_row=False)
         inputs = {
             "tokens": tokens,
             "positions": pos,
@@ -573,7 +705,7 @@ class ModelProgram(GraphProgram):
             "block_table": table,
             **sampling,
         }
-        values = {"op": op, "start": start, "outputs": tuple(names)}
+        values = {"op": op, "start": start, "outputs": tuple(names), "sequence": sequence}
         return StepPlan(self.name, n, 0, values, inputs)
 
     def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -622,9 +754,9 @@ class ModelProgram(GraphProgram):
         logits = self._logits(w, h[-1:])
         out: dict[str, torch.Tensor] = {}
         names = plan.values["outputs"]
-        if "tokens" in names:
+        if "tokens" in names or plan.values["sequence"] is not None:
             p = dev(torch.tensor([start + n], dtype=torch.int64))
-            out["tokens"] = sample(
+            out["tokens"] = self._prefilled = sample(
                 logits, dev(host["temperature"]), dev(host["top_k"]), dev(host["top_p"]),
                 dev(host["seed"]), p, w["vocab"],
             )  # fmt: skip
@@ -636,4 +768,4 @@ class ModelProgram(GraphProgram):
         return {k: out[k] for k in names}
 
 
-__all__ = ["ModelConfig", "ModelProgram"]
+__all__ = ["PREVIOUS", "SEQUENCE", "ModelConfig", "ModelProgram"]

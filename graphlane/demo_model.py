@@ -1,0 +1,214 @@
+"""The demo's model part: a continuous-batching generation loop over a tiny Llama served
+by the ``model`` program, decoding ahead, a share of its sequences checked against
+transformers' eager ``generate``.
+
+Per device, a scheduler as a serving engine runs one (docs/models.md): sequences arrive
+with prompts of different lengths, each gets the cache blocks it needs and joins the
+batch with a ``prefill`` that names its ``sequence_id``; every decode step has one row
+per live sequence, each row's token ``-1`` ("the token this sequence sampled in its
+previous step", fed on the device), so the scheduler sends step N+1 before step N's
+reply is back, keeping ``window`` requests in flight; a sequence that has all its tokens
+leaves and its blocks go to the next. The weights are the program's seeded random ones
+(:func:`graphlane.workers.programs.hf_model.random_weights`), loaded into transformers
+for the check: greedy tokens must be the same, token for token (float32).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from graphlane.client import Client
+
+#: The tiny Llama (the keys of a config.json) and how the demo's daemon serves it.
+ARCHITECTURE: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
+SEED, INIT_STD = 0, 0.3  # wider than 0.02: greedy tokens then rarely hinge on a near tie
+BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 128, 16, 2
+PROGRAM_TOML = f"""\
+[[programs]]
+name = "model"
+random = {{ {", ".join(f"{k} = {v!r}".replace("'", '"') for k, v in ARCHITECTURE.items())} }}
+seed = {SEED}
+init_std = {INIT_STD}
+dtype = "float32"
+block_size = {BLOCK_SIZE}
+num_blocks = {NUM_BLOCKS}
+max_blocks_per_seq = {MAX_BLOCKS}
+buckets = [1, 2, 4, 8]
+"""
+
+
+@dataclass
+class Sequence:
+    sid: int
+    prompt: list[int]
+    new: int  # tokens to generate
+    blocks: list[int] = field(default_factory=list)
+    asked: int = 0  # tokens asked for so far (prefill, then one per step)
+    out: list[int] = field(default_factory=list)
+
+
+def _sequences(device: int, count: int) -> list[Sequence]:
+    rng = random.Random(1000 + device)
+    vocab = int(ARCHITECTURE["vocab_size"])
+    return [
+        Sequence(device * 1000 + i, [rng.randrange(vocab) for _ in range(rng.randint(1, 120))],
+                 rng.randint(16, 48))
+        for i in range(count)
+    ]  # fmt: skip
+
+
+async def generate(
+    client: Client, device: int, seqs: list[Sequence], max_live: int = 8, window: int = 3
+) -> int:
+    """Run ``seqs`` to completion on ``device``, continuously batched and decoding ahead;
+    each sequence's tokens land in its ``out``. Returns the number of decode steps."""
+    free = list(range(NUM_BLOCKS))
+    queue, live = list(seqs), list[Sequence]()
+    inflight: list[asyncio.Task[Any]] = []
+    sent: list[tuple[asyncio.Task[Any], list[Sequence]]] = []
+    steps = 0
+
+    async def send(call: Any, rows: list[Sequence]) -> None:
+        while len(inflight) >= window:
+            await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
+            inflight[:] = [t for t in inflight if not t.done()]
+        task = asyncio.create_task(call)  # tasks start in order: requests go in order
+        await asyncio.sleep(0)
+        inflight.append(task)
+        sent.append((task, rows))
+
+    # The client sends calls in order once it has the worker's connection: make it first.
+    await client.worker_status(device)
+    while queue or live:
+        while queue and len(live) < max_live:
+            s = queue[0]
+            need = -(-(len(s.prompt) + s.new) // BLOCK_SIZE)
+            if need > len(free):
+                break
+            queue.pop(0)
+            s.blocks = [free.pop() for _ in range(need)]
+            table = s.blocks + [0] * (MAX_BLOCKS - need)
+            await send(client.prefill("model", device, s.prompt, table,
+                                      params={"sequence_id": s.sid}), [s])  # fmt: skip
+            s.asked = 1
+            live.append(s)
+        rows = [s for s in live if s.asked < s.new]
+        if rows:
+            params = {
+                "actual_seq_lengths_kv": [len(s.prompt) + s.asked for s in rows],
+                "sequence_id": [s.sid for s in rows],
+            }
+            inputs = {
+                "tokens": torch.full((len(rows),), -1),  # each its previous token
+                "block_table": torch.tensor(
+                    [s.blocks + [0] * (MAX_BLOCKS - len(s.blocks)) for s in rows],
+                    dtype=torch.int32,
+                ),
+            }
+            await send(client.step("model", device, params, inputs, outputs=["tokens"]), rows)
+            steps += 1
+            for s in rows:
+                s.asked += 1
+        for s in [s for s in live if s.asked >= s.new]:
+            live.remove(s)  # its last step runs before a later prefill writes its blocks
+            free += s.blocks
+    results = await asyncio.gather(*(t for t, _ in sent), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    for r, (_, rows) in zip(results, sent, strict=True):
+        assert not isinstance(r, BaseException)
+        for s, token in zip(rows, r.outputs["tokens"].tolist(), strict=True):
+            s.out.append(token)
+    return steps
+
+
+def reference_model(seed: int = SEED) -> Any:
+    """The served model (weights of ``seed``) in transformers; None when transformers is
+    not installed."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return None
+    from graphlane.workers.programs.hf_model import ModelSpec, random_weights
+
+    spec = ModelSpec.from_hf(ARCHITECTURE, "demo")
+    keys = {k: v for k, v in ARCHITECTURE.items() if k != "model_type"}
+    model = LlamaForCausalLM(LlamaConfig(**keys, bos_token_id=None, eos_token_id=None,
+                                         pad_token_id=None))  # fmt: skip
+    model.load_state_dict(random_weights(spec, seed, INIT_STD, torch.float32))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
+def check(model: Any, s: Sequence) -> list[int]:
+    """transformers' greedy tokens for ``s``."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([s.prompt]), max_new_tokens=s.new,
+                             min_new_tokens=s.new, do_sample=False)  # fmt: skip
+    return [int(t) for t in out[0, len(s.prompt) :]]
+
+
+async def run_model(
+    endpoint: str, devices: int, verify: float, per_device: int = 24, seed: int = SEED
+) -> Mapping[str, Any]:
+    """The model part of the demo: ``per_device`` sequences on each device at once; a
+    ``verify`` share of them checked. Returns its summary (``wrong`` > 0: a wrong token)."""
+    work = {d: _sequences(d, per_device) for d in range(devices)}
+    async with Client(endpoint, timeout=120) as c:
+        t0 = time.perf_counter()
+        steps = await asyncio.gather(*(generate(c, d, seqs) for d, seqs in work.items()))
+        elapsed = time.perf_counter() - t0
+    seqs = [s for ss in work.values() for s in ss]
+    tokens = sum(len(s.out) for s in seqs)
+    checked = wrong = 0
+    model = reference_model(seed) if verify > 0 else None
+    if model is not None:
+        rng = random.Random(7)
+        for s in seqs:
+            if rng.random() < verify or s is seqs[0]:
+                checked += 1
+                expected = check(model, s)
+                if s.out != expected:
+                    wrong += 1
+                    pairs = enumerate(zip(s.out, expected, strict=True))
+                    at = next(i for i, (a, b) in pairs if a != b)
+                    print(f"  WRONG: sequence {s.sid}, token {at}: {s.out[at]}, not {expected[at]}")
+    return {
+        "sequences": len(seqs),
+        "steps": sum(steps),
+        "tokens": tokens,
+        "elapsed_s": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "checked": checked,
+        "wrong": wrong,
+        "reference": model is not None or verify == 0,
+    }
+
+
+def print_model_summary(r: Mapping[str, Any]) -> None:
+    print(
+        f"  model: {r['sequences']} sequences, {r['tokens']} tokens in {r['steps']} decode "
+        f"steps, {r['elapsed_s']:.1f} s: {r['tokens_per_s']:.0f} tokens/s (decoding ahead)"
+    )
+    if not r["reference"]:
+        print("  tokens not checked: transformers is not installed (pip install 'graphlane[test]')")
+    else:
+        print(
+            f"  {r['checked']} sequences checked against transformers' generate: "
+            + ("every token right" if not r["wrong"] else f"{r['wrong']} WRONG")
+        )
+
+
+__all__ = ["PROGRAM_TOML", "generate", "print_model_summary", "run_model"]
