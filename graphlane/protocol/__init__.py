@@ -227,7 +227,9 @@ the client, the server sends nothing), FORBIDDEN (the key is admitted but its ro
 not allow the operation), SHUTTING_DOWN, INTERNAL, STATE_LOST (the request names a
 worker generation that is gone with its device state: not retryable until the state is
 written again), PREDECESSOR_FAILED (an earlier kv_write or step of the same connection
-was not applied: see ``resume``). Retryable unless the error says otherwise: BUSY,
+was not applied: see ``resume``), NO_PREVIOUS_TOKEN (a step row of the ``model``
+program asks for its sequence's previous sampled token, decoding ahead, and the worker
+has none it may feed). Retryable unless the error says otherwise: BUSY,
 WORKER_LOST, TIMEOUT, SHUTTING_DOWN, PREDECESSOR_FAILED.
 """
 
@@ -239,6 +241,7 @@ from graphlane.protocol.errors import (
     Forbidden,
     GraphlaneError,
     InternalError,
+    NoPreviousToken,
     PredecessorFailed,
     RequestError,
     ServiceError,
@@ -316,6 +319,7 @@ __all__ = [
     "KvRead",
     "KvWrite",
     "Limits",
+    "NoPreviousToken",
     "Op",
     "PredecessorFailed",
     "Replay",

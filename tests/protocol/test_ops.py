@@ -30,6 +30,7 @@ from graphlane.protocol import (
     GraphlaneError,
     InternalError,
     Limits,
+    NoPreviousToken,
     PredecessorFailed,
     Reply,
     Request,
@@ -461,6 +462,7 @@ CLASSES: dict[ErrorCode, type[GraphlaneError]] = {
     ErrorCode.STATE_LOST: StateLost,
     ErrorCode.PREDECESSOR_FAILED: PredecessorFailed,
     ErrorCode.TOO_LARGE: TooLarge,
+    ErrorCode.NO_PREVIOUS_TOKEN: NoPreviousToken,
 }
 
 

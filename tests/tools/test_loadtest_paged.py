@@ -76,10 +76,12 @@ def test_the_cli_runs_the_paged_workload_and_verification_catches_a_corrupted_sl
     with pytest.raises(SystemExit):
         cli.main(["loadtest", "--help"])
     assert "paged KV cache" in capsys.readouterr().out
+    # Blocks are reused once sequences end: short ones, over a run long enough for a
+    # loaded machine to finish some (a step can take half a second there).
     d: RunningDaemon = start_daemon(devices=1, programs=[PAGED])
     argv = ["loadtest", "--connect", d.endpoint, "--program", "paged_attention",
-            "--concurrency", "4", "--duration", "2", "--prompt-lens", "1,200",
-            "--decode-tokens", "2,5", "--verify", "0.5", "--report", str(tmp_path / "rep"),
+            "--concurrency", "4", "--duration", "4", "--prompt-lens", "1,200",
+            "--decode-tokens", "1,2", "--verify", "0.5", "--report", str(tmp_path / "rep"),
             "--no-progress"]  # fmt: skip
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
