@@ -55,9 +55,12 @@ class ExternalEvent:
         # Issue order (ENPU mode): records and waits issued, eager or by replay launches.
         self.records_issued = 0
         self.waits_issued = 0
+        self._created = False  # torch_npu creates the event at its first record or wait
 
-    def __repr__(self) -> str:
-        return f"<graphlane sim {self.name}>"
+    def __repr__(self) -> str:  # torch_npu 2.14 npu/streams.py ExternalEvent.__repr__
+        if self._created:
+            return f"<torch_npu.npu.ExternalEvent {self.npu_event:#x}>"
+        return "<torch_npu.npu.ExternalEvent uninitialized>"
 
     @property
     def npu_event(self) -> int:
@@ -74,6 +77,7 @@ class ExternalEvent:
 
     def record(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
+        self._created = True
         with RUNTIME.cond:
             if s.capturing is not None:
                 s.capturing.add_node(ExtRecordWork(self))
@@ -87,6 +91,7 @@ class ExternalEvent:
 
     def wait(self, stream: Stream | None = None) -> None:
         s = _stream_of(stream)
+        self._created = True
         with RUNTIME.cond:
             if self._host_waits:  # torch_npu's is_waited_, cleared only by record()
                 raise SimUsageError(

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
+import logging
 import threading
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import capture_rules, forkjoin
+from . import capture_rules, forkjoin, npugraph_utils
 from .access import ISSUED, Footprint, TaskAccess
 from .allocation import capture_begin, capture_end, graph_reset, replay_issued_locked
 from .errors import SimUsageError
@@ -24,6 +28,7 @@ from .runtime import RUNTIME
 from .streams import Event, Stream, current_stream
 
 _graph_ids = itertools.count(1)
+_log = logging.getLogger("npusim.graphs")
 
 
 class TaskGroup(Protocol):
@@ -166,10 +171,19 @@ class GraphDispatchState:
     update_stream: Stream | None = None
 
     def __init__(self, graph: NPUGraph) -> None:
-        self.graph = graph
+        # A weak reference: the graph holds this, and ``del g`` must free the graph (and
+        # its private pool) at once, as torch_npu's does, not at the next gc cycle.
+        self._graph = weakref.ref(graph)
         self.graph_dispatch_records: list[DispatchRecord] = []
         if GraphDispatchState.update_stream is None:
             GraphDispatchState.update_stream = Stream()
+
+    @property
+    def graph(self) -> NPUGraph:
+        graph = self._graph()
+        if graph is None:
+            raise SimUsageError("graph_dispatch_mode of an NPUGraph that was freed")
+        return graph
 
     def update_capture_record(self, cpu_update_input: list[dict[str, Any]]) -> None:
         """Re-issue every record with its entry of ``cpu_update_input`` (one entry: the
@@ -207,16 +221,18 @@ class NPUGraph:
         self.branch_streams: list[forkjoin.BranchStream] = []  # what branches replay on
 
     def __repr__(self) -> str:
-        return f"<graphlane sim {self.name}>"
+        return f"<npusim {self.name}>"
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
         capture_rules.check_mode(capture_error_mode)
         s = current_stream()
         with RUNTIME.cond:
             if s.is_default:
+                # torch_npu 2.14's NPUGraph::capture_begin (a string of libtorch_npu.so)
                 raise SimUsageError(
-                    "capture_begin on the default stream is not allowed; capture on a "
-                    "side stream (torch.npu.graph does this for you)"
+                    "NPU graphs must be captured on a non-default stream. (However, after "
+                    "capture, it's ok to replay them on the default stream.) (capture_begin "
+                    "on the default stream; torch.npu.graph captures on a side stream)"
                 )
             if s.capturing is not None:
                 raise SimUsageError(f"{s.name} is already capturing {s.capturing.graph.name}")
@@ -266,6 +282,13 @@ class NPUGraph:
             capture_end(self)
         if self.branches:
             forkjoin.give_streams(self, s.device_index)
+        if not self.nodes and not any(b.nodes for b in self.branches):
+            # torch's CUDAGraph::capture_end wording, as Ascend/pytorch's test_npu.py expects
+            warnings.warn(
+                "The NPU Graph is empty. This usually means that the graph was attempted to be "
+                "captured on wrong device or stream.",
+                stacklevel=2,
+            )
 
     def replay(self) -> None:
         s = current_stream()
@@ -317,13 +340,24 @@ class NPUGraph:
         self.graph_dispatch_mode.update_capture_record(cpu_update_input)
 
     def debug_dump(self, debug_path: str) -> None:
-        with open(debug_path, "w") as f:
-            lanes = [("", self.nodes)] + [(f"branch {b.index} ", b.nodes) for b in self.branches]
-            for prefix, nodes in lanes:
-                for i, node in enumerate(nodes):
-                    group = getattr(node, "group", None)
-                    tag = f"  [group {group.index}]" if group is not None else ""
-                    f.write(f"{prefix}{i}: {node.label}{tag}\n")
+        """Write the captured graph as the runtime's JSON trace, then its
+        ``.aligned.json`` (torch_npu 2.14 ``NPUGraph.debug_dump``; :mod:`.npugraph_utils`).
+        Without a successful capture nothing is written: a warning, as the C++ call's."""
+        if not self.captured:
+            warnings.warn(
+                "Called NPUGraph::debug_dump without a preceding successful capture. "
+                f"({self.name})",
+                stacklevel=2,
+            )
+            return
+        with RUNTIME.cond:
+            events = npugraph_utils.trace_events(self)
+        with open(debug_path, "w", encoding="utf-8") as f:
+            json.dump(events, f, indent=2)
+        try:  # looked up at the call, as torch_npu's: tests patch it
+            npugraph_utils.align_trace_json(debug_path, None)
+        except Exception:  # the optional post-processing must not affect debug_dump
+            _log.warning("Failed to generate aligned trace for %s", debug_path, exc_info=True)
 
 
 def is_current_stream_capturing() -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from . import npugraph_handler as _npugraph_handler
+from . import npugraph_utils as _npugraph_utils  # noqa: F401  torch_npu.npu._npugraph_utils
 from .allocation import (
     empty_cache,
     graph_pool_handle,
@@ -33,7 +34,9 @@ from .events import ExternalEvent
 from .graphs import NPUGraph, is_current_stream_capturing
 from .npu_extras import _sleep as _sleep  # torch.npu._sleep
 from .npu_extras import (
+    get_device_properties,
     get_stream_limit,
+    is_bf16_supported,
     make_graphed_callables,
     reset_stream_limit,
     set_stream_limit,
@@ -143,6 +146,7 @@ __all__ = [
     "device_count",
     "empty_cache",
     "get_device_name",
+    "get_device_properties",
     "get_rng_state",
     "get_rng_state_all",
     "get_stream_limit",
@@ -155,6 +159,7 @@ __all__ = [
     "host_empty_cache",
     "initial_seed",
     "is_available",
+    "is_bf16_supported",
     "is_current_stream_capturing",
     "make_graphed_callables",
     "manual_seed",

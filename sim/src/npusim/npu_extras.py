@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .capture import graph
+from .device import device_index
 from .errors import SimUsageError
 from .graphs import Launch, NPUGraph
 from .runtime import RUNTIME, busy_until
@@ -201,3 +202,33 @@ def _replayer(g: NPUGraph, static_in: tuple[Any, ...], static_out: Any) -> Calla
         return static_out
 
     return run
+
+
+class _NPUDeviceProperties:
+    """``torch_npu._C._NPUDeviceProperties``: what ``get_device_properties`` returns."""
+
+    def __init__(self, index: int) -> None:
+        self.name = "npusim"
+        self.total_memory = RUNTIME.config.device_memory
+        self.cube_core_num = DEVICE_CUBE_CORES
+        self.vector_core_num = DEVICE_VECTOR_CORES
+
+    def __repr__(self) -> str:
+        return (
+            f"_NPUDeviceProperties(name='{self.name}', "
+            f"total_memory={self.total_memory // (1 << 20)}MB)"
+        )
+
+
+def get_device_properties(device_name: Any = None) -> _NPUDeviceProperties:
+    """torch_npu ``npu/__init__.py``: the properties of a device index (or the current
+    device); an index outside ``device_count()`` is an AssertionError."""
+    index = device_index(device_name)
+    if not 0 <= index < RUNTIME.device_count:
+        raise AssertionError("Invalid device id")
+    return _NPUDeviceProperties(index)
+
+
+def is_bf16_supported(including_emulation: bool = False) -> bool:
+    """torch_npu ``npu/utils.py``: bf16 on 910B-class devices (the sim computes it on the CPU)."""
+    return True

@@ -197,8 +197,8 @@ class Stream(torch.Stream):
     def __exit__(self, *exc: object) -> None:
         _current.scopes.pop().__exit__()
 
-    def __repr__(self) -> str:
-        return f"<graphlane sim Stream {self.name}>"
+    def __repr__(self) -> str:  # torch_npu 2.14 npu/streams.py Stream.__repr__
+        return f"<torch_npu.npu.Stream device={self.device} npu_stream={self.npu_stream:#x}>"
 
     # ------------------------------------------------------------ events
     def wait_event(self, event: Any) -> None:
@@ -516,8 +516,10 @@ class Event:
         self._captured_in: Any = None  # graph whose capture holds the latest record
         self._captured_at: Any = None  # (capture state, node) of that record
 
-    def __repr__(self) -> str:
-        return f"<graphlane sim {self.name}>"
+    def __repr__(self) -> str:  # torch_npu 2.14 npu/streams.py: created by the first record
+        if self._issued or self._captured_at is not None:
+            return f"<torch_npu.npu.Event {self.npu_event:#x}>"
+        return "<torch_npu.npu.Event uninitialized>"
 
     @property
     def npu_event(self) -> int:
