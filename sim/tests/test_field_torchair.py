@@ -52,6 +52,10 @@ from paged_reference import (
     make_weights,
 )
 
+# torchair's compile captures an empty graph to set up the pool: the empty-graph warning
+# (torch's wording, which upstream's test_npu.py expects) is its expected outcome here.
+pytestmark = pytest.mark.filterwarnings("ignore:The NPU Graph is empty")
+
 STEPS = 20
 FIA_OUT = torch.ops.npu.npu_fused_infer_attention_score.out
 FIA_WS = torch.ops.npu._npu_fused_infer_attention_score_get_max_workspace.default
