@@ -87,8 +87,6 @@ async def generate(
         inflight.append(task)
         sent.append((task, rows))
 
-    # The client sends calls in order once it has the worker's connection: make it first.
-    await client.worker_status(device)
     while queue or live:
         while queue and len(live) < max_live:
             s = queue[0]
