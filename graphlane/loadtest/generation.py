@@ -332,23 +332,16 @@ def reference_model(described: Mapping[str, Any]) -> Any:
     built (transformers missing, a directory elsewhere)."""
     from graphlane.workers.programs.hf_model import ModelSpec, random_weights
 
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            "checking tokens needs transformers (pip install 'graphlane[test]')"
-        ) from None
+    check_reference(described)
+    import transformers
+
     cfg = described.get("config", described)
     dtype = getattr(torch, str(cfg.get("dtype") or "float32"))
     if cfg.get("model"):
         path = Path(str(cfg["model"]))
-        if not (path / "config.json").is_file():
-            raise ValueError(f"the model directory {path} is not on this machine")
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
         raw = dict(cfg.get("random") or {})
-        if "init_std" not in cfg:
-            raise ValueError("the daemon's hello does not say its weights' init_std")
         spec = ModelSpec.from_hf(raw, "random")
         names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[spec.model_type]
         keys = {k: v for k, v in raw.items() if k != "model_type"}
@@ -362,6 +355,23 @@ def reference_model(described: Mapping[str, Any]) -> Any:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model.eval()
+
+
+def check_reference(described: Mapping[str, Any]) -> None:
+    """ValueError saying why :func:`reference_model` cannot build the model here."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            "checking tokens needs transformers (pip install 'graphlane[test]')"
+        ) from None
+    cfg = described.get("config", described)
+    if cfg.get("model"):
+        path = Path(str(cfg["model"]))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"the model directory {path} is not on this machine")
+    elif not cfg.get("random") or "init_std" not in cfg:
+        raise ValueError("the daemon's hello does not describe its random weights")
 
 
 def greedy(model: Any, prompt: list[int], new: int) -> list[int]:
