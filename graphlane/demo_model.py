@@ -2,7 +2,8 @@
 by the ``model`` program, decoding ahead, a share of its sequences checked against
 transformers' eager ``generate``.
 
-Per device, a scheduler as a serving engine runs one (docs/models.md): sequences arrive
+Per device, a scheduler as a serving engine runs one (docs/models.md; the loop is the load
+test's, :mod:`graphlane.loadtest.generation`): sequences arrive
 with prompts of different lengths, each gets the cache blocks it needs and joins the
 batch with a ``prefill`` that names its ``sequence_id``; every decode step has one row
 per live sequence, each row's token ``-1`` ("the token this sequence sampled in its
@@ -19,12 +20,11 @@ import asyncio
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from graphlane.client import Client
+from graphlane.loadtest import generation
+from graphlane.loadtest.generation import GenerationLoop, ModelShape, Request
 
 #: The tiny Llama (the keys of a config.json) and how the demo's daemon serves it.
 ARCHITECTURE: dict[str, Any] = {
@@ -47,117 +47,49 @@ buckets = [1, 2, 4, 8]
 """
 
 
-@dataclass
-class Sequence:
-    sid: int
-    prompt: list[int]
-    new: int  # tokens to generate
-    blocks: list[int] = field(default_factory=list)
-    asked: int = 0  # tokens asked for so far (prefill, then one per step)
-    out: list[int] = field(default_factory=list)
+SHAPE = ModelShape(BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS, (1, 2, 4, 8),
+                   int(ARCHITECTURE["vocab_size"]), "float32")  # fmt: skip
 
 
-def _sequences(device: int, count: int) -> list[Sequence]:
+def _sequences(device: int, count: int) -> list[Request]:
     rng = random.Random(1000 + device)
     vocab = int(ARCHITECTURE["vocab_size"])
     return [
-        Sequence(device * 1000 + i, [rng.randrange(vocab) for _ in range(rng.randint(1, 120))],
-                 rng.randint(16, 48))
+        Request(device * 1000 + i, [rng.randrange(vocab) for _ in range(rng.randint(1, 120))],
+                rng.randint(16, 48))
         for i in range(count)
     ]  # fmt: skip
 
 
-async def generate(
-    client: Client, device: int, seqs: list[Sequence], max_live: int = 8, window: int = 3
-) -> int:
-    """Run ``seqs`` to completion on ``device``, continuously batched and decoding ahead;
-    each sequence's tokens land in its ``out``. Returns the number of decode steps."""
-    free = list(range(NUM_BLOCKS))
-    queue, live = list(seqs), list[Sequence]()
-    inflight: list[asyncio.Task[Any]] = []
-    sent: list[tuple[asyncio.Task[Any], list[Sequence]]] = []
-    steps = 0
-
-    async def send(call: Any, rows: list[Sequence]) -> None:
-        while len(inflight) >= window:
-            await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-            inflight[:] = [t for t in inflight if not t.done()]
-        task = asyncio.create_task(call)  # tasks start in order: requests go in order
-        await asyncio.sleep(0)
-        inflight.append(task)
-        sent.append((task, rows))
-
-    # The client sends calls in order once it has the worker's connection: make it first.
-    await client.worker_status(device)
-    while queue or live:
-        while queue and len(live) < max_live:
-            s = queue[0]
-            need = -(-(len(s.prompt) + s.new) // BLOCK_SIZE)
-            if need > len(free):
-                break
-            queue.pop(0)
-            s.blocks = [free.pop() for _ in range(need)]
-            table = s.blocks + [0] * (MAX_BLOCKS - need)
-            await send(client.prefill("model", device, s.prompt, table,
-                                      params={"sequence_id": s.sid}), [s])  # fmt: skip
-            s.asked = 1
-            live.append(s)
-        rows = [s for s in live if s.asked < s.new]
-        if rows:
-            params = {
-                "actual_seq_lengths_kv": [len(s.prompt) + s.asked for s in rows],
-                "sequence_id": [s.sid for s in rows],
-            }
-            inputs = {
-                "tokens": torch.full((len(rows),), -1),  # each its previous token
-                "block_table": torch.tensor(
-                    [s.blocks + [0] * (MAX_BLOCKS - len(s.blocks)) for s in rows],
-                    dtype=torch.int32,
-                ),
-            }
-            await send(client.step("model", device, params, inputs, outputs=["tokens"]), rows)
-            steps += 1
-            for s in rows:
-                s.asked += 1
-        for s in [s for s in live if s.asked >= s.new]:
-            live.remove(s)  # its last step runs before a later prefill writes its blocks
-            free += s.blocks
-    results = await asyncio.gather(*(t for t, _ in sent), return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    for r, (_, rows) in zip(results, sent, strict=True):
-        assert not isinstance(r, BaseException)
-        for s, token in zip(rows, r.outputs["tokens"].tolist(), strict=True):
-            s.out.append(token)
-    return steps
+async def generate(client: Client, device: int, seqs: list[Request], window: int = 3) -> int:
+    """Run ``seqs`` to completion on ``device``, continuously batched and decoding ahead
+    (:class:`graphlane.loadtest.generation.GenerationLoop`, the load test's loop); each
+    request's tokens land in its ``out``. Returns the number of decode steps; raises
+    when a request failed."""
+    loop = GenerationLoop(client, "model", device, SHAPE, window=window)
+    for s in seqs:
+        loop.arrive(s)
+    loop.close()
+    await loop.run()
+    failed = sorted({str(s.failed) for s in seqs if s.failed is not None})
+    if failed:
+        raise RuntimeError(f"device {device}: requests failed with {', '.join(failed)}")
+    return loop.steps
 
 
 def reference_model(seed: int = SEED) -> Any:
     """The served model (weights of ``seed``) in transformers; None when transformers is
     not installed."""
+    described = {"random": ARCHITECTURE, "seed": seed, "init_std": INIT_STD, "dtype": "float32"}
     try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
+        return generation.reference_model(described)
+    except ValueError:
         return None
-    from graphlane.workers.programs.hf_model import ModelSpec, random_weights
-
-    spec = ModelSpec.from_hf(ARCHITECTURE, "demo")
-    keys = {k: v for k, v in ARCHITECTURE.items() if k != "model_type"}
-    model = LlamaForCausalLM(LlamaConfig(**keys, bos_token_id=None, eos_token_id=None,
-                                         pad_token_id=None))  # fmt: skip
-    model.load_state_dict(random_weights(spec, seed, INIT_STD, torch.float32))
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    return model.eval()
 
 
-def check(model: Any, s: Sequence) -> list[int]:
+def check(model: Any, s: Request) -> list[int]:
     """transformers' greedy tokens for ``s``."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([s.prompt]), max_new_tokens=s.new,
-                             min_new_tokens=s.new, do_sample=False)  # fmt: skip
-    return [int(t) for t in out[0, len(s.prompt) :]]
+    return generation.greedy(model, s.prompt, s.new)
 
 
 async def run_model(
@@ -184,7 +116,7 @@ async def run_model(
                     wrong += 1
                     pairs = enumerate(zip(s.out, expected, strict=True))
                     at = next(i for i, (a, b) in pairs if a != b)
-                    print(f"  WRONG: sequence {s.sid}, token {at}: {s.out[at]}, not {expected[at]}")
+                    print(f"  WRONG: sequence {s.rid}, token {at}: {s.out[at]}, not {expected[at]}")
     return {
         "sequences": len(seqs),
         "steps": sum(steps),

@@ -141,9 +141,6 @@ async def run_ahead(
         inflight.append(task)
         replies.append((task, rows))
 
-    # Reach the worker first: the client sends calls in the order they are made once it
-    # has the worker's connection; calls made while it connects may overtake each other.
-    await client.worker_status(0)
     t = 0
     while waiting or active:
         while waiting and waiting[0].joins <= t:

@@ -255,9 +255,23 @@ class Client:
         return await self._worker_at(*self._resolve(device))
 
     async def _worker_at(self, host: Host, local: int) -> Channel:
+        """The device's channel, made (or remade after a restart) when it has none.
+
+        Calls of one client to one device go out in the order they were made: a call
+        that finds the channel missing waits for it under the host's lock (FIFO), and
+        while any call to the device waits so, a later one waits behind it instead of
+        taking the channel the first of them made (a step would overtake the prefill it
+        decodes from). Each resumes with nothing to await before its send."""
         ch = host.workers.get(local)
-        if ch is not None and not ch.lost:
+        if ch is not None and not ch.lost and not host.connecting.get(local):
             return ch
+        host.connecting[local] = host.connecting.get(local, 0) + 1
+        try:
+            return await self._connect_worker(host, local)
+        finally:
+            host.connecting[local] -= 1
+
+    async def _connect_worker(self, host: Host, local: int) -> Channel:
         async with host.lock:  # one hello for many callers after a restart
             ch = host.workers.get(local)
             if ch is not None and not ch.lost:
@@ -366,8 +380,8 @@ class Client:
         in ``params`` and ``inputs``."""
         host, local = self._resolve(device)
         ch = host.workers.get(local)
-        if ch is None or ch.lost:
-            ch = await self._worker_at(host, local)
+        if ch is None or ch.lost or host.connecting.get(local):
+            ch = await self._worker_at(host, local)  # in order with the calls before it
         if batch is None:
             batch = host.batch_params.infer(host.hello, local, program, params)
         body = ops.Step(

@@ -25,7 +25,12 @@ class Host:
         self.daemon: Channel | None = None
         self.workers: dict[int, Channel] = {}
         self.hello: dict[str, Any] = {}
+        # Taken to make or remake a worker's channel (one hello for many callers). FIFO:
+        # calls that wait for a device's channel go out in the order they were made.
         self.lock = asyncio.Lock()
+        # device -> calls to it waiting for its channel (made or remade): while any
+        # waits, a later call waits behind them instead of overtaking them.
+        self.connecting: dict[int, int] = {}
         self.batch_params = BatchParams()
         self.outputs = ProgramOutputs()  # what a step that names no outputs gets
         # The worker generation each device's requests name: taken from the hello that

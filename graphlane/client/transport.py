@@ -90,7 +90,11 @@ class Channel:
         # Requests of this turn of the loop waiting to go as one bundle (see call).
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
-        self._retries: set[asyncio.Task[None]] = set()
+        # Messages the high-water mark refused, in the order of their calls, and the task
+        # that sends them: while it holds any, a new message goes behind them (a later
+        # call never overtakes an earlier one).
+        self._backlog: list[tuple[list[Any], list[asyncio.Future[wire.Reply]]]] = []
+        self._backlog_task: asyncio.Task[None] | None = None
         self._deadlines = Deadlines(self._loop, name)
         self._fds = [self.sock.FD, self.monitor.FD]
         # Is a reply waiting: zmq_poll, one C call (getsockopt(EVENTS) costs an enum call).
@@ -231,13 +235,8 @@ class Channel:
             else:
                 if self._queued:
                     self._flush()  # sends keep the order of the calls
-                try:
-                    wire.send_message(self.sock, frames, wire.NOBLOCK)
-                except zmq.Again:  # every peer's queue is full: wait for room
-                    await self._send_later(frames, [fut])
-                except zmq.ZMQError as exc:  # closed under us
-                    raise WorkerLost(f"connection to {self.name} is closed") from exc
-                self._check_readable()
+                if not self._send(frames, [fut]):
+                    raise WorkerLost(f"connection to {self.name} is closed")
             reply = await fut
         finally:
             # A cancelled or timed-out call forgets its id; a late reply is dropped.
@@ -270,22 +269,26 @@ class Channel:
         fut.add_done_callback(ended)
         if self._queued:
             self._flush()  # sends keep the order of the calls
-        try:
-            wire.send_message(self.sock, frames, wire.NOBLOCK)
-        except zmq.Again:  # every peer's queue is full: wait for room
-            task = self._loop.create_task(self._post_later(frames, fut))
-            self._retries.add(task)
-            task.add_done_callback(self._retries.discard)
-        except zmq.ZMQError:  # closed under us
+        if not self._send(frames, [fut]):
             fut.cancel()
-            return
-        self._check_readable()
 
-    async def _post_later(self, frames: list[Any], fut: asyncio.Future[wire.Reply]) -> None:
-        try:
-            await self._send_later(frames, [fut])
-        except WorkerLost:
-            fut.cancel()
+    def _send(self, frames: list[Any], futs: list[asyncio.Future[wire.Reply]]) -> bool:
+        """Send one message now, or behind the backlog (in order) when the high-water
+        mark refuses it or refused one before it; False when the socket is closed."""
+        if not self._backlog:
+            try:
+                wire.send_message(self.sock, frames, wire.NOBLOCK)
+            except zmq.Again:  # every peer's queue is full: wait for room, in order
+                pass
+            except zmq.ZMQError:  # closed under us
+                return False
+            else:
+                self._check_readable()
+                return True
+        self._backlog.append((frames, futs))
+        if self._backlog_task is None:
+            self._backlog_task = self._loop.create_task(self._send_backlog())
+        return True
 
     def _check_readable(self) -> None:
         if zmq_poll(self._poll_in, 0):
@@ -303,48 +306,42 @@ class Channel:
         queued, self._queued = self._queued, []
         if not queued or self.closed:  # closing failed their calls already
             return
-        start, sent = 0, False
+        start = 0
         for count, payload in wire.bundles([envelope for _, envelope in queued]):
             ids = [i for i, _ in queued[start : start + count]]
             start += count
             futs = [fut for i in ids if (fut := self.pending.get(i)) is not None]
-            try:
-                self.sock.send(payload, wire.NOBLOCK)
-                sent = True
-            except zmq.Again:  # every peer's queue is full: retry in the background
-                task = self._loop.create_task(self._send_bundle_later(payload, futs))
-                self._retries.add(task)
-                task.add_done_callback(self._retries.discard)
-            except zmq.ZMQError:  # closed under us
+            if not self._send([payload], futs):
                 _fail(futs, WorkerLost(f"connection to {self.name} is closed"))
                 return
-        if sent:
-            self._check_readable()
 
-    async def _send_bundle_later(
-        self, payload: bytes, futs: list[asyncio.Future[wire.Reply]]
-    ) -> None:
-        try:
-            await self._send_later([payload], futs)
-        except WorkerLost as exc:
-            _fail(futs, exc)
-        else:
-            self._check_readable()
-
-    async def _send_later(self, frames: list[Any], futs: list[asyncio.Future[wire.Reply]]) -> None:
-        """Retry a send the high-water mark refused until it goes, its calls end
-        (deadline, WORKER_LOST) or the channel closes."""
+    async def _send_backlog(self) -> None:
+        """Send the backlog in order as the high-water mark makes room; a message whose
+        calls all ended meanwhile (deadline, WORKER_LOST) is dropped; closing fails the
+        calls of the rest."""
         delay = 0.0005
-        while not all(fut.done() for fut in futs):
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 0.02)
-            if self.closed:
-                raise WorkerLost(f"connection to {self.name} is closed")
-            try:
-                wire.send_message(self.sock, frames, wire.NOBLOCK)
-                return
-            except zmq.Again:
-                continue
+        try:
+            while self._backlog and not self.closed:
+                frames, futs = self._backlog[0]
+                if futs and all(fut.done() for fut in futs):
+                    self._backlog.pop(0)
+                    continue
+                try:
+                    wire.send_message(self.sock, frames, wire.NOBLOCK)
+                except zmq.Again:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, 0.02)
+                    continue
+                except zmq.ZMQError:  # closed under us
+                    break
+                self._backlog.pop(0)
+                delay = 0.0005
+                self._check_readable()
+        finally:
+            self._backlog_task = None
+            backlog, self._backlog = self._backlog, []
+            for _, futs in backlog:
+                _fail(futs, WorkerLost(f"connection to {self.name} is closed"))
 
     async def close(self) -> None:
         self.close_now()
@@ -357,8 +354,8 @@ class Channel:
         self._queued = []
         self.fail_all(WorkerLost(f"connection to {self.name} was closed"))
         self._deadlines.close()
-        for task in list(self._retries):
-            task.cancel()
+        if self._backlog_task is not None:
+            self._backlog_task.cancel()
         for fd in self._fds:
             self._sockets.unwatch(self._loop, fd)
         with contextlib.suppress(zmq.ZMQError):

@@ -8,6 +8,10 @@ open loop of Poisson arrivals at R calls/s, latency from the scheduled arrival);
 program with device state (e.g. a paged KV cache) gets a scheduler's **continuous
 batching** loop (:mod:`.batching`: C live sequences or R sequence arrivals/s, their
 state written with the program's state operations, one step in flight per device).
+A model program (a state op ``prefill``) gets requests served by a continuous-batching
+generation loop that decodes ahead (:mod:`.generation`, the demo's loop), measured as
+vLLM's ``benchmark_serving`` measures a server: request and token throughput, TTFT,
+TPOT, ITL (:mod:`.serving`).
 What a call carries and how its answer is checked is the program's workload
 (:mod:`.attention`, :mod:`.paged`), picked by :mod:`.driver`, whose
 :func:`~.driver.run_load` runs it all.

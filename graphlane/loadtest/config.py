@@ -40,8 +40,11 @@ class LoadConfig:
     where the daemon's ``hello`` does not describe them. ``max_outstanding`` caps the
     open loop's calls in flight (None: 10 s worth of arrivals, clamped to 100..10,000).
     ``prompt_lens`` (None: 1..half the longest sequence) and ``decode_tokens`` (None:
-    :data:`DECODE_TOKENS`) are the ranges a sequence's lengths are drawn from. Invalid
-    values raise ValueError naming the command-line flag.
+    :data:`DECODE_TOKENS`) are the ranges a sequence's lengths are drawn from (for a
+    model program: its prompt and its output tokens). ``num_prompts`` (a model program
+    only): requests to send, the run ending when they are answered; with it, ``rate``
+    may be ``inf`` (every request at once). Invalid values raise ValueError naming the
+    command-line flag.
     """
 
     endpoint: str
@@ -63,6 +66,7 @@ class LoadConfig:
     client_key: str | None = None  # CurveZMQ: this client's NAME.key_secret
     prompt_lens: tuple[int, int] | None = None
     decode_tokens: tuple[int, int] | None = None
+    num_prompts: int | None = None  # a model program: requests to send (then the run ends)
 
     def __post_init__(self) -> None:
         if self.devices is not None:
@@ -86,8 +90,15 @@ class LoadConfig:
             )
         if self.concurrency is not None and (not _is_int(self.concurrency) or self.concurrency < 1):
             raise ValueError(f"--concurrency must be an integer >= 1, not {self.concurrency!r}")
-        if self.rate is not None and not (_is_real(self.rate) and 0 < self.rate < math.inf):
+        if self.rate is not None and not (
+            isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool)
+            and 0 < self.rate <= math.inf
+        ):  # fmt: skip
             raise ValueError(f"--rate must be > 0 (steps per second), not {self.rate!r}")
+        if self.rate == math.inf and self.num_prompts is None:
+            raise ValueError("--rate inf (every request at once) needs --num-prompts N")
+        if self.num_prompts is not None and (not _is_int(self.num_prompts) or self.num_prompts < 1):
+            raise ValueError(f"--num-prompts must be an integer >= 1, not {self.num_prompts!r}")
         if not (_is_real(self.duration_s) and 0 < self.duration_s < math.inf):
             raise ValueError(f"--duration must be > 0 seconds, not {self.duration_s!r}")
         if not (_is_real(self.timeout_s) and 0 < self.timeout_s < math.inf):
@@ -153,6 +164,8 @@ class LoadConfig:
             out[name] = None if value is None else list(value)
         out["shape"] = dict(self.shape)
         out["mode"] = self.mode
+        if self.rate == math.inf:
+            out["rate"] = "inf"  # JSON has no infinity
         return out
 
 

@@ -5,7 +5,9 @@ The workloads the load test knows, by what the entry says:
 
 * no device state: :data:`CALL_WORKLOADS`, the first that accepts the entry
   (attention-shaped programs, e.g. ``attention``);
-* device state: :data:`SEQUENCE_WORKLOADS` by the state's kind (``paged_kv``, e.g.
+* device state: a model (a state op ``prefill``, e.g. ``model``): requests served by a
+  continuous-batching generation loop (:mod:`.serving`); otherwise
+  :data:`SEQUENCE_WORKLOADS` by the state's kind (``paged_kv``, e.g.
   ``paged_attention``).
 
 Any other program is refused with what its entry describes.
@@ -17,6 +19,7 @@ import asyncio
 import datetime
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -27,12 +30,14 @@ from .attention import ATTENTION_SHAPE, AttentionWorkload
 from .batching import Sequences
 from .calls import drive_calls, preflight
 from .config import LoadConfig
+from .generation import ModelShape, check_reference
 from .paged import PagedScheduler, PagedShape
 from .progress import Progress
 from .record import Recorder, window_for
 from .report import build_report
 from .report_files import write_report
 from .run import Run
+from .serving import Serving
 from .workload import TOLERANCE, CallWorkload, LoadTestError, SequenceWorkload
 
 
@@ -56,6 +61,8 @@ def _paged_kv(
         shape = PagedShape.from_description(info)
     except ValueError as exc:
         raise LoadTestError(str(exc)) from None
+    if config.num_prompts is not None:
+        raise ValueError("--num-prompts: only for a model program (its requests)")
     hi = (config.prompt_lens or (1, 1))[1]
     if not hi < shape.max_len:
         raise ValueError(
@@ -95,6 +102,11 @@ SEQUENCE_WORKLOADS: dict[
 ] = {"paged_kv": ("a paged KV cache on the device, e.g. paged_attention", _paged_kv)}
 
 
+#: Programs that generate tokens (a state op ``prefill``, input and output ``tokens``):
+#: requests served by a continuous-batching loop that decodes ahead (:mod:`.serving`).
+MODEL_WORKLOAD = "a model (state op prefill, e.g. model)"
+
+
 def _served(config: LoadConfig, hello: Mapping[str, Any]) -> tuple[tuple[int, ...], Any]:
     """The devices to drive and the program's hello entry; ValueError names the flag."""
     workers = [w for w in hello.get("workers", []) if isinstance(w, Mapping)]
@@ -124,7 +136,8 @@ def _refuse(config: LoadConfig, info: Mapping[str, Any], why: str) -> LoadTestEr
     def names(key: str) -> str:
         return ", ".join(info.get(key) or ()) or "none"
 
-    known = "; ".join([*CALL_WORKLOADS, *(what for what, _ in SEQUENCE_WORKLOADS.values())])
+    known = "; ".join([*CALL_WORKLOADS, *(what for what, _ in SEQUENCE_WORKLOADS.values()),
+                       MODEL_WORKLOAD])  # fmt: skip
     return LoadTestError(
         f"--program: cannot drive {config.program!r}: {why}. loadtest drives programs "
         f"whose inputs and parameters it knows how to fill ({known}); {config.program!r} "
@@ -139,6 +152,7 @@ def _not_for(load: str, config: LoadConfig) -> None:
     flags: dict[str, Any] = {
         "--prompt-lens": config.prompt_lens,
         "--decode-tokens": config.decode_tokens,
+        "--num-prompts": config.num_prompts,
     }
     if load == "sequences":
         flags = {
@@ -164,6 +178,28 @@ class Plan:
         devices, info = _served(config, hello)
         self.calls: CallWorkload | None = None
         self.sequences: dict[int, SequenceWorkload] = {}
+        self.model: ModelShape | None = None
+        self.verify = config.verify_share("sequences" if info.get("state_ops") else "calls")
+        self.info, self.devices = info, devices
+        if "prefill" in (info.get("state_ops") or ()):
+            self.load = "sequences"
+            _not_for(self.load, config)
+            try:
+                self.model = ModelShape.from_description(info)
+            except ValueError as exc:
+                raise _refuse(config, info, str(exc)) from None
+            _check_lengths(config, self.model)
+            self.verify = config.verify_share(self.load)
+            try:
+                check_reference(info)  # a check that cannot run is known now
+            except ValueError as exc:
+                if config.verify:  # asked for: refused; by default: not checked
+                    raise ValueError(f"--verify {config.verify:g}: {exc}") from None
+                self.verify = 0.0
+            self.tolerance = 0.0  # tokens: equal or wrong
+            self.resolved = {"devices": list(devices), "buckets": list(self.model.buckets),
+                             "shape": asdict(self.model), "verify": self.verify}  # fmt: skip
+            return
         if info.get("state_ops"):
             self.load = "sequences"
             _not_for(self.load, config)
@@ -209,6 +245,18 @@ class Plan:
         }
 
 
+def _check_lengths(config: LoadConfig, shape: ModelShape) -> None:
+    longest = min(shape.max_len, shape.block_size * shape.num_blocks)
+    hi = (config.prompt_lens or (1, 1))[1]
+    out = (config.decode_tokens or (1, 1))[0]
+    if hi + out > longest:
+        raise ValueError(
+            f"--prompt-lens / --decode-tokens: a prompt of {hi} and {out} output tokens "
+            f"do not fit a sequence of {config.program!r} ({longest} tokens: "
+            "max_blocks_per_seq * block_size, at most the whole cache)"
+        )
+
+
 async def run_load(
     config: LoadConfig,
     *,
@@ -241,18 +289,26 @@ async def run_load(
         rec = Recorder(start, window_for(config.duration_s), config.seed)
         run = Run(
             config, client, rec, stop_at=start + config.duration_s,
-            stop=stop or asyncio.Event(), tasks=spawned, verify=config.verify_share(plan.load),
+            stop=stop or asyncio.Event(), tasks=spawned, verify=plan.verify,
         )  # fmt: skip
         if config.progress:
             progress = Progress(config, rec, run.phase)
             spawned.add(asyncio.create_task(progress.tick()))
         if started is not None:
             started(run, plan)
+        serving: Serving | None = None
         if plan.calls is not None:
             await drive_calls(run, plan.calls, start)
+        elif plan.model is not None:
+            serving = Serving(run, plan.model, plan.devices)
+            if progress is not None:
+                progress.detail = serving.progress_line
+            await serving.drive()
         else:
             await Sequences(run, plan.sequences).drive()
         end = time.monotonic()
+        if serving is not None and plan.verify > 0:  # transformers' time is not the server's
+            await serving.check(plan.info, plan.verify)
     finally:
         for t in spawned:
             t.cancel()

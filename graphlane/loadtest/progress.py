@@ -27,6 +27,8 @@ class Progress:
         self.history: deque[tuple[float, int]] = deque(maxlen=5)
         self.started = False
         self.finished = False
+        #: a line of the workload's own (e.g. a model's requests, TTFT, ITL)
+        self.detail: Callable[[], str] | None = None
 
     def render(self) -> Any:
         rec, c = self.rec, self.config
@@ -40,10 +42,13 @@ class Progress:
         p50 = f"{lat.get_value_at_percentile(50) / 1000:.2f}" if n else "-"
         p99 = f"{lat.get_value_at_percentile(99) / 1000:.2f}" if n else "-"
         how = f"closed loop x{c.concurrency}" if c.mode == "closed" else f"open loop {c.rate:g}/s"
+        if c.num_prompts is not None:
+            how += f", {c.num_prompts} requests"
         phase = "done" if self.finished else self.phase()
         errs = ", ".join(f"{k} {v}" for k, v in sorted(rec.errors.items())) or "none"
         checked = rec.verified or rec.verify_failures
         check = f"  verified {rec.verified}, wrong {rec.verify_failures}" if checked else ""
+        detail = [Text.from_markup(self.detail())] if self.detail is not None else []
         return Group(
             Text.from_markup(f"[bold]graphlane loadtest[/] {how} -> {c.endpoint}"),
             Text.from_markup(
@@ -55,6 +60,7 @@ class Progress:
                 f"latency ms p50 [bold]{p50}[/] p99 [bold]{p99}[/]  errors "
                 f"[{'red' if rec.errors else 'green'}]{errs}[/]{check}"
             ),
+            *detail,
         )
 
     async def tick(self) -> None:

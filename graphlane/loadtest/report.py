@@ -46,7 +46,8 @@ def build_report(
     unavailable_s = rec.availability.total(start + sending_s)
     devices = list(resolved["devices"])
     settings = config.to_dict()
-    settings.update(resolved, verify=config.verify_share(load), window_s=rec.window_s)
+    share = float(resolved.get("verify", config.verify_share(load)))
+    settings.update(resolved, verify=share, window_s=rec.window_s)
     if config.mode == "open" and load == "calls":
         settings["max_outstanding"] = config.outstanding_cap()
     per_device = {}
@@ -98,7 +99,7 @@ def build_report(
         "unavailable_share": round(min(1.0, unavailable_s / sending_s), 4),
         "max_unavailable": config.max_unavailable,
         "error_examples": dict(sorted(rec.error_examples.items())),
-        "verify_fraction": config.verify_share(load),
+        "verify_fraction": share,
         "verified": rec.verified,
         "verify_failures": rec.verify_failures,
         "verify_max_abs_error": rec.verify_max_error,
@@ -160,7 +161,14 @@ def load_text(report: Mapping[str, Any]) -> str:
     """The load of a run in words: its loop and what C or R count."""
     cfg = report.get("config", {})
     what = "sequence" if report.get("load") == "sequences" else "call"
+    if report.get("serving") is not None:
+        what = "request"
     if report.get("mode") == "open":
-        return f"open loop, {cfg.get('rate', 0):g} {what} arrivals/s (Poisson)"
-    live = "live sequences" if what == "sequence" else "calls in flight"
+        rate = cfg.get("rate", 0)
+        if rate == "inf":
+            return f"every {what} at once ({cfg.get('num_prompts')})"
+        return f"open loop, {rate:g} {what} arrivals/s (Poisson)"
+    live = {"sequence": "live sequences", "request": "requests at a time"}.get(
+        what, "calls in flight"
+    )
     return f"closed loop, {cfg.get('concurrency')} {live}"

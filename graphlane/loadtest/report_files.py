@@ -4,8 +4,10 @@
 returns and writes, into one directory:
 
 * ``report.json``: that dict, plus ``plots`` (the PNG file names);
-* ``latency_over_time.png``, ``latency_cdf.png``, ``throughput_over_time.png``:
-  drawn with matplotlib's Agg canvas (no display, no pyplot global state);
+* ``latency_over_time.png``, ``latency_cdf.png``, ``throughput_over_time.png`` (and
+  for a model, ``token_latency.png``: TTFT and ITL distributions, and
+  ``ttft_over_time.png``): drawn with matplotlib's Agg canvas (no display, no pyplot
+  global state);
 * ``report.html``: a page with no outside resources: the verdict and a summary
   table first, then the plots (``<img>`` by relative path, so the directory can
   be moved or served as is), then per-device and per-batch tables and the
@@ -70,11 +72,15 @@ def _log_if_wide(ax: Any, values: Sequence[float], axis: str = "y") -> None:
 
 
 def plot_all(report: Mapping[str, Any], directory: Path) -> dict[str, str]:
-    """Draw every plot into ``directory``; returns {file name: title}."""
-    for name, (_, draw) in _DRAWERS.items():
+    """Draw every plot into ``directory``; returns {file name: title}. A run of a model
+    (``serving`` in the report) adds its TTFT and ITL plots."""
+    drawers = dict(_DRAWERS)
+    if report.get("serving") is not None:
+        drawers.update(_SERVING_DRAWERS)
+    for name, (_, draw) in drawers.items():
         fig = draw(report)
         fig.savefig(directory / name, format="png")
-    return dict(PLOTS)
+    return {name: title for name, (title, _) in drawers.items()}
 
 
 def _subtitle(report: Mapping[str, Any]) -> str:
@@ -187,6 +193,66 @@ def plot_throughput(report: Mapping[str, Any]) -> Any:
     return fig
 
 
+def plot_token_latencies(report: Mapping[str, Any]) -> Any:
+    """CDFs of a model run's TTFT, TPOT-free ITL and request latency (vLLM's figures)."""
+    fig = _figure(10.0, 4.0)
+    left, right = fig.subplots(1, 2)
+    s = report.get("serving") or {}
+    samples = s.get("samples", {})
+    for ax, key, title, color in (
+        (left, "ttft_ms", "Time to first token", "tab:blue"),
+        (right, "itl_ms", "Inter-token latency", "tab:green"),
+    ):
+        values = sorted(samples.get(key, []))
+        if not values:
+            _empty(ax, "no completed requests")
+            continue
+        n = len(values)
+        ax.step(values, [(i + 1) / n for i in range(n)], where="post", color=color)
+        stats = s.get(key, {})
+        for stat, ls in (("mean", "--"), ("median", ":"), ("p99", "-.")):
+            v = stats.get(stat)
+            if v is not None:
+                ax.axvline(v, color="grey", ls=ls, lw=1, label=f"{stat} {v:.2f} ms")
+        _log_if_wide(ax, values, "x")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction at or below")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{title} ({n} {'requests' if key == 'ttft_ms' else 'gaps'})", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def plot_ttft_over_time(report: Mapping[str, Any]) -> Any:
+    """Each completed request's TTFT and latency by its arrival time."""
+    fig = _figure()
+    ax = fig.add_subplot()
+    samples = (report.get("serving") or {}).get("samples", {})
+    t = samples.get("arrival_s", [])
+    if not t:
+        _empty(ax, "no completed requests")
+        return fig
+    ax.scatter(t, samples.get("e2el_ms", []), s=8, alpha=0.5, color="tab:grey",
+               label="request latency", linewidths=0)  # fmt: skip
+    ax.scatter(t, samples.get("ttft_ms", []), s=8, alpha=0.7, color="tab:blue",
+               label="time to first token", linewidths=0)  # fmt: skip
+    _log_if_wide(ax, [*samples.get("ttft_ms", []), *samples.get("e2el_ms", [])])
+    _sending_stopped(ax, report)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("arrival time since start (s)")
+    ax.set_ylabel("ms")
+    ax.set_title(f"TTFT and latency by arrival: {_subtitle(report)}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+#: A model run's plots (after the others).
+_SERVING_DRAWERS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
+    "token_latency.png": ("TTFT and ITL distributions", plot_token_latencies),
+    "ttft_over_time.png": ("TTFT over time", plot_ttft_over_time),
+}
 #: Plot file name -> (title, drawer), in page order.
 _DRAWERS: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "latency_over_time.png": ("Latency over time", plot_latency_over_time),
@@ -257,6 +323,21 @@ def _sequence_rows(report: Mapping[str, Any]) -> list[tuple[str, str]]:
                                               f"max {rb['max']}")))  # fmt: skip
     if "blocks_reused" in report:
         rows.append(("blocks reused", _e(report["blocks_reused"])))
+    s = report.get("serving")
+    if s is not None:
+        rows.append(("requests", _e(f"{s['completed']} completed, {s['failed']} failed, "
+                                    f"{s['cut']} cut, in {s['duration_s']} s")))  # fmt: skip
+        rows.append((
+            "request / token throughput",
+            f"<b>{s['request_throughput']:.2f}</b> req/s, output <b>"
+            f"{s['output_throughput']:.1f}</b> tok/s, total {s['total_token_throughput']:.1f}"
+            " tok/s",
+        ))  # fmt: skip
+        for key, name in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms (excl. 1st token)"),
+                          ("itl_ms", "ITL ms"), ("e2el_ms", "request latency ms")):  # fmt: skip
+            m = s[key]
+            rows.append((name, " &nbsp; ".join(f"{k} <b>{_ms(m.get(k))}</b>"
+                                               for k in ("mean", "median", "p99"))))  # fmt: skip
     return rows
 
 

@@ -272,6 +272,7 @@ class ModelProgram(GraphProgram):
                 "model": c.model,
                 "random": dict(c.random) if c.random is not None else None,
                 "seed": c.seed,
+                "init_std": c.init_std,
                 **{key: getattr(c, key) for key in _INTS},
                 "buckets": list(c.buckets),
                 "dtype": c.dtype,
