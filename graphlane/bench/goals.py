@@ -8,7 +8,11 @@ tensor input bandwidth at least 1.0x raw (issue 15); pipelined paged decode at
 least 0.95 of the timed sim's limit and 1.8x the serial mode (issue 19); for each
 pipeline profile through a daemon at the default config, at least 0.95 of the
 limit and a lone step's latency within 1.1x the floor, and the balanced ones at
-least 1.8x the serial mode (issue 20). The windowed figures are medians of five
+least 1.8x the serial mode (issue 20); for each profile of the model program's decode
+(:mod:`.decode`, issue 32), decoding ahead through a daemon at least 0.95 of the
+modelled limit, 1.0x the field's in-process loop and 1.3x the same daemon when the
+scheduler waits for each step's tokens, and a lone step within 1.25x the in-process
+loop's. The windowed figures are medians of five
 repeats; when the repeats of a rate spread by more than :data:`NOISY_SPREAD` of
 their median, the machine was too noisy for that ratio to mean much, and the
 report says so instead of a bare pass or fail.
@@ -54,6 +58,26 @@ PIPELINE_GOALS = (
 )
 
 
+#: Issue 32, item 4, for each profile of the decode table: (label, figure, comparison, goal).
+DECODE_GOALS = (
+    ("decoding ahead vs limit", "ahead_vs_limit", ">=", 0.95),
+    ("decoding ahead vs in-process", "ahead_vs_inprocess", ">=", 1.0),
+    ("decoding ahead vs waiting", "ahead_vs_waiting", ">=", 1.3),
+    ("lone step vs in-process", "latency_vs_inprocess", "<=", 1.25),
+)
+
+
+def _decode_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float]]:
+    """(label, value, comparison, goal) of each decode profile's goals."""
+    out = []
+    for row in report.get("decode", []):
+        for label, key, op, goal in DECODE_GOALS:
+            value = row.get(key)
+            if isinstance(value, (int, float)):
+                out.append((f"model {row.get('profile', '?')} {label}", value, op, goal))
+    return out
+
+
 def _pipeline_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float]]:
     """(label, value, comparison, goal) of each pipeline profile's goals."""
     out = []
@@ -77,7 +101,7 @@ def _verdict(label: str, value: float, op: str, goal: float, note: str = "") -> 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Each goal with its value, whether it was met, and a note on noise."""
-    out = [_verdict(*g) for g in _pipeline_goals(report)]
+    out = [_verdict(*g) for g in (*_pipeline_goals(report), *_decode_goals(report))]
     for label, path, op, goal in GOALS:
         value: Any = report
         for key in path:
@@ -110,8 +134,8 @@ def exit_status(verdicts: list[dict[str, Any]]) -> int:
 
 def format_goals(report: dict[str, Any]) -> list[str]:
     lines = [
-        "goals (control plane on the null device; the pipeline profiles, paged decode and "
-        "the zero-cost rate on the timed sim):"
+        "goals (control plane on the null device; the pipeline profiles, paged decode, "
+        "the model's decode and the zero-cost rate on the timed sim):"
     ]
     listed = goals(report)
     width = max([28, *(len(g["goal"]) for g in listed)])

@@ -7,6 +7,8 @@
   the daemon, in the same run: sequential round trips, windowed throughput, and
   large-tensor bandwidth (:mod:`.control_plane`);
 - scaling: windowed steps/s over 1, 2 and 4 simulated devices (:mod:`.control_plane`);
+- the model's decode: decoding ahead through a daemon beside the field's in-process
+  loop and beside the same daemon waiting for each step's tokens (:mod:`.decode`);
 - paged decode: request bytes per step at three context lengths, and pipelined paged
   decode through a daemon on the timed sim vs the limit and vs serial
   (:mod:`.paged`).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import control_plane, paged, worker
+from . import control_plane, decode, paged, worker
 from . import pipeline as pipeline_bench
 from .goals import format_goals, progress
 
@@ -43,8 +45,13 @@ def run_all(quick: bool = False) -> dict[str, Any]:
             "request_bytes": paged.request_bytes(),
             "pipeline": paged.pipeline(steps=steps, reps=2 if quick else 3),
         }
+    with progress("the model's decode: ahead and waiting through a daemon, in process; 3 profiles"):
+        dec = [decode.measure(name, *costs, steps=steps, reps=2 if quick else 3)
+               for name, costs in decode.PROFILES.items()]  # fmt: skip
     return {
         "pipeline": [r.as_dict() for r in pipe],
+        "decode": [r.as_dict() for r in dec],
+        "decode_table": decode.table(dec),
         "paged": paged_figures,
         "pipeline_table": pipeline_bench.table(pipe),
         "zero_cost": zero,
@@ -105,4 +112,7 @@ def format_report(r: dict[str, Any]) -> str:
         )
     if "paged" in r:
         lines += ["", *paged.format_paged(r["paged"])]
+    if "decode_table" in r:
+        lines += ["", f"model decode (timed sim, {decode.LAYERS} layers, batch {decode.BATCH}, "
+                  f"{decode.WINDOW} steps in flight decoding ahead; tokens/s):", r["decode_table"]]
     return "\n".join([*lines, "", *format_goals(r)])

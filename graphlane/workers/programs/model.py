@@ -78,7 +78,7 @@ from .base import (
 )
 from .hf_model import ModelSpec, load_weights, random_weights, read_hf_config, safetensors_files
 from .paged_attention import PagedAttentionConfig, PagedAttentionProgram, _check_tensors
-from .sampling import PARAMS, sample, sampling_tensors
+from .sampling import PARAMS, sample, sampling_tensors, sampling_values
 
 FIA = "npu_fused_infer_attention_score"
 MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin document)
@@ -500,31 +500,34 @@ class ModelProgram(GraphProgram):
             "block_table": ((batch, c.max_blocks_per_seq), torch.int32),
         }
         _check_tensors(inputs, expected, "inputs")
-        tokens, table = inputs["tokens"], inputs["block_table"]
-        ahead: tuple[int, ...] = ()
-        if bool((tokens == PREVIOUS).any()):
+        # The host values of a step are a few per row: built as Python lists and made
+        # into one tensor each (a torch op on a tiny tensor costs more than its Python).
+        toks, table = inputs["tokens"].tolist(), inputs["block_table"]
+        ahead = tuple(i for i, t in enumerate(toks) if t == PREVIOUS)
+        if ahead:
             if sequences is None:
                 raise StepError(
                     "inputs.tokens",
                     f"a token {PREVIOUS} (the token the row's sequence sampled in its "
                     f"previous step) needs params.{SEQUENCE}: which sequence the row is",
                 )
-            ahead = tuple((tokens == PREVIOUS).nonzero()[:, 0].tolist())
-            tokens = torch.where(tokens == PREVIOUS, 0, tokens)  # fed on the device
-        self._check_tokens(tokens, "inputs.tokens")
-        pos = torch.tensor(lengths, dtype=torch.int64) - 1
-        slots = self._slots(table, pos, lengths)
-        if batch > 1 and int(torch.unique(slots).numel()) != batch:
+            toks = [0 if t == PREVIOUS else t for t in toks]  # fed on the device
+        v = self.spec.vocab_size
+        if any(t < 0 or t >= v for t in toks):
+            raise StepError("inputs.tokens", f"token ids must be in 0..{v - 1} (vocab_size)")
+        pos = [n - 1 for n in lengths]
+        slots = self._row_slots(table.tolist(), pos)
+        if len(set(slots)) != batch:
             raise StepError(
                 "inputs.block_table",
                 "two rows write one slot (their block tables share the block of their "
                 "new tokens): its value would be ambiguous",
             )
-        sampling = sampling_tensors(params, batch, "params")
+        temp, top_k, top_p, seed = sampling_values(params, batch, "params")
         ints = self._pad_ints[:bucket].clone()
-        ints[:batch] = torch.stack([tokens, pos, slots, sampling["top_k"], sampling["seed"]], dim=1)
+        ints[:batch] = torch.tensor(list(zip(toks, pos, slots, top_k, seed, strict=True)))
         floats = self._pad_floats[:bucket].clone()
-        floats[:batch] = torch.stack([sampling["temperature"], sampling["top_p"]], dim=1)
+        floats[:batch] = torch.tensor(list(zip(temp, top_p, strict=True)), dtype=torch.float32)
         full_table = self._pad_table[:bucket].clone()
         full_table[:batch] = table
         padded = tuple(lengths) + (1,) * (bucket - batch)
@@ -622,6 +625,21 @@ class ModelProgram(GraphProgram):
         v = self.spec.vocab_size
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
             raise StepError(where, f"token ids must be in 0..{v - 1} (vocab_size)")
+
+    def _row_slots(self, table: list[list[int]], pos: list[int]) -> list[int]:
+        """:meth:`_slots` of a decode step, over lists (one position per row)."""
+        c = self.config
+        bs, nb = c.block_size, c.num_blocks
+        slots = []
+        for i, p in enumerate(pos):
+            used = table[i][: p // bs + 1]
+            if min(used) < 0 or max(used) >= nb:
+                raise StepError(
+                    f"inputs.block_table[{i}]",
+                    f"the {len(used)} blocks a length of {p + 1} reads must be in 0..{nb - 1}",
+                )
+            slots.append(used[-1] * bs + p % bs)
+        return slots
 
     def _slots(self, table: torch.Tensor, pos: torch.Tensor, lengths: Any) -> torch.Tensor:
         """Each position's slot through its row's block table [rows, max_blocks] (``pos``

@@ -96,6 +96,20 @@ def sampling_tensors(
     """The host tensors of a request's sampling parameters (lists of ``batch`` values,
     or with ``per_row`` False single values), defaults filled in; StepError naming the
     parameter otherwise."""
+    temp, top_k, top_p, seed = sampling_values(params, batch, where, per_row)
+    return {
+        "temperature": torch.tensor(temp, dtype=torch.float32),
+        "top_k": torch.tensor(top_k, dtype=torch.int64),
+        "top_p": torch.tensor(top_p, dtype=torch.float32),
+        "seed": torch.tensor(seed, dtype=torch.int64),
+    }
+
+
+def sampling_values(
+    params: Mapping[str, Any], batch: int, where: str, per_row: bool = True
+) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], list[int]]:
+    """:func:`sampling_tensors`' values as lists (temperature, top_k, top_p, the seeds
+    hashed to 32 bits): a decode step builds one tensor of its own from them."""
 
     def values(key: str, default: Any) -> Sequence[Any]:
         v = params.get(key, default if per_row else default[0])
@@ -120,9 +134,4 @@ def sampling_tensors(
             raise StepError(f"{where}.top_p{at}", f"{p!r} is not a number in (0, 1]")
         if isinstance(s, bool) or not isinstance(s, int):
             raise StepError(f"{where}.seed{at}", f"{s!r} is not an integer")
-    return {
-        "temperature": torch.tensor(temp, dtype=torch.float32),
-        "top_k": torch.tensor(top_k, dtype=torch.int64),
-        "top_p": torch.tensor(top_p, dtype=torch.float32),
-        "seed": torch.tensor([seed32(s) for s in seed], dtype=torch.int64),
-    }
+    return temp, top_k, top_p, [seed32(s) for s in seed]
