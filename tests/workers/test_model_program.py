@@ -17,6 +17,7 @@ from issuer import Issuer
 from model_ref import save, tiny_model
 from npusim import torch_npu
 
+from graphlane.protocol import Codec, ops
 from graphlane.protocol.errors import NoPreviousToken
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.programs import (
@@ -328,3 +329,41 @@ def test_a_row_with_no_token_to_feed_is_refused_never_fed_a_stale_one() -> None:
         eng.step(1, [6], inputs=resent, program="model", params=params, outputs=("tokens",))
         (last,) = eng.wait([_ahead_step(eng, [(1, 7, 0)])], 60)
         assert last.error is None
+
+
+def _step_frames(program: ModelProgram, context: int) -> tuple[int, int]:
+    """(request bytes, reply bytes) of one decode step of two rows at ``context`` tokens,
+    the request as a scheduler sends it and the reply the worker's step gives, tokens
+    only, both through the codec."""
+    codec = Codec()
+    with _engine(program) as eng:
+        r = Runner(eng)
+        blocks = [0, 1]
+        firsts = [r.prefill(list(range(1, context)), b, {}) for b in blocks]
+        lengths = [context, context]
+        table = torch.tensor([[b] for b in blocks], dtype=torch.int32)
+        inputs = {"tokens": torch.tensor(firsts), "block_table": table}
+        params = {"actual_seq_lengths_kv": lengths}
+        body = ops.Step("model", 0, params, inputs, outputs=["tokens"], generation=1)
+        request = sum(len(f) for f in codec.encode_request(7, "step", body))
+        (s,) = eng.wait([eng.step(2, lengths, inputs=inputs, program="model",
+                                  params=params, outputs=("tokens",))], 60)  # fmt: skip
+        assert s.results is not None and set(s.results) == {"tokens"}
+        reply = ops.StepDone(outputs=dict(s.results), bucket=2, generation=1)
+        return request, sum(len(f) for f in codec.encode_reply(7, reply))
+
+
+def test_a_steps_bytes_grow_neither_with_the_context_nor_with_the_vocabulary() -> None:
+    """A decode step carries token ids, block tables and lengths and returns the sampled
+    tokens: 4 or 120 tokens of context, a vocabulary of 256 or 4096, the same bytes (up
+    to msgpack's wider integers for the longer lengths)."""
+    small = _step_frames(_random_program(), 4)
+    long_context = _step_frames(_random_program(), 120)
+    big_vocab_arch = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 64,
+                      "intermediate_size": 128, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    big_vocab = _step_frames(
+        ModelProgram(ModelConfig(random=big_vocab_arch, seed=5, init_std=0.3, **SERVING)), 4
+    )
+    assert abs(long_context[0] - small[0]) <= 4 and long_context[1] == small[1]
+    assert big_vocab == small
