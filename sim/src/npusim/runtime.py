@@ -481,6 +481,7 @@ class CostClock:
     """
 
     SLACK_S = 0.0005
+    IDLE_NOISE_S = 20e-6
 
     def __init__(self) -> None:
         self.end = 0.0
@@ -496,7 +497,10 @@ class CostClock:
         if t0 >= ref + self.SLACK_S:
             return t0
         computed = (time.thread_time() if cpu is None else cpu) - self.woke_cpu
-        return self.end + max(0.0, (t0 - ref) - computed)
+        idle = (t0 - ref) - computed
+        # The two clocks are read at different instants: a few microseconds of "idle"
+        # are that, not a wait (and would make modelled times inexact).
+        return self.end + (idle if idle > self.IDLE_NOISE_S else 0.0)
 
     def woke_at(self, wall: float, cpu: float) -> None:
         self.woke, self.woke_cpu = wall, cpu
