@@ -282,18 +282,13 @@ def test_blocking_copy_to_host_during_capture_is_still_refused() -> None:
         x.to("cpu")
 
 
-def test_host_to_device_copy_forms_copy_as_the_dispatcher_does() -> None:
-    """copy_ from a plain host tensor of the same shape and dtype skips the dispatcher;
-    a broadcast, a dtype change or an active mode take it: the results agree."""
-    dst = torch.zeros(2, 3, device="npu")
-    src = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    dst.copy_(src, non_blocking=True)
-    assert dst.cpu().tolist() == src.tolist()
-    dst.copy_(torch.tensor([7.0, 8.0, 9.0]))  # broadcast: through the dispatcher
-    assert dst.cpu().tolist() == [[7.0, 8.0, 9.0]] * 2
-    dst.copy_(torch.ones(2, 3, dtype=torch.float64))  # a dtype change
-    assert dst.cpu().tolist() == [[1.0] * 3] * 2
-    with _Seen() as mode:
-        dst.copy_(src)
-    assert torch.ops.aten.copy_.default in mode.funcs
-    assert dst.cpu().tolist() == src.tolist()
+def test_a_dispatch_mode_sees_copies_to_the_host() -> None:
+    """``x.to("cpu")`` and ``x.cpu()`` skip the dispatcher only while no mode is on: on the
+    NPU torch's Tensor.to dispatches ``_to_copy``, and a mode sees it."""
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3).npu()
+    for copy in (lambda: x.to("cpu"), x.cpu, lambda: x.to("cpu", non_blocking=True)):
+        with _Seen() as mode:
+            y = copy()
+        assert torch.ops.aten._to_copy.default in mode.funcs
+        torch.npu.synchronize()
+        assert y.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]

@@ -4,7 +4,9 @@
 arguments against the op-plugin document ``torch_npu-npu_fused_infer_attention_score.md``
 (repository Ascend/op-plugin) and returns a :class:`Plan`: everything the kernel
 (:mod:`fia_kernel`) needs except tensor data. Plans depend on shapes and on the
-length lists only, so callers cache them; nothing here reads a device tensor.
+length lists only, so callers cache them; nothing here reads a device tensor. The
+length lists' rules are :func:`lengths`, which a plan runs against its shapes' :class:`Room`
+and a call that differs from a planned one only in its lengths runs alone.
 
 A call that breaks a rule raises :class:`~.fia_args.AttentionArgumentError` naming
 the argument (:mod:`fia_args` reads the arguments); the registered ops
@@ -64,6 +66,50 @@ _WORKSPACE_ALIGN = 512
 _MLA_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+Lens = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a call's shapes fix that its length lists are checked against (not TND/NTD,
+    whose cumulative query lengths set the batch)."""
+
+    batch: int
+    q_seq: int
+    incremental: bool  # query S 1: actual_seq_lengths is read for its type only
+    kv_limit: int  # key positions per batch: the key's S, or the block table's reach
+    paged: bool
+    blocks: int  # the paged caches' blocknum
+    block_size: int
+
+
+def lengths(room: Room, q_arg: object, kv_arg: object) -> tuple[Lens, Lens, int]:
+    """The rules of ``actual_seq_lengths`` and ``actual_seq_lengths_kv`` (not TND/NTD):
+    (q_lens, kv_lens, block_table columns read). The plan's own length checks, and all
+    a call needs checked again once a call equal to it but for the lengths passed."""
+    q = int_list("actual_seq_lengths", q_arg)
+    if room.incremental:
+        q_lens: Lens = (room.q_seq,) * room.batch
+    else:
+        q_lens = per_batch("actual_seq_lengths", q, room.batch, room.q_seq)
+    return (q_lens, *kv_lengths(room, kv_arg))
+
+
+def kv_lengths(room: Room, kv_arg: object) -> tuple[Lens, int]:
+    """(kv_lens, block_table columns read) of ``actual_seq_lengths_kv`` (per batch)."""
+    kv = int_list("actual_seq_lengths_kv", kv_arg)
+    if not room.paged:
+        return per_batch("actual_seq_lengths_kv", kv, room.batch, room.kv_limit), 0
+    if kv is None:
+        raise fail("actual_seq_lengths_kv", "is required with page attention")
+    kv_lens = per_batch("actual_seq_lengths_kv", kv, room.batch, room.kv_limit)
+    per_seq = [-(-x // room.block_size) for x in kv_lens]
+    if sum(per_seq) > room.blocks:
+        raise fail("key", f"blocknum {room.blocks} is smaller than the {sum(per_seq)} blocks "
+                   "the batches' actual_seq_lengths_kv need")  # fmt: skip
+    return kv_lens, max(per_seq, default=0)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A validated call: logical sizes and per-batch lengths, no tensor data."""
@@ -95,6 +141,9 @@ class Plan:
     pse: bool
     softmax_lse: bool
     kv_capacity: int = 0  # key positions the shapes hold per batch (all of them for TND)
+    # What the lengths are checked against, when they decide nothing but q_lens, kv_lens
+    # and blocks_needed: a call equal in everything else needs only lengths(room, ...).
+    room: Room | None = None
 
     def out_shape(self) -> tuple[int, ...]:
         return out_shape(self.layout_out, self.batch, self.num_heads, self.q_seq,
@@ -338,23 +387,21 @@ def plan(a: dict[str, Any]) -> Plan:
             raise fail(name, f"dtype {t.dtype} differs from query's dtype {q.dtype}")
     tnd = layout_in in ("TND", "NTD")
     b_or_t, sq, d = query_dims(q, layout_in, n)
-    q_lens_arg = int_list("actual_seq_lengths", a.get("actual_seq_lengths"))
-    kv_lens_arg = int_list("actual_seq_lengths_kv", a.get("actual_seq_lengths_kv"))
     q_total, q_starts = 0, tuple[int, ...]()
-    if tnd:
+    if tnd:  # the cumulative query ends set the batch: no Room, checked here
         q_total = b_or_t
-        q_lens, q_starts = cumulative("actual_seq_lengths", q_lens_arg, q_total)
+        q_arg = int_list("actual_seq_lengths", a.get("actual_seq_lengths"))
+        q_lens, q_starts = cumulative("actual_seq_lengths", q_arg, q_total)
         b, sq = len(q_lens), max(q_lens)
     else:
         b = b_or_t
     incremental = not tnd and sq == 1
-    if not tnd:
-        q_lens = (sq,) * b if incremental else per_batch("actual_seq_lengths", q_lens_arg, b, sq)
     block_table = a.get("block_table")
     paged = block_table is not None
     block_size = check_int("block_size", a.get("block_size", 0), 0)
     kv_starts: tuple[int, ...] = ()
     blocks_needed, bnsd_cache = 0, False
+    room: Room | None = None
     if paged:
         bt = _tensor("block_table", block_table)
         if bt.dtype != torch.int32 or bt.dim() != 2:
@@ -367,30 +414,29 @@ def plan(a: dict[str, Any]) -> Plan:
             raise fail("block_size", "page attention (block_table given) needs block_size > 0")
         nb, dk, bnsd_cache, dv = _kv_paged(key, value, layout_in, nkv, block_size,
                                            bool(a.get("value_d_free")))  # fmt: skip
-        if kv_lens_arg is None:
-            raise fail("actual_seq_lengths_kv", "is required with page attention")
-        capacity = kv_capacity = bt.shape[1] * block_size
-        kv_lens = per_batch("actual_seq_lengths_kv", kv_lens_arg, b, capacity)
-        per_seq = [-(-kv // block_size) for kv in kv_lens]
-        blocks_needed = max(per_seq, default=0)
-        if sum(per_seq) > nb:
-            raise fail("key", f"blocknum {nb} is smaller than the {sum(per_seq)} blocks the "
-                       "batches' actual_seq_lengths_kv need")  # fmt: skip
+        kv_capacity = bt.shape[1] * block_size
+        room = Room(b, sq, incremental, kv_capacity, True, nb, block_size)
+        if tnd:
+            kv_lens, blocks_needed = kv_lengths(room, a.get("actual_seq_lengths_kv"))
+        else:
+            q_lens, kv_lens, blocks_needed = lengths(room, a.get("actual_seq_lengths"),
+                                                     a.get("actual_seq_lengths_kv"))  # fmt: skip
         skv = pse_kv = blocks_needed * block_size
     else:
         block_size = 0  # ignored without block_table
         skv_total, dk, dv = _kv_dense(key, value, layout_in, b, nkv)
-        kv_capacity = skv_total
+        kv_capacity = skv = pse_kv = skv_total
         if tnd:
-            kv_lens, kv_starts = cumulative("actual_seq_lengths_kv", kv_lens_arg, skv_total)
+            kv_arg = int_list("actual_seq_lengths_kv", a.get("actual_seq_lengths_kv"))
+            kv_lens, kv_starts = cumulative("actual_seq_lengths_kv", kv_arg, skv_total)
             if len(kv_lens) != b:
                 raise fail("actual_seq_lengths_kv", f"has {len(kv_lens)} entries; the TND batch "
                            f"is {b}")  # fmt: skip
-            skv = max(kv_lens)
+            skv = pse_kv = max(kv_lens)
         else:
-            kv_lens = per_batch("actual_seq_lengths_kv", kv_lens_arg, b, skv_total)
-            skv = skv_total
-        pse_kv = skv
+            room = Room(b, sq, incremental, skv_total, False, 0, 0)
+            q_lens, kv_lens, _ = lengths(room, a.get("actual_seq_lengths"),
+                                         a.get("actual_seq_lengths_kv"))  # fmt: skip
     if dk != d:
         raise fail("key", f"head dim {dk} differs from query's head dim {d}")
     rope = _rope(a, layout_in, q, paged, n, nkv, d, q_lens)
@@ -442,4 +488,7 @@ def plan(a: dict[str, Any]) -> Plan:
         tuple(q_starts), tuple(kv_lens), kv_starts, paged, block_size, bnsd_cache,
         blocks_needed, incremental, mode, pre, nxt, mask is not None, pse is not None, lse,
         kv_capacity,
+        # The lengths decide nothing else (see Room) unless MLA rope reads the query
+        # lengths or a paged cache's mask or shift is checked against their blocks.
+        None if tnd or rope or (paged and (mask is not None or pse is not None)) else room,
     )  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 from . import fia_kernel
 from .errors import SimUsageError
 from .fia_args import AttentionArgumentError, out_shape, split_layout
-from .fia_layout import Plan, plan, query_dims
+from .fia_layout import Plan, Room, lengths, plan, query_dims
 
 _PLANS: dict[Any, Plan] = {}
 _PLANS_MAX = 4096
@@ -207,6 +207,24 @@ class Kernels:
     def out_meta(self, *args: Any, **kwargs: Any) -> Outputs:
         p, a = self.planned(args, kwargs)
         return self.check_out_call(p, a)
+
+    def out_check(self, *args: Any, **kwargs: Any) -> Room | None:
+        """The ``.out`` op's issue-time check (its ``HOST_CHECKS`` entry, remembered:
+        :class:`.opcall.RememberedCheck`): ``out_meta``'s checks. Returns the plan's
+        :class:`.fia_layout.Room` (None: the lengths decide more), with which a later
+        call equal to this one but for its lengths is checked by :meth:`out_recheck`."""
+        p, a = self.planned(args, kwargs)
+        self.check_out_call(p, a)
+        return p.room
+
+    def out_recheck(self, room: Room, values: list[Any]) -> None:
+        """The plan's length checks (:func:`.fia_layout.lengths`, the same code) for a
+        call whose all else passed :meth:`out_check`; ``values``: its two length lists.
+        The workspace needs no recheck: its size follows the shapes alone."""
+        try:
+            lengths(room, *values)
+        except AttentionArgumentError as exc:
+            raise usage_error(self.op_name, exc, self.names) from exc
 
     def check_out_call(self, p: Plan, a: dict[str, Any]) -> Outputs:
         """The ``.out`` op's checks beyond the plan: workspace and outputs."""

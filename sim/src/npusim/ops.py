@@ -16,8 +16,7 @@ import torch
 
 from .fia_layout import Plan
 from .fia_ops import Kernels, Signature, inferred_outputs, planned, refuse
-from .fia_remembered import remembered_out_check
-from .opcall import HOST_CHECKS, PATCHABLE_OPS
+from .opcall import HOST_CHECKS, PATCHABLE_OPS, RememberedCheck
 from .tensor import register_host_op
 
 _TENSOR_OPTIONALS = [
@@ -121,8 +120,11 @@ _SIGNATURE = Signature(NAME, fused_infer_attention_score.out._schema)
 PATCHABLE_OPS.update({fused_infer_attention_score.default, fused_infer_attention_score.out})
 # Issue-time checks without torch's dispatcher: the meta functions, on the CPU arguments.
 HOST_CHECKS[fused_infer_attention_score.default] = _KERNELS.meta
-# The .out op's check is remembered: a patch that changes only lengths rechecks those.
-HOST_CHECKS[fused_infer_attention_score.out] = remembered_out_check(_KERNELS)
+# The .out op's check is remembered: a patch that changes only lengths rechecks those
+# (with the plan's own length checks: Kernels.out_recheck).
+HOST_CHECKS[fused_infer_attention_score.out] = RememberedCheck(
+    _KERNELS.out_check, _KERNELS.out_recheck, ("actual_seq_lengths", "actual_seq_lengths_kv")
+)
 
 
 # ---------------------------------------------------------------- helpers of torch_npu

@@ -91,33 +91,24 @@ class NpuTensor(torch.Tensor):
         return storage_of(alloc)
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
-        """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the
-        copy back of every step's output, skip the dispatcher round trip and do what
-        its ``_to_copy`` would (:func:`_to_host`)."""
+        """``Tensor.to``; ``x.to("cpu")`` and ``x.to("cpu", non_blocking=...)``, the copy
+        back of every step's output, skip the dispatcher round trip to what its
+        ``_to_copy`` ends in (:func:`_to_host`), unless a mode must see the op. What
+        it buys: ``to(cpu)`` of ``python -m npusim.bench`` costs 1.26x as much through
+        the dispatcher (sim/README.md)."""
         if (
             len(args) == 1
             and (not kwargs or kwargs.keys() == {"non_blocking"})
             and (args[0] == "cpu" if type(args[0]) is str else _is_cpu_device(args[0]))
+            and not _modes_active()
         ):
             return _to_host(self, bool(kwargs.get("non_blocking", False)))
         return super().to(*args, **kwargs)
 
-    def copy_(self, src: Any, non_blocking: bool = False) -> Any:
-        """``Tensor.copy_``; a copy from a plain host tensor of this shape and dtype (the
-        engine's input copies, every step) skips the dispatcher round trip and does what
-        its ``copy_`` does (:func:`_copy_`); anything else goes through the dispatcher."""
-        if (
-            type(src) is torch.Tensor
-            and src.dtype == self.dtype
-            and src.shape == self.shape
-            and not (src.requires_grad or self.requires_grad)
-            and not _modes_active()
-        ):
-            return _copy_(aten.copy_.default, (self, src, non_blocking), {})
-        return super().copy_(src, non_blocking)
-
     def cpu(self, memory_format: Any = torch.preserve_format) -> torch.Tensor:
-        """``Tensor.cpu``: a blocking copy to new host memory, as ``_to_copy`` does it."""
+        """``Tensor.cpu``: a blocking copy to new host memory, as :meth:`to` makes it."""
+        if _modes_active():
+            return super().cpu(memory_format=memory_format)
         return _to_host(self, False)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
