@@ -7,30 +7,8 @@ in-process. Measured in alternation.
 .venv/bin/python benchmarks/decode.py [--steps 60] [--reps 3] [--profile field] [--json]
 """
 
-from __future__ import annotations
-
-import argparse
-import json
-
-from graphlane.bench import decode as bench
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--profile", action="append", choices=sorted(bench.PROFILES),
-                   help="a profile to run (repeatable; default: all)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = p.parse_args()
-    names = args.profile or list(bench.PROFILES)
-    results = [bench.measure(n, *bench.PROFILES[n], steps=args.steps, reps=args.reps)
-               for n in names]  # fmt: skip
-    if args.json:
-        print(json.dumps([r.as_dict() for r in results], indent=2))
-    else:
-        print(bench.table(results))
-
+from graphlane.bench import decode
+from graphlane.bench.script import run_profiles
 
 if __name__ == "__main__":
-    main()
+    run_profiles(decode, __doc__)
