@@ -65,7 +65,6 @@ from graphlane.workers.backends.base import DeviceBackend
 from .base import (
     COMPUTE_DTYPES,
     FIA_OUT,
-    FIA_WORKSPACE,
     LENGTHS,
     CapturedGraph,
     DeviceFeed,
@@ -77,7 +76,12 @@ from .base import (
     config_values,
 )
 from .hf_model import ModelSpec, load_weights, random_weights, read_hf_config, safetensors_files
-from .paged_attention import PagedAttentionConfig, PagedAttentionProgram, _check_tensors
+from .paged_attention import (
+    PagedAttentionConfig,
+    PagedAttentionProgram,
+    _check_tensors,
+    paged_workspace,
+)
 from .sampling import PARAMS, sample, sampling_tensors, sampling_values
 
 FIA = "npu_fused_infer_attention_score"
@@ -412,15 +416,8 @@ class ModelProgram(GraphProgram):
         bufs["block_table"] = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
         bufs["block_table"].copy_(self._pad_table[:bucket])
         bufs.update(cache)
-        # The workspace holds the longest lengths (as paged_attention sizes its own).
-        need = bucket * c.max_blocks_per_seq
         args = self._arguments(bufs, 0, [self.max_len] * bucket)
-        if need > c.num_blocks + 1:
-            big = backend.empty((need, c.block_size, s.num_kv_heads * s.head_dim), self.dtype)
-            table = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
-            args = dict(args, key=big, value=big, block_table=table)
-        del args["out"], args["workspace"]
-        workspace = backend.call(FIA_WORKSPACE, (), args)
+        workspace = paged_workspace(backend, args, c.num_blocks, c.max_blocks_per_seq)
         if workspace is not None:
             bufs["workspace"] = workspace
         return bufs

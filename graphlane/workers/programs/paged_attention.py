@@ -238,16 +238,8 @@ class PagedAttentionProgram(GraphProgram):
         bufs["block_table"] = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
         bufs["block_table"].copy_(self._pad_table[:bucket])
         bufs.update(cache)  # shared by every instance: the same tensors
-        # The workspace must hold the longest lengths; the op checks that the cache has
-        # the blocks they need, so size it against a cache that does, if this one is short.
-        need = bucket * c.max_blocks_per_seq
         args = self._arguments(bufs, 0, [c.max_kv_len] * bucket)
-        if need > c.num_blocks + 1:
-            big = backend.empty((need, c.block_size, c.num_kv_heads * c.head_dim), self.dtype)
-            table = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
-            args = dict(args, key=big, value=big, block_table=table)
-        del args["out"], args["workspace"]
-        workspace = backend.call(FIA_WORKSPACE, (), args)
+        workspace = paged_workspace(backend, args, c.num_blocks, c.max_blocks_per_seq)
         if workspace is not None:  # None: a backend without a device (null)
             bufs["workspace"] = workspace
         return bufs
@@ -442,6 +434,24 @@ class PagedAttentionProgram(GraphProgram):
             ]
             out[kind] = torch.stack(rows)
         return out
+
+
+def paged_workspace(
+    backend: DeviceBackend, args: dict[str, Any], num_blocks: int, max_blocks_per_seq: int
+) -> torch.Tensor | None:
+    """The fused attention workspace for a paged call whose ``args`` (the op's arguments)
+    carry the longest lengths. The op checks that the cache has the blocks those need, so
+    it is sized against a cache that does when this one is short. None on a backend
+    without a device (null)."""
+    bucket = args["block_table"].shape[0]
+    need = bucket * max_blocks_per_seq
+    if need > num_blocks + 1:
+        _, block_size, width = args["key"].shape
+        big = backend.empty((need, block_size, width), args["key"].dtype)
+        table = backend.empty((bucket, max_blocks_per_seq), torch.int32)
+        args = dict(args, key=big, value=big, block_table=table)
+    args = {k: v for k, v in args.items() if k not in ("out", "workspace")}
+    return backend.call(FIA_WORKSPACE, (), args)
 
 
 def _check_tensors(
