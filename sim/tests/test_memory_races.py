@@ -308,3 +308,39 @@ def test_a_timed_patch_is_a_patch_not_an_eager_op() -> None:
     finally:
         configure(mode=old.mode, task_us=old.task_us, patch_us=old.patch_us)
     assert fault() is None
+
+
+# ================================================================ task-group reads
+def release_then_patch(stack: Stack, release_first: bool) -> None:
+    """Each layer's patch on the update stream and its event's record: after the patch
+    (the replay's wait orders the patch before the group's read), or before it."""
+    u = stack.update
+    with torch.npu.stream(u):
+        for layer in range(len(stack.handles)):
+            if release_first:
+                stack.events[layer].record(u)
+            torch.npu.graph_task_update_begin(u, stack.handles[layer])
+            stack.op(layer, lengths_for(0))
+            torch.npu.graph_task_update_end(u)
+            if not release_first:
+                stack.events[layer].record(u)
+
+
+@pytest.mark.parametrize("release_first", [False, True])
+def test_a_replay_reading_a_task_group_its_patch_is_not_ordered_before(
+    mode: str, release_first: bool
+) -> None:
+    """A replay's read of a task group is checked against the group's patches in timed mode
+    as in compute mode (timed mode checks a row of tasks in one go)."""
+    stack = Stack()
+    npu.synchronize()
+    release_then_patch(stack, release_first)
+    if not release_first:
+        stack.replay()
+        npu.synchronize()
+        return
+    with pytest.raises(HazardError) as err:
+        stack.replay()
+        npu.synchronize()
+    assert err.value.kind == "race"
+    assert "reads the task group" in str(err.value)

@@ -113,11 +113,49 @@ class ReplayWork:
         # Tasks in a row are charged together (CostClock.add_at); anything else (a wait,
         # a record, a fork or join) first waits until the tasks before it are over.
         nodes, self.nodes = self.nodes, []  # a finished entry stays referenced (a stream's
-        for node in nodes:  # last entry, a buffer's uses): it must not keep the graph alive
-            if type(node) is not TaskNode:
+        launch = self.launch  # last entry, a buffer's uses): it must not keep the graph alive
+        if RUNTIME.config.mode != "timed":
+            for node in nodes:
+                if type(node) is not TaskNode:
+                    ex.settle()
+                node.run(ex, launch)
+            ex.settle()
+            return
+        i, n = 0, len(nodes)
+        while i < n:
+            if type(nodes[i]) is TaskNode:
+                j = i + 1
+                while j < n and type(nodes[j]) is TaskNode:
+                    j += 1
+                _run_timed_tasks(ex, launch, nodes[i:j])
+                i = j
+            else:
                 ex.settle()
-            node.run(ex, self.launch)
+                nodes[i].run(ex, launch)
+                i += 1
         ex.settle()
+
+
+def _run_timed_tasks(ex: Stream, launch: Launch, tasks: list[TaskNode]) -> None:
+    """Timed mode: tasks in a row with nothing between them that another stream or the
+    host could observe (no record, no wait), so one critical section and one charge do
+    for all of them, exactly as :meth:`TaskNode.run` one by one would: each task is its
+    own step of the stream's clock, its group's read and its footprint are checked, and
+    the charge starts where the first task could start. (Per task, the lock and the calls
+    cost the sim more than a field task's modelled 1 us of device time.)"""
+    started = ex.resume_at if ex.resume_at is not None else ex.model_time
+    ex.resume_at = None
+    clock, actor = ex.clock, ex.actor
+    with RUNTIME.cond:
+        for task in tasks:
+            clock[actor] += 1
+            group = task.group
+            if group is not None:
+                group.check_read_locked(ex, launch)
+            footprint = task.footprint
+            if footprint.items:
+                footprint.touch_locked(ex, (launch.issued, (task.label, launch), ex))
+    ex.cost.add_at(RUNTIME.config.task_us * len(tasks), started)
 
 
 # =================================================================== capture state
