@@ -137,3 +137,18 @@ def test_a_thread_that_was_blocked_between_two_charges_does_not_hide_the_wait() 
     clock.end, clock.woke, clock.woke_cpu = 10.0, 10.0, time.thread_time() - slack
     clock.add(100, started=10.0 + slack / 2)
     assert clock.end <= 10.0 + 100e-6 + 1e-9
+
+
+def test_work_after_a_wait_starts_no_earlier_than_the_wait_ended() -> None:
+    """A thread that blocked (for a request on a socket, an item on a queue: what the
+    simulator cannot see) starts its next charge when it issues it: neither its Python
+    before the wait nor its lag behind the device's modelled end is hidden, or a step
+    would start before the request that asked for it arrived (a daemon's lone step held
+    for less than its floor)."""
+    clock = CostClock()
+    clock.charge(100)
+    clock.end -= 300e-6  # the device's modelled end, which the host noticed late
+    time.sleep(CostClock.SLACK_S / 4)  # blocked, within the window
+    started = time.perf_counter()
+    clock.add(100, started=started)
+    assert clock.end >= started + 100e-6 - 1e-9

@@ -466,12 +466,15 @@ class CostClock:
     late (the machine was busy, or another thread held the interpreter) is the
     simulator's delay, not work of the thread's, so it does not eat the window.
 
-    Only time the thread spent computing is hidden: the part of the gap in which it
-    did not run (blocked on a queue, a socket, a lock, or not scheduled) is added to
-    the start. The window hides the simulator's Python, never a wait for work that
-    had not arrived yet: a worker that idles between a reply and the next request
-    must not start that request's patch back to back with the last one (which would
-    let a step through a daemon take less than its modelled floor).
+    Only a gap the thread spent computing is hidden. If it did not run for part of
+    the gap (blocked on a queue, a socket, a lock, or not scheduled), the work starts
+    when it started: the thread may have waited for something the simulator cannot
+    see (a request on a socket), which happened in wall time, and work must not start
+    in the model before its cause. The window hides the simulator's Python, never a
+    wait: a worker that idles between a reply and the next request starts that
+    request's patch when it issues it, neither back to back with the last one nor
+    from the device's modelled end the host noticed late (either let a step through a
+    daemon be held for less than its floor: tests/daemon/test_daemon_floors.py).
 
     :meth:`add` charges without waiting and :meth:`settle` waits for what was
     added: a stream running several tasks in a row with nothing in between that
@@ -497,10 +500,17 @@ class CostClock:
         if t0 >= ref + self.SLACK_S:
             return t0
         computed = (time.thread_time() if cpu is None else cpu) - self.woke_cpu
-        idle = (t0 - ref) - computed
         # The two clocks are read at different instants: a few microseconds of "idle"
         # are that, not a wait (and would make modelled times inexact).
-        return self.end + (idle if idle > self.IDLE_NOISE_S else 0.0)
+        if (t0 - ref) - computed > self.IDLE_NOISE_S:
+            # The thread did not run for part of the gap: it waited (on a queue, a
+            # socket, a lock) for something the simulator cannot see, which happened
+            # in wall time. What follows the wait starts when it started: hiding the
+            # Python before the wait, or the host's lag behind the device's modelled
+            # end, would start it before what it waited for (a daemon's lone step
+            # held for less than its floor from the request's arrival).
+            return t0
+        return self.end
 
     def woke_at(self, wall: float, cpu: float) -> None:
         self.woke, self.woke_cpu = wall, cpu
