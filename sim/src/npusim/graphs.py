@@ -19,7 +19,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from . import capture_rules, forkjoin, npugraph_utils
+from . import capture_rules, forkjoin, npugraph_utils, rng
 from .access import ISSUED, Footprint, TaskAccess
 from .allocation import capture_begin, capture_end, graph_reset, replay_issued_locked
 from .errors import SimUsageError
@@ -257,6 +257,9 @@ class NPUGraph:
         self.capturing: CaptureState | None = None  # the capture stream's, during capture
         self.branches: list[forkjoin.Branch] = []  # side-stream work (fork/join capture)
         self.branch_streams: list[forkjoin.BranchStream] = []  # what branches replay on
+        # the generators its capture's random ops used (:mod:`.rng`); freed with the graph
+        self.rng = rng.GraphRng()
+        weakref.finalize(self, self.rng.release)
 
     def __repr__(self) -> str:
         return f"<npusim {self.name}>"
@@ -282,6 +285,7 @@ class NPUGraph:
             self.groups = []
             self.branches = []
             self.capture_stream = s
+            self.rng.begin()
             self._pool = capture_begin(self, pool, s)  # allocations come from its pool
             s.capturing = self.capturing = CaptureState(self, s, capture_error_mode)
             capture_rules.LIVE.append(s.capturing)
@@ -317,6 +321,7 @@ class NPUGraph:
                 self.nodes, self.groups, self.branches = [], [], []
                 raise SimUsageError(unjoined)
             self.captured = True
+            self.rng.end()
             capture_end(self)
         if self.branches:
             forkjoin.give_streams(self, s.device_index)
@@ -337,6 +342,7 @@ class NPUGraph:
                 raise SimUsageError(f"replay of {self.name} on {s.name} while it captures")
             self.replays += 1
             launch = Launch(self.name, self.replays)
+            self.rng.replay_prologue_locked(s)  # the seed and offset its random ops read
             for node in self.nodes:
                 node.launch_locked(launch, s)
             for branch in self.branches:
@@ -357,7 +363,20 @@ class NPUGraph:
             self.captured = False
             self.generation += 1
             self.graph_dispatch_mode.graph_dispatch_records = []
+            self.rng.release()
             graph_reset(self)
+
+    def register_generator_state(self, generator: Any) -> None:
+        """torch_npu 2.14: a no-op (generators register themselves at their first random
+        op in a capture), with its deprecation warning."""
+        warnings.warn(
+            "NPUGraph.register_generator_state() is deprecated, and will be removed in a "
+            "future torch_npu release. It is now a no-op and can be safely removed from your "
+            "code. Generator states are automatically registered when RNG ops first execute "
+            "during graph capture.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
 
     def pool(self) -> tuple[int, int]:
         """The id of this graph's memory pool, for another capture to share; only after a

@@ -13,6 +13,7 @@ import torch
 
 from . import npugraph_handler as _npugraph_handler
 from . import npugraph_utils as _npugraph_utils  # noqa: F401  torch_npu.npu._npugraph_utils
+from . import rng
 from .allocation import (
     empty_cache,
     graph_pool_handle,
@@ -29,7 +30,7 @@ from .allocation import (
     reset_peak_memory_stats,
 )
 from .capture import graph
-from .device import current_device, device, device_count, set_device, synchronize
+from .device import current_device, device, device_count, device_index, set_device, synchronize
 from .events import ExternalEvent
 from .graphs import NPUGraph, is_current_stream_capturing
 from .npu_extras import _sleep as _sleep  # torch.npu._sleep
@@ -42,7 +43,6 @@ from .npu_extras import (
     set_stream_limit,
 )
 from .npugraph_handler import NpuGraphOpHandler, register_npu_graph_handler
-from .runtime import RUNTIME
 from .streams import Event, Stream, current_stream, default_stream, set_stream, stream
 from .task_groups import (
     graph_task_group_begin,
@@ -81,38 +81,45 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-# Random numbers. The sim's device ops compute on the CPU, so the device's generator
-# is the CPU's default generator (one for every device index). These must not call
-# torch.manual_seed: it seeds the CPU and then calls torch.npu.manual_seed_all itself.
-default_generators: tuple[torch.Generator, ...] = (torch.default_generator,) * RUNTIME.device_count
+# Random numbers: the device's own generator, torch_npu's graph-safe philox pair
+# (:mod:`.rng`). These must not call torch.manual_seed: it seeds the CPU and then calls
+# torch.npu.manual_seed_all itself.
+default_generators: tuple[torch.Generator, ...] = rng.DEFAULT_GENERATORS
+
+
+def _generator(device: Any = None) -> rng.NpuGenerator:
+    return rng.default_generator(device_index(device))
 
 
 def manual_seed(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
+    _generator().manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
-    torch.default_generator.manual_seed(int(seed))
+    for gen in default_generators:
+        gen.manual_seed(int(seed))
 
 
 def seed() -> None:
-    torch.default_generator.seed()
+    _generator().seed()
 
 
 def seed_all() -> None:
-    torch.default_generator.seed()
+    value = _generator().seed()
+    for gen in default_generators:
+        gen.manual_seed(value)
 
 
 def initial_seed() -> int:
-    return int(torch.default_generator.initial_seed())
+    return int(_generator().initial_seed())
 
 
 def get_rng_state(device: Any = "npu") -> torch.Tensor:
-    return torch.default_generator.get_state()
+    return _generator(device).get_state()
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "npu") -> None:
-    torch.default_generator.set_state(new_state)
+    _generator(device).set_state(new_state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
@@ -120,8 +127,8 @@ def get_rng_state_all() -> list[torch.Tensor]:
 
 
 def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    for state in new_states:
-        set_rng_state(state)
+    for i, state in enumerate(new_states):  # device i's (torch_npu's random.py)
+        set_rng_state(state, i)
 
 
 def get_device_name(device: Any = None) -> str:

@@ -31,7 +31,15 @@ class _Schema:
     """What dispatch needs of an op's schema, read once per op: reading a schema
     through its bindings costs microseconds per argument, on every issue."""
 
-    __slots__ = ("dynamic_shape", "is_view", "n_returns", "returns_tensors", "written")
+    __slots__ = (
+        "aliased",
+        "dynamic_shape",
+        "is_view",
+        "n_returns",
+        "random",
+        "returns_tensors",
+        "written",
+    )
 
     def __init__(self, func: Any) -> None:
         rets = func._schema.returns
@@ -40,9 +48,23 @@ class _Schema:
             r.alias_info is not None and not r.alias_info.is_write for r in rets
         )
         self.returns_tensors = any("Tensor" in str(r.type) for r in rets)
+        # Its results are the arguments it writes (add_, out= ops; a custom op's
+        # keyword-only out= whatever its returns say), or it returns none: not so an op
+        # that writes a positional argument besides new results (rrelu_with_noise writes
+        # its noise, native_batch_norm its running statistics).
+        self.aliased = all(r.alias_info is not None and r.alias_info.is_write for r in rets) or any(
+            a.kwarg_only
+            for a in func._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write
+        )
         # torch's tag for ops whose output shape may depend on the input data (nonzero,
         # unique, masked_select, index with a boolean mask, ...): no meta kernel can say it.
         self.dynamic_shape = torch.Tag.dynamic_output_shape in getattr(func, "tags", ())
+        # A random op: it takes a generator, or torch tags it as drawing from the
+        # default one (rand, randn, randint, randperm, native_dropout, ...): :mod:`.rng`.
+        self.random = torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) or any(
+            a.name == "generator" for a in func._schema.arguments
+        )
         # (position, name, keyword-only) of each argument the op writes (Tensor(a!)).
         self.written = tuple(
             (i, a.name, a.kwarg_only)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from . import access, capture_rules
+from . import access, capture_rules, rng
 from .allocation import allocate, note_uses, storage_of
 from .errors import SimError, SimUsageError
 from .opcall import HOST_CHECKS, PATCHABLE_OPS, OpCall, flat, map_args, map_kwargs, map_value
@@ -214,7 +214,7 @@ def issue(
             # Its output's shape depends on the data (nonzero, unique, a boolean mask):
             # no meta kernel can give it, the device must be read, as on the NPU.
             return _data_dependent(stream, func, args, kwargs, index)
-    if info.written and written_args(func, args, kwargs):
+    if info.written and info.aliased and written_args(func, args, kwargs):
         result = aliased_result(func, args, kwargs)
     else:
         allocated: list[torch.Tensor] = []
@@ -238,11 +238,17 @@ def issue(
         )
         host = {id(t) for t in flat(cpu_args, cpu_kwargs) if getattr(t, "_sim_host", False)}
     call = OpCall(func, cpu_args, cpu_kwargs, outs, host)
+    philox = None
+    if info.random:  # its numbers: the generator's (seed, offset) now (:mod:`.rng`)
+        philox = rng.default_generator(index).state.take(stream)
+        call = rng.SeededCall(call, philox)
     footprint = None
     if stream.updating is None:  # a patch touches no memory (its task's footprint holds)
         # Taken now, of the CPU views: queued work must not hold the npu tensors, whose
         # last reference frees their memory (as on the device, queued work or not).
         fp = access.of_op(func, args, kwargs, outs, NpuTensor)
+        if philox is not None:  # a captured one reads its capture's seed and offset first
+            fp = philox.footprint() + fp
         footprint = lambda: fp  # noqa: E731
     route(stream, call, func, started, footprint)
     note_uses(stream, args, kwargs)
