@@ -175,7 +175,11 @@ class OpCall:
         self._keys: list[tuple[Any, ...]] | None = None
 
     def execute(self) -> Any:
-        result = self.op(*self.args, **self.kwargs)
+        return self.deliver(self.op(*self.args, **self.kwargs))
+
+    def deliver(self, result: Any) -> Any:
+        """``result`` (the op's return) copied into ``outs``, the tensors allocated for it
+        at issue; returned."""
         if self.outs is not None:
             values = result if isinstance(result, (list, tuple)) else (result,)
             produced = [r for r in values if isinstance(r, torch.Tensor)]

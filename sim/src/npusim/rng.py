@@ -329,13 +329,7 @@ class SeededCall(OpCall):
 
     def execute(self) -> Any:
         seed, offset = self.philox.values()
-        result = draw(self.op, self.args, self.kwargs, seed, offset)
-        if self.outs is not None:
-            values = result if isinstance(result, (list, tuple)) else (result,)
-            produced = [r for r in values if isinstance(r, torch.Tensor)]
-            for dst, src in zip(self.outs, produced, strict=True):
-                dst.copy_(src)
-        return result
+        return self.deliver(draw(self.op, self.args, self.kwargs, seed, offset))
 
 
 def _mix(seed: int, offset: int) -> int:
