@@ -9,7 +9,7 @@ import threading
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from . import npu, ops, pinned
+from . import amp, backward_streams, npu, ops, pinned
 from .runtime import RUNTIME, install_thread_edges
 from .tensor import backend_kernel, backend_kernel_of, backend_op_names
 
@@ -37,6 +37,8 @@ def setup() -> None:
         atexit.register(RUNTIME.shutdown)
         install_thread_edges()  # host threads are ordered by start and join
         pinned.install()  # Tensor.pin_memory() works, as with torch_npu
+        backward_streams.install()  # backward ops run on the stream backward() was called on
+        amp.install()  # torch.autocast("npu") casts as torch_npu's AutocastPrivateUse1 kernels
         # Stream threads stand in for independent hardware queues: hand the GIL
         # over quickly (the default 5 ms lets one busy thread stall a device
         # stream that is ready to run for that long).

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from . import amp as amp
 from . import npugraph_handler as _npugraph_handler
 from . import npugraph_utils as _npugraph_utils  # noqa: F401  torch_npu.npu._npugraph_utils
 from . import rng
@@ -29,16 +30,23 @@ from .allocation import (
     reset_max_memory_allocated,
     reset_peak_memory_stats,
 )
+from .amp import (
+    get_amp_supported_dtype,
+    get_autocast_dtype,
+    is_autocast_enabled,
+    set_autocast_dtype,
+    set_autocast_enabled,
+)
 from .capture import graph
 from .device import current_device, device, device_count, device_index, set_device, synchronize
 from .events import ExternalEvent
+from .graphed_callables import make_graphed_callables
 from .graphs import NPUGraph, is_current_stream_capturing
 from .npu_extras import _sleep as _sleep  # torch.npu._sleep
 from .npu_extras import (
     get_device_properties,
     get_stream_limit,
     is_bf16_supported,
-    make_graphed_callables,
     reset_stream_limit,
     set_stream_limit,
 )
@@ -152,6 +160,8 @@ __all__ = [
     "device",
     "device_count",
     "empty_cache",
+    "get_amp_supported_dtype",
+    "get_autocast_dtype",
     "get_device_name",
     "get_device_properties",
     "get_rng_state",
@@ -165,6 +175,7 @@ __all__ = [
     "graph_task_update_end",
     "host_empty_cache",
     "initial_seed",
+    "is_autocast_enabled",
     "is_available",
     "is_bf16_supported",
     "is_current_stream_capturing",
@@ -186,6 +197,8 @@ __all__ = [
     "reset_stream_limit",
     "seed",
     "seed_all",
+    "set_autocast_dtype",
+    "set_autocast_enabled",
     "set_device",
     "set_rng_state",
     "set_rng_state_all",

@@ -13,27 +13,22 @@
   its rate with two timed events). The sim's clock is :data:`SLEEP_CYCLES_PER_MS`: the
   work item takes that long on the stream's thread (modelled time in timed mode); it is
   captured as a node (refused inside a task group: it is no Cube/Vector kernel of an op).
-* ``torch.npu.make_graphed_callables``: capture callables into graphs; inference only
-  (sample inputs must not require grad: the sim has no autograd graphs).
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
 
 import torch
 
-from .capture import graph
 from .device import device_index
 from .errors import SimUsageError
-from .graphs import Launch, NPUGraph
+from .graphs import Launch
 from .runtime import RUNTIME, busy_until
 from .streams import Stream, current_stream
-from .streams import stream as stream_ctx
 from .tensor import NpuTensor
 
 # A 910B-class device, as get_stream_limit reports when no cap was set.
@@ -162,46 +157,6 @@ def _construct_NPU_Tensor_From_Storage_And_Metadata(
     offset += (int(metadata.get("data_ptr", storage.data_ptr())) - storage.data_ptr()) // itemsize
     cpu = base.set_(storage.storage, offset, tuple(metadata["size"]), tuple(metadata["stride"]))
     return NpuTensor(cpu, storage.device.index or 0, storage.alloc)
-
-
-def make_graphed_callables(
-    callables: Any, sample_args: Any, num_warmup_iters: int = 3,
-    allow_unused_input: bool = False, pool: Any = None,
-) -> Any:  # fmt: skip
-    """Capture each callable into a graph over static copies of its sample inputs; the
-    returned callables copy their inputs in, replay, and return the static outputs."""
-    single = callable(callables)
-    fns = (callables,) if single else tuple(callables)
-    samples = (sample_args,) if single else tuple(sample_args)
-    out: list[Callable[..., Any]] = []
-    for fn, args in zip(fns, samples, strict=True):
-        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            raise SimUsageError(
-                "make_graphed_callables: the sim captures inference graphs only; sample "
-                "inputs must not require grad"
-            )
-        side = Stream()
-        side.wait_stream(current_stream())
-        with stream_ctx(side):
-            for _ in range(num_warmup_iters):
-                fn(*args)
-        current_stream().wait_stream(side)
-        g = NPUGraph()
-        with graph(g, pool=pool):
-            static_out = fn(*args)
-        out.append(_replayer(g, args, static_out))
-    return out[0] if single else tuple(out)
-
-
-def _replayer(g: NPUGraph, static_in: tuple[Any, ...], static_out: Any) -> Callable[..., Any]:
-    def run(*inputs: Any) -> Any:
-        for dst, src in zip(static_in, inputs, strict=True):
-            if isinstance(dst, torch.Tensor) and src is not dst:
-                dst.copy_(src)
-        g.replay()
-        return static_out
-
-    return run
 
 
 class _NPUDeviceProperties:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from . import cube
+
 # Custom device ops that graph updates re-issue (registered by ops.py): a task of
 # one of these re-issued eagerly with its captured tensors was meant as an update.
 PATCHABLE_OPS: set[Any] = set()
@@ -175,7 +177,10 @@ class OpCall:
         self._keys: list[tuple[Any, ...]] | None = None
 
     def execute(self) -> Any:
-        return self.deliver(self.op(*self.args, **self.kwargs))
+        op = self.op
+        if op in cube.GEMMS:  # float16 products accumulate in float32, as the Cube unit does
+            return self.deliver(cube.run(op, self.args, self.kwargs))
+        return self.deliver(op(*self.args, **self.kwargs))
 
     def deliver(self, result: Any) -> Any:
         """``result`` (the op's return) copied into ``outs``, the tensors allocated for it

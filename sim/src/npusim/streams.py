@@ -436,10 +436,22 @@ def default_stream(device: Any = None) -> Stream:
         return s
 
 
+#: The streams current where each running backward pass was called (innermost last):
+#: autograd runs a device's backward ops on an engine thread of its own, which has no
+#: current stream; :mod:`.backward_streams` pushes and pops these.
+BACKWARD_AMBIENT: list[dict[int, Stream]] = []
+
+
 def current_stream(device: Any = None) -> Stream:
     idx = device_index(device)
     s = _current.streams.get(idx)
-    return s if s is not None else default_stream(idx)
+    if s is not None:
+        return s
+    if BACKWARD_AMBIENT and torch._C._current_autograd_node() is not None:
+        s = BACKWARD_AMBIENT[-1].get(idx)
+        if s is not None:
+            return s
+    return default_stream(idx)
 
 
 def as_stream(s: Any) -> Stream:
