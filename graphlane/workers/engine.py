@@ -21,6 +21,11 @@ turn) is issued as:
                    record copied
             on S:  wait copied, replay g    layer l waits ev[l] before its task group
                    copy the outputs to the host, record done[g]
+
+A step alone in the engine, or one with device feeds (decoding ahead: its token
+rows are copied from an earlier step's output, so the copies must follow that
+step's replay, on S, anyway), copies its inputs and feeds on S itself, before
+its replay: stream order fences them, and C could overlap nothing.
     update thread, on U:
                    wait done[g]      of the previous replay of g: it is finished with g
                    for each group l: patch l if its parameters changed,
@@ -364,7 +369,7 @@ class StepEngine:
         b = self.backend
         if step.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
-            if step.feeds:  # the inputs and the feeds on C, before the replay
+            if step.feeds:  # the inputs and the feeds on S, before the replay
                 self._copy_inputs(program, g, plan, previous, step.feeds)
             copy = not step.feeds
             step.patched = self._patch_groups(program, g, plan, release=True, copy=copy)
@@ -393,25 +398,29 @@ class StepEngine:
         previous: Any,
         feeds: Sequence[DeviceFeed] | None = None,
     ) -> None:
-        """Copy a pipelined step's inputs into g's buffers on C, after ``previous`` (the
-        previous replay of g) and before this replay (S waits for the copies); then its
-        ``feeds``, each after the event behind the step whose output it reads."""
+        """Copy a step's inputs into g's buffers before this replay, then its ``feeds``.
+
+        On C, after ``previous`` (the previous replay of g), S waiting for the copies:
+        so they can land while another step's replay runs. Where nothing could overlap
+        them they go on S, whose order alone puts them after every replay issued before
+        and before this one, without the three fences: a step with feeds (each reads an
+        earlier step's output, so it must wait for that step's replay, which ran on S),
+        and a step alone in the engine (no replay runs)."""
         b = self.backend
-        C = self.copy_stream
-        if previous is not None:
-            b.wait(C, previous)
-        with b.use_stream(C):
+        on_s = bool(feeds) or self._permits.alone()
+        stream = self.capture_stream if on_s else self.copy_stream
+        if not on_s and previous is not None:
+            b.wait(stream, previous)
+        with b.use_stream(stream):
             for group in range(program.num_groups):
                 for dst, src in program.input_writes(g.buffers, plan, group):
                     b.copy_in(dst, src)
-            waited: list[Any] = [previous]
             for feed in feeds or ():
-                if not any(feed.after is e for e in waited):
-                    b.wait(C, feed.after)
-                    waited.append(feed.after)
                 g.buffers[feed.buffer][feed.index].copy_(feed.source)
+        if on_s:
+            return
         copied = b.new_event()
-        b.record(copied, C)
+        b.record(copied, stream)
         b.wait(self.capture_stream, copied)
 
     def _on_update_stream(self, step: Job, previous: Any) -> None:

@@ -136,12 +136,11 @@ class CapturedGraph:
 class DeviceFeed:
     """A copy on the device into a step's static buffer from the output of an earlier
     step, with no host round trip (decoding ahead: a row's token is the one its
-    sequence sampled in its previous step). The engine issues it on the stream that
-    copies the step's inputs, after those and after ``after``: the event recorded
-    behind the earlier step's replay, so the copy reads what that replay wrote."""
+    sequence sampled in its previous step). The engine issues it on the capture
+    stream after the step's input copies: every replay runs on that stream, so its
+    order puts the copy after the earlier step's replay, which wrote ``source``."""
 
-    after: Any  # event recorded after the step that wrote ``source``
-    source: torch.Tensor  # device rows of that step's output
+    source: torch.Tensor  # device rows of an earlier step's output
     buffer: str  # the static buffer of this step's instance written to
     index: Any  # where in it: ``buffers[buffer][index].copy_(source)``
 

@@ -595,7 +595,7 @@ class ModelProgram(GraphProgram):
     @staticmethod
     def _feed(row: int, rec: _Sampled, rows: int) -> DeviceFeed:
         source = rec.tokens[rec.row : rec.row + rows]
-        return DeviceFeed(rec.done, source, "ints", (slice(row, row + rows), 0))
+        return DeviceFeed(source, "ints", (slice(row, row + rows), 0))
 
     def issued(self, plan: StepPlan, graph: CapturedGraph | None, done: Any) -> None:
         """Remember where each identified sequence's sampled token is (a step's rows, a
