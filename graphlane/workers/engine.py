@@ -21,15 +21,15 @@ turn) is issued as:
                    record copied
             on S:  wait copied, replay g    layer l waits ev[l] before its task group
                    copy the outputs to the host, record done[g]
+    update thread, on U:
+                   wait done[g]      of the previous replay of g: it is finished with g
+                   for each group l: patch l if its parameters changed,
+                   record ev[l]      exactly one record per captured wait
 
 A step alone in the engine, or one with device feeds (decoding ahead: its token
 rows are copied from an earlier step's output, so the copies must follow that
 step's replay, on S, anyway), copies its inputs and feeds on S itself, before
 its replay: stream order fences them, and C could overlap nothing.
-    update thread, on U:
-                   wait done[g]      of the previous replay of g: it is finished with g
-                   for each group l: patch l if its parameters changed,
-                   record ev[l]      exactly one record per captured wait
 
 The update thread dispatches the patches (the host-bound part: on an NPU, the
 tiling of every patched op) while the socket thread decodes, launches and
