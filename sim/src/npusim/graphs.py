@@ -64,28 +64,14 @@ class TaskNode:
     def launch_locked(self, launch: Launch, stream: Stream) -> None:
         pass
 
-    def run(self, ex: Stream, launch: Launch | None = None) -> None:
-        assert launch is not None
-        # The task's device time runs from when the stream could start it in modelled
-        # time (when the wait before it was satisfied, the tasks before it ended, or its
-        # replay was issued), not from when this thread got round to it.
-        started = ex.resume_at if ex.resume_at is not None else ex.timed_now()
-        ex.resume_at = None
+    def enter_locked(self, ex: Stream, launch: Launch) -> None:
+        """Stream ``ex`` starts the task: a step of its clock, its group's read and its
+        footprint checked. Caller holds the runtime lock."""
         ex.tick()
-        group = self.group
-        if group is not None or self.footprint:
-            with RUNTIME.cond:
-                if group is not None:
-                    group.check_read_locked(ex, launch)
-                call = self.call
-                if self.footprint:
-                    self.footprint.touch_locked(ex, (launch.issued, (self.label, launch), ex))
-        else:
-            call = self.call
-        if RUNTIME.config.mode == "timed":
-            ex.cost.add_at(RUNTIME.config.task_us, started)  # the replay settles it
-        else:
-            call.execute()
+        if self.group is not None:
+            self.group.check_read_locked(ex, launch)
+        if self.footprint:
+            self.footprint.touch_locked(ex, (launch.issued, (self.label, launch), ex))
 
 
 # =================================================================== replay
@@ -110,24 +96,17 @@ class ReplayWork:
         self.label = f"replay #{launch.number} of {graph.name}{where}"
 
     def run(self, ex: Stream) -> None:
-        # Tasks in a row are charged together (CostClock.add_at); anything else (a wait,
-        # a record, a fork or join) first waits until the tasks before it are over.
+        # Tasks in a row run together (_run_tasks); anything else (a wait, a record, a
+        # fork or join) first waits until the tasks before it are over.
         nodes, self.nodes = self.nodes, []  # a finished entry stays referenced (a stream's
         launch = self.launch  # last entry, a buffer's uses): it must not keep the graph alive
-        if RUNTIME.config.mode != "timed":
-            for node in nodes:
-                if type(node) is not TaskNode:
-                    ex.settle()
-                node.run(ex, launch)
-            ex.settle()
-            return
         i, n = 0, len(nodes)
         while i < n:
             if type(nodes[i]) is TaskNode:
                 j = i + 1
                 while j < n and type(nodes[j]) is TaskNode:
                     j += 1
-                _run_timed_tasks(ex, launch, nodes[i:j])
+                _run_tasks(ex, launch, nodes[i:j])
                 i = j
             else:
                 ex.settle()
@@ -136,25 +115,25 @@ class ReplayWork:
         ex.settle()
 
 
-def _run_timed_tasks(ex: Stream, launch: Launch, tasks: list[TaskNode]) -> None:
-    """Timed mode: tasks in a row with nothing between them that another stream or the
-    host could observe (no record, no wait), so one critical section and one charge do
-    for all of them, exactly as :meth:`TaskNode.run` one by one would: each task is its
-    own step of the stream's clock, its group's read and its footprint are checked, and
-    the charge starts where the first task could start. (Per task, the lock and the calls
-    cost the sim more than a field task's modelled 1 us of device time.)"""
+def _run_tasks(ex: Stream, launch: Launch, tasks: list[TaskNode]) -> None:
+    """Tasks in a row, with nothing between them that another stream or the host could
+    observe (no record, no wait). Computing, each is checked and then runs. Timed, one
+    critical section checks them all and one charge, from where the first could start
+    (when the wait before it was satisfied, the tasks before it ended, or its replay was
+    issued, in modelled time), covers their device time: per task, the lock and the
+    calls would cost the sim more than a field task's modelled 1 us."""
+    if RUNTIME.config.mode != "timed":
+        ex.resume_at = None
+        for task in tasks:
+            with RUNTIME.cond:
+                task.enter_locked(ex, launch)
+            task.call.execute()
+        return
     started = ex.resume_at if ex.resume_at is not None else ex.model_time
     ex.resume_at = None
-    clock, actor = ex.clock, ex.actor
     with RUNTIME.cond:
         for task in tasks:
-            clock[actor] += 1
-            group = task.group
-            if group is not None:
-                group.check_read_locked(ex, launch)
-            footprint = task.footprint
-            if footprint.items:
-                footprint.touch_locked(ex, (launch.issued, (task.label, launch), ex))
+            task.enter_locked(ex, launch)
     ex.cost.add_at(RUNTIME.config.task_us * len(tasks), started)
 
 
