@@ -80,6 +80,7 @@ from .paged_attention import (
     PagedAttentionConfig,
     PagedAttentionProgram,
     _check_tensors,
+    paged_arguments,
     paged_workspace,
 )
 from .sampling import PARAMS, sample, sampling_tensors, sampling_values
@@ -221,6 +222,7 @@ class ModelProgram(GraphProgram):
             scale=s.head_dim**-0.5,  # as transformers scales (not 1 / sqrt: bits differ)
             block_size=c.block_size,
         )
+        self._fia_decode = dict(self._fia, softmax_lse_flag=True)  # a decode layer's .out
         self._device: dict[str, Any] | None = None  # weights and tables, see _weights
         top = max(self.buckets)
         # Host values of padding rows: token 0 at position 0 of the scratch block, greedy.
@@ -425,18 +427,9 @@ class ModelProgram(GraphProgram):
     def _arguments(
         self, bufs: dict[str, torch.Tensor], layer: int, lengths: list[int]
     ) -> dict[str, Any]:
-        return dict(
-            query=bufs[f"q_{layer}"],
-            key=bufs[f"key_cache_{layer}"],
-            value=bufs[f"value_cache_{layer}"],
-            block_table=bufs["block_table"],
-            actual_seq_lengths=self._q_ends[len(lengths)],
-            actual_seq_lengths_kv=list(lengths),
-            softmax_lse_flag=True,
-            workspace=bufs.get("workspace"),
-            out=[bufs[f"attn_{layer}"], bufs[f"lse_{layer}"]],
-            **self._fia,
-        )
+        out = [bufs[f"attn_{layer}"], bufs[f"lse_{layer}"]]
+        return paged_arguments(bufs, layer, bufs[f"q_{layer}"], out, self._q_ends[len(lengths)],
+                               lengths, self._fia_decode)  # fmt: skip
 
     def capture(
         self,

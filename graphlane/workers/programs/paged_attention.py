@@ -247,17 +247,10 @@ class PagedAttentionProgram(GraphProgram):
     def _arguments(
         self, bufs: dict[str, torch.Tensor], layer: int, lengths: list[int]
     ) -> dict[str, Any]:
-        return dict(
-            query=bufs["query"] if layer == 0 else bufs[f"out_{layer - 1}"],
-            key=bufs[f"key_cache_{layer}"],
-            value=bufs[f"value_cache_{layer}"],
-            block_table=bufs["block_table"],
-            actual_seq_lengths=self._q_ends[len(lengths)],
-            actual_seq_lengths_kv=list(lengths),
-            workspace=bufs.get("workspace"),
-            out=[bufs[f"out_{layer}"], bufs[f"lse_{layer}"]],
-            **self._fia,
-        )
+        query = bufs["query"] if layer == 0 else bufs[f"out_{layer - 1}"]
+        out = [bufs[f"out_{layer}"], bufs[f"lse_{layer}"]]
+        return paged_arguments(bufs, layer, query, out, self._q_ends[len(lengths)], lengths,
+                               self._fia)  # fmt: skip
 
     def capture(
         self,
@@ -434,6 +427,32 @@ class PagedAttentionProgram(GraphProgram):
             ]
             out[kind] = torch.stack(rows)
         return out
+
+
+def paged_arguments(
+    bufs: dict[str, torch.Tensor],
+    layer: int,
+    query: torch.Tensor,
+    out: list[torch.Tensor],
+    q_ends: list[int],
+    lengths: list[int],
+    fia: dict[str, Any],
+) -> dict[str, Any]:
+    """The fused attention's ``.out`` arguments for one decode layer over the paged
+    caches in ``bufs`` (``key_cache_<layer>``, ``value_cache_<layer>``, ``block_table``,
+    the ``workspace`` if any): TND rows ending at ``q_ends``, KV ``lengths`` per row,
+    ``fia`` the op's fixed parameters."""
+    return dict(
+        query=query,
+        key=bufs[f"key_cache_{layer}"],
+        value=bufs[f"value_cache_{layer}"],
+        block_table=bufs["block_table"],
+        actual_seq_lengths=q_ends,
+        actual_seq_lengths_kv=list(lengths),
+        workspace=bufs.get("workspace"),
+        out=out,
+        **fia,
+    )
 
 
 def paged_workspace(
