@@ -13,6 +13,7 @@ import torch
 from npusim import DeviceFaultError, HazardError, SimUsageError, torch_npu
 
 npu = torch.npu
+Tensor = torch.Tensor
 G = torch.Generator().manual_seed(11)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # One rounding of a float32 result to the output dtype, plus float32's own error.
@@ -365,3 +366,82 @@ def test_every_fused_op_is_a_torch_ops_npu_op() -> None:
                  "npu_mrope", "npu_swiglu", "npu_scatter_pa_kv_cache", "_npu_reshape_and_cache",
                  "npu_top_k_top_p"):  # fmt: skip
         assert getattr(torch_npu, name) is getattr(torch.ops.npu, name)
+
+
+# ================================================================ a decode layer, captured
+class DecodeLayer:
+    """One dense Llama/Qwen2 decode layer as vllm-ascend builds it on Atlas A2, from the
+    fused ops: add_rms_norm, QKV matmul, rotary, scatter_pa_kv_cache into an ND paged
+    cache, paged FIA (BSH, block_table), o matmul, add_rms_norm, gate_up, swiglu, down."""
+
+    B, N, NKV, D, HID, FF, NB, BS = 3, 4, 2, 64, 128, 96, 6, 16
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        w = lambda *s: (rand(*s) / math.sqrt(s[0])).to(dtype).npu()  # noqa: E731
+        n_qkv = (self.N + 2 * self.NKV) * self.D
+        self.w_in, self.w_post = (
+            rand(self.HID, dtype=dtype).npu(),
+            rand(self.HID, dtype=dtype).npu(),
+        )
+        self.w_qkv, self.w_o = w(self.HID, n_qkv), w(self.N * self.D, self.HID)
+        self.w_gate_up, self.w_down = w(self.HID, 2 * self.FF), w(self.FF, self.HID)
+        self.table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32).npu()
+        self.lens = [5, 17, 30]  # each sequence's new token is at position len - 1
+        self.slots = torch.tensor(
+            [int(self.table[b, (n - 1) // self.BS]) * self.BS + (n - 1) % self.BS
+             for b, n in enumerate(self.lens)], dtype=torch.int32).npu()  # fmt: skip
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.NB, self.BS, self.NKV, self.D)
+        g = torch.Generator().manual_seed(3)
+        return tuple(torch.randn(*shape, generator=g).to(self.dtype).npu() for _ in range(2))  # type: ignore[return-value]
+
+    def __call__(
+        self, h: Tensor, res: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        B, N, NKV, D = self.B, self.N, self.NKV, self.D
+        x, _, res = torch_npu.npu_add_rms_norm(h, res, self.w_in)
+        q, k, v = (x @ self.w_qkv).split([N * D, NKV * D, NKV * D], dim=-1)
+        q, k = q.reshape(B, 1, N, D).contiguous(), k.reshape(B, 1, NKV, D).contiguous()
+        torch_npu.npu_apply_rotary_pos_emb(q, k, cos, sin)  # in place
+        v = v.reshape(B, NKV, D).contiguous()
+        torch_npu.npu_scatter_pa_kv_cache(k.view(B, NKV, D), v, kc, vc, self.slots,
+                                          cache_mode="Norm")  # fmt: skip
+        attn, _ = torch_npu.npu_fused_infer_attention_score(
+            q.reshape(B, 1, N * D), kc.view(self.NB, self.BS, NKV * D),
+            vc.view(self.NB, self.BS, NKV * D), block_table=self.table, block_size=self.BS,
+            actual_seq_lengths_kv=self.lens, num_heads=N, num_key_value_heads=NKV,
+            input_layout="BSH", scale=1 / math.sqrt(D),
+        )  # fmt: skip
+        y, _, res = torch_npu.npu_add_rms_norm(attn.reshape(B, N * D) @ self.w_o, res, self.w_post)
+        return torch_npu.npu_swiglu(y @ self.w_gate_up) @ self.w_down, res
+
+    def inputs(self) -> list[torch.Tensor]:
+        B, D, dt = self.B, self.D, self.dtype
+        angle = torch.rand(B, 1, 1, D // 2, generator=G).repeat(1, 1, 1, 2) * 3
+        return [rand(B, self.HID, dtype=dt), rand(B, self.HID, dtype=dt),
+                angle.cos().to(dt), angle.sin().to(dt)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_captured_decode_layer_of_fused_ops_replays_as_eager(dtype: torch.dtype) -> None:
+    layer = DecodeLayer(dtype)
+    static = [t.npu() for t in layer.inputs()]
+    kc_g, vc_g = layer.caches()
+    S = npu.Stream()
+    npu.synchronize()
+    g = npu.NPUGraph()
+    with npu.graph(g, stream=S):
+        out_g, res_g = layer(*static, kc_g, vc_g)
+    for _ in range(2):  # each replay on new inputs, against an eager run on the same caches
+        step = layer.inputs()
+        kc_e, vc_e = kc_g.clone(), vc_g.clone()
+        out_e, res_e = layer(*[t.npu() for t in step], kc_e, vc_e)
+        for dst, src in zip(static, step, strict=True):
+            dst.copy_(src.npu())
+        g.replay()
+        npu.synchronize()
+        assert torch.equal(out_g.cpu(), out_e.cpu()) and torch.equal(res_g.cpu(), res_e.cpu())
+        assert torch.equal(kc_g.cpu(), kc_e.cpu()) and torch.equal(vc_g.cpu(), vc_e.cpu())
+        assert out_g.cpu().isfinite().all()
