@@ -44,6 +44,7 @@ OPS = (
     "npu_rotary_mul",
     "npu_apply_rotary_pos_emb",
     "npu_mrope",
+    "_npu_rotary_embedding",
     "npu_swiglu",
     "npu_scatter_pa_kv_cache",
     "_npu_reshape_and_cache",

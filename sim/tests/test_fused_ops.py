@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from npusim import DeviceFaultError, HazardError, SimUsageError, torch_npu
+from npusim import DeviceFaultError, HazardError, SimUsageError, atb_rotary, torch_npu
 
 npu = torch.npu
 Tensor = torch.Tensor
@@ -191,6 +191,49 @@ def test_rotary_refusals() -> None:
         )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+def test_atb_rotary_embedding_in_place_by_the_cache_rows(dtype: torch.dtype, neox: bool) -> None:
+    atb_rotary.reset_tables()
+    hs, pos = 32, [4, 0, 2]
+    q, k, cache = rand(3, 2 * hs, dtype=dtype), rand(3, hs, dtype=dtype), rand(5, hs, dtype=dtype)
+    qd, kd = q.npu(), k.npu()
+    torch_npu._npu_rotary_embedding(torch.tensor(pos).npu(), qd, kd, hs, cache.npu(), neox)
+    mode = "half" if neox else "interleave"
+    close(qd.cpu(), ref_rope_cache(q, pos, cache, hs, mode), dtype)
+    close(kd.cpu(), ref_rope_cache(k, pos, cache, hs, mode), dtype)
+
+
+def test_atb_rotary_embedding_keeps_the_first_calls_cache_and_is_three_tasks() -> None:
+    """op-plugin RopeAtb.cpp builds its cos/sin tables from the first call's cache, once per
+    process; each call is two gathers and the rope kernel."""
+    atb_rotary.reset_tables()
+    hs, pos = 16, [1, 3]
+    first, second = rand(4, hs).npu(), rand(4, hs).npu()
+    q, k = rand(2, hs), rand(2, hs)
+    torch_npu._npu_rotary_embedding(torch.tensor(pos).npu(), q.npu(), k.npu(), hs, first, True)
+    qd, kd, positions = q.npu(), k.npu(), torch.tensor(pos).npu()
+    npu.synchronize()
+    g = npu.NPUGraph()
+    with pytest.warns(UserWarning, match="rotates by the first call's"), npu.graph(g):
+        torch_npu._npu_rotary_embedding(positions, qd, kd, hs, second, True)
+    assert [n.label for n in g.nodes] == [
+        "index_select.default", "index_select.default",
+        "_npusim_atb_rope.default",
+    ]  # fmt: skip
+    g.replay()
+    close(qd.cpu(), ref_rope_cache(q, pos, first.cpu(), hs, "half"), torch.float32)
+
+
+def test_atb_rotary_embedding_refusals() -> None:
+    q, cache = rand(2, 32).npu(), rand(4, 32).npu()
+    pos = torch.tensor([0, 1]).npu()
+    with pytest.raises(SimUsageError, match="cos_sin_cache must be \\[max_position, head_size=16"):
+        torch_npu._npu_rotary_embedding(pos, q, q.clone(), 16, cache, True)
+    with pytest.raises(SimUsageError, match="query must be \\[num_tokens=2, heads"):
+        torch_npu._npu_rotary_embedding(pos, rand(3, 32).npu(), q, 32, cache, True)
+
+
 # ================================================================ SwiGLU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [-1, 0])
@@ -364,7 +407,7 @@ def test_top_k_top_p_refusals() -> None:
 def test_every_fused_op_is_a_torch_ops_npu_op() -> None:
     for name in ("npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb",
                  "npu_mrope", "npu_swiglu", "npu_scatter_pa_kv_cache", "_npu_reshape_and_cache",
-                 "npu_top_k_top_p"):  # fmt: skip
+                 "npu_top_k_top_p", "_npu_rotary_embedding"):  # fmt: skip
         assert getattr(torch_npu, name) is getattr(torch.ops.npu, name)
 
 
@@ -434,6 +477,12 @@ def test_a_captured_decode_layer_of_fused_ops_replays_as_eager(dtype: torch.dtyp
     g = npu.NPUGraph()
     with npu.graph(g, stream=S):
         out_g, res_g = layer(*static, kc_g, vc_g)
+    fused = [n.label for n in g.nodes if n.label.startswith("npu_")]
+    assert fused == [  # one task each, in the order issued
+        "npu_add_rms_norm.default", "npu_apply_rotary_pos_emb.default",
+        "npu_scatter_pa_kv_cache.default", "npu_fused_infer_attention_score.default",
+        "npu_add_rms_norm.default", "npu_swiglu.default",
+    ]  # fmt: skip
     for _ in range(2):  # each replay on new inputs, against an eager run on the same caches
         step = layer.inputs()
         kc_e, vc_e = kc_g.clone(), vc_g.clone()

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from . import atb_rotary as _atb_rotary
 from . import fused_ops as _fused
 from . import npu
 from . import ops as _ops
@@ -52,6 +53,7 @@ npu_add_rms_norm = _fused.add_rms_norm
 npu_rotary_mul = _fused.rotary_mul
 npu_apply_rotary_pos_emb = _fused.apply_rotary_pos_emb
 npu_mrope = _fused.mrope
+_npu_rotary_embedding = _atb_rotary.rotary_embedding
 npu_swiglu = _fused.swiglu
 npu_scatter_pa_kv_cache = _fused.scatter_pa_kv_cache
 _npu_reshape_and_cache = _fused.reshape_and_cache
@@ -78,6 +80,7 @@ __all__ = [
     "_npu_paged_attention",
     "_npu_paged_attention_get_workspace",
     "_npu_reshape_and_cache",
+    "_npu_rotary_embedding",
     "get_npu_format",
     "npu",
     "npu_add_rms_norm",
