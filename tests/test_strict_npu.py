@@ -26,6 +26,10 @@ torch_npu.npu_scatter_pa_kv_cache(key=k, value=k, key_cache=kc, value_cache=kc.c
 torch_npu._npu_reshape_and_cache(key=k, value=k, key_cache=kc, value_cache=kc.clone(),
                                  slot_indices=slots)
 assert torch.equal(kc.cpu()[1, 1], k.cpu()[1])
+q = torch.randn(3, 32).npu()
+torch_npu._npu_rotary_embedding(positions=torch.tensor([0, 1, 2]).npu(), query=q, key=q.clone(),
+                                head_size=32, cos_sin_cache=torch.randn(4, 32).npu(),
+                                is_neox_style=True)
 logits = torch.randn(2, 8).npu()
 torch_npu.npu_top_k_top_p(logits, k=torch.tensor([2, 3], dtype=torch.int32).npu())
 try:
