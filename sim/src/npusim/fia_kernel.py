@@ -14,7 +14,9 @@ the op-plugin document is silent:
   band aligned bottom-right. For 2/3/4 the optimised 2048x2048 mask is checked for its
   shape only; the sim derives the mask from positions instead of reading its data.
 * In the incremental branch (query S 1, no rope, not TND) sparse_mode, pre/next tokens
-  and actual_seq_lengths are ignored, as documented; a given mask still applies.
+  and actual_seq_lengths are ignored, as documented; a full mask (sparse_mode 0, 1, 2)
+  still applies, the optimised mask of sparse_mode 3 or 4 does not: the one query row,
+  aligned bottom-right, sees every key (a causal decode).
 * MLA: scores are ``query . key + query_rope . key_rope``; ``value`` is the latent.
 * block_table entries that a batch reads must name an existing block: on the hardware
   they are not checked; the sim raises instead of reading another block.
@@ -114,7 +116,9 @@ def keep_matrix(p: Plan, mask: torch.Tensor | None) -> torch.Tensor:
     i = torch.arange(sq, dtype=torch.int64).reshape(1, 1, sq, 1)
     keep = (j < kv) & (i < ql)
     if p.incremental:
-        return keep & ~_user_mask(mask, p) if mask is not None else keep
+        if mask is None or p.sparse_mode in (3, 4):
+            return keep
+        return keep & ~_user_mask(mask, p)
     shift = kv - ql  # bottom-right alignment
     mode = p.sparse_mode
     if mode == 0 and mask is not None:

@@ -44,7 +44,11 @@ the argument (:mod:`fia_args` reads the arguments); the registered ops
   lists them without the general "Q_S 2..16" of the layout table, and vllm-ascend's MLA
   decode calls ``BNSD_NBSD`` with Q_S 1) or query D 128 (TND/NTD_TND, not paged, bfloat16).
 * sparse_mode 0..4: 0 and 1 take a full mask, 2/3/4 an optimised (2048, 2048) mask;
-  TND layouts take only 0 without a mask or 3 with one.
+  TND layouts take only 0 without a mask or 3 with one. At query S 1 (the incremental
+  branch, IFA) sparse_mode and pre/next tokens are "无效" (no effect) but for the mask:
+  3 and 4 keep the optimised mask (IFA's tiling: "when sparse = 3/4, atten_mask tensor
+  shape must be [2048, 2048]"), which aligned bottom-right lets the one query row see
+  every key; with 0, 1 or 2 the mask is a full mask, (B, KV_S) when 2-D.
 """
 
 from __future__ import annotations
@@ -299,10 +303,17 @@ def _check_block_size(block_size: int, q_seq: int, mla512: bool, tnd: bool) -> N
                    f"in [128, 512], got {block_size}")  # fmt: skip
 
 
-def _check_mask(mask: torch.Tensor, mode: int, b: int, sq: int, skv: int) -> None:
+def _check_mask(mask: torch.Tensor, mode: int, b: int, sq: int, skv: int,
+                incremental: bool = False) -> None:  # fmt: skip
+    """``mode``: the sparse mode whose mask rules apply (0 for a full mask)."""
     if mask.dtype not in _MASK_DTYPES:
         raise fail("atten_mask", f"dtype {mask.dtype} is not bool, int8 or uint8")
     s = tuple(mask.shape)
+    if incremental and len(s) == 2 and mode not in (3, 4) and s[0] != b:
+        # IFA's tiling: "batchSize of atten_mask must be equal to batchSize of query"
+        raise fail("atten_mask", f"at query S 1 (the incremental branch) a 2-D mask is (B, KV_S) "
+                   f"with B={b}, got {s}: its batch must equal the query's; only sparse_mode 3 "
+                   "and 4 take the optimised (2048, 2048) mask there")  # fmt: skip
     if mode in (2, 3, 4):
         if s not in ((OPT_MASK, OPT_MASK), (1, OPT_MASK, OPT_MASK), (1, 1, OPT_MASK, OPT_MASK)):
             raise fail("atten_mask", f"sparse_mode {mode} takes the optimised (2048, 2048), "
@@ -463,8 +474,11 @@ def plan(a: dict[str, Any]) -> Plan:
     nxt = check_int("next_tokens", a.get("next_tokens", INT32_MAX))
     mask = a.get("atten_mask")
     if mask is not None:
-        optimised = mode in (2, 3, 4) and not incremental
-        _check_mask(_tensor("atten_mask", mask), mode if optimised else 0, b, sq, pse_kv)
+        # At query S 1 (IFA) sparse_mode 3 and 4 keep the optimised mask, whose
+        # bottom-right causal row is the one query's (every key); 0/1/2 take a full mask.
+        optimised = mode in ((3, 4) if incremental else (2, 3, 4))
+        _check_mask(_tensor("atten_mask", mask), mode if optimised else 0, b, sq, pse_kv,
+                    incremental)  # fmt: skip
     pse = a.get("pse_shift")
     if pse is not None:
         p = _tensor("pse_shift", pse)
