@@ -15,7 +15,7 @@ At query S 1 (the incremental branch) sparse_mode and pre/next tokens have no ef
 modes 3 and 4 lets the one query row, aligned bottom-right, see every key: a causal
 decode, which the field writes as BSND + sparse_mode 3 + the 2048 mask (vllm-ascend's
 attention backends pass the same mask and mode to prefill and decode). TND takes
-sparse_mode 0 without a mask or 3 with one.
+sparse_mode 0 without a mask, or 3 or 4 with one.
 """
 
 from __future__ import annotations
@@ -205,8 +205,10 @@ def _tnd_case(mode: str, paged: bool) -> None:
     ends = [sum(q_lens[: i + 1]) for i in range(B)]
     kw: dict[str, Any] = dict(num_heads=N, num_key_value_heads=NKV, scale=0.25,
                               input_layout="TND", actual_seq_lengths=ends)  # fmt: skip
-    if mode == "3":
-        kw.update(atten_mask=COMPRESSED.npu(), sparse_mode=3)
+    if mode in ("3", "4"):  # 4: vllm-ascend's sliding window over TND
+        kw.update(atten_mask=COMPRESSED.npu(), sparse_mode=int(mode))
+        if mode == "4":
+            kw.update(pre_tokens=PRE, next_tokens=NEXT)
     if paged:
         kc, vc, table = _paged((k, v), kv_lens, bs, g)
         key, value = kc.npu(), vc.npu()
@@ -215,18 +217,18 @@ def _tnd_case(mode: str, paged: bool) -> None:
         key, value = rows(k, kv_lens).npu(), rows(v, kv_lens).npu()
         kw.update(actual_seq_lengths_kv=[sum(kv_lens[: i + 1]) for i in range(B)])
     out, _ = torch_npu.npu_fused_infer_attention_score(rows(q, q_lens).npu(), key, value, **kw)
-    want = _reference(q, k, v, q_lens, kv_lens, "0-none" if mode == "0" else "3", None,
+    want = _reference(q, k, v, q_lens, kv_lens, "0-none" if mode == "0" else mode, None,
                       0.25, False)  # fmt: skip
     torch.testing.assert_close(out.cpu().double(), rows(want, q_lens), atol=3e-3, rtol=3e-3)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-@pytest.mark.parametrize("mode", ["0", "3"])
+@pytest.mark.parametrize("mode", ["0", "3", "4"])
 def test_tnd_sparse_modes(mode: str, paged: bool) -> None:
     _tnd_case(mode, paged)
 
 
-@pytest.mark.parametrize("mode", [1, 2, 4])
+@pytest.mark.parametrize("mode", [1, 2])
 def test_tnd_refuses_other_modes_in_the_documents_words(mode: str) -> None:
     q = torch.zeros(4, N, D).half().npu()
     mask = (COMPRESSED if mode != 1 else torch.zeros(1, 4, 4, dtype=torch.bool)).npu()
