@@ -104,14 +104,12 @@ def test_patch_with_another_buffer_of_the_layout_writes_into_it(path: str) -> No
 @pytest.mark.parametrize("path", ["fused", "explicit"])
 def test_patch_with_a_buffer_of_another_shape_is_refused(path: str) -> None:
     layer = Layer()
-    other = torch.zeros(B, N, 1, D, dtype=torch.float16, device="npu")
-    query = torch.zeros(B, N, 1, 2 * D, dtype=torch.float16, device="npu")[..., :D]
+    longer = torch.zeros(B, NKV, 2 * KV, D, dtype=torch.float16, device="npu")  # a valid call
     with pytest.raises(SimUsageError, match=r"shape/stride/dtype .*another tiling"):
         if path == "fused":
-            fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], out=[other, layer.lse],
-                                                                query=query))  # fmt: skip
+            fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], key=longer, value=longer))
         else:
-            layer.patch([1, 1], query=query)
+            layer.patch([1, 1], key=longer, value=longer)
 
 
 def test_captured_tensor_whose_layout_changed_in_place_is_refused() -> None:

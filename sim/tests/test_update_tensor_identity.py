@@ -154,10 +154,11 @@ def test_update_of_another_shape_or_op_is_refused() -> None:
     with pytest.raises(SimUsageError, match=r"block_table: must be a 2-D int32 tensor"):
         draft.patch(longs, [16, 16, 16], fused=True)
     functional = r"op npu_fused_infer_attention_score.default instead"  # another op
+    table = torch.zeros(B, MAXB, dtype=torch.int32, device="npu")
     with pytest.raises(SimUsageError, match=functional), torch.npu.stream(draft.update):
         torch.npu.graph_task_update_begin(draft.update, draft.handle)
         try:
-            FIA(*draft.args, block_table=wider[:, :MAXB], actual_seq_lengths_kv=[1] * B,
+            FIA(*draft.args, block_table=table, actual_seq_lengths_kv=[1] * B,
                 **draft.kw)  # fmt: skip
         finally:
             abandon_update(draft.update)
