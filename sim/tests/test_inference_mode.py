@@ -203,3 +203,45 @@ def test_vllm_like_capture_in_the_mode_then_update_and_replay_from_a_thread() ->
     for lens, o in got:
         torch.testing.assert_close(o.float(), 2 * _reference(q, k, v, lens, scale),
                                    atol=4e-3, rtol=4e-3)  # fmt: skip
+
+
+VIEWS = {
+    "slice": lambda t: t[:2],
+    "view": lambda t: t.view(24),
+    "reshape": lambda t: t.reshape(6, 4),
+    "transpose": lambda t: t.t(),
+    "select": lambda t: t[1],
+    "split": lambda t: t.split(2)[1],
+    "unbind": lambda t: t.unbind(0)[2],
+    "detach": lambda t: t.detach(),
+    "as_strided": lambda t: t.as_strided((2, 2), (6, 1)),
+    "view_dtype": lambda t: t.view(torch.int32),
+}
+
+
+def _view_rules(device: str) -> dict[str, tuple[bool, bool, bool]]:
+    """For each view: (inference?, in-place allowed outside the mode) of a view of a
+    normal tensor made inside the mode, and (inference?) of a view of an inference
+    tensor made outside it."""
+    rules = {}
+    for name, view in VIEWS.items():
+        normal = torch.zeros(4, 6, device=device)
+        with torch.inference_mode():
+            inside = view(normal)
+            inf = torch.zeros(4, 6, device=device)
+        try:
+            inside.add_(1)
+            allowed = True
+        except RuntimeError:
+            allowed = False
+        rules[name] = (inside.is_inference(), allowed, view(inf).is_inference())
+    torch.npu.synchronize()
+    return rules
+
+
+def test_views_follow_torchs_inference_rules() -> None:
+    """A view of a normal tensor made inside the mode is a normal tensor (vLLM slices
+    its persistent buffers inside it: ``input_ids[:n]``), a view of an inference tensor
+    is an inference tensor, as on the CPU (and the NPU); the sim once failed the first
+    ("Cannot set version_counter for inference tensor")."""
+    assert _view_rules("npu") == _view_rules("cpu")
