@@ -1,9 +1,9 @@
 """The sim's short paths check what the dispatcher's path checks.
 
 A captured task's tensor keys are taken at capture and a patch is compared with
-them; the fused update binding binds its arguments itself and never takes torch's
-dispatcher (as on the NPU). Each test here is a way such a shortcut could let a wrong
-patch through or change a result.
+them (the same layouts; addresses may change); the fused update binding binds its
+arguments itself and never takes torch's dispatcher (as on the NPU). Each test here is
+a way such a shortcut could let a wrong patch through or change a result.
 """
 
 from __future__ import annotations
@@ -88,14 +88,28 @@ def test_a_new_view_with_the_captured_layout_may_patch() -> None:
 
 
 @pytest.mark.parametrize("path", ["fused", "explicit"])
-def test_patch_with_another_buffer_is_refused(path: str) -> None:
+def test_patch_with_another_buffer_of_the_layout_writes_into_it(path: str) -> None:
+    """A tensor's address is a task parameter CANN's update replaces: both paths agree."""
     layer = Layer()
     other = torch.zeros_like(layer.out)
-    with pytest.raises(SimUsageError, match="another tensor than the captured one"):
+    torch.npu.synchronize()  # the replays on another stream write it
+    if path == "fused":
+        fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], out=[other, layer.lse]))
+    else:
+        layer.patch([1, 1], out=[other, layer.lse])
+    assert torch.equal(layer.run(), torch.zeros(B, N, 1, D, dtype=torch.float16))
+    assert torch.equal(other.cpu(), layer.expected([1, 1]))
+
+
+@pytest.mark.parametrize("path", ["fused", "explicit"])
+def test_patch_with_a_buffer_of_another_shape_is_refused(path: str) -> None:
+    layer = Layer()
+    longer = torch.zeros(B, NKV, 2 * KV, D, dtype=torch.float16, device="npu")  # a valid call
+    with pytest.raises(SimUsageError, match=r"shape/stride/dtype .*another tiling"):
         if path == "fused":
-            fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], out=[other, layer.lse]))
+            fused(layer.u, layer.handle, layer.ev, **layer.args([1, 1], key=longer, value=longer))
         else:
-            layer.patch([1, 1], out=[other, layer.lse])
+            layer.patch([1, 1], key=longer, value=longer)
 
 
 def test_captured_tensor_whose_layout_changed_in_place_is_refused() -> None:

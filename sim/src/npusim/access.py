@@ -228,8 +228,8 @@ class AccessWork:
 
 
 class TaskAccess:
-    """The footprint of a captured task (fixed at capture: a patch changes parameters,
-    not tensors), with the records its last run on a stream made: a run on the same
+    """The footprint of a captured task (set at capture, replaced by a patch that names
+    other tensors), with the records its last run on a stream made: a run on the same
     stream that finds their storages unchanged since only refreshes their epochs."""
 
     __slots__ = ("actor", "cache", "items")

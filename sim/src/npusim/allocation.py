@@ -158,22 +158,67 @@ def _release(private: PrivatePool) -> None:
     RELEASED.append(private)  # may run inside the allocator (a graph collected by the GC)
 
 
+Refs = dict[Block, tuple[int, int, int]]  # a block a task uses: (seq, ptr, size) then
+
+
+def _refs_of(call: Any) -> Refs:
+    """The allocations a call's tensors are in. Caller holds ``LOCK``."""
+    refs: Refs = {}
+    for v in (*call.args, *call.kwargs.values(), *(call.outs or ())):
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, torch.Tensor) and t.numel():
+                b = block_at(t.data_ptr())
+                if b is not None and b.state == ALLOCATED:
+                    refs[b] = (b.seq, b.ptr, b.size)
+    return refs
+
+
+def _flatten(node_refs: dict[Any, Refs]) -> list[tuple[Block, int, int, int, bool]]:
+    """Every allocation the tasks use, flagged True where only tasks of task groups use
+    it: an update issued after a replay, which that replay waits for, may repoint them,
+    so their check waits for the task to run (:func:`check_task_memory_locked`)."""
+    fixed: Refs = {}
+    patchable: Refs = {}
+    for node, r in node_refs.items():
+        (patchable if getattr(node, "group", None) is not None else fixed).update(r)
+    out = [(b, *r, False) for b, r in fixed.items()]
+    return out + [(b, *r, True) for b, r in patchable.items() if b not in fixed]
+
+
 def capture_end(graph: Any) -> None:
-    """Remember the allocations the captured work uses (what a replay checks)."""
-    refs: dict[Block, tuple[int, int, int]] = {}
+    """Remember the allocations the captured work uses (what a replay checks), per task."""
+    node_refs: dict[Any, Refs] = {}
     with LOCK:
         branches = getattr(graph, "branches", ())  # fork/join capture: side-stream nodes
         for node in (*graph.nodes, *(n for b in branches for n in b.nodes)):
             call = getattr(node, "call", None)
-            if call is None:
-                continue
-            for v in (*call.args, *call.kwargs.values(), *(call.outs or ())):
-                for t in v if isinstance(v, (list, tuple)) else (v,):
-                    if isinstance(t, torch.Tensor) and t.numel():
-                        b = block_at(t.data_ptr())
-                        if b is not None and b.state == ALLOCATED:
-                            refs[b] = (b.seq, b.ptr, b.size)
-    graph._mem_refs = [(b, *r) for b, r in refs.items()]
+            if call is not None:
+                node_refs[node] = _refs_of(call)
+    graph._node_refs = node_refs
+    graph._mem_refs = _flatten(node_refs)
+
+
+def task_patched(graph: Any, node: Any, call: Any, moved: bool) -> None:
+    """A patch of the task ``node`` of ``graph`` was issued with ``call``: the task uses
+    the memory of its tensors from then on. They may be other tensors than the task's
+    (``moved``), or the same addresses in memory freed and allocated again since (a
+    capture's temporary block table whose memory the update's fresh one took): both
+    make the task's allocations those of ``call``. As for captured tensors, nothing
+    keeps them allocated; a task that runs after they were freed and their memory
+    reused is reported. Caller holds RUNTIME.cond."""
+    node_refs = getattr(graph, "_node_refs", None)
+    if node_refs is None:
+        return
+    refs = node_refs.get(node)
+    # The common case: the task's memory is where the capture found it. (A read of seq
+    # and state without LOCK: a block freed meanwhile is found stale when the task runs,
+    # whose check holds it.)
+    if (not moved and refs is not None
+            and all(b.seq == r[0] and b.state == ALLOCATED for b, r in refs.items())):  # fmt: skip
+        return
+    with LOCK:
+        node_refs[node] = _refs_of(call)
+    graph._mem_refs = _flatten(node_refs)
 
 
 def replay_issued_locked(graph: Any, stream: Any) -> None:
@@ -186,31 +231,60 @@ def replay_issued_locked(graph: Any, stream: Any) -> None:
     observed: list[Clock] = []
     with LOCK:
         drain_locked(observed)
-        for block, seq, ptr, size in refs:
+        for block, seq, ptr, size, patchable in refs:
             if block.seq == seq and block.state == ALLOCATED:
                 if block.stream is not stream:
                     if block.uses is None:
                         block.uses = {}
                     block.uses[stream] = entry
                 continue
-            if own is not None and block.pool.owner is own:
-                continue  # the graph's pool keeps it: only captures into the pool reuse it
-            other = live_overlap(ptr, ptr + size)
-            if other is not None:
-                RUNTIME.report(
-                    HazardError(
-                        f"use after free: replay #{graph.replays} of {graph.name} on "
-                        f"{stream.name} uses {size} bytes at {ptr:#x} of a tensor it captured, "
-                        "but that tensor was freed after the capture and the memory now "
-                        f"belongs to another tensor (allocated on {other.stream.name}). A "
-                        "graph keeps alive only what its capture allocated: keep a reference "
-                        "to every tensor a captured graph uses (static inputs and outputs) "
-                        "for as long as the graph is replayed",
-                        kind="use-after-free",
-                    )
-                )
+            if patchable or (own is not None and block.pool.owner is own):
+                continue  # checked when its task runs; the graph's pool keeps it
+            if _report_reuse(ptr, size, f"replay #{graph.replays} of {graph.name} on "
+                             f"{stream.name}"):  # fmt: skip
                 break
     observe(observed, runtime_locked=True)
+
+
+def check_task_memory_locked(node: Any, what: str) -> None:
+    """The task ``node`` of a task group starts (``what``: its replay and stream): report
+    memory it uses that was freed and now belongs to another tensor. Caller holds
+    RUNTIME.cond."""
+    node_refs = getattr(node.group.graph, "_node_refs", None)
+    refs = node_refs.get(node) if node_refs else None
+    if not refs:
+        return
+    if all(b.seq == r[0] and b.state == ALLOCATED for b, r in refs.items()):
+        return
+    own = getattr(node.group.graph, "_mempool", None)
+    with LOCK:
+        for block, (seq, ptr, size) in refs.items():
+            if block.seq == seq and block.state == ALLOCATED:
+                continue
+            if own is not None and block.pool.owner is own:
+                continue
+            if _report_reuse(ptr, size, f"{node.label} in {what}"):
+                return
+
+
+def _report_reuse(ptr: int, size: int, who: str) -> bool:
+    """Report ``who``'s use of the freed memory at ``ptr`` if another tensor holds it now.
+    Caller holds RUNTIME.cond and LOCK."""
+    other = live_overlap(ptr, ptr + size)
+    if other is None:
+        return False
+    RUNTIME.report(
+        HazardError(
+            f"use after free: {who} uses {size} bytes at {ptr:#x} of a tensor it captured "
+            "or a task update passed, but that tensor was freed after the capture or update "
+            f"and the memory now belongs to another tensor (allocated on "
+            f"{other.stream.name}). A graph keeps alive only what its capture allocated: keep "
+            "a reference to every tensor a captured graph or an update of its task groups "
+            "uses (static inputs and outputs) for as long as the graph is replayed",
+            kind="use-after-free",
+        )
+    )
+    return True
 
 
 def graph_reset(graph: Any) -> None:
@@ -218,7 +292,7 @@ def graph_reset(graph: Any) -> None:
     release = getattr(graph, "_mempool_release", None)
     if release is not None:
         release()
-    graph._mempool = graph._mempool_release = graph._mem_refs = None
+    graph._mempool = graph._mempool_release = graph._mem_refs = graph._node_refs = None
 
 
 # ---------------------------------------------------------------- torch.npu functions

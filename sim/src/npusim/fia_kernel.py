@@ -14,8 +14,13 @@ the op-plugin document is silent:
   band aligned bottom-right. For 2/3/4 the optimised 2048x2048 mask is checked for its
   shape only; the sim derives the mask from positions instead of reading its data.
 * In the incremental branch (query S 1, no rope, not TND) sparse_mode, pre/next tokens
-  and actual_seq_lengths are ignored, as documented; a given mask still applies.
+  and actual_seq_lengths are ignored, as documented; a full mask (sparse_mode 0, 1, 2)
+  still applies, the optimised mask of sparse_mode 3 or 4 does not: the one query row,
+  aligned bottom-right, sees every key (a causal decode).
 * MLA: scores are ``query . key + query_rope . key_rope``; ``value`` is the latent.
+* ``learnable_sink`` (v2): head h's sink logit joins the denominator of each of its rows'
+  softmax (unscaled, as gpt-oss's reference appends it to the scaled scores) and adds no
+  value; ``softmax_lse`` includes it (a row without keys has the sink as its lse).
 * block_table entries that a batch reads must name an existing block: on the hardware
   they are not checked; the sim raises instead of reading another block.
 """
@@ -114,7 +119,9 @@ def keep_matrix(p: Plan, mask: torch.Tensor | None) -> torch.Tensor:
     i = torch.arange(sq, dtype=torch.int64).reshape(1, 1, sq, 1)
     keep = (j < kv) & (i < ql)
     if p.incremental:
-        return keep & ~_user_mask(mask, p) if mask is not None else keep
+        if mask is None or p.sparse_mode in (3, 4):
+            return keep
+        return keep & ~_user_mask(mask, p)
     shift = kv - ql  # bottom-right alignment
     mode = p.sparse_mode
     if mode == 0 and mask is not None:
@@ -189,8 +196,14 @@ def compute(p: Plan, a: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         row_max = scores.amax(dim=-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    sink = a.get("learnable_sink")
+    if sink is not None:  # a per-head logit in every row's softmax that gives no value
+        sink = sink.to(torch.float32).reshape(1, n, 1, 1)
+        row_max = torch.maximum(row_max, sink)
     e = torch.exp(scores - row_max)
     denom = e.sum(dim=-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - row_max)
     has = denom > 0
     safe = torch.where(has, denom, torch.ones_like(denom))
     probs = e / safe

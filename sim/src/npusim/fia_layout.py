@@ -44,7 +44,14 @@ the argument (:mod:`fia_args` reads the arguments); the registered ops
   lists them without the general "Q_S 2..16" of the layout table, and vllm-ascend's MLA
   decode calls ``BNSD_NBSD`` with Q_S 1) or query D 128 (TND/NTD_TND, not paged, bfloat16).
 * sparse_mode 0..4: 0 and 1 take a full mask, 2/3/4 an optimised (2048, 2048) mask;
-  TND layouts take only 0 without a mask or 3 with one.
+  TND layouts take only 0 without a mask, or 3 or 4 with one (4: pre_tokens >= -q_len,
+  next_tokens >= -kv_len, pre + next >= 0 per batch; vllm-ascend's sliding window).
+  At query S 1 (the incremental branch, IFA) sparse_mode and pre/next tokens are "无效"
+  (no effect) but for the mask: 3 and 4 keep the optimised mask (IFA's tiling: "when
+  sparse = 3/4, atten_mask tensor shape must be [2048, 2048]"), which aligned
+  bottom-right lets the one query row see every key; with 0, 1 or 2 the mask is a full
+  mask, (B, KV_S) when 2-D.
+* ``learnable_sink`` (v2): bfloat16 (Q_N,), TND or NTD_TND, value D up to 128.
 """
 
 from __future__ import annotations
@@ -299,10 +306,17 @@ def _check_block_size(block_size: int, q_seq: int, mla512: bool, tnd: bool) -> N
                    f"in [128, 512], got {block_size}")  # fmt: skip
 
 
-def _check_mask(mask: torch.Tensor, mode: int, b: int, sq: int, skv: int) -> None:
+def _check_mask(mask: torch.Tensor, mode: int, b: int, sq: int, skv: int,
+                incremental: bool = False) -> None:  # fmt: skip
+    """``mode``: the sparse mode whose mask rules apply (0 for a full mask)."""
     if mask.dtype not in _MASK_DTYPES:
         raise fail("atten_mask", f"dtype {mask.dtype} is not bool, int8 or uint8")
     s = tuple(mask.shape)
+    if incremental and len(s) == 2 and mode not in (3, 4) and s[0] != b:
+        # IFA's tiling: "batchSize of atten_mask must be equal to batchSize of query"
+        raise fail("atten_mask", f"at query S 1 (the incremental branch) a 2-D mask is (B, KV_S) "
+                   f"with B={b}, got {s}: its batch must equal the query's; only sparse_mode 3 "
+                   "and 4 take the optimised (2048, 2048) mask there")  # fmt: skip
     if mode in (2, 3, 4):
         if s not in ((OPT_MASK, OPT_MASK), (1, OPT_MASK, OPT_MASK), (1, 1, OPT_MASK, OPT_MASK)):
             raise fail("atten_mask", f"sparse_mode {mode} takes the optimised (2048, 2048), "
@@ -324,9 +338,9 @@ def _check_sparse(a: dict[str, Any], mode: int, tnd: bool, incremental: bool) ->
         raise fail("sparse_mode", f"{mode} is not supported (documented: 0..4; 5..8 are reserved)")
     if incremental:
         return
-    if tnd and not ((mode == 0 and mask is None) or (mode == 3 and mask is not None)):
-        raise fail("sparse_mode", "the TND/NTD layouts take sparse_mode 0 without atten_mask or "
-                   f"sparse_mode 3 with it (got {mode}, atten_mask "
+    if tnd and not ((mode == 0 and mask is None) or (mode in (3, 4) and mask is not None)):
+        raise fail("sparse_mode", "the TND/NTD layouts take sparse_mode 0 without atten_mask, or "
+                   f"sparse_mode 3 or 4 with it (got {mode}, atten_mask "
                    f"{'given' if mask is not None else 'None'})")  # fmt: skip
     if mode in (1, 2, 3, 4) and mask is None:
         raise fail("atten_mask", f"sparse_mode {mode} needs atten_mask")
@@ -372,6 +386,25 @@ def _rope(a: dict[str, Any], layout: str, q: torch.Tensor, paged: bool, n: int, 
     else:
         raise fail("query_rope", f"MLA takes a query D of 512 or 128, got {d}")
     return 64
+
+
+def _check_sink(sink: object, layout_in: str, layout_out: str, n: int, dv: int) -> None:
+    """v2's ``learnable_sink``: "数据类型支持bfloat16 ... shape输入为(Q_N,)", and its
+    constraints "仅支持TND、NTD_TND; 仅支持value的d小于等于128"."""
+    if sink is None:
+        return
+    t = _tensor("learnable_sink", sink)
+    if t.dtype != torch.bfloat16:
+        raise fail("learnable_sink", f"dtype {t.dtype} is not bfloat16 (the only dtype the "
+                   "document allows)")  # fmt: skip
+    if tuple(t.shape) != (n,):
+        raise fail("learnable_sink", f"shape {tuple(t.shape)} is not (Q_N,) = ({n},)")
+    if (layout_in, layout_out) not in (("TND", "TND"), ("NTD", "TND")):
+        got = layout_in if layout_in == layout_out else f"{layout_in}_{layout_out}"
+        raise fail("learnable_sink", f"is supported with the TND and NTD_TND layouts only, got "
+                   f"{got}")  # fmt: skip
+    if dv > 128:
+        raise fail("learnable_sink", f"is supported with a value D up to 128, got {dv}")
 
 
 def plan(a: dict[str, Any]) -> Plan:
@@ -463,8 +496,11 @@ def plan(a: dict[str, Any]) -> Plan:
     nxt = check_int("next_tokens", a.get("next_tokens", INT32_MAX))
     mask = a.get("atten_mask")
     if mask is not None:
-        optimised = mode in (2, 3, 4) and not incremental
-        _check_mask(_tensor("atten_mask", mask), mode if optimised else 0, b, sq, pse_kv)
+        # At query S 1 (IFA) sparse_mode 3 and 4 keep the optimised mask, whose
+        # bottom-right causal row is the one query's (every key); 0/1/2 take a full mask.
+        optimised = mode in ((3, 4) if incremental else (2, 3, 4))
+        _check_mask(_tensor("atten_mask", mask), mode if optimised else 0, b, sq, pse_kv,
+                    incremental)  # fmt: skip
     pse = a.get("pse_shift")
     if pse is not None:
         p = _tensor("pse_shift", pse)
@@ -477,6 +513,15 @@ def plan(a: dict[str, Any]) -> Plan:
                 and ps[3] >= pse_kv):  # fmt: skip
             raise fail("pse_shift", f"shape {ps} is not (B|1, N, Q_S, KV_S) with B={b}, N={n}, "
                        f"Q_S>={sq}, KV_S>={pse_kv}")  # fmt: skip
+    if tnd and mode == 4:  # the TND section: "preTokens >= -actual_seq_qlen, nextTokens >=
+        # -actual_seq_kvlen, preTokens + nextTokens >= 0"
+        for b_, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+            if pre < -ql or nxt < -kl or pre + nxt < 0:
+                raise fail("pre_tokens", f"sparse_mode 4 with TND needs pre_tokens >= "
+                           f"-actual_seq_lengths, next_tokens >= -actual_seq_lengths_kv and "
+                           f"pre_tokens + next_tokens >= 0; batch {b_} has {pre}, {nxt}, "
+                           f"lengths {ql} and {kl}")  # fmt: skip
+    _check_sink(a.get("learnable_sink"), layout_in, layout_out, n, dv)
     precise = check_int("inner_precise", a.get("inner_precise", 0))
     if not 0 <= precise <= 3:
         raise fail("inner_precise", f"must be 0, 1, 2 or 3, got {precise}")

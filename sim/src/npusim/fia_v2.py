@@ -3,8 +3,10 @@ output helpers, registered as ``torch.ops.npu.*`` with the wheel's schemas.
 
 v2 is v1 with other names (``num_query_heads``, ``softmax_scale``, ``actual_seq_qlen``,
 ``actual_seq_kvlen``, ``return_softmax_lse``) and its quantisation arguments; the sim maps
-the names and runs v1's planning and kernel. Quantisation arguments, ``learnable_sink``
-and the ``*_dtype`` overrides are refused unless left at their defaults.
+the names and runs v1's planning and kernel, ``learnable_sink`` (attention sinks, gpt-oss;
+:func:`.fia_layout.plan` checks it, :func:`.fia_kernel.compute` adds it to each row's
+softmax) included. Quantisation arguments and the ``*_dtype`` overrides are refused
+unless left at their defaults.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ _DTYPES = ("query_dtype", "key_dtype", "value_dtype", "query_rope_dtype", "key_r
            "dequant_scale_key_rope_dtype", "out_dtype")  # fmt: skip
 _QUANT = ("dequant_scale_query", "dequant_scale_key", "dequant_offset_key",
           "dequant_scale_value", "dequant_offset_value", "dequant_scale_key_rope",
-          "quant_scale_out", "quant_offset_out", "quant_scale_p", "learnable_sink",
+          "quant_scale_out", "quant_offset_out", "quant_scale_p",
           "query_quant_mode", "key_quant_mode", "value_quant_mode")  # fmt: skip
 _V1_NAMES = {"num_query_heads": "num_heads", "softmax_scale": "scale",
              "actual_seq_qlen": "actual_seq_lengths", "actual_seq_kvlen": "actual_seq_lengths_kv",

@@ -21,7 +21,13 @@ from typing import Any, Protocol
 
 from . import capture_rules, forkjoin, npugraph_utils, rng
 from .access import ISSUED, Footprint, TaskAccess
-from .allocation import capture_begin, capture_end, graph_reset, replay_issued_locked
+from .allocation import (
+    capture_begin,
+    capture_end,
+    check_task_memory_locked,
+    graph_reset,
+    replay_issued_locked,
+)
 from .errors import SimUsageError
 from .opcall import OpCall
 from .runtime import RUNTIME
@@ -52,8 +58,8 @@ class DispatchRecord(Protocol):
 # =================================================================== nodes
 class TaskNode:
     """A captured op. Its ``call`` arguments are what patches replace; its
-    ``footprint`` (what memory it reads and writes) is fixed at capture, as a patch
-    changes parameters, not tensors."""
+    ``footprint`` (what memory it reads and writes) is its capture's, or that of the
+    last patch that named other tensors (:mod:`.task_groups`)."""
 
     def __init__(self, call: OpCall, footprint: Footprint = ()) -> None:
         self.call = call
@@ -70,6 +76,10 @@ class TaskNode:
         ex.tick()
         if self.group is not None:
             self.group.check_read_locked(ex, launch)
+            # an update may have repointed it after its replay was issued: its memory is
+            # checked now (the other tasks' when the replay was issued)
+            check_task_memory_locked(self, f"replay #{launch.number} of {launch.graph_name} "
+                                     f"on {ex.name}")  # fmt: skip
         if self.footprint:
             self.footprint.touch_locked(ex, (launch.issued, (self.label, launch), ex))
 

@@ -218,24 +218,35 @@ class OpCall:
         return keys
 
     def mismatch(self, other: OpCall) -> str:
-        """Why ``other`` cannot patch this captured call ('' when it can)."""
+        """Why ``other`` cannot patch this captured call ('' when it can).
+
+        What CANN's task update asks of a re-issued op: the same op, giving the same
+        number and kind of tasks, which for the sim's ops means the same tensor arguments
+        in the same shape, stride and dtype (a tensor of another shape is another tiling,
+        maybe another task count). A tensor's address is a parameter of the task like a
+        length: the patched task reads and writes the tensor the update passed
+        (vllm-ascend's EAGLE draft graph passes a fresh block table to each update);
+        :meth:`moves` tells the caller so."""
         if other.op is not self.op:
-            return f"op {other.label} instead of {self.label}"
+            return f"op {other.label} instead of {self.label} (an update re-issues its op)"
         mine, theirs = self.tensor_keys(), other.tensor_keys()
         if mine == theirs:  # the common case, compared in C
             return ""
         if len(mine) != len(theirs):
-            return f"{len(theirs)} tensor arguments instead of {len(mine)}"
+            return (
+                f"{len(theirs)} tensor arguments instead of {len(mine)} (another task layout: "
+                "pass every tensor argument the capture passed)"
+            )
         for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
             if _layout(a) != _layout(b):
                 return (
                     f"tensor argument {i} has shape/stride/dtype {_layout(b)} instead of "
-                    f"{_layout(a)}"
-                )
-            if a[:2] != b[:2]:
-                return (
-                    f"tensor argument {i} is another tensor than the captured one (a patch "
-                    "changes parameters, not tensor addresses: copy new data into the "
-                    "captured buffers instead)"
+                    f"{_layout(a)} (another tiling: CANN updates a task only with the shapes "
+                    "it was captured with; pad the tensor to the captured shape)"
                 )
         return ""
+
+    def moves(self, other: OpCall) -> bool:
+        """``other``, which passed :meth:`mismatch`, names another tensor (an address)
+        than this call for some argument."""
+        return self.tensor_keys() != other.tensor_keys()

@@ -225,7 +225,9 @@ class Stream(torch.Stream):
         self._queue.append(entry)
         self._last = entry
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"sim-{self.name}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._device_thread, name=f"sim-{self.name}", daemon=True
+            )
             self._thread.start()
         if self._idle:  # a busy executor takes the entry without being woken
             self._wake.notify()
@@ -257,6 +259,18 @@ class Stream(torch.Stream):
         if RUNTIME.config.mode == "timed":
             return self.model_time
         return time.perf_counter()
+
+    def _device_thread(self) -> None:
+        """The executor thread. Device work runs under ``torch.inference_mode()``: the
+        CPU tensors it reads and writes are device memory, below autograd, and may be
+        inference tensors (memory allocated, or host tensors made, while the program's
+        thread was in inference mode). Outside that mode, an in-place write to them
+        fails ("Inplace update to inference tensor outside InferenceMode"), where the NPU
+        writes device memory whatever the mode of the thread that issued the work
+        (``inference_mode`` is a per-thread state of the host; vLLM runs its model
+        under it)."""
+        with torch.inference_mode():
+            self._loop()
 
     def _loop(self) -> None:
         cond = RUNTIME.cond

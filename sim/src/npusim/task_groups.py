@@ -3,9 +3,14 @@
 ``graph_task_group_begin/end`` bracket nodes of a capture into a task group and
 return its handle; between ``graph_task_update_begin(u, handle)`` and
 ``graph_task_update_end(u)``, an op issued on stream ``u`` is not run: it is
-checked against the group's next captured op (same op, same tensors) and
-becomes a *patch* of that task's arguments (:class:`PatchWork`), applied in
-``u``'s order.
+checked against the group's next captured op (same op, tensors of the same
+shapes, strides and dtypes: :meth:`.opcall.OpCall.mismatch`) and becomes a
+*patch* of that task's arguments (:class:`PatchWork`), applied in ``u``'s
+order. A patch may name other tensors than the capture (their addresses are
+parameters of the task, as CANN replaces them): the task then reads and writes
+those, its memory footprint follows them, and the graph's replays check that
+their memory was not freed and reused (what ``allocation.task_patched``
+tracks); nothing keeps them allocated, as on the NPU.
 
 A patch and a replay that reads the patched task must be ordered
 (happen-before) one way or the other; otherwise the simulator reports a
@@ -18,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from . import access
+from .allocation import task_patched
 from .errors import HazardError, SimUsageError
 from .graphs import TaskNode
 from .runtime import RUNTIME, Clock, clock_leq
@@ -127,12 +134,21 @@ class TaskGroupHandle:
 
 
 class PatchWork:
-    """Applies re-issued arguments to one captured task, on the update stream."""
+    """Applies re-issued arguments to one captured task, on the update stream;
+    ``footprint``: the memory the task uses from then on, when the patch names other
+    tensors than the task did (None: the task's footprint holds)."""
 
-    def __init__(self, handle: TaskGroupHandle, task: TaskNode, call: OpCall) -> None:
+    def __init__(
+        self,
+        handle: TaskGroupHandle,
+        task: TaskNode,
+        call: OpCall,
+        footprint: access.Footprint | None = None,
+    ) -> None:
         self.handle = handle
         self.task = task
         self.call = call
+        self.footprint = footprint
         self.label = f"patch of {call.label}"
 
     def run(self, ex: Stream) -> None:
@@ -143,6 +159,8 @@ class PatchWork:
                 return  # the graph was reset meanwhile; nothing to patch
             group.check_patch_locked(ex, self.call.label)
             self.task.call = self.call
+            if self.footprint is not None:
+                self.task.footprint = access.TaskAccess(self.footprint)
 
 
 class UpdateState:
@@ -167,7 +185,12 @@ class UpdateState:
                 f"{self.next} ({task.call.label}): {problem}"
             )
         self.next += 1
-        return PatchWork(self.handle, task, call)
+        moved = task.call.moves(call)
+        # The replays issued from now on use the memory of the patch's tensors (host
+        # order, as the patch's issue), and the task's accesses follow other tensors
+        # once it is applied.
+        task_patched(group.graph, task, call, moved)
+        return PatchWork(self.handle, task, call, access.of_call(call) if moved else None)
 
 
 # =================================================================== the graph_task_* API

@@ -171,9 +171,21 @@ def dispatch(
     if is_view(func):
         result = func(*map_args(_unwrap, args), **map_kwargs(_unwrap, kwargs))
         alloc = first._alloc if first is not None else None
-        return map_value(
-            lambda r: NpuTensor(r, index, alloc) if isinstance(r, torch.Tensor) else r, result
-        )
+
+        def wrap(r: Any) -> Any:
+            return NpuTensor(r, index, alloc) if isinstance(r, torch.Tensor) else r
+
+        if (
+            first is not None
+            and first.is_inference() != torch.is_inference_mode_enabled()
+            and func is not aten.view.dtype  # torch's makes a tensor of the current mode
+        ):
+            # torch's rule: a view is an inference tensor if its base is, whatever the
+            # mode (autograd gives a view of a normal tensor its base's version counter,
+            # which an inference tensor cannot take). Only the wrapper is made here.
+            with torch.inference_mode(first.is_inference()):
+                return map_value(wrap, result)
+        return map_value(wrap, result)
     stream = current_stream(index)
     if not returns_tensors(func) and schema(func).n_returns:
         return _host_read(stream, func, args, kwargs)
