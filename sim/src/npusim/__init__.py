@@ -7,10 +7,15 @@ graph semantics, and a torch_npu-shaped namespace over it.
 Errors: :class:`SimError` and its subclasses; :func:`reset_device` clears a
 device fault (HazardError, DeadlockError) and drops pending device work.
 :func:`configure` selects compute or timed mode and the watchdog.
+:mod:`npusim.extensions` turns on, by name, what the sim does beyond the NPU (off by
+default; ``NPUSIM_EXTENSIONS`` names them for a child process).
 """
 
 from __future__ import annotations
 
+import os
+
+from . import extensions
 from .errors import (
     DeadlockError,
     DeviceFaultError,
@@ -20,6 +25,9 @@ from .errors import (
     UpdateKeyIgnoredWarning,
 )
 from .runtime import RUNTIME, SimConfig, configure
+
+# The edge where a child process learns its extensions (NPUSIM_EXTENSIONS).
+extensions.enable(*extensions.parse(os.environ.get(extensions.ENV_VAR, "")))
 
 
 def reset_device() -> None:
@@ -41,6 +49,7 @@ __all__ = [
     "SimUsageError",
     "UpdateKeyIgnoredWarning",
     "configure",
+    "extensions",
     "fault",
     "reset_device",
 ]
