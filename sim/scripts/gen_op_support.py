@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001  (the docs it parses use full-width colons and commas)
 """Generate npusim's op-support table for torch_npu 2.14 on an Atlas A2 (910B).
 
     python sim/scripts/gen_op_support.py \\
@@ -99,8 +100,10 @@ def in_version(spec: Any, version: str) -> bool:
         return False
     if spec == "all_version":
         return True
+
     def num(v: str) -> tuple[int, ...]:
         return tuple(int(x) for x in v.strip().lstrip("v").split("."))
+
     if isinstance(spec, list):
         lo, hi = (str(s).strip() for s in spec)
         return num(lo) <= num(version) and (hi == "newest" or num(version) <= num(hi))
@@ -357,6 +360,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         return out
 
     table_aten = {op: entry(op) for op in aten}
+    version = (wheel / "version.py").read_text().split("'")
     documented = docs(wheel)
     table_npu: dict[str, Any] = {}
     for name, tensor_args in npu.items():
@@ -383,11 +387,12 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             "atb": "an ATB operation (op_plugin/ops/atb)",
             "unknown": "no NPU registration in the wheel's npu_native_functions yaml",
         },
-        "torch_npu": {"version": (wheel / "version.py").read_text().split("'")[1],
-                      "git_version": (wheel / "version.py").read_text().split("'")[3]},  # fmt: skip
+        "torch_npu": {"version": version[1], "git_version": version[3]},
         "sources": {
-            repo_name(plugin): {"ref": args.op_plugin_ref,
-                                "commit": commit_of(plugin, args.op_plugin_ref)},  # fmt: skip
+            repo_name(plugin): {
+                "ref": args.op_plugin_ref,
+                "commit": commit_of(plugin, args.op_plugin_ref),
+            },
             **{repo_name(p): {"ref": r, "commit": commit_of(p, r)} for p, r in cann},
         },
         "aten": table_aten,
@@ -413,7 +418,7 @@ def dump(table: dict[str, Any]) -> str:
             lines.append("}" + end)
         else:
             lines.append(f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}{end}")
-    return "\n".join(lines + ["}"]) + "\n"
+    return "\n".join([*lines, "}"]) + "\n"
 
 
 def main() -> None:
