@@ -55,14 +55,6 @@ SHARED_DOCS = {
     ),
 }
 
-# The sim's torch.ops.npu ops that are device work, by op-plugin / ATB name.
-NPU_OPS = {
-    "npu_fused_infer_attention_score": "npu_fused_infer_attention_score",
-    "npu_fused_infer_attention_score.out": "npu_fused_infer_attention_score",
-    "npu_fused_infer_attention_score_v2": "npu_fused_infer_attention_score_v2",
-    "npu_fused_infer_attention_score_v2.out": "npu_fused_infer_attention_score_v2",
-    "_npu_paged_attention": "_npu_paged_attention",
-}
 
 DTYPE_WORDS = {
     "float16": "float16",
@@ -110,14 +102,15 @@ def in_version(spec: Any, version: str) -> bool:
     return version in [s.strip() for s in str(spec).split(",")]
 
 
-def op_plugin_entries(repo: Path, ref: str) -> dict[str, dict[str, Any]]:
-    """op name ("add.Tensor") -> its op_plugin_functions.yaml entry."""
+def op_plugin_entries(repo: Path, ref: str) -> dict[str, list[dict[str, Any]]]:
+    """op name ("add.Tensor") -> its op_plugin_functions.yaml entries (an op may be
+    listed in more than one section: ``zeros`` in official and in symint)."""
     data = yaml.safe_load(git(repo, "show", f"{ref}:op_plugin/config/op_plugin_functions.yaml"))
-    out = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     for section in ("official", "custom", "symint", "quant", "autograd"):
         for e in data.get(section) or []:
             if isinstance(e, dict) and "func" in e:
-                out[e["func"].split("(")[0].strip()] = e
+                out.setdefault(e["func"].split("(")[0].strip(), []).append(e)
     return out
 
 
@@ -168,11 +161,12 @@ def kernels_of(name: str, funcs: dict[str, dict[str, set[str]]], depth: int = 2)
 
 
 def cpp_names(op: str) -> list[str]:
+    """The op-plugin C++ functions that may implement aten/npu op ``op``."""
     base, _, overload = op.partition(".")
     names = [base]
-    if "out" in overload.split("_") or overload == "out":
+    if "out" in overload.split("_"):
         names.insert(0, base + "_out")
-    return names
+    return [n for name in names for n in (name, name + "_symint")]
 
 
 # ------------------------------------------------------------------ CANN ops
@@ -287,18 +281,24 @@ def argument_rules(text: str, tensor_args: list[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ table
 def served_ops() -> tuple[list[str], dict[str, list[str]]]:
-    """(aten ops the sim serves, npu op -> its tensor argument names)."""
+    """(aten ops the sim serves, torch.ops.npu op the sim registers -> its tensor
+    arguments but outputs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import torch
     from npusim import torch_npu  # noqa: F401  (registers the npu ops)
     from npusim.tensor import backend_op_names
 
     npu: dict[str, list[str]] = {}
-    for name in NPU_OPS:
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("npu::"):
+            continue
+        name = qualified.removeprefix("npu::")
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.npu, packet), overload or "default")
         npu[name] = [
-            a.name for a in op._schema.arguments if "Tensor" in str(a.type) and a.name != "out"
+            a.name
+            for a in op._schema.arguments
+            if "Tensor" in str(a.type) and a.name != "out" and not a.is_out
         ]
     return sorted(backend_op_names()), npu
 
@@ -318,6 +318,11 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 impl.setdefault(e["func"].split("(")[0].strip(), e.get("impl_ns"))
     entries = op_plugin_entries(plugin, args.op_plugin_ref)
+    atb_yaml = git(plugin, "show", f"{args.op_plugin_ref}:op_plugin/config/atb_ops.yaml")
+    atb = {
+        str(f["impl_name"]).rpartition("::")[2]
+        for f in yaml.safe_load(atb_yaml.lstrip("\ufeff"))["functions"]
+    }
     funcs = opapi_functions(plugin, args.op_plugin_ref)
     l0 = cann_units(cann)
     aten, npu = served_ops()
@@ -329,13 +334,16 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         spaces = [s.strip() for s in str(ns).split(",")] if ns else []
         if ns == "framework" or not spaces:
             return {"path": "framework"}
-        e = entries.get(op, {})
-        if "op_api" not in spaces or (e and not in_version(e.get("op_api"), TORCH_NPU_VERSION)):
+        listed = entries.get(op, [])
+        if "op_api" not in spaces or (
+            listed and not any(in_version(e.get("op_api"), TORCH_NPU_VERSION) for e in listed)
+        ):
             return {"path": "aclop"}
         kernels: set[str] = set()
-        gen = (e.get("gen_opapi") or {}) if e else {}
+        gen = next((e["gen_opapi"] for e in listed if e.get("gen_opapi")), {})
         if "structured_inherit" in gen:
-            gen = entries.get(gen["structured_inherit"], {}).get("gen_opapi") or {}
+            inherited = entries.get(gen["structured_inherit"], [])
+            gen = next((e["gen_opapi"] for e in inherited if e.get("gen_opapi")), {})
         exec_ = gen.get("exec")
         if exec_:
             kernels.add(str(exec_).split(",")[0].strip())
@@ -364,10 +372,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     documented = docs(wheel)
     table_npu: dict[str, Any] = {}
     for name, tensor_args in npu.items():
-        base = NPU_OPS[name]
-        e = entry(base) if base in impl else {"path": "atb"}
-        if base in impl and e["path"] == "aclnn":
-            pass
+        base = name.partition(".")[0]
+        e = entry(base) if base in impl else {"path": "atb" if base in atb else "unknown"}
         doc_name, why = SHARED_DOCS.get(base, (base, ""))
         doc = documented.get(doc_name)
         if doc is None:
