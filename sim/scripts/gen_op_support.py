@@ -1,4 +1,4 @@
-# ruff: noqa: RUF001  (the docs it parses use full-width colons and commas)
+# ruff: noqa: RUF001, RUF003  (the docs it parses use full-width punctuation)
 """Generate npusim's op-support table for torch_npu 2.14 on an Atlas A2 (910B).
 
     python sim/scripts/gen_op_support.py \\
@@ -70,7 +70,12 @@ DTYPE_WORDS = {
     "int32": "int32",
     "int64": "int64",
     "uint8": "uint8",
+    "uint16": "uint16",
+    "uint32": "uint32",
     "uint64": "uint64",
+    "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "hifloat8": "hifloat8",
     "bool": "bool",
 }
 
@@ -241,29 +246,46 @@ def docs(wheel: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+_WORD = r"(?:torch\.)?[A-Za-z][A-Za-z0-9_()]*"
+_DTYPE_LIST = re.compile(
+    rf"(?:数据类型支持|数据类型为|数据类型|dtype支持|支持)[:：]?\s*"
+    rf"({_WORD}(?:\s*(?:、|/|,|，|和|或)\s*{_WORD})*)"
+)
+# Where a parameter's description ends: the sections after the parameters.
+_SECTIONS = ("输出说明", "约束说明", "支持的型号", "调用示例", "示例", "支持版本", "规格约束")
+# "name:", "name (Tensor):", "name(torch.Tensor):", "-   name（Tensor）：", "“x”："
+_PARAM = re.compile(r"^[-*\s]*[“\"]?(\w+)[”\"]?\s*(?:[（(][^)）]*[)）])?\s*[:：]")
+
+
 def dtypes_in(text: str) -> list[str] | None:
-    m = re.search(r"(?:数据类型支持|支持)[:：]?\s*([A-Za-z0-9_()/、,，\s和或]+)", text)
-    if m is None:
-        return None
-    words = re.split(r"[、/,，\s]+|和|或", m.group(1))
-    found = [DTYPE_WORDS[w.lower()] for w in words if w.lower() in DTYPE_WORDS]
-    return sorted(set(found)) or None
+    """The dtypes the first dtype list in ``text`` names (None: no list there)."""
+    for m in _DTYPE_LIST.finditer(text):
+        words = re.split(r"\s*(?:、|/|,|，|和|或)\s*", m.group(1))
+        found = [DTYPE_WORDS.get(w.lower().removeprefix("torch.")) for w in words]
+        known = sorted({d for d in found if d})
+        if known:
+            return known
+    return None
 
 
 def argument_rules(text: str, tensor_args: list[str]) -> dict[str, Any]:
-    """Per tensor argument: dtypes allowed on an A2, contiguity and formats."""
+    """Per tensor argument: dtypes allowed on an A2, contiguity (True: non-contiguous
+    tensors are not supported; False: they are; None: not said) and formats."""
     rules: dict[str, Any] = {}
     current = None
     a2 = "Atlas A2"
-    for raw in text.splitlines():
+    start = max(text.find("参数说明"), 0)
+    for raw in text[start:].splitlines():
         line = raw.strip()
-        m = re.match(r"^(\w+)\s*[:：]", line)
-        if m and m.group(1) in tensor_args and m.group(1) not in rules:
-            current = m.group(1)
-            rules[current] = {"dtypes": dtypes_in(line.split(a2)[0]), "contiguous": None,
-                              "formats": None}  # fmt: skip
-        elif m and not line.startswith("Atlas"):
-            current = None if m.group(1) not in tensor_args else current
+        if line.startswith(_SECTIONS):
+            break
+        m = _PARAM.match(line)
+        if m and not line.startswith("Atlas"):
+            name = m.group(1)
+            current = name if name in tensor_args and name not in rules else None
+            if current is not None:
+                rules[current] = {"dtypes": dtypes_in(line.split(a2)[0]), "contiguous": None,
+                                  "formats": None}  # fmt: skip
         if current is None:
             continue
         r = rules[current]
@@ -273,6 +295,8 @@ def argument_rules(text: str, tensor_args: list[str]) -> dict[str, Any]:
                 r["dtypes"] = d
         if "不支持非连续" in line:
             r["contiguous"] = True
+        elif "支持非连续" in line:
+            r["contiguous"] = False
         f = re.search(r"(?:数据格式支持|支持)\s*(ND|NZ)(?:格式)?", line)
         if f:
             r["formats"] = sorted(set((r["formats"] or []) + [f.group(1)]))

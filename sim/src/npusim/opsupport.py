@@ -45,7 +45,12 @@ _DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
     "uint8": torch.uint8,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
     "uint64": torch.uint64,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    # "hifloat8" has no torch dtype: no tensor can be of it
     "bool": torch.bool,
 }
 
