@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001  (a doc in the wheel's style: full-width punctuation)
 """What an A2 under torch_npu 2.14 can run (npusim.opsupport) and what a captured graph
 costs (npusim.graph_profile): refusals with torch_npu's words, AI CPU tasks counted,
 float32 fused attention only as the sim's named extension."""
@@ -177,3 +178,39 @@ def test_the_profile_names_the_extension_a_graph_used() -> None:
     assert p.extensions == {"float32_attention"}
     assert dict(p.kernels) == {"npu_fused_infer_attention_score": 1}
     assert "sim extensions used (not the NPU's): float32_attention" in str(p)
+
+
+# ---------------------------------------------------------------- the generator's parsers
+def _generator() -> Any:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gen_op_support.py"
+    spec = importlib.util.spec_from_file_location("gen_op_support", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_generator_reads_argument_rules_and_version_specs() -> None:
+    gen = _generator()
+    doc = "\n".join([
+        "参数说明:",
+        "x (Tensor): 必选参数，数据类型支持torch.float16, torch.bfloat16，不支持非连续的Tensor。",
+        "    Atlas A2 训练系列产品: 数据类型支持float16、int8。",
+        "scale：Tensor类型，数据类型与x一致。",
+        "-   idx（Tensor）：可选参数，数据类型支持int32和int64，支持非连续Tensor，数据格式支持ND。",
+        "约束说明:",
+        "x: 数据类型支持float32。",
+    ])  # fmt: skip
+    rules = gen.argument_rules(doc, ["x", "scale", "idx"])
+    assert rules == {
+        "x": {"dtypes": ["float16", "int8"], "contiguous": True, "formats": None},
+        "scale": {"dtypes": None, "contiguous": None, "formats": None},
+        "idx": {"dtypes": ["int32", "int64"], "contiguous": False, "formats": ["ND"]},
+    }
+    assert gen.in_version("all_version", "v2.14")
+    assert gen.in_version(["v2.1", "newest"], "v2.14")
+    assert not gen.in_version(["v2.1", "v2.12"], "v2.14")
+    assert not gen.in_version("v2.1, v2.2", "v2.14")
