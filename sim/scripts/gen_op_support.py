@@ -185,51 +185,81 @@ _A2_BRANCH = re.compile(
 )
 
 
-def cann_units(repos: list[tuple[Path, str]]) -> dict[str, dict[str, Any]]:
-    """l0 op name -> {"units": launch kinds, "socs": SoCs its source names, "source"}."""
-    out: dict[str, dict[str, Any]] = {}
-    for repo, ref in repos:
-        files = git(repo, "ls-tree", "-r", "--name-only", ref).split()
-        for path in files:
-            if (
-                "/op_api/" not in path
-                or not path.endswith(".cpp")
-                or path.startswith("experimental/")
-                or "/tests/" in path
-                or Path(path).name.startswith("aclnn_")
-            ):
-                continue
-            text = git(repo, "show", f"{ref}:{path}")
-            units = set()
-            if "ADD_TO_LAUNCHER_LIST_AICORE" in text:
-                units.add("aicore")
-            if "ADD_TO_LAUNCHER_LIST_AICPU" in text:
-                units.add("aicpu")
-            if not units:
-                continue
-            for name in _REGISTER.findall(text):
-                out.setdefault(name, {"units": units, "a2": _A2_BRANCH.findall(text),
-                                      "source": f"{repo_name(repo)}:{path}"})  # fmt: skip
-    return out
+class CannOps:
+    """What CANN's ops sources say of where kernels run.
+
+    ``l0``: l0 op name -> {"units": its launch kinds, "a2": the function the
+    non-regbase branch calls, "source"}. ``docs``: aclnn kernel name -> (repo, ref, the
+    op's directory, its files), from ``<op>/docs/aclnnXxx.md``: for a fused op whose
+    aclnn API launches its kernel without an l0 launcher (FusedInferAttentionScore),
+    the op's definition says the unit (``AICore()`` in ``op_host/*_def.cpp``, an
+    ``op_kernel_aicpu`` directory).
+    """
+
+    def __init__(self, repos: list[tuple[Path, str]]) -> None:
+        self.l0: dict[str, dict[str, Any]] = {}
+        self.docs: dict[str, tuple[Path, str, str, list[str]]] = {}
+        for repo, ref in repos:
+            files = [
+                f for f in git(repo, "ls-tree", "-r", "--name-only", ref).split()
+                if not f.startswith("experimental/") and "/tests/" not in f
+            ]  # fmt: skip
+            by_dir: dict[str, list[str]] = {}
+            for path in files:
+                parts = path.split("/")
+                if len(parts) > 3:
+                    by_dir.setdefault("/".join(parts[:2]), []).append(path)
+            for path in files:
+                name = Path(path).name
+                parts = path.split("/")
+                if len(parts) > 3 and parts[2] == "docs" and name.startswith("aclnn"):
+                    op_dir = "/".join(parts[:2])
+                    self.docs.setdefault(name.removesuffix(".md"),
+                                         (repo, ref, op_dir, by_dir.get(op_dir, [])))  # fmt: skip
+                if "/op_api/" not in path or not path.endswith(".cpp") or name.startswith("aclnn_"):
+                    continue
+                text = git(repo, "show", f"{ref}:{path}")
+                units = set()
+                if "ADD_TO_LAUNCHER_LIST_AICORE" in text:
+                    units.add("aicore")
+                if "ADD_TO_LAUNCHER_LIST_AICPU" in text:
+                    units.add("aicpu")
+                if not units:
+                    continue
+                for op in _REGISTER.findall(text):
+                    self.l0.setdefault(op, {"units": units, "a2": _A2_BRANCH.findall(text),
+                                            "source": f"{repo_name(repo)}:{path}"})  # fmt: skip
+
+    def unit(self, kernel: str) -> tuple[str, str]:
+        """(unit, source) of aclnn ``kernel`` on an A2."""
+        name = kernel.removeprefix("aclnn").removeprefix("Inplace")
+        e = self.l0.get(name)
+        if e is not None:
+            units, a2 = e["units"], e["a2"]
+            if len(units) == 1:
+                return next(iter(units)), e["source"]
+            # both: the one the non-regbase branch calls, when the source says by name
+            if len(a2) == 1 and ("AiCpu" in a2[0]) != ("AiCore" in a2[0]):
+                return ("aicpu" if "AiCpu" in a2[0] else "aicore"), e["source"]
+            return "aicore_or_aicpu", e["source"]
+        # a versioned API (aclnnXxxV5) belongs to the op of its family's documentation
+        d = self.docs.get(kernel) or self.docs.get(re.sub(r"V\d+$", "", kernel))
+        if d is None:
+            return "unknown", ""
+        repo, ref, op_dir, files = d
+        units = set()
+        if any("/op_kernel_aicpu/" in f for f in files):
+            units.add("aicpu")
+        defs = [f for f in files if "/op_host/" in f and f.endswith("_def.cpp")]
+        if any("AICore()" in git(repo, "show", f"{ref}:{f}") for f in defs):
+            units.add("aicore")
+        if len(units) != 1:
+            return ("aicore_or_aicpu" if units else "unknown"), f"{repo_name(repo)}:{op_dir}"
+        return next(iter(units)), f"{repo_name(repo)}:{op_dir}"
 
 
 def repo_name(repo: Path) -> str:
     return repo.parent.name.replace("+", "/") if repo.name == "repo" else repo.name
-
-
-def unit_of(kernel: str, l0: dict[str, dict[str, Any]]) -> tuple[str, str]:
-    """(unit, source) of aclnn ``kernel`` on an A2, from its l0 op's launches."""
-    name = kernel.removeprefix("aclnn").removeprefix("Inplace")
-    e = l0.get(name)
-    if e is None:
-        return "unknown", ""
-    units, a2 = e["units"], e["a2"]
-    if len(units) == 1:
-        return next(iter(units)), e["source"]
-    # both: the one the non-regbase branch calls, when the source says by name
-    if len(a2) == 1 and ("AiCpu" in a2[0]) != ("AiCore" in a2[0]):
-        return ("aicpu" if "AiCpu" in a2[0] else "aicore"), e["source"]
-    return "aicore_or_aicpu", e["source"]
 
 
 # ------------------------------------------------------------------ docs
@@ -348,7 +378,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         for f in yaml.safe_load(atb_yaml.lstrip("\ufeff"))["functions"]
     }
     funcs = opapi_functions(plugin, args.op_plugin_ref)
-    l0 = cann_units(cann)
+    cann_ops = CannOps(cann)
     aten, npu = served_ops()
 
     def entry(op: str) -> dict[str, Any]:
@@ -379,7 +409,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         if not kernels:
             out["unit"] = "unknown"
             return out
-        units = {k: unit_of(k, l0) for k in sorted(kernels)}
+        units = {k: cann_ops.unit(k) for k in sorted(kernels)}
         kinds = {u for u, _ in units.values()}
         out["unit"] = (
             "aicpu" if kinds == {"aicpu"} else "aicore" if kinds == {"aicore"}
