@@ -5,6 +5,7 @@
         --wheel /path/to/unpacked/torch_npu \\
         --op-plugin /path/to/Ascend/op-plugin.git --op-plugin-ref master \\
         --cann-ops /path/to/hicann/ops-math.git --cann-ops /path/to/hicann/ops-nn.git \\
+        --cann-ops /path/to/hicann/ops-transformer.git \\
         --out sim/src/npusim/data/op_support_torch_npu_2.14.0.json
 
 Git sources are read with ``git`` (bare mirrors are fine); nothing is checked out.

@@ -48,6 +48,24 @@ def test_a_captured_graphs_profile_counts_its_tasks_by_kind_and_op() -> None:
     assert torch.equal(host_out, ((host_in >> 3) + host_in) * 2)
 
 
+def test_the_profile_counts_side_stream_branches_and_event_tasks() -> None:
+    x = torch.ones(8, dtype=torch.int64, device="npu")
+    s, side, g = torch.npu.Stream(), torch.npu.Stream(), torch.npu.NPUGraph()
+    with torch.npu.graph(g, stream=s):
+        a = x + x
+        side.wait_stream(s)  # fork: a record on s, a wait on side
+        with torch.npu.stream(side):
+            b = x >> 1  # on the branch
+        s.wait_stream(side)  # join: a record on side, a wait on s
+        out = a + b
+    p = npusim.graph_profile(g)
+    assert dict(p.kernels) == {"add.Tensor": 2}
+    assert dict(p.aicpu) == {"__rshift__.Scalar": 1}
+    assert p.events == 4
+    g.replay()
+    assert torch.equal(out.cpu(), torch.full((8,), 2))
+
+
 def test_right_shift_runs_on_the_ai_cpu_per_the_cann_sources() -> None:
     for name in ("__rshift__.Tensor", "__rshift__.Scalar", "__irshift__.Tensor"):
         sup = opsupport.support_of(getattr(torch.ops.aten, name.split(".")[0]).__getattr__(
