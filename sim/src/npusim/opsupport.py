@@ -119,8 +119,9 @@ def support_of(func: Any) -> OpSupport:
 
 @cache
 def _support(name: str, namespace: str) -> OpSupport:
-    section = table()["npu" if namespace == "npu" else "aten"]
-    e = section.get(name)
+    if namespace not in ("aten", "npu"):
+        return OpSupport(name, "unknown")
+    e = table()[namespace].get(name)
     if e is None:
         return OpSupport(name, "unknown")
     rules = e.get("arguments")
