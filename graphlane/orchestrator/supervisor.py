@@ -146,6 +146,12 @@ class WorkerHandle:
             "generation": self.generation,
             "endpoint": self.info.get("endpoint"),
             "programs": self.info.get("programs", {}),
+            # the npusim extensions the sim backend turned on (not the NPU's; absent: none)
+            **(
+                {"sim_extensions": self.info["sim_extensions"]}
+                if self.info.get("sim_extensions")
+                else {}
+            ),
             "cpus": list(self.spec.cpus) if self.spec.cpus else None,  # None: not pinned
             "last_exit": self.last_exit,
             "last_error": self.last_error or None,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from npusim import configure
-from npusim.testing import clean_device, no_thread_leak  # noqa: F401  (fixtures)
+from npusim.testing import clean_device, float32_attention, no_thread_leak  # noqa: F401
 
 torch.set_num_threads(1)
 
@@ -31,3 +31,4 @@ def watchdog_off() -> Iterator[None]:
     configure(watchdog_s=600)
     yield
     configure(watchdog_s=old)
+

@@ -1,17 +1,18 @@
 """The ``sim`` provider: the npu provider over the simulated NPU's torch_npu namespace.
 
-Only what the simulator adds lives here: choosing compute or timed mode, and a
+Only what the simulator adds lives here: choosing compute or timed mode, the sim
+extensions a program needs (float32 fused attention, which the NPU refuses), and a
 device reset after a fault.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
 import torch
-from npusim import SimConfig, configure
+from npusim import SimConfig, configure, extensions
 
 from .npu import NpuBackend
 
@@ -33,6 +34,18 @@ class SimBackend(NpuBackend):
         if config is not None:
             configure(**asdict(config))
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
+
+    def use_extensions(self, programs: Iterable[Any]) -> None:
+        """Turn on, for this process, the npusim extensions ``programs`` need (not the
+        NPU's: see npusim.extensions): ``float32_attention`` for a program whose compute
+        dtype (its ``dtype``, as the built-in programs name it) is float32."""
+        if any(getattr(p, "dtype", None) == torch.float32 for p in programs):
+            extensions.enable("float32_attention")
+
+    @property
+    def extensions_on(self) -> list[str]:
+        """The npusim extensions on in this process."""
+        return sorted(extensions.active())
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The sim cannot pin host memory (sim/README.md): its copies are queued as they are.

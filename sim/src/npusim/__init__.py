@@ -7,10 +7,17 @@ graph semantics, and a torch_npu-shaped namespace over it.
 Errors: :class:`SimError` and its subclasses; :func:`reset_device` clears a
 device fault (HazardError, DeadlockError) and drops pending device work.
 :func:`configure` selects compute or timed mode and the watchdog.
+:func:`graph_profile` counts a captured graph's device kernels, AI CPU tasks, memcpys
+and host syncs, by op (:mod:`npusim.opsupport`: what an A2 can run).
+:mod:`npusim.extensions` turns on, by name, what the sim does beyond the NPU (off by
+default; ``NPUSIM_EXTENSIONS`` names them for a child process).
 """
 
 from __future__ import annotations
 
+import os
+
+from . import extensions
 from .errors import (
     DeadlockError,
     DeviceFaultError,
@@ -19,7 +26,11 @@ from .errors import (
     SimUsageError,
     UpdateKeyIgnoredWarning,
 )
+from .profile import GraphProfile, graph_profile
 from .runtime import RUNTIME, SimConfig, configure
+
+# The edge where a child process learns its extensions (NPUSIM_EXTENSIONS).
+extensions.enable(*extensions.parse(os.environ.get(extensions.ENV_VAR, "")))
 
 
 def reset_device() -> None:
@@ -35,12 +46,15 @@ def fault() -> SimError | None:
 __all__ = [
     "DeadlockError",
     "DeviceFaultError",
+    "GraphProfile",
     "HazardError",
     "SimConfig",
     "SimError",
     "SimUsageError",
     "UpdateKeyIgnoredWarning",
     "configure",
+    "extensions",
     "fault",
+    "graph_profile",
     "reset_device",
 ]
