@@ -149,6 +149,18 @@ class ModelConfig:
             raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
         out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
         out.kv_config().validate(where)
+        longest = self.max_blocks_per_seq * self.block_size
+        if spec.sliding_window is not None and longest > spec.sliding_window:
+            source = "model" if self.model is not None else "random"
+            why = " (its default: config.json has no sliding_window)" if spec.window_default else ""
+            raise ProgramConfigError(
+                f"{where}.{source}.{spec.window_key}",
+                f"transformers attends over a window of {spec.sliding_window} tokens{why}"
+                " and "
+                f"this program serves sequences of up to {longest} (max_blocks_per_seq * "
+                "block_size): lower max_blocks_per_seq, or set sliding_window to null in "
+                "config.json if the model attends over the whole sequence",
+            )
         return out
 
     def kv_config(self) -> PagedAttentionConfig:
@@ -513,7 +525,7 @@ class ModelProgram(GraphProgram):
                 "two rows write one slot (their block tables share the block of their "
                 "new tokens): its value would be ambiguous",
             )
-        temp, top_k, top_p, seed = sampling_values(params, batch, "params")
+        temp, top_k, top_p, seed = sampling_values(params, batch, "params", self.spec.vocab_size)
         ints = self._pad_ints[:bucket].clone()
         ints[:batch] = torch.tensor(list(zip(toks, pos, slots, top_k, seed, strict=True)))
         floats = self._pad_floats[:bucket].clone()
@@ -574,8 +586,11 @@ class ModelProgram(GraphProgram):
                     "previous step ran another step since (it skipped a step); send the "
                     "token itself"
                 )
-            if run and run[1].tokens is rec.tokens and run[1].done is rec.done and (
-                run[1].row + run[2] == rec.row and run[0] + run[2] == i
+            if (
+                run
+                and run[1].tokens is rec.tokens
+                and run[1].done is rec.done
+                and (run[1].row + run[2] == rec.row and run[0] + run[2] == i)
             ):
                 run[2] += 1
                 continue
@@ -705,8 +720,15 @@ class ModelProgram(GraphProgram):
         if len(set(names)) != len(names):
             raise StepError("outputs", f"names must be unique, got {list(names)}")
         prefill_params = fields.get("params") or {}
+        for key in prefill_params:
+            if key != SEQUENCE and key not in PARAMS:
+                raise StepError(
+                    f"params.{key}", f"unknown parameter (known: {sorted([*PARAMS, SEQUENCE])})"
+                )
         sequence = self._sequence_ids(prefill_params.get(SEQUENCE), 0, f"params.{SEQUENCE}")
-        sampling = sampling_tensors(prefill_params, 1, "params", per_row=False)
+        sampling = sampling_tensors(
+            prefill_params, 1, "params", self.spec.vocab_size, per_row=False
+        )
         inputs = {
             "tokens": tokens,
             "positions": pos,

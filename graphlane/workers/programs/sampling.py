@@ -20,6 +20,7 @@ device), then 24 bits become ``u`` in (0, 1).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -82,21 +83,26 @@ def sample(
     return torch.where(sampling, drawn, greedy)
 
 
+MIN_TEMPERATURE = 0.01
+"""A temperature in (0, MIN_TEMPERATURE) samples at MIN_TEMPERATURE (vLLM raises it
+likewise): dividing float32 logits by less can overflow them to inf."""
+
 PARAMS = {
-    "temperature": "per row, >= 0 (0: greedy, the default)",
-    "top_k": "per row, >= 0 (0: off, the default)",
+    "temperature": f"per row, a finite number >= 0 (0: greedy, the default; below "
+    f"{MIN_TEMPERATURE}: {MIN_TEMPERATURE})",
+    "top_k": "per row, an integer >= 0 (0: off, the default; vocab_size or more: off)",
     "top_p": "per row, in (0, 1] (1: off, the default)",
     "seed": "per row, an integer: the same seed samples the same tokens",
 }
 
 
 def sampling_tensors(
-    params: Mapping[str, Any], batch: int, where: str, per_row: bool = True
+    params: Mapping[str, Any], batch: int, where: str, vocab: int, per_row: bool = True
 ) -> dict[str, torch.Tensor]:
     """The host tensors of a request's sampling parameters (lists of ``batch`` values,
     or with ``per_row`` False single values), defaults filled in; StepError naming the
     parameter otherwise."""
-    temp, top_k, top_p, seed = sampling_values(params, batch, where, per_row)
+    temp, top_k, top_p, seed = sampling_values(params, batch, where, vocab, per_row)
     return {
         "temperature": torch.tensor(temp, dtype=torch.float32),
         "top_k": torch.tensor(top_k, dtype=torch.int64),
@@ -106,10 +112,12 @@ def sampling_tensors(
 
 
 def sampling_values(
-    params: Mapping[str, Any], batch: int, where: str, per_row: bool = True
-) -> tuple[Sequence[Any], Sequence[Any], Sequence[Any], list[int]]:
+    params: Mapping[str, Any], batch: int, where: str, vocab: int, per_row: bool = True
+) -> tuple[list[float], list[int], list[float], list[int]]:
     """:func:`sampling_tensors`' values as lists (temperature, top_k, top_p, the seeds
-    hashed to 32 bits): a decode step builds one tensor of its own from them."""
+    hashed to 32 bits), each in the range the sampler takes: a temperature below
+    :data:`MIN_TEMPERATURE` raised to it, a ``top_k`` of ``vocab`` or more made 0 (off).
+    A value out of its documented range is a StepError naming it, never a device error."""
 
     def values(key: str, default: Any) -> Sequence[Any]:
         v = params.get(key, default if per_row else default[0])
@@ -123,15 +131,19 @@ def sampling_values(
     top_k = values("top_k", [0] * batch)
     top_p = values("top_p", [1.0] * batch)
     seed = values("seed", [0] * batch)
+    temps, ks, ps = [], [], []
     for i in range(batch):
         at = f"[{i}]" if per_row else ""
         t, k, p, s = temp[i], top_k[i], top_p[i], seed[i]
-        if isinstance(t, bool) or not isinstance(t, int | float) or not t >= 0:
-            raise StepError(f"{where}.temperature{at}", f"{t!r} is not a number >= 0")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t < math.inf:
+            raise StepError(f"{where}.temperature{at}", f"{t!r} is not a finite number >= 0")
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise StepError(f"{where}.top_k{at}", f"{k!r} is not an integer >= 0")
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
             raise StepError(f"{where}.top_p{at}", f"{p!r} is not a number in (0, 1]")
         if isinstance(s, bool) or not isinstance(s, int):
             raise StepError(f"{where}.seed{at}", f"{s!r} is not an integer")
-    return temp, top_k, top_p, [seed32(s) for s in seed]
+        temps.append(float(max(t, MIN_TEMPERATURE)) if t > 0 else 0.0)
+        ks.append(k if k < vocab else 0)
+        ps.append(float(p))
+    return temps, ks, ps, [seed32(s) for s in seed]
