@@ -198,9 +198,9 @@ def test_sampling_parameters_out_of_range_are_refused_or_clamped_as_documented()
     p = _program()
     # top_k past int64, or past the vocabulary: off (every token kept), not an error.
     for k in (2**63, 2**64 - 1, TINY["vocab_size"]):
-        assert _step(p, top_k=[k]).inputs["ints"][0, 3] == 0
-        assert _prefill(p, top_k=k).inputs["top_k"].tolist() == [0]
-    assert _step(p, top_k=[5]).inputs["ints"][0, 3] == 5
+        assert _step(p, top_k=[k], temperature=[1.0]).inputs["sampling"][0, 0] == 0
+        assert _prefill(p, top_k=k, temperature=1.0).inputs["sampling"][0, 0] == 0
+    assert _step(p, top_k=[5], temperature=[1.0]).inputs["sampling"][0, 0] == 5
     # A temperature too small to divide by samples at the documented minimum.
     for t in (1e-38, 5e-324, MIN_TEMPERATURE / 2):
         assert _step(p, temperature=[t]).inputs["floats"][0, 0] == pytest.approx(MIN_TEMPERATURE)

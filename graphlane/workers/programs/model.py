@@ -22,8 +22,10 @@ Captured per layer l of a bucket B (T = B rows, one query token each)::
                     out=[attn_l, lse_l])
     h = h + attn_l @ Wo; h = h + mlp(rms_norm(h))
 
-then ``logits = lm_head(rms_norm(h)).float()``, the sampled tokens
-(:mod:`.sampling`) and the top-``logprobs`` log-probabilities, all in the graph.
+then ``logits = lm_head(rms_norm(h)).float()`` and ``tokens = argmax(logits)``. Tail
+graphs of each instance (:attr:`GraphProgram.tails`), replayed after it only by the
+steps that need them: the draw of sampling rows (:mod:`.sampling`: ``candidates`` over
+the top 1024 logits, or ``vocabulary``), and the top-``logprobs`` log-probabilities.
 
 A step: params ``actual_seq_lengths_kv`` (per row, the sequence's length with the token
 being fed) and optionally ``temperature``, ``top_k``, ``top_p``, ``seed`` (per row);
@@ -83,7 +85,7 @@ from .paged_attention import (
     paged_arguments,
     paged_workspace,
 )
-from .sampling import PARAMS, sample, sampling_tensors, sampling_values
+from .sampling import CANDIDATES, PARAMS, needs, row_keys, sample, sampling_values, token_codes
 
 FIA = "npu_fused_infer_attention_score"
 MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin document)
@@ -202,6 +204,7 @@ class _Layer:
 class ModelProgram(GraphProgram):
     outputs = OUTPUTS
     batch_param = LENGTHS
+    tails = ("candidates", "vocabulary", "logprobs")
     checks_inputs = True
 
     def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
@@ -239,9 +242,10 @@ class ModelProgram(GraphProgram):
         top = max(self.buckets)
         # Host values of padding rows: token 0 at position 0 of the scratch block, greedy.
         nb, bs = c.num_blocks, c.block_size
-        self._pad_ints = torch.zeros(top, 5, dtype=torch.int64)  # token, pos, slot, k, seed
+        self._pad_ints = torch.zeros(top, 3, dtype=torch.int64)  # token, pos, slot
         self._pad_ints[:, 2] = nb * bs + torch.arange(top) % bs
         self._pad_floats = torch.tensor([[0.0, 1.0]] * top)  # temperature, top_p
+        self._pad_sampling = torch.zeros(top, 3, dtype=torch.int32)  # top_k, row keys
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
         # Decoding ahead: each sequence's last sampled token, by the scheduler's id (the
@@ -350,7 +354,10 @@ class ModelProgram(GraphProgram):
             "lm_head": embed if s.tie_word_embeddings else dev(host["lm_head.weight"]),
             "cos": dev(cos),
             "sin": dev(sin),
-            "vocab": dev(torch.arange(s.vocab_size, dtype=torch.int64)),
+            # the sampler's static tensors: the token hash's first round, and ranks
+            "codes": dev(token_codes(s.vocab_size)),
+            "rank": dev(torch.arange(min(CANDIDATES, s.vocab_size), dtype=torch.int32)),
+            "rank_vocabulary": dev(torch.arange(s.vocab_size, dtype=torch.int32)),
             "mask": dev(mask),
         }
         return self._device
@@ -423,8 +430,12 @@ class ModelProgram(GraphProgram):
             bufs[f"lse_{layer}"] = backend.empty((bucket, s.num_heads, 1), torch.float32)
         for t in bufs.values():
             t.zero_()
-        bufs["ints"] = backend.empty((bucket, 5), torch.int64)  # token, pos, slot, k, seed
+        bufs["ints"] = backend.empty((bucket, 3), torch.int64)  # token, pos, slot
         bufs["ints"].copy_(self._pad_ints[:bucket])
+        bufs["sampling"] = backend.empty((bucket, 3), torch.int32)  # top_k, row keys
+        bufs["sampling"].copy_(self._pad_sampling[:bucket])
+        bufs["tokens"] = backend.empty((bucket,), torch.int64)  # greedy, then drawn
+        bufs["tokens"].zero_()
         bufs["floats"] = backend.empty((bucket, 2), torch.float32)  # temperature, top_p
         bufs["floats"].copy_(self._pad_floats[:bucket])
         bufs["block_table"] = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
@@ -452,7 +463,7 @@ class ModelProgram(GraphProgram):
         events: list[Any],
     ) -> tuple[list[Any], list[Any]]:
         w = self._weights(backend)
-        ints, floats = buffers["ints"], buffers["floats"]
+        ints = buffers["ints"]
         tokens, positions, slots = ints[:, 0], ints[:, 1], ints[:, 2]
         lengths = [1] * bucket  # what the buffers hold: every row on the scratch block
         handles = []
@@ -465,16 +476,51 @@ class ModelProgram(GraphProgram):
             backend.call(FIA_OUT, (), self._arguments(buffers, i, lengths))
             handles.append(backend.task_group_end(stream))
             h = self._after_attention(layer, h, buffers[f"attn_{i}"])
-        logits = self._logits(w, h)
-        # The graph's own outputs: tensors of its pool, rewritten by every replay.
-        buffers["logits"] = logits
-        buffers["tokens"] = sample(
-            logits, floats[:, 0], ints[:, 3], floats[:, 1], ints[:, 4], positions + 1, w["vocab"]
-        )
-        buffers["logprobs"], buffers["logprob_ids"] = torch.topk(
-            torch.log_softmax(logits, dim=-1), self.config.logprobs, dim=-1
-        )
+        # The logits are the graph's own output (a tensor of its pool, rewritten by every
+        # replay); every row's greedy token lands in the static "tokens", which a tail
+        # that samples overwrites where rows sample.
+        buffers["logits"] = logits = self._logits(w, h)
+        torch.argmax(logits, dim=-1, out=buffers["tokens"])
         return handles, [tuple(lengths)] * self.spec.num_layers
+
+    def capture_tail(
+        self,
+        backend: DeviceBackend,
+        stream: Any,
+        bucket: int,
+        buffers: dict[str, torch.Tensor],
+        name: str,
+    ) -> None:
+        """``candidates`` and ``vocabulary``: the draw of sampling rows (sampling.py);
+        ``logprobs``: the top-``logprobs`` log-probabilities."""
+        w, logits = self._weights(backend), buffers["logits"]
+        if name == "logprobs":
+            buffers["logprobs"], buffers["logprob_ids"] = torch.topk(
+                torch.log_softmax(logits, dim=-1), self.config.logprobs, dim=-1
+            )
+            return
+        floats, sampling, tokens = buffers["floats"], buffers["sampling"], buffers["tokens"]
+        candidates = name == "candidates"
+        rank = w["rank"] if candidates else w["rank_vocabulary"]
+        tokens.copy_(
+            sample(
+                logits,
+                tokens,
+                floats[:, 0],
+                sampling[:, 0],
+                floats[:, 1],
+                sampling[:, 1:],
+                w["codes"],
+                rank,
+                candidates,
+            )
+        )
+
+    def tails_for(self, plan: StepPlan, outputs: Any) -> list[str]:
+        tails = [plan.values["draw"]] if plan.values.get("draw") else []
+        if "logprobs" in outputs or "logprob_ids" in outputs:
+            tails.append("logprobs")
+        return tails
 
     # ------------------------------------------------------------ steps
     def plan(
@@ -527,14 +573,21 @@ class ModelProgram(GraphProgram):
             )
         temp, top_k, top_p, seed = sampling_values(params, batch, "params", self.spec.vocab_size)
         ints = self._pad_ints[:bucket].clone()
-        ints[:batch] = torch.tensor(list(zip(toks, pos, slots, top_k, seed, strict=True)))
+        ints[:batch] = torch.tensor(list(zip(toks, pos, slots, strict=True)))
         floats = self._pad_floats[:bucket].clone()
         floats[:batch] = torch.tensor(list(zip(temp, top_p, strict=True)), dtype=torch.float32)
+        draw = needs(temp, top_k)
+        sampling = self._pad_sampling[:bucket].clone()
+        if draw:  # each row's keys: a hash of its seed and the position it samples
+            sampling[:batch] = torch.tensor(
+                [(k, *row_keys(sd, p + 1)) for k, sd, p in zip(top_k, seed, pos, strict=True)],
+                dtype=torch.int32,
+            )
         full_table = self._pad_table[:bucket].clone()
         full_table[:batch] = table
         padded = tuple(lengths) + (1,) * (bucket - batch)
-        host = {"ints": ints, "floats": floats, "block_table": full_table}
-        values = {"lengths": padded, "sequences": sequences, "ahead": ahead}
+        host = {"ints": ints, "floats": floats, "sampling": sampling, "block_table": full_table}
+        values = {"lengths": padded, "sequences": sequences, "ahead": ahead, "draw": draw}
         return StepPlan(self.name, batch, bucket, values, host)
 
     def _sequence_ids(self, ids: Any, rows: int, where: str = f"params.{SEQUENCE}") -> Any:
@@ -673,7 +726,7 @@ class ModelProgram(GraphProgram):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if group:  # everything lands before layer 0 (three copies, padding rows included)
             return []
-        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "block_table")]
+        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "sampling", "block_table")]
 
     def output_views(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
@@ -726,9 +779,16 @@ class ModelProgram(GraphProgram):
                     f"params.{key}", f"unknown parameter (known: {sorted([*PARAMS, SEQUENCE])})"
                 )
         sequence = self._sequence_ids(prefill_params.get(SEQUENCE), 0, f"params.{SEQUENCE}")
-        sampling = sampling_tensors(
+        temp, top_k, top_p, seed = sampling_values(
             prefill_params, 1, "params", self.spec.vocab_size, per_row=False
         )
+        sampling = {
+            "temperature": torch.tensor(temp, dtype=torch.float32),
+            "top_p": torch.tensor(top_p, dtype=torch.float32),
+            "sampling": torch.tensor(
+                [[top_k[0], *row_keys(seed[0], start + n)]], dtype=torch.int32
+            ),
+        }
         inputs = {
             "tokens": tokens,
             "positions": pos,
@@ -736,7 +796,8 @@ class ModelProgram(GraphProgram):
             "block_table": table,
             **sampling,
         }
-        values = {"op": op, "start": start, "outputs": tuple(names), "sequence": sequence}
+        values = {"op": op, "start": start, "outputs": tuple(names), "sequence": sequence,
+                  "draw": needs(temp, top_k)}  # fmt: skip
         return StepPlan(self.name, n, 0, values, inputs)
 
     def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -786,11 +847,15 @@ class ModelProgram(GraphProgram):
         out: dict[str, torch.Tensor] = {}
         names = plan.values["outputs"]
         if "tokens" in names or plan.values["sequence"] is not None:
-            p = dev(torch.tensor([start + n], dtype=torch.int64))
-            out["tokens"] = self._prefilled = sample(
-                logits, dev(host["temperature"]), dev(host["top_k"]), dev(host["top_p"]),
-                dev(host["seed"]), p, w["vocab"],
-            )  # fmt: skip
+            tokens = torch.argmax(logits, dim=-1)
+            draw = plan.values["draw"]
+            if draw:
+                sp = dev(host["sampling"])
+                rank = w["rank"] if draw == "candidates" else w["rank_vocabulary"]
+                tokens = sample(logits, tokens, dev(host["temperature"]), sp[:, 0],
+                                dev(host["top_p"]), sp[:, 1:], w["codes"], rank,
+                                draw == "candidates")  # fmt: skip
+            out["tokens"] = self._prefilled = tokens
         if "logits" in names:
             out["logits"] = logits
         if "logprobs" in names or "logprob_ids" in names:
