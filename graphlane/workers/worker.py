@@ -169,6 +169,8 @@ class Worker:
 
             backend = FaultyBackend(backend, hang_after=hang, device_fault_after=fault)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]
+        for program in programs:
+            program.check_backend(spec.backend)
         self.engine = StepEngine(
             backend,
             programs,

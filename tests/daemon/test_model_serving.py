@@ -21,7 +21,7 @@ from graphlane.client import Client, SyncClient
 NEW = 64
 BLOCK, BLOCKS, MAX_BLOCKS = 128, 10, 2
 SERVING = dict(block_size=BLOCK, num_blocks=BLOCKS, max_blocks_per_seq=MAX_BLOCKS,
-               buckets=[1, 2, 4], prefill_chunk=48)  # fmt: skip
+               buckets=[1, 2, 4], prefill_chunk=48, dtype="float32")  # fmt: skip
 QWEN = "graphlane.workers.programs.model:ModelProgram"
 PROMPTS = {0: 5, 1: 17, 2: 130, 3: 1, 4: 60}  # sid -> prompt length
 JOINS = {0: 0, 1: 0, 2: 9, 3: 30, 4: 66}  # at most 4 at once: buckets 1, 2 and 4 all run

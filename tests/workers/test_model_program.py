@@ -141,7 +141,7 @@ def test_a_sharded_checkpoint_gives_transformers_greedy_tokens(tmp_path: Path) -
     model = tiny_model("qwen2", seed=4)
     model.save_pretrained(tmp_path / "m", max_shard_size="60KB")
     assert (tmp_path / "m" / "model.safetensors.index.json").exists()
-    program = ModelProgram(ModelConfig(model=str(tmp_path / "m"), **SERVING))
+    program = ModelProgram(ModelConfig(model=str(tmp_path / "m"), dtype="float32", **SERVING))
     prompt = [5, 6, 7, 8, 9, 10]
     with _engine(program) as eng:
         (ours,), _ = Runner(eng).decode([(prompt, 2, {})], 16)

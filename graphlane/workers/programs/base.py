@@ -200,6 +200,23 @@ class GraphProgram(abc.ABC):
         Such a program's clients send steps, which carry all their inputs."""
         return not self.state_ops
 
+    #: the dtype (a :data:`COMPUTE_DTYPES` name) the program's fused attention runs in,
+    #: None if it has none: what :meth:`check_backend` checks
+    attention_dtype: str | None = None
+
+    def check_backend(self, backend: str) -> None:
+        """ProgramConfigError naming the setting when ``backend`` ("sim", "npu", "null")
+        cannot run this program as configured: float32 fused attention on an NPU (its
+        kernels take float16 and bfloat16, torch_npu 2.14; the sim runs it only as a
+        named extension, an exact reference)."""
+        if backend == "npu" and self.attention_dtype == "float32":
+            raise ProgramConfigError(
+                f"programs.{self.name}.dtype",
+                "float32 is not served on backend 'npu' (the NPU's fused attention takes "
+                "float16 and bfloat16): set dtype = \"bfloat16\", or use backend = \"sim\" "
+                "for a float32 reference",
+            )
+
     def describe(self) -> dict[str, Any]:
         """What ``hello`` tells clients about this program (JSON values). Subclasses
         add ``inputs`` and ``output_shapes`` (name -> {"shape": [...], "dtype": str},

@@ -105,7 +105,7 @@ class ModelConfig:
     random: Mapping[str, Any] | None = None
     seed: int = 0
     init_std: float = 0.02
-    dtype: str | None = None  # default: the checkpoint's dtype when served, else float32
+    dtype: str | None = None  # default: the checkpoint's if half precision, else bfloat16
     block_size: int = 128
     num_blocks: int = 64
     max_blocks_per_seq: int = 8
@@ -145,8 +145,11 @@ class ModelConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ProgramConfigError(f"{where}.seed", "must be an integer")
-        fallback = spec.torch_dtype if spec.torch_dtype in COMPUTE_DTYPES else "float32"
-        dtype = self.dtype or fallback
+        # As vLLM's dtype "auto": a half-precision checkpoint's own dtype, else bfloat16
+        # (the NPU's fused attention takes no float32; float32 is a sim reference, asked
+        # for by name)
+        half = spec.torch_dtype in ("bfloat16", "float16")
+        dtype = self.dtype or (spec.torch_dtype if half else "bfloat16")
         if dtype not in COMPUTE_DTYPES:
             raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
         out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
@@ -216,6 +219,7 @@ class ModelProgram(GraphProgram):
         self.kv = PagedAttentionProgram(c.kv_config(), name=name)  # the cache, KV ops
         self.buckets = self.kv.buckets
         self.dtype = COMPUTE_DTYPES[c.dtype]
+        self.attention_dtype = c.dtype
         self.max_len = c.max_blocks_per_seq * c.block_size
         self.parameters = {
             LENGTHS: "per row, the sequence's length with the token fed this step, in "
