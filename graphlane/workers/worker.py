@@ -163,14 +163,25 @@ class Worker:
             options["config"] = spec.sim
         index = spec.device if spec.runtime_index is None else spec.runtime_index
         backend = create_backend(spec.backend, index, **options)
+        programs = [load_program(str(p["name"]), p) for p in spec.programs]
+        for program in programs:
+            program.check_backend(spec.backend)
+        self.sim_extensions: list[str] = []
+        if spec.backend == "sim":
+            from graphlane.workers.backends.sim import SimBackend
+
+            assert isinstance(backend, SimBackend)
+            # A float32 program's fused attention is a sim extension: the NPU takes
+            # float16, bfloat16 and int8 only (npusim.extensions). The built-in programs
+            # name their compute dtype ``dtype``.
+            if any(getattr(p, "dtype", None) == torch.float32 for p in programs):
+                backend.use_extensions({"float32_attention"})
+            self.sim_extensions = backend.extensions_on
         hang, fault = spec.faults.get("hang_device_after"), spec.faults.get("device_fault_after")
         if hang is not None or fault is not None:  # tests: a device that misbehaves on cue
             from graphlane.workers.backends.faults import FaultyBackend
 
             backend = FaultyBackend(backend, hang_after=hang, device_fault_after=fault)
-        programs = [load_program(str(p["name"]), p) for p in spec.programs]
-        for program in programs:
-            program.check_backend(spec.backend)
         self.engine = StepEngine(
             backend,
             programs,
@@ -246,6 +257,7 @@ class Worker:
             "endpoint": self.endpoint,
             "generation": self.spec.generation,
             "backend": self.spec.backend,
+            **({"sim_extensions": self.sim_extensions} if self.sim_extensions else {}),
             "programs": {name: p.describe() for name, p in self.engine.programs.items()},
             "depth": self.spec.depth,
             "pipeline": self.spec.pipeline,

@@ -120,8 +120,8 @@ def test_a_fill_inside_a_capture_is_still_a_task() -> None:
 def test_an_allocation_inside_a_task_group_and_its_update_is_no_task_of_it() -> None:
     """xLLM allocates the op's output between group begin and the op; the update
     re-issues the same sequence, allocation included."""
-    q = torch.randn(1, 2, 1, 8).npu()
-    kv = torch.randn(1, 2, 16, 8).npu()
+    q = torch.randn(1, 2, 1, 8, dtype=torch.float16).npu()
+    kv = torch.randn(1, 2, 16, 8, dtype=torch.float16).npu()
     lse = torch.empty(1, device="npu")
     kw = dict(num_heads=2, input_layout="BNSD", scale=0.25, softmax_lse_flag=False)
     g, s, u = torch.npu.NPUGraph(), torch.npu.Stream(), torch.npu.Stream()

@@ -27,7 +27,8 @@ FIA_KW: dict[str, object] = {
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    t: torch.Tensor = torch.randn(*shape, generator=gen).npu()
+    # float16: the NPU's fused attention takes float16, bfloat16 and int8
+    t: torch.Tensor = torch.randn(*shape, generator=gen).to(torch.float16).npu()
     return t
 
 
@@ -63,7 +64,7 @@ def make_fia(seed: int = 0) -> Fia:
         query=_randn(BATCH, HEADS, 1, HEAD_DIM, seed=seed),
         key=_randn(BATCH, HEADS, S_KV, HEAD_DIM, seed=seed + 1),
         value=_randn(BATCH, HEADS, S_KV, HEAD_DIM, seed=seed + 2),
-        out=torch.empty(BATCH, HEADS, 1, HEAD_DIM, device="npu"),
+        out=torch.empty(BATCH, HEADS, 1, HEAD_DIM, dtype=torch.float16, device="npu"),
         lse=torch.empty(1, device="npu"),
     )
 

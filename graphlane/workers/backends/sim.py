@@ -1,6 +1,7 @@
 """The ``sim`` provider: the npu provider over the simulated NPU's torch_npu namespace.
 
-Only what the simulator adds lives here: choosing compute or timed mode, and a
+Only what the simulator adds lives here: choosing compute or timed mode, the sim
+extensions a program needs (float32 fused attention, which the NPU refuses), and a
 device reset after a fault.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from npusim import SimConfig, configure
+from npusim import SimConfig, configure, extensions
 
 from .npu import NpuBackend
 
@@ -33,6 +34,16 @@ class SimBackend(NpuBackend):
         if config is not None:
             configure(**asdict(config))
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
+
+    def use_extensions(self, names: set[str]) -> None:
+        """Turn on the named npusim extensions for this process (see npusim.extensions:
+        they are the sim's, not the NPU's)."""
+        extensions.enable(*names)
+
+    @property
+    def extensions_on(self) -> list[str]:
+        """The npusim extensions on in this process."""
+        return sorted(extensions.active())
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The sim cannot pin host memory (sim/README.md): its copies are queued as they are.

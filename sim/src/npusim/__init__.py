@@ -7,6 +7,8 @@ graph semantics, and a torch_npu-shaped namespace over it.
 Errors: :class:`SimError` and its subclasses; :func:`reset_device` clears a
 device fault (HazardError, DeadlockError) and drops pending device work.
 :func:`configure` selects compute or timed mode and the watchdog.
+:func:`graph_profile` counts a captured graph's device kernels, AI CPU tasks, memcpys
+and host syncs, by op (:mod:`npusim.opsupport`: what an A2 can run).
 :mod:`npusim.extensions` turns on, by name, what the sim does beyond the NPU (off by
 default; ``NPUSIM_EXTENSIONS`` names them for a child process).
 """
@@ -24,6 +26,7 @@ from .errors import (
     SimUsageError,
     UpdateKeyIgnoredWarning,
 )
+from .profile import GraphProfile, graph_profile
 from .runtime import RUNTIME, SimConfig, configure
 
 # The edge where a child process learns its extensions (NPUSIM_EXTENSIONS).
@@ -43,6 +46,7 @@ def fault() -> SimError | None:
 __all__ = [
     "DeadlockError",
     "DeviceFaultError",
+    "GraphProfile",
     "HazardError",
     "SimConfig",
     "SimError",
@@ -51,5 +55,6 @@ __all__ = [
     "configure",
     "extensions",
     "fault",
+    "graph_profile",
     "reset_device",
 ]

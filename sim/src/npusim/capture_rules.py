@@ -13,6 +13,7 @@ refused inside a task group (they are not Cube/Vector-core kernels).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import Any, Protocol
 
@@ -40,6 +41,21 @@ class CaptureOrigin(Capture, Protocol):
 LIVE: list[CaptureOrigin] = []
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+
+_TASK_QUEUE: list[str] = []  # TASK_QUEUE_ENABLE, read at the first capture
+
+
+def check_task_queue() -> None:
+    """torch_npu's NPUGraph::capture_begin refuses TASK_QUEUE_ENABLE=2 (the two-level
+    task queue); it reads the setting once, at the first capture of the process."""
+    if not _TASK_QUEUE:
+        _TASK_QUEUE.append(os.environ.get("TASK_QUEUE_ENABLE", "1").strip())
+    if _TASK_QUEUE[0] == "2":
+        raise SimUsageError(
+            "Do not support TASK_QUEUE_ENABLE = 2 during NPU graph capture, please export "
+            "TASK_QUEUE_ENABLE=1/0."
+        )
 
 
 def check_mode(mode: str) -> None:

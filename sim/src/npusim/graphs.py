@@ -239,11 +239,14 @@ class NPUGraph:
         # the generators its capture's random ops used (:mod:`.rng`); freed with the graph
         self.rng = rng.GraphRng()
         weakref.finalize(self, self.rng.release)
+        # the sim extensions its captured tasks used (:mod:`.extensions`; its profile names them)
+        self.extensions: set[str] = set()
 
     def __repr__(self) -> str:
         return f"<npusim {self.name}>"
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        capture_rules.check_task_queue()
         capture_rules.check_mode(capture_error_mode)
         s = current_stream()
         with RUNTIME.cond:
@@ -263,6 +266,7 @@ class NPUGraph:
             self.nodes = []
             self.groups = []
             self.branches = []
+            self.extensions = set()
             self.capture_stream = s
             self.rng.begin()
             self._pool = capture_begin(self, pool, s)  # allocations come from its pool

@@ -42,6 +42,7 @@ from .opmeta import (
     schema,
     written_args,
 )
+from .opsupport import ISSUE_CHECKS, UNSEEN, issue_check
 from .routing import route
 from .streams import Stream, current_stream
 from .streamuse import record_stream
@@ -202,6 +203,13 @@ def issue(
     cpu_kwargs = map_kwargs(_unwrap_cpu, kwargs)
     outs: list[torch.Tensor] | None = None
     result: Any
+    # what torch_npu on an A2 refuses of this op (:mod:`.opsupport`): one lookup per op
+    support_check = ISSUE_CHECKS.get(func, UNSEEN)
+    if support_check is not None:
+        if support_check is UNSEEN:
+            support_check = issue_check(func)
+        if support_check is not None:
+            support_check(stream, cpu_args, cpu_kwargs)
     host_check = HOST_CHECKS.get(func)
     if host_check is not None:
         meta = map_value(meta_like, host_check(*cpu_args, **cpu_kwargs))
