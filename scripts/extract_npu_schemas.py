@@ -1,4 +1,4 @@
-"""Extract the registered schemas of the attention ops from a torch_npu wheel.
+"""Extract the registered schemas of the ops the sim serves from a torch_npu wheel.
 
     python scripts/extract_npu_schemas.py torch_npu-2.14.0-cp311-...whl \
         > sim/tests/data/torch_npu_2.14.0_schemas.json
@@ -38,6 +38,17 @@ OPS = (
     "_npu_fused_infer_attention_score_v2_infer_output",
     "_npu_paged_attention",
     "_npu_paged_attention_get_workspace",
+    # the field's fused ops (sim/src/npusim/fused_ops.py)
+    "npu_rms_norm",
+    "npu_add_rms_norm",
+    "npu_rotary_mul",
+    "npu_apply_rotary_pos_emb",
+    "npu_mrope",
+    "_npu_rotary_embedding",
+    "npu_swiglu",
+    "npu_scatter_pa_kv_cache",
+    "_npu_reshape_and_cache",
+    "npu_top_k_top_p",
 )
 LIBRARIES = ("torch_npu/lib/libtorch_npu.so", "torch_npu/lib/libop_plugin_atb.so")
 _STORE = r"(XMMWORD|QWORD|DWORD|WORD|BYTE) PTR \[([^\]]+?)(?:([+-])0x([0-9a-f]+))?\],(\S+)$"

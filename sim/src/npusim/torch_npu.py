@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import torch
 
+from . import atb_rotary as _atb_rotary
+from . import fused_ops as _fused
 from . import npu
 from . import ops as _ops
 from .backend import setup
@@ -45,6 +47,17 @@ _npu_fused_infer_attention_score_v2_infer_output = (
     _npu_ops._npu_fused_infer_attention_score_v2_infer_output
 )
 _npu_paged_attention = paged_attention
+# The field's fused ops (:mod:`.fused_ops`).
+npu_rms_norm = _fused.rms_norm
+npu_add_rms_norm = _fused.add_rms_norm
+npu_rotary_mul = _fused.rotary_mul
+npu_apply_rotary_pos_emb = _fused.apply_rotary_pos_emb
+npu_mrope = _fused.mrope
+_npu_rotary_embedding = _atb_rotary.rotary_embedding
+npu_swiglu = _fused.swiglu
+npu_scatter_pa_kv_cache = _fused.scatter_pa_kv_cache
+_npu_reshape_and_cache = _fused.reshape_and_cache
+npu_top_k_top_p = _fused.top_k_top_p
 _npu_paged_attention_get_workspace = _npu_ops._npu_paged_attention_get_workspace
 
 # torch_npu._C: the names serving stacks use (the fused update binding, the task-group
@@ -66,8 +79,18 @@ __all__ = [
     "_npu_fused_infer_attention_score_v2_infer_output",
     "_npu_paged_attention",
     "_npu_paged_attention_get_workspace",
+    "_npu_reshape_and_cache",
+    "_npu_rotary_embedding",
     "get_npu_format",
     "npu",
+    "npu_add_rms_norm",
+    "npu_apply_rotary_pos_emb",
     "npu_fused_infer_attention_score",
     "npu_fused_infer_attention_score_v2",
+    "npu_mrope",
+    "npu_rms_norm",
+    "npu_rotary_mul",
+    "npu_scatter_pa_kv_cache",
+    "npu_swiglu",
+    "npu_top_k_top_p",
 ]
