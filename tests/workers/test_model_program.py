@@ -15,7 +15,7 @@ import torch
 from daemons import wait_for
 from issuer import Issuer
 from model_ref import save, tiny_model
-from npusim import torch_npu
+from npusim import extensions, torch_npu
 
 from graphlane.protocol import Codec, ops
 from graphlane.protocol.errors import NoPreviousToken
@@ -143,7 +143,7 @@ def test_a_sharded_checkpoint_gives_transformers_greedy_tokens(tmp_path: Path) -
     assert (tmp_path / "m" / "model.safetensors.index.json").exists()
     program = ModelProgram(ModelConfig(model=str(tmp_path / "m"), dtype="float32", **SERVING))
     prompt = [5, 6, 7, 8, 9, 10]
-    with _engine(program) as eng:
+    with extensions.enabled("float32_attention"), _engine(program) as eng:  # a reference
         (ours,), _ = Runner(eng).decode([(prompt, 2, {})], 16)
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
