@@ -222,6 +222,13 @@ class StepEngine:
             with _capturing(b, tail, self.capture_stream, key):
                 program.capture_tail(b, self.capture_stream, bucket, buffers, name)
             captured.tails[name] = tail
+        profile = getattr(b, "graph_profile", None)
+        if profile is not None:
+            captured.profile = {
+                "graph": profile(graph),
+                **({"tails": {n: profile(t) for n, t in captured.tails.items()}}
+                   if captured.tails else {}),
+            }  # fmt: skip
         self._rings.setdefault((program.name, bucket), []).append(captured)  # ring order
         log.debug("captured %s", key)
 
@@ -248,6 +255,15 @@ class StepEngine:
     def graphs(self) -> dict[GraphKey, CapturedGraph]:
         """Every captured instance by its key."""
         return {g.key: g for ring in self._rings.values() for g in ring}
+
+    def graph_profiles(self, program: str) -> dict[str, Any]:
+        """Each bucket's graph profile of ``program`` (its first instance: every instance
+        of a bucket is the same capture), by bucket; empty when the backend cannot tell."""
+        return {
+            str(bucket): ring[0].profile
+            for (name, bucket), ring in sorted(self._rings.items())
+            if name == program and ring[0].profile is not None
+        }
 
     @property
     def failure(self) -> BaseException | None:

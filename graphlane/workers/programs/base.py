@@ -133,6 +133,9 @@ class CapturedGraph:
     # The instance's tail graphs by name (GraphProgram.tails): replayed after it, on
     # the same stream, by the steps that need them.
     tails: dict[str, Any] = field(default_factory=dict)
+    # What the instance costs on the device (a backend that can tell: the sim's
+    # npusim.graph_profile), the main graph's and each tail's; None otherwise.
+    profile: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ class GraphProgram(abc.ABC):
             raise ProgramConfigError(
                 f"programs.{self.name}.dtype",
                 "float32 is not served on backend 'npu' (the NPU's fused attention takes "
-                "float16 and bfloat16): set dtype = \"bfloat16\", or use backend = \"sim\" "
+                'float16 and bfloat16): set dtype = "bfloat16", or use backend = "sim" '
                 "for a float32 reference",
             )
 

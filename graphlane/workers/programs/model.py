@@ -12,15 +12,19 @@ copied into static buffers. The architecture and weights come from
 :class:`~.paged_attention.PagedAttentionProgram` the model owns (same layout, same
 scratch block for padding rows).
 
-Captured per layer l of a bucket B (T = B rows, one query token each)::
+Captured per layer l of a bucket B (T = B rows, one query token each), with the fused
+ops of vllm-ascend's Atlas A2 decode layer (docs/models.md has the per-bucket profile)::
 
-    x = rms_norm(h); q, k, v = split(x @ Wqkv + b); q, k = rope(q, k, positions)
-    key_cache_l[slot_mapping] = k; value_cache_l[slot_mapping] = v
+    x, residual = npu_add_rms_norm(delta, residual, ln1)       # npu_rms_norm in layer 0
+    q, k, v = split(x @ Wqkv + b)
+    q, k = npu_rotary_mul(q, cos, sin), npu_rotary_mul(k, cos, sin)   # contiguous
+    _npu_reshape_and_cache(k, v, key_cache_l, value_cache_l, slot_mapping)
     ev[l].wait(S); ev[l].reset(S)
     task group: FIA(q_l, key_cache_l, value_cache_l, block_table, TND,
                     actual_seq_lengths=[1..B], actual_seq_lengths_kv=<patched>,
                     out=[attn_l, lse_l])
-    h = h + attn_l @ Wo; h = h + mlp(rms_norm(h))
+    x, residual = npu_add_rms_norm(attn_l @ Wo, residual, ln2)
+    delta = npu_swiglu(x @ Wgu) @ Wd
 
 then ``logits = lm_head(rms_norm(h)).float()`` and ``tokens = argmax(logits)``. Tail
 graphs of each instance (:attr:`GraphProgram.tails`), replayed after it only by the
@@ -349,15 +353,14 @@ class ModelProgram(GraphProgram):
                 )
             )
         embed = dev(host["model.embed_tokens.weight"])
-        cos, sin = s.rope_tables(self.max_len, self.dtype)
+        cos, sin = s.rope_tables(self.max_len, self.dtype)  # [max_len, D] each
         mask = torch.triu(torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool), diagonal=1)
         self._device = {
             "layers": layers,
             "embed": embed,
             "norm": dev(host["model.norm.weight"]),
             "lm_head": embed if s.tie_word_embeddings else dev(host["lm_head.weight"]),
-            "cos": dev(cos),
-            "sin": dev(sin),
+            "cos_sin": dev(torch.cat([cos, sin], dim=-1)),
             # the sampler's static tensors: the token hash's first round, and ranks
             "codes": dev(token_codes(s.vocab_size)),
             "rank": dev(torch.arange(min(CANDIDATES, s.vocab_size), dtype=torch.int32)),
@@ -367,59 +370,69 @@ class ModelProgram(GraphProgram):
         return self._device
 
     # ------------------------------------------------------------ the forward, by parts
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as transformers computes it (float32 inside, weight times the cast)."""
-        xf = x.to(torch.float32)
-        var = xf.pow(2).mean(-1, keepdim=True)
-        xf = xf * torch.rsqrt(var + self.spec.rms_norm_eps)
-        return w * xf.to(x.dtype)
+    # Each part is the field's Atlas A2 decode layer (vllm-ascend's Llama/Qwen2 path): the
+    # residual add fused into the next RMSNorm (npu_add_rms_norm), one QKV matmul, rope
+    # by npu_rotary_mul (whose outputs are the contiguous q and k that FIA and the cache
+    # write take), the K/V write by _npu_reshape_and_cache, FIA, the output matmul, the
+    # gate/up matmul, npu_swiglu, the down matmul. In float32 every fused op computes what
+    # transformers computes, in the same order (the sim's kernels; the tests compare
+    # tokens).
+    def _rope(self, w: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin [T, 1, 1, D] of ``positions`` [T]: one gather for the whole forward
+        (every layer uses them), from the [max_len, 2 * D] table of cos and sin."""
+        d = self.spec.head_dim
+        cs = w["cos_sin"].index_select(0, positions)[:, None, None, :]
+        return cs[..., :d], cs[..., d:]
 
-    def _rope(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        if out is None:
-            return x * cos + rotated * sin
-        return torch.add(x * cos, rotated * sin, out=out)
+    def _norm_in(
+        self, b: DeviceBackend, weight: torch.Tensor, delta: torch.Tensor | None,
+        residual: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(RMSNorm of residual + delta, that sum): npu_add_rms_norm, or npu_rms_norm of
+        the residual alone (layer 0, whose input is the embedding)."""
+        eps = self.spec.rms_norm_eps
+        if delta is None:
+            return b.call("npu_rms_norm", (residual, weight), {"epsilon": eps})[0], residual
+        x, _, total = b.call("npu_add_rms_norm", (delta, residual, weight), {"epsilon": eps})
+        return x, total
 
     def _qkv(
-        self,
-        w: dict[str, Any],
-        layer: _Layer,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        q_out: torch.Tensor | None = None,
+        self, b: DeviceBackend, layer: _Layer, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, N, D] (into ``q_out`` if given), k and v [T, KV_N, D] of hidden ``h`` [T, H]."""
+        """q [T, N, D], k and v [T, KV_N, D], contiguous, of normed hidden ``x`` [T, H]."""
         s = self.spec
-        t, d = h.shape[0], s.head_dim
-        qkv = F.linear(self._norm(h, layer.ln1), layer.wqkv, layer.bqkv)
-        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
-        cos = w["cos"].index_select(0, positions).unsqueeze(1)
-        sin = w["sin"].index_select(0, positions).unsqueeze(1)
-        q = self._rope(q.reshape(t, s.num_heads, d), cos, sin, q_out)
-        k = self._rope(k.reshape(t, s.num_kv_heads, d), cos, sin, None)
-        return q, k, v.reshape(t, s.num_kv_heads, d)
+        t, d, n, kv = x.shape[0], s.head_dim, s.num_heads, s.num_kv_heads
+        qkv = F.linear(x, layer.wqkv, layer.bqkv)
+        q, k, v = qkv.split([n * d, kv * d, kv * d], dim=-1)
+        cos, sin = rope
+        q = b.call("npu_rotary_mul", (q.view(t, 1, n, d), cos, sin), {})
+        k = b.call("npu_rotary_mul", (k.view(t, 1, kv, d), cos, sin), {})
+        return q.view(t, n, d), k.view(t, kv, d), v.reshape(t, kv, d).contiguous()
 
     def _write_kv(
-        self, cache: dict[str, torch.Tensor], layer: int, slots: torch.Tensor,
+        self, b: DeviceBackend, cache: dict[str, torch.Tensor], layer: int, slots: torch.Tensor,
         k: torch.Tensor, v: torch.Tensor,
     ) -> None:  # fmt: skip
-        self.kv._rows(cache[f"key_cache_{layer}"]).index_copy_(0, slots, k)
-        self.kv._rows(cache[f"value_cache_{layer}"]).index_copy_(0, slots, v)
-
-    def _after_attention(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The output projection, the residual, the MLP and its residual."""
         s = self.spec
-        h = h + F.linear(attn.reshape(h.shape[0], -1), layer.wo, layer.bo)
-        gate, up = F.linear(self._norm(h, layer.ln2), layer.wgu, layer.bgu).split(
-            [s.intermediate_size, s.intermediate_size], dim=-1
-        )
-        return h + F.linear(F.silu(gate) * up, layer.wd, layer.bd)
+        key, value = cache[f"key_cache_{layer}"], cache[f"value_cache_{layer}"]
+        nd = (key.shape[0], key.shape[1], s.num_kv_heads, s.head_dim)  # ND, as FIA's BSH
+        b.call("_npu_reshape_and_cache", (k, v, key.view(nd), value.view(nd), slots), {})
 
-    def _logits(self, w: dict[str, Any], h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(h, w["norm"]), w["lm_head"]).to(torch.float32)
+    def _mlp(
+        self, b: DeviceBackend, layer: _Layer, attn: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, its residual add (fused into the norm), the MLP: (the
+        MLP's output, the residual stream before it)."""
+        o = F.linear(attn.reshape(attn.shape[0], -1), layer.wo, layer.bo)
+        x, residual = self._norm_in(b, layer.ln2, o, residual)
+        act = b.call("npu_swiglu", (F.linear(x, layer.wgu, layer.bgu),), {"dim": -1})
+        return F.linear(act, layer.wd, layer.bd), residual
+
+    def _logits(
+        self, b: DeviceBackend, w: dict[str, Any], delta: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        x, _ = self._norm_in(b, w["norm"], delta, residual)
+        return F.linear(x, w["lm_head"]).to(torch.float32)
 
     # ------------------------------------------------------------ capture
     def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:
@@ -471,19 +484,24 @@ class ModelProgram(GraphProgram):
         tokens, positions, slots = ints[:, 0], ints[:, 1], ints[:, 2]
         lengths = [1] * bucket  # what the buffers hold: every row on the scratch block
         handles = []
-        h = F.embedding(tokens, w["embed"])
+        b = backend
+        residual, delta = F.embedding(tokens, w["embed"]), None
+        rope = self._rope(w, positions)
         for i, layer in enumerate(w["layers"]):
-            _, k, v = self._qkv(w, layer, h, positions, q_out=buffers[f"q_{i}"])
-            self._write_kv(buffers, i, slots, k, v)
-            backend.wait_external(stream, events[i])  # wait, reset
-            backend.task_group_begin(stream)
-            backend.call(FIA_OUT, (), self._arguments(buffers, i, lengths))
-            handles.append(backend.task_group_end(stream))
-            h = self._after_attention(layer, h, buffers[f"attn_{i}"])
+            x, residual = self._norm_in(b, layer.ln1, delta, residual)
+            q, k, v = self._qkv(b, layer, x, rope)
+            buffers[f"q_{i}"] = q  # FIA's query: a tensor of the graph's pool
+            self._write_kv(b, buffers, i, slots, k, v)
+            b.wait_external(stream, events[i])  # wait, reset
+            b.task_group_begin(stream)
+            b.call(FIA_OUT, (), self._arguments(buffers, i, lengths))
+            handles.append(b.task_group_end(stream))
+            delta, residual = self._mlp(b, layer, buffers[f"attn_{i}"], residual)
+        assert delta is not None
         # The logits are the graph's own output (a tensor of its pool, rewritten by every
         # replay); every row's greedy token lands in the static "tokens", which a tail
         # that samples overwrites where rows sample.
-        buffers["logits"] = logits = self._logits(w, h)
+        buffers["logits"] = logits = self._logits(b, w, delta, residual)
         torch.argmax(logits, dim=-1, out=buffers["tokens"])
         return handles, [tuple(lengths)] * self.spec.num_layers
 
@@ -823,13 +841,16 @@ class ModelProgram(GraphProgram):
         tokens, positions, slots = dev(host["tokens"]), dev(host["positions"]), dev(host["slots"])
         table = dev(host["block_table"].reshape(1, -1))
         start, n = plan.values["start"], plan.batch
-        h = None
+        b = backend
+        delta: torch.Tensor | None = None
         for c0 in range(0, n, c.prefill_chunk):
             c1 = min(n, c0 + c.prefill_chunk)
-            h = F.embedding(tokens[c0:c1], w["embed"])
+            residual, delta = F.embedding(tokens[c0:c1], w["embed"]), None
+            rope = self._rope(w, positions[c0:c1])
             for i, layer in enumerate(w["layers"]):
-                q, k, v = self._qkv(w, layer, h, positions[c0:c1])
-                self._write_kv(cache, i, slots[c0:c1], k, v)
+                x, residual = self._norm_in(b, layer.ln1, delta, residual)
+                q, k, v = self._qkv(b, layer, x, rope)
+                self._write_kv(b, cache, i, slots[c0:c1], k, v)
                 attn, _ = backend.call(
                     FIA,
                     (),
@@ -845,9 +866,9 @@ class ModelProgram(GraphProgram):
                         **self._fia,
                     ),
                 )
-                h = self._after_attention(layer, h, attn)
-        assert h is not None
-        logits = self._logits(w, h[-1:])
+                delta, residual = self._mlp(b, layer, attn, residual)
+        assert delta is not None
+        logits = self._logits(b, w, delta[-1:], residual[-1:])
         out: dict[str, torch.Tensor] = {}
         names = plan.values["outputs"]
         if "tokens" in names or plan.values["sequence"] is not None:
