@@ -26,13 +26,22 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
 
 
 def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers model: ``llama`` (GQA, llama3 rope scaling, untied) or ``qwen2``
-    (q/k/v bias, tied embeddings), seeded."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A transformers model: ``llama`` (GQA, llama3 rope scaling, untied), ``qwen2``
+    (q/k/v bias, tied embeddings) or ``mistral`` (no sliding window), seeded."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     g = torch.Generator().manual_seed(seed + 1)

@@ -44,6 +44,7 @@ from graphlane.workers.worker import WorkerSpec, worker_main
 
 log = logging.getLogger("graphlane.supervisor")
 
+
 class WorkerState(enum.StrEnum):
     """Where a worker is in its lifecycle (the value is what status reports)."""
 
@@ -146,6 +147,13 @@ class WorkerHandle:
             "generation": self.generation,
             "endpoint": self.info.get("endpoint"),
             "programs": self.info.get("programs", {}),
+            # The sim extensions the worker turned on (a float32 program's fused
+            # attention): not the NPU's, so hello and status say so.
+            **(
+                {"sim_extensions": self.info["sim_extensions"]}
+                if self.info.get("sim_extensions")
+                else {}
+            ),
             "cpus": list(self.spec.cpus) if self.spec.cpus else None,  # None: not pinned
             "last_exit": self.last_exit,
             "last_error": self.last_error or None,

@@ -123,6 +123,18 @@ def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) 
                 c.step("model", 0, params, sent, outputs=["tokens"])
             assert err.value.code == "BAD_REQUEST"
             assert field in str(err.value)
+        with pytest.raises(GraphlaneError) as err:  # a prefill's unknown params too
+            c.prefill("model", 0, prompt, [9, 0], params={"temprature": 1.0})
+        assert err.value.code == "BAD_REQUEST" and "temprature" in str(err.value)
+        # Out of range but documented: top_k past int64 is off, a tiny temperature 0.01.
+        params = {"actual_seq_lengths_kv": [6], "top_k": [2**63], "temperature": [1e-38]}
+        sent = {"tokens": torch.tensor([1]), "block_table": table}
+        assert c.step("model", 0, params, sent, outputs=["tokens"]).outputs["tokens"].shape == (1,)
+        worker = c.hello()["workers"][0]
+        assert worker["sim_extensions"] == ["float32_attention"]  # float32: the sim's own
+        for profile in worker["programs"]["model"]["graph_profiles"].values():
+            graphs = [profile["graph"], *profile["tails"].values()]
+            assert all(g["aicpu"] == 0 for g in graphs), profile
 
 
 def test_a_restarted_worker_answers_state_lost_until_the_prompts_are_prefilled_again(

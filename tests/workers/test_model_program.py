@@ -158,6 +158,16 @@ def _agreed(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
+def test_a_mistral_without_a_window_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    model = tiny_model("mistral", seed=6)
+    program = ModelProgram(ModelConfig(model=save(model, tmp_path / "m"), dtype="float32",
+                                       **SERVING))  # fmt: skip
+    prompts = [[5, 6, 7], [200, 1, 2, 3, 4, 90, 17]]
+    with extensions.enabled("float32_attention"), _engine(program) as eng:
+        got, _ = Runner(eng).decode([(p, i, {}) for i, p in enumerate(prompts)], 24)
+    assert got == [reference(model, p, 24) for p in prompts]
+
+
 def test_a_sharded_checkpoint_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
     model = tiny_model("qwen2", seed=4)
     model.save_pretrained(tmp_path / "m", max_shard_size="60KB")
