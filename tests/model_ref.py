@@ -127,7 +127,7 @@ def _table(s: Sequence, max_blocks: int) -> list[int]:
 
 async def run_ahead(
     client: Any, program: str, seqs: list[Sequence], new: int, block_size: int,
-    num_blocks: int, max_blocks: int, window: int = 3, shuffle_seed: int = 0,
+    num_blocks: int, max_blocks: int, window: int = 3, shuffle_seed: int = 0, device: int = 0,
 ) -> dict[int, list[int]]:  # fmt: skip
     """Continuous batching as :func:`run_batching` (the same joins, leaves and row
     shuffles), decoding ahead: every row is fed the token its sequence sampled in its
@@ -157,7 +157,7 @@ async def run_ahead(
             need = -(-(len(s.prompt) + new) // block_size)
             s.blocks = [free.pop(rng.randrange(len(free))) for _ in range(need)]
             params = {"sequence_id": s.sid}
-            await send(client.prefill(program, 0, s.prompt, _table(s, max_blocks),
+            await send(client.prefill(program, device, s.prompt, _table(s, max_blocks),
                                       params=params), [s])  # fmt: skip
             issued[s.sid] = 1
             active.append(s)
@@ -171,7 +171,7 @@ async def run_ahead(
                 "block_table": torch.tensor([_table(s, max_blocks) for s in rows],
                                             dtype=torch.int32),
             }  # fmt: skip
-            await send(client.step(program, 0, params, inputs, outputs=["tokens"]), rows)
+            await send(client.step(program, device, params, inputs, outputs=["tokens"]), rows)
             for s in rows:
                 issued[s.sid] += 1
         for s in [s for s in active if issued[s.sid] >= new]:

@@ -1,5 +1,5 @@
 """The built-in ``model`` program: the whole decode forward of a Llama-family model,
-captured per bucket as one graph over a paged KV cache, with sampling in the graph.
+captured per bucket as one graph over a paged KV cache, with sampling on the device.
 
 This is the graph serving stacks keep hot (vllm-ascend's full-graph decode, torchair,
 xLLM): embedding, every layer (RMSNorm, QKV projection, rotary embedding, the new
