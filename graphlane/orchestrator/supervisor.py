@@ -147,8 +147,7 @@ class WorkerHandle:
             "generation": self.generation,
             "endpoint": self.info.get("endpoint"),
             "programs": self.info.get("programs", {}),
-            # The sim extensions the worker turned on (a float32 program's fused
-            # attention): not the NPU's, so hello and status say so.
+            # the npusim extensions the sim backend turned on (not the NPU's; absent: none)
             **(
                 {"sim_extensions": self.info["sim_extensions"]}
                 if self.info.get("sim_extensions")

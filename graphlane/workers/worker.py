@@ -169,11 +169,7 @@ class Worker:
             from graphlane.workers.backends.sim import SimBackend
 
             assert isinstance(backend, SimBackend)
-            # A float32 program's fused attention is a sim extension: the NPU takes
-            # float16, bfloat16 and int8 only (npusim.extensions). The built-in programs
-            # name their compute dtype ``dtype``.
-            if any(getattr(p, "dtype", None) == torch.float32 for p in programs):
-                backend.use_extensions({"float32_attention"})
+            backend.use_extensions(programs)  # float32 attention is the sim's, not the NPU's
             self.sim_extensions = backend.extensions_on
         hang, fault = spec.faults.get("hang_device_after"), spec.faults.get("device_fault_after")
         if hang is not None or fault is not None:  # tests: a device that misbehaves on cue

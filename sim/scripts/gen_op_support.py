@@ -1,10 +1,11 @@
-# ruff: noqa: RUF001  (the docs it parses use full-width colons and commas)
+# ruff: noqa: RUF001, RUF003  (the docs it parses use full-width punctuation)
 """Generate npusim's op-support table for torch_npu 2.14 on an Atlas A2 (910B).
 
     python sim/scripts/gen_op_support.py \\
         --wheel /path/to/unpacked/torch_npu \\
         --op-plugin /path/to/Ascend/op-plugin.git --op-plugin-ref master \\
         --cann-ops /path/to/hicann/ops-math.git --cann-ops /path/to/hicann/ops-nn.git \\
+        --cann-ops /path/to/hicann/ops-transformer.git \\
         --out sim/src/npusim/data/op_support_torch_npu_2.14.0.json
 
 Git sources are read with ``git`` (bare mirrors are fine); nothing is checked out.
@@ -55,14 +56,6 @@ SHARED_DOCS = {
     ),
 }
 
-# The sim's torch.ops.npu ops that are device work, by op-plugin / ATB name.
-NPU_OPS = {
-    "npu_fused_infer_attention_score": "npu_fused_infer_attention_score",
-    "npu_fused_infer_attention_score.out": "npu_fused_infer_attention_score",
-    "npu_fused_infer_attention_score_v2": "npu_fused_infer_attention_score_v2",
-    "npu_fused_infer_attention_score_v2.out": "npu_fused_infer_attention_score_v2",
-    "_npu_paged_attention": "_npu_paged_attention",
-}
 
 DTYPE_WORDS = {
     "float16": "float16",
@@ -78,7 +71,12 @@ DTYPE_WORDS = {
     "int32": "int32",
     "int64": "int64",
     "uint8": "uint8",
+    "uint16": "uint16",
+    "uint32": "uint32",
     "uint64": "uint64",
+    "float8_e5m2": "float8_e5m2",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "hifloat8": "hifloat8",
     "bool": "bool",
 }
 
@@ -110,14 +108,15 @@ def in_version(spec: Any, version: str) -> bool:
     return version in [s.strip() for s in str(spec).split(",")]
 
 
-def op_plugin_entries(repo: Path, ref: str) -> dict[str, dict[str, Any]]:
-    """op name ("add.Tensor") -> its op_plugin_functions.yaml entry."""
+def op_plugin_entries(repo: Path, ref: str) -> dict[str, list[dict[str, Any]]]:
+    """op name ("add.Tensor") -> its op_plugin_functions.yaml entries (an op may be
+    listed in more than one section: ``zeros`` in official and in symint)."""
     data = yaml.safe_load(git(repo, "show", f"{ref}:op_plugin/config/op_plugin_functions.yaml"))
-    out = {}
+    out: dict[str, list[dict[str, Any]]] = {}
     for section in ("official", "custom", "symint", "quant", "autograd"):
         for e in data.get(section) or []:
             if isinstance(e, dict) and "func" in e:
-                out[e["func"].split("(")[0].strip()] = e
+                out.setdefault(e["func"].split("(")[0].strip(), []).append(e)
     return out
 
 
@@ -168,11 +167,12 @@ def kernels_of(name: str, funcs: dict[str, dict[str, set[str]]], depth: int = 2)
 
 
 def cpp_names(op: str) -> list[str]:
+    """The op-plugin C++ functions that may implement aten/npu op ``op``."""
     base, _, overload = op.partition(".")
     names = [base]
-    if "out" in overload.split("_") or overload == "out":
+    if "out" in overload.split("_"):
         names.insert(0, base + "_out")
-    return names
+    return [n for name in names for n in (name, name + "_symint")]
 
 
 # ------------------------------------------------------------------ CANN ops
@@ -186,51 +186,81 @@ _A2_BRANCH = re.compile(
 )
 
 
-def cann_units(repos: list[tuple[Path, str]]) -> dict[str, dict[str, Any]]:
-    """l0 op name -> {"units": launch kinds, "socs": SoCs its source names, "source"}."""
-    out: dict[str, dict[str, Any]] = {}
-    for repo, ref in repos:
-        files = git(repo, "ls-tree", "-r", "--name-only", ref).split()
-        for path in files:
-            if (
-                "/op_api/" not in path
-                or not path.endswith(".cpp")
-                or path.startswith("experimental/")
-                or "/tests/" in path
-                or Path(path).name.startswith("aclnn_")
-            ):
-                continue
-            text = git(repo, "show", f"{ref}:{path}")
-            units = set()
-            if "ADD_TO_LAUNCHER_LIST_AICORE" in text:
-                units.add("aicore")
-            if "ADD_TO_LAUNCHER_LIST_AICPU" in text:
-                units.add("aicpu")
-            if not units:
-                continue
-            for name in _REGISTER.findall(text):
-                out.setdefault(name, {"units": units, "a2": _A2_BRANCH.findall(text),
-                                      "source": f"{repo_name(repo)}:{path}"})  # fmt: skip
-    return out
+class CannOps:
+    """What CANN's ops sources say of where kernels run.
+
+    ``l0``: l0 op name -> {"units": its launch kinds, "a2": the function the
+    non-regbase branch calls, "source"}. ``docs``: aclnn kernel name -> (repo, ref, the
+    op's directory, its files), from ``<op>/docs/aclnnXxx.md``: for a fused op whose
+    aclnn API launches its kernel without an l0 launcher (FusedInferAttentionScore),
+    the op's definition says the unit (``AICore()`` in ``op_host/*_def.cpp``, an
+    ``op_kernel_aicpu`` directory).
+    """
+
+    def __init__(self, repos: list[tuple[Path, str]]) -> None:
+        self.l0: dict[str, dict[str, Any]] = {}
+        self.docs: dict[str, tuple[Path, str, str, list[str]]] = {}
+        for repo, ref in repos:
+            files = [
+                f for f in git(repo, "ls-tree", "-r", "--name-only", ref).split()
+                if not f.startswith("experimental/") and "/tests/" not in f
+            ]  # fmt: skip
+            by_dir: dict[str, list[str]] = {}
+            for path in files:
+                parts = path.split("/")
+                if len(parts) > 3:
+                    by_dir.setdefault("/".join(parts[:2]), []).append(path)
+            for path in files:
+                name = Path(path).name
+                parts = path.split("/")
+                if len(parts) > 3 and parts[2] == "docs" and name.startswith("aclnn"):
+                    op_dir = "/".join(parts[:2])
+                    self.docs.setdefault(name.removesuffix(".md"),
+                                         (repo, ref, op_dir, by_dir.get(op_dir, [])))  # fmt: skip
+                if "/op_api/" not in path or not path.endswith(".cpp") or name.startswith("aclnn_"):
+                    continue
+                text = git(repo, "show", f"{ref}:{path}")
+                units = set()
+                if "ADD_TO_LAUNCHER_LIST_AICORE" in text:
+                    units.add("aicore")
+                if "ADD_TO_LAUNCHER_LIST_AICPU" in text:
+                    units.add("aicpu")
+                if not units:
+                    continue
+                for op in _REGISTER.findall(text):
+                    self.l0.setdefault(op, {"units": units, "a2": _A2_BRANCH.findall(text),
+                                            "source": f"{repo_name(repo)}:{path}"})  # fmt: skip
+
+    def unit(self, kernel: str) -> tuple[str, str]:
+        """(unit, source) of aclnn ``kernel`` on an A2."""
+        name = kernel.removeprefix("aclnn").removeprefix("Inplace")
+        e = self.l0.get(name)
+        if e is not None:
+            units, a2 = e["units"], e["a2"]
+            if len(units) == 1:
+                return next(iter(units)), e["source"]
+            # both: the one the non-regbase branch calls, when the source says by name
+            if len(a2) == 1 and ("AiCpu" in a2[0]) != ("AiCore" in a2[0]):
+                return ("aicpu" if "AiCpu" in a2[0] else "aicore"), e["source"]
+            return "aicore_or_aicpu", e["source"]
+        # a versioned API (aclnnXxxV5) belongs to the op of its family's documentation
+        d = self.docs.get(kernel) or self.docs.get(re.sub(r"V\d+$", "", kernel))
+        if d is None:
+            return "unknown", ""
+        repo, ref, op_dir, files = d
+        units = set()
+        if any("/op_kernel_aicpu/" in f for f in files):
+            units.add("aicpu")
+        defs = [f for f in files if "/op_host/" in f and f.endswith("_def.cpp")]
+        if any("AICore()" in git(repo, "show", f"{ref}:{f}") for f in defs):
+            units.add("aicore")
+        if len(units) != 1:
+            return ("aicore_or_aicpu" if units else "unknown"), f"{repo_name(repo)}:{op_dir}"
+        return next(iter(units)), f"{repo_name(repo)}:{op_dir}"
 
 
 def repo_name(repo: Path) -> str:
     return repo.parent.name.replace("+", "/") if repo.name == "repo" else repo.name
-
-
-def unit_of(kernel: str, l0: dict[str, dict[str, Any]]) -> tuple[str, str]:
-    """(unit, source) of aclnn ``kernel`` on an A2, from its l0 op's launches."""
-    name = kernel.removeprefix("aclnn").removeprefix("Inplace")
-    e = l0.get(name)
-    if e is None:
-        return "unknown", ""
-    units, a2 = e["units"], e["a2"]
-    if len(units) == 1:
-        return next(iter(units)), e["source"]
-    # both: the one the non-regbase branch calls, when the source says by name
-    if len(a2) == 1 and ("AiCpu" in a2[0]) != ("AiCore" in a2[0]):
-        return ("aicpu" if "AiCpu" in a2[0] else "aicore"), e["source"]
-    return "aicore_or_aicpu", e["source"]
 
 
 # ------------------------------------------------------------------ docs
@@ -247,29 +277,46 @@ def docs(wheel: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+_WORD = r"(?:torch\.)?[A-Za-z][A-Za-z0-9_()]*"
+_DTYPE_LIST = re.compile(
+    rf"(?:数据类型支持|数据类型为|数据类型|dtype支持|支持)[:：]?\s*"
+    rf"({_WORD}(?:\s*(?:、|/|,|，|和|或)\s*{_WORD})*)"
+)
+# Where a parameter's description ends: the sections after the parameters.
+_SECTIONS = ("输出说明", "约束说明", "支持的型号", "调用示例", "示例", "支持版本", "规格约束")
+# "name:", "name (Tensor):", "name(torch.Tensor):", "-   name（Tensor）：", "“x”："
+_PARAM = re.compile(r"^[-*\s]*[“\"]?(\w+)[”\"]?\s*(?:[（(][^)）]*[)）])?\s*[:：]")
+
+
 def dtypes_in(text: str) -> list[str] | None:
-    m = re.search(r"(?:数据类型支持|支持)[:：]?\s*([A-Za-z0-9_()/、,，\s和或]+)", text)
-    if m is None:
-        return None
-    words = re.split(r"[、/,，\s]+|和|或", m.group(1))
-    found = [DTYPE_WORDS[w.lower()] for w in words if w.lower() in DTYPE_WORDS]
-    return sorted(set(found)) or None
+    """The dtypes the first dtype list in ``text`` names (None: no list there)."""
+    for m in _DTYPE_LIST.finditer(text):
+        words = re.split(r"\s*(?:、|/|,|，|和|或)\s*", m.group(1))
+        found = [DTYPE_WORDS.get(w.lower().removeprefix("torch.")) for w in words]
+        known = sorted({d for d in found if d})
+        if known:
+            return known
+    return None
 
 
 def argument_rules(text: str, tensor_args: list[str]) -> dict[str, Any]:
-    """Per tensor argument: dtypes allowed on an A2, contiguity and formats."""
+    """Per tensor argument: dtypes allowed on an A2, contiguity (True: non-contiguous
+    tensors are not supported; False: they are; None: not said) and formats."""
     rules: dict[str, Any] = {}
     current = None
     a2 = "Atlas A2"
-    for raw in text.splitlines():
+    start = max(text.find("参数说明"), 0)
+    for raw in text[start:].splitlines():
         line = raw.strip()
-        m = re.match(r"^(\w+)\s*[:：]", line)
-        if m and m.group(1) in tensor_args and m.group(1) not in rules:
-            current = m.group(1)
-            rules[current] = {"dtypes": dtypes_in(line.split(a2)[0]), "contiguous": None,
-                              "formats": None}  # fmt: skip
-        elif m and not line.startswith("Atlas"):
-            current = None if m.group(1) not in tensor_args else current
+        if line.startswith(_SECTIONS):
+            break
+        m = _PARAM.match(line)
+        if m and not line.startswith("Atlas"):
+            name = m.group(1)
+            current = name if name in tensor_args and name not in rules else None
+            if current is not None:
+                rules[current] = {"dtypes": dtypes_in(line.split(a2)[0]), "contiguous": None,
+                                  "formats": None}  # fmt: skip
         if current is None:
             continue
         r = rules[current]
@@ -279,6 +326,8 @@ def argument_rules(text: str, tensor_args: list[str]) -> dict[str, Any]:
                 r["dtypes"] = d
         if "不支持非连续" in line:
             r["contiguous"] = True
+        elif "支持非连续" in line:
+            r["contiguous"] = False
         f = re.search(r"(?:数据格式支持|支持)\s*(ND|NZ)(?:格式)?", line)
         if f:
             r["formats"] = sorted(set((r["formats"] or []) + [f.group(1)]))
@@ -287,18 +336,24 @@ def argument_rules(text: str, tensor_args: list[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ table
 def served_ops() -> tuple[list[str], dict[str, list[str]]]:
-    """(aten ops the sim serves, npu op -> its tensor argument names)."""
+    """(aten ops the sim serves, torch.ops.npu op the sim registers -> its tensor
+    arguments but outputs)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
     import torch
     from npusim import torch_npu  # noqa: F401  (registers the npu ops)
     from npusim.tensor import backend_op_names
 
     npu: dict[str, list[str]] = {}
-    for name in NPU_OPS:
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("npu::"):
+            continue
+        name = qualified.removeprefix("npu::")
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.npu, packet), overload or "default")
         npu[name] = [
-            a.name for a in op._schema.arguments if "Tensor" in str(a.type) and a.name != "out"
+            a.name
+            for a in op._schema.arguments
+            if "Tensor" in str(a.type) and a.name != "out" and not a.is_out
         ]
     return sorted(backend_op_names()), npu
 
@@ -318,8 +373,13 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
             else:
                 impl.setdefault(e["func"].split("(")[0].strip(), e.get("impl_ns"))
     entries = op_plugin_entries(plugin, args.op_plugin_ref)
+    atb_yaml = git(plugin, "show", f"{args.op_plugin_ref}:op_plugin/config/atb_ops.yaml")
+    atb = {
+        str(f["impl_name"]).rpartition("::")[2]
+        for f in yaml.safe_load(atb_yaml.lstrip("\ufeff"))["functions"]
+    }
     funcs = opapi_functions(plugin, args.op_plugin_ref)
-    l0 = cann_units(cann)
+    cann_ops = CannOps(cann)
     aten, npu = served_ops()
 
     def entry(op: str) -> dict[str, Any]:
@@ -329,13 +389,16 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         spaces = [s.strip() for s in str(ns).split(",")] if ns else []
         if ns == "framework" or not spaces:
             return {"path": "framework"}
-        e = entries.get(op, {})
-        if "op_api" not in spaces or (e and not in_version(e.get("op_api"), TORCH_NPU_VERSION)):
+        listed = entries.get(op, [])
+        if "op_api" not in spaces or (
+            listed and not any(in_version(e.get("op_api"), TORCH_NPU_VERSION) for e in listed)
+        ):
             return {"path": "aclop"}
         kernels: set[str] = set()
-        gen = (e.get("gen_opapi") or {}) if e else {}
+        gen = next((e["gen_opapi"] for e in listed if e.get("gen_opapi")), {})
         if "structured_inherit" in gen:
-            gen = entries.get(gen["structured_inherit"], {}).get("gen_opapi") or {}
+            inherited = entries.get(gen["structured_inherit"], [])
+            gen = next((e["gen_opapi"] for e in inherited if e.get("gen_opapi")), {})
         exec_ = gen.get("exec")
         if exec_:
             kernels.add(str(exec_).split(",")[0].strip())
@@ -347,7 +410,7 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
         if not kernels:
             out["unit"] = "unknown"
             return out
-        units = {k: unit_of(k, l0) for k in sorted(kernels)}
+        units = {k: cann_ops.unit(k) for k in sorted(kernels)}
         kinds = {u for u, _ in units.values()}
         out["unit"] = (
             "aicpu" if kinds == {"aicpu"} else "aicore" if kinds == {"aicore"}
@@ -364,10 +427,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     documented = docs(wheel)
     table_npu: dict[str, Any] = {}
     for name, tensor_args in npu.items():
-        base = NPU_OPS[name]
-        e = entry(base) if base in impl else {"path": "atb"}
-        if base in impl and e["path"] == "aclnn":
-            pass
+        base = name.partition(".")[0]
+        e = entry(base) if base in impl else {"path": "atb" if base in atb else "unknown"}
         doc_name, why = SHARED_DOCS.get(base, (base, ""))
         doc = documented.get(doc_name)
         if doc is None:

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from npusim import configure, extensions
-from npusim.testing import clean_device, no_thread_leak  # noqa: F401  (fixtures)
+from npusim import configure
+from npusim.testing import clean_device, float32_attention, no_thread_leak  # noqa: F401
 
 torch.set_num_threads(1)
 
@@ -32,20 +32,3 @@ def watchdog_off() -> Iterator[None]:
     yield
     configure(watchdog_s=old)
 
-
-@pytest.fixture(autouse=True)
-def no_extension_leak() -> Iterator[None]:
-    """A test that turns a sim extension on turns it off again (the next test must see
-    the NPU's behaviour)."""
-    yield
-    leaked = extensions.active()
-    if leaked:
-        extensions.disable(*leaked)
-        pytest.fail(f"the test left sim extensions on: {sorted(leaked)}")
-
-
-@pytest.fixture
-def float32_attention() -> Iterator[None]:
-    """Fused attention in float32, the sim's exact reference (not the NPU's)."""
-    with extensions.enabled("float32_attention"):
-        yield

@@ -58,7 +58,10 @@ def test_continuous_batching_gives_transformers_greedy_tokens(
     model = models[program][0]
     seqs = _sequences(7)
     with SyncClient(daemon.endpoint, timeout=60) as c:
-        described = c.hello()["workers"][0]["programs"][program]
+        worker = c.hello()["workers"][0]
+        # float32 models: their fused attention runs as the sim's extension, said so
+        assert worker["sim_extensions"] == ["float32_attention"]
+        described = worker["programs"][program]
         assert {"prefill", "kv_write", "kv_read"} <= set(described["state_ops"])
         assert described["config"]["architecture"]["vocab_size"] == 256
         assert described["inputs"]["tokens"] == {"shape": ["batch"], "dtype": "int64"}

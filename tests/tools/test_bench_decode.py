@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from graphlane.bench import decode
 from graphlane.bench.goals import goals
 
 STEPS = 6
 
 
+@pytest.mark.usefixtures("float32_attention")  # the bench's float32 model, in this process
 def test_in_process_and_daemon_decode_the_same_tokens(start_daemon: Any) -> None:
     d = start_daemon(devices=1, programs=[decode.program_config()])
     local = decode.generate_in_process(STEPS)

@@ -7,7 +7,7 @@ device reset after a fault.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -35,10 +35,12 @@ class SimBackend(NpuBackend):
             configure(**asdict(config))
         super().__init__(torch_npu, device_index, use_fused_update=use_fused_update)
 
-    def use_extensions(self, names: set[str]) -> None:
-        """Turn on the named npusim extensions for this process (see npusim.extensions:
-        they are the sim's, not the NPU's)."""
-        extensions.enable(*names)
+    def use_extensions(self, programs: Iterable[Any]) -> None:
+        """Turn on, for this process, the npusim extensions ``programs`` need (not the
+        NPU's: see npusim.extensions): ``float32_attention`` for a program whose compute
+        dtype (its ``dtype``, as the built-in programs name it) is float32."""
+        if any(getattr(p, "dtype", None) == torch.float32 for p in programs):
+            extensions.enable("float32_attention")
 
     @property
     def extensions_on(self) -> list[str]:

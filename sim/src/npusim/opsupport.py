@@ -45,7 +45,12 @@ _DTYPES = {
     "int32": torch.int32,
     "int64": torch.int64,
     "uint8": torch.uint8,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
     "uint64": torch.uint64,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    # "hifloat8" has no torch dtype: no tensor can be of it
     "bool": torch.bool,
 }
 
@@ -114,8 +119,9 @@ def support_of(func: Any) -> OpSupport:
 
 @cache
 def _support(name: str, namespace: str) -> OpSupport:
-    section = table()["npu" if namespace == "npu" else "aten"]
-    e = section.get(name)
+    if namespace not in ("aten", "npu"):
+        return OpSupport(name, "unknown")
+    e = table()[namespace].get(name)
     if e is None:
         return OpSupport(name, "unknown")
     rules = e.get("arguments")
@@ -190,58 +196,72 @@ def _argument_check(func: Any, sup: OpSupport) -> Check | None:
     if not sup.arguments:
         return None
     rules = dict(sup.arguments)
-    # (position, or None for a keyword-only argument; name) of each checked argument
-    where: list[tuple[int | None, str]] = [
-        (None if a.kwarg_only else i, a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.name in rules
-    ]
-    allowed = {
-        name: (frozenset(_DTYPES[d] for d in r.dtypes if d in _DTYPES) if r.dtypes else None)
-        for name, r in rules.items()
-    }
-    # float16 allowed: float32 too with the float32_attention extension
-    widened = {
-        name: dtypes | {torch.float32}
-        for name, dtypes in allowed.items()
-        if dtypes is not None and torch.float16 in dtypes and torch.float32 not in dtypes
-    }
-    contiguous = {name for name, r in rules.items() if r.contiguous}
+    # name -> (dtypes allowed or None, float32 allowed by the extension, contiguous)
+    spec: dict[str, tuple[frozenset[torch.dtype] | None, bool, bool]] = {}
+    for name, r in rules.items():
+        ok = frozenset(_DTYPES[d] for d in r.dtypes if d in _DTYPES) if r.dtypes else None
+        # float16 allowed: float32 too with the float32_attention extension
+        widen = ok is not None and torch.float16 in ok and torch.float32 not in ok
+        spec[name] = (ok, widen, r.contiguous)
+    # the checked arguments that may come positionally, by position
+    positional = [
+        (i, a.name) for i, a in enumerate(func._schema.arguments)
+        if a.name in spec and not a.kwarg_only
+    ]  # fmt: skip
     op = sup.name
 
-    def check_arguments(stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for i, name in where:
-            v = args[i] if i is not None and i < len(args) else kwargs.get(name)
-            if not isinstance(v, torch.Tensor):
-                continue
-            ok = allowed[name]
-            if ok is not None and v.dtype not in ok:
-                if (
-                    name in widened
-                    and v.dtype in widened[name]
-                    and "float32_attention" in extensions.ON
-                ):
-                    cap = stream.capturing
-                    if cap is not None:
-                        cap.graph.extensions.add("float32_attention")
-                else:
-                    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in ok))
-                    hint = (
-                        "; npusim.extensions.enable('float32_attention') lets float32 "
-                        "through as a sim-only exact reference"
-                        if name in widened and v.dtype == torch.float32
-                        else ""
-                    )
-                    raise SimUsageError(
-                        f"{op}: {name} is {str(v.dtype).removeprefix('torch.')}, which "
-                        f"torch_npu 2.14 on an Atlas A2 does not accept: it takes {names} "
-                        f"(its documentation){hint}"
-                    )
-            if name in contiguous and not v.is_contiguous():
-                raise SimUsageError(
-                    f"{op}: {name} is not contiguous (shape {list(v.shape)}, stride "
-                    f"{list(v.stride())}); torch_npu 2.14 documents that it does not "
-                    "support non-contiguous tensors: pass .contiguous()"
+    def check(stream: Any, name: str, v: torch.Tensor) -> None:
+        ok, widen, contiguous = spec[name]
+        if ok is not None and v.dtype not in ok:
+            if widen and v.dtype == torch.float32 and "float32_attention" in extensions.ON:
+                cap = stream.capturing
+                if cap is not None:
+                    cap.graph.extensions.add("float32_attention")
+            else:
+                names = ", ".join(sorted(str(d).removeprefix("torch.") for d in ok))
+                hint = (
+                    "; npusim.extensions.enable('float32_attention') lets float32 through "
+                    "as a sim-only exact reference"
+                    if widen and v.dtype == torch.float32
+                    else ""
                 )
+                raise SimUsageError(
+                    f"{op}: {name} is {str(v.dtype).removeprefix('torch.')}, which torch_npu "
+                    f"2.14 on an Atlas A2 does not accept: it takes {names} (its "
+                    f"documentation){hint}"
+                )
+        if contiguous and not v.is_contiguous():
+            raise SimUsageError(
+                f"{op}: {name} is not contiguous (shape {list(v.shape)}, stride "
+                f"{list(v.stride())}); torch_npu 2.14 documents that it does not support "
+                "non-contiguous tensors: pass .contiguous()"
+            )
+
+    Tensor = torch.Tensor
+
+    def check_arguments(stream: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if stream.updating is not None:
+            # A patch: its tensors must have the captured call's shapes, strides and
+            # dtypes (OpCall.mismatch), which passed this check at capture.
+            return
+        # Only what the call passes (most of a fused op's arguments are left at None),
+        # with the passing case inline.
+        n = len(args)
+        for i, name in positional:
+            if i < n:
+                v = args[i]
+                if isinstance(v, Tensor):
+                    ok, _, contiguous = spec[name]
+                    if (ok is not None and v.dtype not in ok) or (
+                        contiguous and not v.is_contiguous()
+                    ):
+                        check(stream, name, v)
+        for name, v in kwargs.items():
+            if isinstance(v, Tensor):
+                r = spec.get(name)
+                if r is not None and (
+                    (r[0] is not None and v.dtype not in r[0]) or (r[2] and not v.is_contiguous())
+                ):
+                    check(stream, name, v)
 
     return check_arguments
