@@ -38,6 +38,7 @@ OPS = (
     "_npu_fused_infer_attention_score_v2_infer_output",
     "_npu_paged_attention",
     "_npu_paged_attention_get_workspace",
+    "_npu_flash_attention_qlens",
     # the field's fused ops (sim/src/npusim/fused_ops.py)
     "npu_rms_norm",
     "npu_add_rms_norm",

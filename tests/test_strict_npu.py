@@ -26,6 +26,16 @@ torch_npu.npu_scatter_pa_kv_cache(key=k, value=k, key_cache=kc, value_cache=kc.c
 torch_npu._npu_reshape_and_cache(key=k, value=k, key_cache=kc, value_cache=kc.clone(),
                                  slot_indices=slots)
 assert torch.equal(kc.cpu()[1, 1], k.cpu()[1])
+q = torch.randn(3, 32).npu()
+torch_npu._npu_rotary_embedding(positions=torch.tensor([0, 1, 2]).npu(), query=q, key=q.clone(),
+                                head_size=32, cos_sin_cache=torch.randn(4, 32).npu(),
+                                is_neox_style=True)
+out = torch.zeros(2, 32).npu()
+torch_npu._npu_flash_attention_qlens(
+    query=torch.randn(2, 32).npu(), key_cache=kc, value_cache=kc.clone(),
+    block_table=torch.tensor([[0, 1]], dtype=torch.int32).npu(), mask=torch.zeros(128, 128).npu(),
+    seq_len=torch.tensor([2], dtype=torch.int32), context_lens=torch.tensor([6], dtype=torch.int32),
+    num_kv_heads=2, num_heads=2, scale_value=0.25, out=out)
 logits = torch.randn(2, 8).npu()
 torch_npu.npu_top_k_top_p(logits, k=torch.tensor([2, 3], dtype=torch.int32).npu())
 try:

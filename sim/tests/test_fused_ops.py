@@ -407,7 +407,8 @@ def test_top_k_top_p_refusals() -> None:
 def test_every_fused_op_is_a_torch_ops_npu_op() -> None:
     for name in ("npu_rms_norm", "npu_add_rms_norm", "npu_rotary_mul", "npu_apply_rotary_pos_emb",
                  "npu_mrope", "npu_swiglu", "npu_scatter_pa_kv_cache", "_npu_reshape_and_cache",
-                 "npu_top_k_top_p", "_npu_rotary_embedding"):  # fmt: skip
+                 "npu_top_k_top_p", "_npu_rotary_embedding",
+                 "_npu_flash_attention_qlens"):  # fmt: skip
         assert getattr(torch_npu, name) is getattr(torch.ops.npu, name)
 
 
@@ -494,3 +495,60 @@ def test_a_captured_decode_layer_of_fused_ops_replays_as_eager(dtype: torch.dtyp
         assert torch.equal(out_g.cpu(), out_e.cpu()) and torch.equal(res_g.cpu(), res_e.cpu())
         assert torch.equal(kc_g.cpu(), kc_e.cpu()) and torch.equal(vc_g.cpu(), vc_e.cpu())
         assert out_g.cpu().isfinite().all()
+
+
+# ================================================================ sglang's paged prefill
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_attention_qlens_attends_causally_to_the_paged_context(dtype: torch.dtype) -> None:
+    """Each batch's new tokens are the last of its context: query i of a batch with q_len
+    new tokens among kv_len sees context positions 0 .. kv_len - q_len + i."""
+    n, nkv, d, bs, nb = 4, 2, 16, 8, 6
+    q_lens, kv_lens = [3, 1, 5], [10, 4, 5]
+    table = torch.tensor([[4, 0], [2, 1], [5, 3]], dtype=torch.int32)
+    kc, vc = rand(nb, bs, nkv, d, dtype=dtype), rand(nb, bs, nkv, d, dtype=dtype)
+    q = rand(sum(q_lens), n * d, dtype=dtype)
+    out = torch.zeros(sum(q_lens), n * d, dtype=dtype).npu()
+    torch_npu._npu_flash_attention_qlens(
+        query=q.npu(), key_cache=kc.npu(), value_cache=vc.npu(), block_table=table.npu(),
+        mask=torch.zeros(128, 128, dtype=dtype).npu(),
+        seq_len=torch.tensor(q_lens, dtype=torch.int32),
+        context_lens=torch.tensor(kv_lens, dtype=torch.int32), num_kv_heads=nkv, num_heads=n,
+        scale_value=0.25, out=out,
+    )  # fmt: skip
+    want = torch.zeros(sum(q_lens), n, d, dtype=torch.float64)
+    row = 0
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
+        pos = [(int(table[b, j // bs]), j % bs) for j in range(kl)]
+        for i in range(ql):
+            for h in range(n):
+                g = h // (n // nkv)
+                seen = range(kl - ql + i + 1)
+                s = torch.stack([q[row, h * d : (h + 1) * d].double() @ kc[pos[j]][g].double()
+                                 for j in seen]) * 0.25  # fmt: skip
+                p = torch.softmax(s, 0)
+                want[row, h] = sum(p[j] * vc[pos[j]][g].double() for j in seen)
+            row += 1
+    close(out.cpu().reshape(-1, n, d), want, dtype)
+
+
+def test_flash_attention_qlens_refusals() -> None:
+    kc = rand(4, 8, 2, 16, dtype=torch.float16).npu()
+    args = dict(query=rand(4, 64, dtype=torch.float16).npu(), key_cache=kc, value_cache=kc,
+                block_table=torch.zeros(2, 2, dtype=torch.int32).npu(),
+                mask=torch.zeros(128, 128, dtype=torch.float16).npu(),
+                seq_len=torch.tensor([2, 2], dtype=torch.int32),
+                context_lens=torch.tensor([3, 2], dtype=torch.int32), num_kv_heads=2,
+                num_heads=4, scale_value=1.0,
+                out=torch.zeros(4, 64, dtype=torch.float16).npu())  # fmt: skip
+    torch_npu._npu_flash_attention_qlens(**args)  # the valid call
+    bad = {
+        "seq_len must be a host \\(CPU\\) int32 tensor": {"seq_len": args["seq_len"].npu()},
+        "seq_len sums to 3 but query has 4 tokens": {
+            "seq_len": torch.tensor([1, 2], dtype=torch.int32)},
+        "batch 0: need 0 < seq_len \\(2\\) <= context_lens \\(1\\)": {
+            "context_lens": torch.tensor([1, 2], dtype=torch.int32)},
+        "out must be \\[4, 64\\]": {"out": torch.zeros(4, 32, dtype=torch.float16).npu()},
+    }  # fmt: skip
+    for message, change in bad.items():
+        with pytest.raises(SimUsageError, match=message):
+            torch_npu._npu_flash_attention_qlens(**(args | change))

@@ -18,6 +18,7 @@ from . import npu
 from . import ops as _ops
 from .backend import setup
 from .fia_v2 import fused_infer_attention_score_v2
+from .flash_attention_qlens import flash_attention_qlens
 from .fused import fused_update_out_graph
 from .npu_extras import (
     Format,
@@ -47,6 +48,7 @@ _npu_fused_infer_attention_score_v2_infer_output = (
     _npu_ops._npu_fused_infer_attention_score_v2_infer_output
 )
 _npu_paged_attention = paged_attention
+_npu_flash_attention_qlens = flash_attention_qlens
 # The field's fused ops (:mod:`.fused_ops`).
 npu_rms_norm = _fused.rms_norm
 npu_add_rms_norm = _fused.add_rms_norm
@@ -73,6 +75,7 @@ _C = SimpleNamespace(
 __all__ = [
     "_C",
     "Format",
+    "_npu_flash_attention_qlens",
     "_npu_fused_infer_attention_score_get_max_workspace",
     "_npu_fused_infer_attention_score_infer_output",
     "_npu_fused_infer_attention_score_v2_get_max_workspace",
