@@ -26,13 +26,22 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
 
 
 def tiny_model(kind: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Any:
-    """A transformers model: ``llama`` (GQA, llama3 rope scaling, untied) or ``qwen2``
-    (q/k/v bias, tied embeddings), seeded."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A transformers model: ``llama`` (GQA, llama3 rope scaling, untied), ``qwen2``
+    (q/k/v bias, tied embeddings) or ``mistral`` (no sliding window), seeded."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE))
+    elif kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(**TINY, sliding_window=None))
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=True))
     g = torch.Generator().manual_seed(seed + 1)
@@ -118,7 +127,7 @@ def _table(s: Sequence, max_blocks: int) -> list[int]:
 
 async def run_ahead(
     client: Any, program: str, seqs: list[Sequence], new: int, block_size: int,
-    num_blocks: int, max_blocks: int, window: int = 3, shuffle_seed: int = 0,
+    num_blocks: int, max_blocks: int, window: int = 3, shuffle_seed: int = 0, device: int = 0,
 ) -> dict[int, list[int]]:  # fmt: skip
     """Continuous batching as :func:`run_batching` (the same joins, leaves and row
     shuffles), decoding ahead: every row is fed the token its sequence sampled in its
@@ -148,7 +157,7 @@ async def run_ahead(
             need = -(-(len(s.prompt) + new) // block_size)
             s.blocks = [free.pop(rng.randrange(len(free))) for _ in range(need)]
             params = {"sequence_id": s.sid}
-            await send(client.prefill(program, 0, s.prompt, _table(s, max_blocks),
+            await send(client.prefill(program, device, s.prompt, _table(s, max_blocks),
                                       params=params), [s])  # fmt: skip
             issued[s.sid] = 1
             active.append(s)
@@ -162,7 +171,7 @@ async def run_ahead(
                 "block_table": torch.tensor([_table(s, max_blocks) for s in rows],
                                             dtype=torch.int32),
             }  # fmt: skip
-            await send(client.step(program, 0, params, inputs, outputs=["tokens"]), rows)
+            await send(client.step(program, device, params, inputs, outputs=["tokens"]), rows)
             for s in rows:
                 issued[s.sid] += 1
         for s in [s for s in active if issued[s.sid] >= new]:

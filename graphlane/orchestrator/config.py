@@ -287,9 +287,12 @@ def _key_names(key: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _programs(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
+def _programs(
+    raw: Any, backend: str
+) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
     """The programs' configs, and the ``clients`` of those that name them (a setting of
-    the daemon's, not of the program: taken out before the program reads its config)."""
+    the daemon's, not of the program: taken out before the program reads its config),
+    each checked against the ``backend`` that will run it."""
     from graphlane.workers.programs import ProgramConfigError, load_program
 
     if not isinstance(raw, list) or not raw:
@@ -307,7 +310,7 @@ def _programs(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str
             p = dict(p)
             clients[p["name"]] = _key_names(f"programs[{i}].clients", p.pop("clients"))
         try:
-            load_program(p["name"], p)  # validated here, once, at the edge
+            load_program(p["name"], p).check_backend(backend)  # validated here, at the edge
         except ProgramConfigError as exc:
             raise ConfigError(exc.key, str(exc).split(": ", 1)[-1]) from exc
         out.append(dict(p))
@@ -348,7 +351,8 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     if "sim" in raw:
         values["sim"] = _sim(raw["sim"])
     if "programs" in raw:
-        values["programs"], values["program_clients"] = _programs(raw["programs"])
+        backend = values.get("backend", cfg.backend)
+        values["programs"], values["program_clients"] = _programs(raw["programs"], backend)
     for k in ("max_queued", "max_restarts"):
         if k in raw:
             values[k] = _int(k, raw[k], 1 if k == "max_queued" else 0)

@@ -44,6 +44,7 @@ from graphlane.workers.worker import WorkerSpec, worker_main
 
 log = logging.getLogger("graphlane.supervisor")
 
+
 class WorkerState(enum.StrEnum):
     """Where a worker is in its lifecycle (the value is what status reports)."""
 

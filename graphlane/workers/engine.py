@@ -217,6 +217,18 @@ class StepEngine:
         with _capturing(b, graph, self.capture_stream, key):
             handles, signatures = program.capture(b, self.capture_stream, bucket, buffers, events)
         captured = CapturedGraph(key, graph, handles, events, buffers, list(signatures))
+        for name in program.tails:  # each its own graph, over the instance's buffers
+            tail = b.new_graph()
+            with _capturing(b, tail, self.capture_stream, key):
+                program.capture_tail(b, self.capture_stream, bucket, buffers, name)
+            captured.tails[name] = tail
+        profile = getattr(b, "graph_profile", None)
+        if profile is not None:
+            captured.profile = {
+                "graph": profile(graph),
+                **({"tails": {n: profile(t) for n, t in captured.tails.items()}}
+                   if captured.tails else {}),
+            }  # fmt: skip
         self._rings.setdefault((program.name, bucket), []).append(captured)  # ring order
         log.debug("captured %s", key)
 
@@ -243,6 +255,15 @@ class StepEngine:
     def graphs(self) -> dict[GraphKey, CapturedGraph]:
         """Every captured instance by its key."""
         return {g.key: g for ring in self._rings.values() for g in ring}
+
+    def graph_profiles(self, program: str) -> dict[str, Any]:
+        """Each bucket's graph profile of ``program`` (its first instance: every instance
+        of a bucket is the same capture), by bucket; empty when the backend cannot tell."""
+        return {
+            str(bucket): ring[0].profile
+            for (name, bucket), ring in sorted(self._rings.items())
+            if name == program and ring[0].profile is not None
+        }
 
     @property
     def failure(self) -> BaseException | None:
@@ -366,7 +387,6 @@ class StepEngine:
         g = staged if staged is not None else self._next_graph(ring_key)
         step.graph = g
         previous = g.last_done  # the previous replay of g; U waits for it
-        b = self.backend
         if step.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
             if step.feeds:  # the inputs and the feeds on S, before the replay
@@ -375,7 +395,7 @@ class StepEngine:
             step.patched = self._patch_groups(program, g, plan, release=True, copy=copy)
             step.replay_at = time.perf_counter()
             step.dispatch_s = step.replay_at - t0
-            b.replay(g.graph, self.capture_stream)
+            self._replay(program, g, step)
             self._collect(program, g, step)
             return _S_ONLY
         if plan.inputs or step.feeds:
@@ -386,9 +406,17 @@ class StepEngine:
         # copy is queued behind the replay on S, so queueing it before the patches
         # costs the device nothing.
         step.replay_at = time.perf_counter()
-        b.replay(g.graph, self.capture_stream)
+        self._replay(program, g, step)
         self._collect(program, g, step)
         return _S_ONLY if self.records_first else previous
+
+    def _replay(self, program: GraphProgram, g: CapturedGraph, step: Job) -> None:
+        """Replay g on S, then the tails this step needs (stream order fences them)."""
+        b = self.backend
+        b.replay(g.graph, self.capture_stream)
+        if g.tails:
+            for name in program.tails_for(step.plan, step.outputs):
+                b.replay(g.tails[name], self.capture_stream)
 
     def _copy_inputs(
         self,

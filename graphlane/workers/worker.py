@@ -64,7 +64,7 @@ from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.programs import StepError
-from graphlane.workers.programs.base import GraphKey
+from graphlane.workers.programs.base import GraphKey, GraphProgram
 
 log = logging.getLogger("graphlane.worker")
 
@@ -134,9 +134,7 @@ def start_failure(exc: BaseException) -> pipe.Failed:
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if getattr(cause, "transient", False) is True or isinstance(
-            cause, torch.OutOfMemoryError
-        ):
+        if getattr(cause, "transient", False) is True or isinstance(cause, torch.OutOfMemoryError):
             transient = True
             break
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
@@ -164,6 +162,8 @@ class Worker:
         index = spec.device if spec.runtime_index is None else spec.runtime_index
         backend = create_backend(spec.backend, index, **options)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]
+        for program in programs:
+            program.check_backend(spec.backend)
         self.sim_extensions: list[str] = []
         if spec.backend == "sim":
             from graphlane.workers.backends.sim import SimBackend
@@ -252,11 +252,17 @@ class Worker:
             "generation": self.spec.generation,
             "backend": self.spec.backend,
             **({"sim_extensions": self.sim_extensions} if self.sim_extensions else {}),
-            "programs": {name: p.describe() for name, p in self.engine.programs.items()},
+            "programs": {name: self._describe(p) for name, p in self.engine.programs.items()},
             "depth": self.spec.depth,
             "pipeline": self.spec.pipeline,
             "cpus": list(self.spec.cpus) if self.spec.cpus else None,
         }
+
+    def _describe(self, program: GraphProgram) -> dict[str, Any]:
+        """A program's description, with each bucket's graph profile when the backend
+        can tell what its graphs cost on the device (the sim)."""
+        profiles = self.engine.graph_profiles(program.name)
+        return {**program.describe(), **({"graph_profiles": profiles} if profiles else {})}
 
     def status(self) -> dict[str, Any]:
         now = time.perf_counter()
@@ -400,9 +406,7 @@ class Worker:
         if isinstance(body, ops.Drain):
             self.draining = True
             return {"state": "draining", "inflight": self.inflight}
-        raise BadRequest(
-                "shutdown is an orchestrator operation; send it to the daemon's endpoint"
-            )
+        raise BadRequest("shutdown is an orchestrator operation; send it to the daemon's endpoint")
 
     # ------------------------------------------------------------ ordering (docs/programs.md)
     def _keeps_state(self, program: str) -> bool:

@@ -21,7 +21,7 @@ from graphlane.client import Client, SyncClient
 NEW = 64
 BLOCK, BLOCKS, MAX_BLOCKS = 128, 10, 2
 SERVING = dict(block_size=BLOCK, num_blocks=BLOCKS, max_blocks_per_seq=MAX_BLOCKS,
-               buckets=[1, 2, 4], prefill_chunk=48)  # fmt: skip
+               buckets=[1, 2, 4], prefill_chunk=48, dtype="float32")  # fmt: skip
 QWEN = "graphlane.workers.programs.model:ModelProgram"
 PROMPTS = {0: 5, 1: 17, 2: 130, 3: 1, 4: 60}  # sid -> prompt length
 JOINS = {0: 0, 1: 0, 2: 9, 3: 30, 4: 66}  # at most 4 at once: buckets 1, 2 and 4 all run
@@ -126,6 +126,18 @@ def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) 
                 c.step("model", 0, params, sent, outputs=["tokens"])
             assert err.value.code == "BAD_REQUEST"
             assert field in str(err.value)
+        with pytest.raises(GraphlaneError) as err:  # a prefill's unknown params too
+            c.prefill("model", 0, prompt, [9, 0], params={"temprature": 1.0})
+        assert err.value.code == "BAD_REQUEST" and "temprature" in str(err.value)
+        # Out of range but documented: top_k past int64 is off, a tiny temperature 0.01.
+        params = {"actual_seq_lengths_kv": [6], "top_k": [2**63], "temperature": [1e-38]}
+        sent = {"tokens": torch.tensor([1]), "block_table": table}
+        assert c.step("model", 0, params, sent, outputs=["tokens"]).outputs["tokens"].shape == (1,)
+        worker = c.hello()["workers"][0]
+        assert worker["sim_extensions"] == ["float32_attention"]  # float32: the sim's own
+        for profile in worker["programs"]["model"]["graph_profiles"].values():
+            graphs = [profile["graph"], *profile["tails"].values()]
+            assert all(g["aicpu"] == 0 for g in graphs), profile
 
 
 def test_a_restarted_worker_answers_state_lost_until_the_prompts_are_prefilled_again(

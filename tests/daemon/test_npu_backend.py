@@ -226,3 +226,85 @@ def test_event_modes_of_other_devices(
     worker = d.worker(1)
     assert worker["restarts"] == 0 and worker["state"] == "ready", worker
     check_process(traces(trace)[worker["pid"]], 1, pipelined=order == "after-replay")
+
+
+MODEL = {"name": "model", "seed": 5, "init_std": 0.3, "block_size": 128, "num_blocks": 8,
+         "max_blocks_per_seq": 2, "buckets": [1, 2, 4], "prefill_chunk": 48,
+         "random": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+                    "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2}}  # fmt: skip
+NEW = 10
+
+
+def _sequences() -> list[Any]:
+    from model_ref import Sequence
+
+    g = torch.Generator().manual_seed(4)
+    lengths = {0: 5, 1: 17, 2: 130, 3: 1, 4: 60}
+    joins = {0: 0, 1: 0, 2: 3, 3: 5, 4: 9}
+    return [Sequence(sid, torch.randint(0, 256, (n,), generator=g).tolist(), joins[sid])
+            for sid, n in lengths.items()]  # fmt: skip
+
+
+def _in_process() -> dict[int, list[int]]:
+    """The same sequences on an engine in this process over the sim (the same kernels)."""
+    from issuer import Issuer
+    from model_ref import run_batching
+
+    from graphlane.workers.backends.sim import SimBackend
+    from graphlane.workers.programs import load_program
+
+    program = load_program("model", MODEL)
+    with Issuer(SimBackend(0), [program]) as eng:
+
+        def prefill(tokens: list[int], table: list[int]) -> int:
+            fields = {"tokens": torch.tensor(tokens),
+                      "block_table": torch.tensor(table, dtype=torch.int32)}  # fmt: skip
+            (s,) = eng.wait([eng.state("model", "prefill", fields)], 60)
+            return int(s.results["tokens"][0])
+
+        def step(tokens: list[int], lengths: list[int], tables: list[list[int]]) -> list[int]:
+            inputs = {"tokens": torch.tensor(tokens),
+                      "block_table": torch.tensor(tables, dtype=torch.int32)}  # fmt: skip
+            params = {"actual_seq_lengths_kv": lengths}
+            (s,) = eng.wait([eng.step(len(tokens), lengths, inputs=inputs, program="model",
+                                      params=params, outputs=("tokens",))], 60)  # fmt: skip
+            return s.results["tokens"].tolist()
+
+        return run_batching(_sequences(), NEW, 128, 8, 2, prefill, step)
+
+
+def test_the_model_program_on_two_devices_decodes_ahead_and_survives_a_restart(
+    start_daemon: Any, tmp_path: Path
+) -> None:
+    """bfloat16 (the default on an NPU), two devices, every row decoding ahead, a worker
+    killed and restarted: the tokens are those of the same model on the sim in process,
+    on both devices and after the restart; the traces are the wheel's sequences."""
+    from model_ref import run_ahead
+
+    want = _in_process()
+    trace = tmp_path / "trace"
+    d: RunningDaemon = start_daemon(backend="npu", devices=2, programs=[MODEL],
+                                    env=npu_env(trace))  # fmt: skip
+    worker = d.status()["workers"][0]
+    assert worker["programs"]["model"]["config"]["dtype"] == "bfloat16"
+    assert "sim_extensions" not in worker  # nothing of the sim's own on an NPU
+
+    async def ahead(devices: list[int]) -> list[dict[int, list[int]]]:
+        async with Client(d.endpoint, timeout=60) as c:
+            return [await run_ahead(c, "model", _sequences(), NEW, 128, 8, 2, device=dev)
+                    for dev in devices]  # fmt: skip
+
+    assert asyncio.run(ahead([0, 1])) == [want, want]
+    first = d.worker(1)["pid"]
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: d.worker(1)["state"] == "ready" and d.worker(1)["pid"] != first, 60,
+             "device 1's worker to be restarted")  # fmt: skip
+    assert asyncio.run(ahead([1])) == [want]  # a new client: the new generation's cache
+    pids = {w["device"]: w["pid"] for w in d.status()["workers"]}
+    found = traces(trace)
+    for device, pid in ((0, pids[0]), (1, pids[1]), (1, first)):
+        check_process(found[pid], device, pipelined=True)
+        calls = {e["call"] for e in found[pid][1:]}
+        assert {"npu_add_rms_norm", "npu_rotary_mul", "npu_swiglu",
+                "_npu_reshape_and_cache"} <= calls, calls  # fmt: skip

@@ -181,3 +181,64 @@ def test_the_sim_section_reaches_the_simulators_own_config() -> None:
     assert from_mapping({}).sim.event_mode == "cann"
     with pytest.raises(ConfigError, match="event_mode"):
         from_mapping({"sim": {"event_mode": "ENPU!"}})
+
+
+TINY_MODEL = {
+    "model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
+    "num_hidden_layers": 1, "num_attention_heads": 4,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        {"name": "model", "random": TINY_MODEL, "dtype": "float32"},
+        {"name": "attention", "dtype": "float32"},
+        {"name": "paged_attention", "dtype": "float32"},
+    ],
+    ids=lambda p: p["name"],
+)
+def test_float32_fused_attention_is_refused_on_the_npu_backend_only(
+    program: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from graphlane.cli import main
+
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"backend": "npu", "programs": [program]})
+    assert err.value.key == f"programs.{program['name']}.dtype"
+    assert from_mapping({"backend": "sim", "programs": [program]})  # the sim's reference
+    path = tmp_path / "f32.toml"
+    random = ", ".join(f"{k} = {v!r}" for k, v in TINY_MODEL.items()).replace("'", '"')
+    lines = ['backend = "npu"', "[[programs]]", f'name = "{program["name"]}"', 'dtype = "float32"']
+    if program["name"] == "model":
+        lines.append(f"random = {{ {random} }}")
+    path.write_text("\n".join(lines) + "\n")
+    assert main(["config", "check", str(path)]) != 0
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and "dtype" in err_lines[0] and "bfloat16" in err_lines[0]
+
+
+def test_a_model_is_bfloat16_unless_its_checkpoint_is_half_or_float32_is_asked_for() -> None:
+    from graphlane.workers.programs import load_program
+
+    def dtype(**over: object) -> str | None:
+        p = load_program("model", {"name": "model", "random": TINY_MODEL, **over})
+        return p.config.dtype  # type: ignore[attr-defined]
+
+    assert dtype() == "bfloat16"
+    assert dtype(random=TINY_MODEL | {"torch_dtype": "float32"}) == "bfloat16"
+    assert dtype(random=TINY_MODEL | {"dtype": "float16"}) == "float16"
+    assert dtype(dtype="float32") == "float32"
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parents[2] / "deploy" / "examples").glob("*.toml")),
+    ids=lambda p: p.name,
+)  # fmt: skip
+def test_every_example_config_checks_on_the_backend_it_names_and_on_npu(path: Path) -> None:
+    import tomllib
+
+    raw = tomllib.loads(path.read_text())
+    assert from_mapping(raw)
+    npu = {k: v for k, v in raw.items() if k != "sim"} | {"backend": "npu"}  # as its comments say
+    assert from_mapping(npu).backend == "npu"

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from npusim import SimConfig, configure, extensions
+from npusim import SimConfig, configure, extensions, graph_profile
 
 from .npu import NpuBackend
 
@@ -46,6 +46,18 @@ class SimBackend(NpuBackend):
     def extensions_on(self) -> list[str]:
         """The npusim extensions on in this process."""
         return sorted(extensions.active())
+
+    def graph_profile(self, graph: Any) -> dict[str, Any]:
+        """What captured ``graph`` will cost on an NPU (npusim.graph_profile), as JSON
+        values: device kernels, AI CPU tasks, memcpys and host syncs, with the kernels
+        and AI CPU tasks by op, and the sim extensions it used."""
+        p = graph_profile(graph)
+        return {
+            "kernels": p.kernel_count, "aicpu": p.aicpu_count, "memcpy": p.memcpy_count,
+            "host_syncs": p.host_syncs, "kernels_by_op": dict(p.kernels),
+            "aicpu_by_op": dict(p.aicpu), "memcpy_by_kind": dict(p.memcpy),
+            **({"extensions": sorted(p.extensions)} if p.extensions else {}),
+        }  # fmt: skip
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # The sim cannot pin host memory (sim/README.md): its copies are queued as they are.

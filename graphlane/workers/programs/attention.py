@@ -82,6 +82,7 @@ class AttentionProgram(GraphProgram):
         self.name = name
         self.buckets = tuple(sorted(self.config.buckets))
         self.dtype = COMPUTE_DTYPES[self.config.dtype]
+        self.attention_dtype = self.config.dtype
         c = self.config
         self._fia = dict(
             num_heads=c.num_heads,

@@ -13,8 +13,8 @@ validated, and which op each group re-issues with which arguments
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -130,6 +130,12 @@ class CapturedGraph:
     buffers: dict[str, torch.Tensor]
     signatures: list[Any]  # parameters each group currently holds (to skip unchanged)
     last_done: Any = None  # event recorded after this instance's latest replay
+    # The instance's tail graphs by name (GraphProgram.tails): replayed after it, on
+    # the same stream, by the steps that need them.
+    tails: dict[str, Any] = field(default_factory=dict)
+    # What the instance costs on the device (a backend that can tell: the sim's
+    # npusim.graph_profile), the main graph's and each tail's; None otherwise.
+    profile: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,11 @@ class GraphProgram(abc.ABC):
     #: True when :meth:`plan` checks the shape and dtype of every input itself; else
     #: the engine checks each input against the static buffer it is written into
     checks_inputs: bool = False
+    #: small graphs captured per instance after the main one, over its buffers, and
+    #: replayed right after it only by the steps that need them (:meth:`tails_for`): work
+    #: that most steps skip (a sampler when a batch is all greedy) costs those steps
+    #: nothing on the device
+    tails: tuple[str, ...] = ()
     #: operations on device state the program owns (a paged KV cache), by name, with
     #: what each does; a program with any is *stateful*: its requests name the worker
     #: generation they expect (see :meth:`plan_state`, :meth:`run_state`)
@@ -191,6 +202,23 @@ class GraphProgram(abc.ABC):
         sequences; and its outputs would come from that step's query and block table.
         Such a program's clients send steps, which carry all their inputs."""
         return not self.state_ops
+
+    #: the dtype (a :data:`COMPUTE_DTYPES` name) the program's fused attention runs in,
+    #: None if it has none: what :meth:`check_backend` checks
+    attention_dtype: str | None = None
+
+    def check_backend(self, backend: str) -> None:
+        """ProgramConfigError naming the setting when ``backend`` ("sim", "npu", "null")
+        cannot run this program as configured: float32 fused attention on an NPU (its
+        kernels take float16 and bfloat16, torch_npu 2.14; the sim runs it only as a
+        named extension, an exact reference)."""
+        if backend == "npu" and self.attention_dtype == "float32":
+            raise ProgramConfigError(
+                f"programs.{self.name}.dtype",
+                "float32 is not served on backend 'npu' (the NPU's fused attention takes "
+                'float16 and bfloat16): set dtype = "bfloat16", or use backend = "sim" '
+                "for a float32 reference",
+            )
 
     def describe(self) -> dict[str, Any]:
         """What ``hello`` tells clients about this program (JSON values). Subclasses
@@ -289,6 +317,24 @@ class GraphProgram(abc.ABC):
         """Called by the issuing thread once a step (``graph`` its instance) or a
         device-state operation (``graph`` None) is issued, ``done`` recorded after it."""
         return None
+
+    def capture_tail(
+        self,
+        backend: DeviceBackend,
+        stream: Any,
+        bucket: int,
+        buffers: dict[str, torch.Tensor],
+        name: str,
+    ) -> None:
+        """Record tail ``name`` (one of :attr:`tails`) on ``stream`` (inside a capture of
+        its own, after the instance's main graph was captured): plain ops over
+        ``buffers`` (the main graph's outputs included), no task groups."""
+        raise NotImplementedError
+
+    def tails_for(self, plan: StepPlan, outputs: Sequence[str]) -> Sequence[str]:
+        """The tails a step replays after the main graph, in order (it asks for
+        ``outputs``)."""
+        return ()
 
     def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
         """Validate a device-state operation ``op`` (one of :attr:`state_ops`) with its

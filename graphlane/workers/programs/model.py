@@ -1,5 +1,5 @@
 """The built-in ``model`` program: the whole decode forward of a Llama-family model,
-captured per bucket as one graph over a paged KV cache, with sampling in the graph.
+captured per bucket as one graph over a paged KV cache, with sampling on the device.
 
 This is the graph serving stacks keep hot (vllm-ascend's full-graph decode, torchair,
 xLLM): embedding, every layer (RMSNorm, QKV projection, rotary embedding, the new
@@ -12,18 +12,24 @@ copied into static buffers. The architecture and weights come from
 :class:`~.paged_attention.PagedAttentionProgram` the model owns (same layout, same
 scratch block for padding rows).
 
-Captured per layer l of a bucket B (T = B rows, one query token each)::
+Captured per layer l of a bucket B (T = B rows, one query token each), with the fused
+ops of vllm-ascend's Atlas A2 decode layer (docs/models.md has the per-bucket profile)::
 
-    x = rms_norm(h); q, k, v = split(x @ Wqkv + b); q, k = rope(q, k, positions)
-    key_cache_l[slot_mapping] = k; value_cache_l[slot_mapping] = v
+    x, residual = npu_add_rms_norm(delta, residual, ln1)       # npu_rms_norm in layer 0
+    q, k, v = split(x @ Wqkv + b)
+    q, k = npu_rotary_mul(q, cos, sin), npu_rotary_mul(k, cos, sin)   # contiguous
+    _npu_reshape_and_cache(k, v, key_cache_l, value_cache_l, slot_mapping)
     ev[l].wait(S); ev[l].reset(S)
     task group: FIA(q_l, key_cache_l, value_cache_l, block_table, TND,
                     actual_seq_lengths=[1..B], actual_seq_lengths_kv=<patched>,
                     out=[attn_l, lse_l])
-    h = h + attn_l @ Wo; h = h + mlp(rms_norm(h))
+    x, residual = npu_add_rms_norm(attn_l @ Wo, residual, ln2)
+    delta = npu_swiglu(x @ Wgu) @ Wd
 
-then ``logits = lm_head(rms_norm(h)).float()``, the sampled tokens
-(:mod:`.sampling`) and the top-``logprobs`` log-probabilities, all in the graph.
+then ``logits = lm_head(rms_norm(h)).float()`` and ``tokens = argmax(logits)``. Tail
+graphs of each instance (:attr:`GraphProgram.tails`), replayed after it only by the
+steps that need them: the draw of sampling rows (:mod:`.sampling`: ``candidates`` over
+the top 1024 logits, or ``vocabulary``), and the top-``logprobs`` log-probabilities.
 
 A step: params ``actual_seq_lengths_kv`` (per row, the sequence's length with the token
 being fed) and optionally ``temperature``, ``top_k``, ``top_p``, ``seed`` (per row);
@@ -83,7 +89,7 @@ from .paged_attention import (
     paged_arguments,
     paged_workspace,
 )
-from .sampling import PARAMS, sample, sampling_tensors, sampling_values
+from .sampling import CANDIDATES, PARAMS, needs, row_keys, sample, sampling_values, token_codes
 
 FIA = "npu_fused_infer_attention_score"
 MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin document)
@@ -103,7 +109,7 @@ class ModelConfig:
     random: Mapping[str, Any] | None = None
     seed: int = 0
     init_std: float = 0.02
-    dtype: str | None = None  # default: the checkpoint's dtype when served, else float32
+    dtype: str | None = None  # default: the checkpoint's if half precision, else bfloat16
     block_size: int = 128
     num_blocks: int = 64
     max_blocks_per_seq: int = 8
@@ -143,12 +149,27 @@ class ModelConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ProgramConfigError(f"{where}.seed", "must be an integer")
-        fallback = spec.torch_dtype if spec.torch_dtype in COMPUTE_DTYPES else "float32"
-        dtype = self.dtype or fallback
+        # As vLLM's dtype "auto": a half-precision checkpoint's own dtype, else bfloat16
+        # (the NPU's fused attention takes no float32; float32 is a sim reference, asked
+        # for by name)
+        half = spec.torch_dtype in ("bfloat16", "float16")
+        dtype = self.dtype or (spec.torch_dtype if half else "bfloat16")
         if dtype not in COMPUTE_DTYPES:
             raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
         out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
         out.kv_config().validate(where)
+        longest = self.max_blocks_per_seq * self.block_size
+        if spec.sliding_window is not None and longest > spec.sliding_window:
+            source = "model" if self.model is not None else "random"
+            why = " (its default: config.json has no sliding_window)" if spec.window_default else ""
+            raise ProgramConfigError(
+                f"{where}.{source}.{spec.window_key}",
+                f"transformers attends over a window of {spec.sliding_window} tokens{why}"
+                " and "
+                f"this program serves sequences of up to {longest} (max_blocks_per_seq * "
+                "block_size): lower max_blocks_per_seq, or set sliding_window to null in "
+                "config.json if the model attends over the whole sequence",
+            )
         return out
 
     def kv_config(self) -> PagedAttentionConfig:
@@ -190,6 +211,7 @@ class _Layer:
 class ModelProgram(GraphProgram):
     outputs = OUTPUTS
     batch_param = LENGTHS
+    tails = ("candidates", "vocabulary", "logprobs")
     checks_inputs = True
 
     def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
@@ -201,6 +223,7 @@ class ModelProgram(GraphProgram):
         self.kv = PagedAttentionProgram(c.kv_config(), name=name)  # the cache, KV ops
         self.buckets = self.kv.buckets
         self.dtype = COMPUTE_DTYPES[c.dtype]
+        self.attention_dtype = c.dtype
         self.max_len = c.max_blocks_per_seq * c.block_size
         self.parameters = {
             LENGTHS: "per row, the sequence's length with the token fed this step, in "
@@ -227,9 +250,10 @@ class ModelProgram(GraphProgram):
         top = max(self.buckets)
         # Host values of padding rows: token 0 at position 0 of the scratch block, greedy.
         nb, bs = c.num_blocks, c.block_size
-        self._pad_ints = torch.zeros(top, 5, dtype=torch.int64)  # token, pos, slot, k, seed
+        self._pad_ints = torch.zeros(top, 3, dtype=torch.int64)  # token, pos, slot
         self._pad_ints[:, 2] = nb * bs + torch.arange(top) % bs
         self._pad_floats = torch.tensor([[0.0, 1.0]] * top)  # temperature, top_p
+        self._pad_sampling = torch.zeros(top, 3, dtype=torch.int32)  # top_k, row keys
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
         # Decoding ahead: each sequence's last sampled token, by the scheduler's id (the
@@ -329,74 +353,86 @@ class ModelProgram(GraphProgram):
                 )
             )
         embed = dev(host["model.embed_tokens.weight"])
-        cos, sin = s.rope_tables(self.max_len, self.dtype)
+        cos, sin = s.rope_tables(self.max_len, self.dtype)  # [max_len, D] each
         mask = torch.triu(torch.ones(MASK_SIDE, MASK_SIDE, dtype=torch.bool), diagonal=1)
         self._device = {
             "layers": layers,
             "embed": embed,
             "norm": dev(host["model.norm.weight"]),
             "lm_head": embed if s.tie_word_embeddings else dev(host["lm_head.weight"]),
-            "cos": dev(cos),
-            "sin": dev(sin),
-            "vocab": dev(torch.arange(s.vocab_size, dtype=torch.int64)),
+            "cos_sin": dev(torch.cat([cos, sin], dim=-1)),
+            # the sampler's static tensors: the token hash's first round, and ranks
+            "codes": dev(token_codes(s.vocab_size)),
+            "rank": dev(torch.arange(min(CANDIDATES, s.vocab_size), dtype=torch.int32)),
+            "rank_vocabulary": dev(torch.arange(s.vocab_size, dtype=torch.int32)),
             "mask": dev(mask),
         }
         return self._device
 
     # ------------------------------------------------------------ the forward, by parts
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as transformers computes it (float32 inside, weight times the cast)."""
-        xf = x.to(torch.float32)
-        var = xf.pow(2).mean(-1, keepdim=True)
-        xf = xf * torch.rsqrt(var + self.spec.rms_norm_eps)
-        return w * xf.to(x.dtype)
+    # Each part is the field's Atlas A2 decode layer (vllm-ascend's Llama/Qwen2 path): the
+    # residual add fused into the next RMSNorm (npu_add_rms_norm), one QKV matmul, rope
+    # by npu_rotary_mul (whose outputs are the contiguous q and k that FIA and the cache
+    # write take), the K/V write by _npu_reshape_and_cache, FIA, the output matmul, the
+    # gate/up matmul, npu_swiglu, the down matmul. In float32 every fused op computes what
+    # transformers computes, in the same order (the sim's kernels; the tests compare
+    # tokens).
+    def _rope(self, w: dict[str, Any], positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """cos, sin [T, 1, 1, D] of ``positions`` [T]: one gather for the whole forward
+        (every layer uses them), from the [max_len, 2 * D] table of cos and sin."""
+        d = self.spec.head_dim
+        cs = w["cos_sin"].index_select(0, positions)[:, None, None, :]
+        return cs[..., :d], cs[..., d:]
 
-    def _rope(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        if out is None:
-            return x * cos + rotated * sin
-        return torch.add(x * cos, rotated * sin, out=out)
+    def _norm_in(
+        self, b: DeviceBackend, weight: torch.Tensor, delta: torch.Tensor | None,
+        residual: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(RMSNorm of residual + delta, that sum): npu_add_rms_norm, or npu_rms_norm of
+        the residual alone (layer 0, whose input is the embedding)."""
+        eps = self.spec.rms_norm_eps
+        if delta is None:
+            return b.call("npu_rms_norm", (residual, weight), {"epsilon": eps})[0], residual
+        x, _, total = b.call("npu_add_rms_norm", (delta, residual, weight), {"epsilon": eps})
+        return x, total
 
     def _qkv(
-        self,
-        w: dict[str, Any],
-        layer: _Layer,
-        h: torch.Tensor,
-        positions: torch.Tensor,
-        q_out: torch.Tensor | None = None,
+        self, b: DeviceBackend, layer: _Layer, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, N, D] (into ``q_out`` if given), k and v [T, KV_N, D] of hidden ``h`` [T, H]."""
+        """q [T, N, D], k and v [T, KV_N, D], contiguous, of normed hidden ``x`` [T, H]."""
         s = self.spec
-        t, d = h.shape[0], s.head_dim
-        qkv = F.linear(self._norm(h, layer.ln1), layer.wqkv, layer.bqkv)
-        q, k, v = qkv.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
-        cos = w["cos"].index_select(0, positions).unsqueeze(1)
-        sin = w["sin"].index_select(0, positions).unsqueeze(1)
-        q = self._rope(q.reshape(t, s.num_heads, d), cos, sin, q_out)
-        k = self._rope(k.reshape(t, s.num_kv_heads, d), cos, sin, None)
-        return q, k, v.reshape(t, s.num_kv_heads, d)
+        t, d, n, kv = x.shape[0], s.head_dim, s.num_heads, s.num_kv_heads
+        qkv = F.linear(x, layer.wqkv, layer.bqkv)
+        q, k, v = qkv.split([n * d, kv * d, kv * d], dim=-1)
+        cos, sin = rope
+        q = b.call("npu_rotary_mul", (q.view(t, 1, n, d), cos, sin), {})
+        k = b.call("npu_rotary_mul", (k.view(t, 1, kv, d), cos, sin), {})
+        return q.view(t, n, d), k.view(t, kv, d), v.reshape(t, kv, d).contiguous()
 
     def _write_kv(
-        self, cache: dict[str, torch.Tensor], layer: int, slots: torch.Tensor,
+        self, b: DeviceBackend, cache: dict[str, torch.Tensor], layer: int, slots: torch.Tensor,
         k: torch.Tensor, v: torch.Tensor,
     ) -> None:  # fmt: skip
-        self.kv._rows(cache[f"key_cache_{layer}"]).index_copy_(0, slots, k)
-        self.kv._rows(cache[f"value_cache_{layer}"]).index_copy_(0, slots, v)
-
-    def _after_attention(self, layer: _Layer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The output projection, the residual, the MLP and its residual."""
         s = self.spec
-        h = h + F.linear(attn.reshape(h.shape[0], -1), layer.wo, layer.bo)
-        gate, up = F.linear(self._norm(h, layer.ln2), layer.wgu, layer.bgu).split(
-            [s.intermediate_size, s.intermediate_size], dim=-1
-        )
-        return h + F.linear(F.silu(gate) * up, layer.wd, layer.bd)
+        key, value = cache[f"key_cache_{layer}"], cache[f"value_cache_{layer}"]
+        nd = (key.shape[0], key.shape[1], s.num_kv_heads, s.head_dim)  # ND, as FIA's BSH
+        b.call("_npu_reshape_and_cache", (k, v, key.view(nd), value.view(nd), slots), {})
 
-    def _logits(self, w: dict[str, Any], h: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._norm(h, w["norm"]), w["lm_head"]).to(torch.float32)
+    def _mlp(
+        self, b: DeviceBackend, layer: _Layer, attn: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The output projection, its residual add (fused into the norm), the MLP: (the
+        MLP's output, the residual stream before it)."""
+        o = F.linear(attn.reshape(attn.shape[0], -1), layer.wo, layer.bo)
+        x, residual = self._norm_in(b, layer.ln2, o, residual)
+        act = b.call("npu_swiglu", (F.linear(x, layer.wgu, layer.bgu),), {"dim": -1})
+        return F.linear(act, layer.wd, layer.bd), residual
+
+    def _logits(
+        self, b: DeviceBackend, w: dict[str, Any], delta: torch.Tensor, residual: torch.Tensor
+    ) -> torch.Tensor:
+        x, _ = self._norm_in(b, w["norm"], delta, residual)
+        return F.linear(x, w["lm_head"]).to(torch.float32)
 
     # ------------------------------------------------------------ capture
     def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:
@@ -411,8 +447,12 @@ class ModelProgram(GraphProgram):
             bufs[f"lse_{layer}"] = backend.empty((bucket, s.num_heads, 1), torch.float32)
         for t in bufs.values():
             t.zero_()
-        bufs["ints"] = backend.empty((bucket, 5), torch.int64)  # token, pos, slot, k, seed
+        bufs["ints"] = backend.empty((bucket, 3), torch.int64)  # token, pos, slot
         bufs["ints"].copy_(self._pad_ints[:bucket])
+        bufs["sampling"] = backend.empty((bucket, 3), torch.int32)  # top_k, row keys
+        bufs["sampling"].copy_(self._pad_sampling[:bucket])
+        bufs["tokens"] = backend.empty((bucket,), torch.int64)  # greedy, then drawn
+        bufs["tokens"].zero_()
         bufs["floats"] = backend.empty((bucket, 2), torch.float32)  # temperature, top_p
         bufs["floats"].copy_(self._pad_floats[:bucket])
         bufs["block_table"] = backend.empty((bucket, c.max_blocks_per_seq), torch.int32)
@@ -440,29 +480,69 @@ class ModelProgram(GraphProgram):
         events: list[Any],
     ) -> tuple[list[Any], list[Any]]:
         w = self._weights(backend)
-        ints, floats = buffers["ints"], buffers["floats"]
+        ints = buffers["ints"]
         tokens, positions, slots = ints[:, 0], ints[:, 1], ints[:, 2]
         lengths = [1] * bucket  # what the buffers hold: every row on the scratch block
         handles = []
-        h = F.embedding(tokens, w["embed"])
+        b = backend
+        residual, delta = F.embedding(tokens, w["embed"]), None
+        rope = self._rope(w, positions)
         for i, layer in enumerate(w["layers"]):
-            _, k, v = self._qkv(w, layer, h, positions, q_out=buffers[f"q_{i}"])
-            self._write_kv(buffers, i, slots, k, v)
-            backend.wait_external(stream, events[i])  # wait, reset
-            backend.task_group_begin(stream)
-            backend.call(FIA_OUT, (), self._arguments(buffers, i, lengths))
-            handles.append(backend.task_group_end(stream))
-            h = self._after_attention(layer, h, buffers[f"attn_{i}"])
-        logits = self._logits(w, h)
-        # The graph's own outputs: tensors of its pool, rewritten by every replay.
-        buffers["logits"] = logits
-        buffers["tokens"] = sample(
-            logits, floats[:, 0], ints[:, 3], floats[:, 1], ints[:, 4], positions + 1, w["vocab"]
-        )
-        buffers["logprobs"], buffers["logprob_ids"] = torch.topk(
-            torch.log_softmax(logits, dim=-1), self.config.logprobs, dim=-1
-        )
+            x, residual = self._norm_in(b, layer.ln1, delta, residual)
+            q, k, v = self._qkv(b, layer, x, rope)
+            buffers[f"q_{i}"] = q  # FIA's query: a tensor of the graph's pool
+            self._write_kv(b, buffers, i, slots, k, v)
+            b.wait_external(stream, events[i])  # wait, reset
+            b.task_group_begin(stream)
+            b.call(FIA_OUT, (), self._arguments(buffers, i, lengths))
+            handles.append(b.task_group_end(stream))
+            delta, residual = self._mlp(b, layer, buffers[f"attn_{i}"], residual)
+        assert delta is not None
+        # The logits are the graph's own output (a tensor of its pool, rewritten by every
+        # replay); every row's greedy token lands in the static "tokens", which a tail
+        # that samples overwrites where rows sample.
+        buffers["logits"] = logits = self._logits(b, w, delta, residual)
+        torch.argmax(logits, dim=-1, out=buffers["tokens"])
         return handles, [tuple(lengths)] * self.spec.num_layers
+
+    def capture_tail(
+        self,
+        backend: DeviceBackend,
+        stream: Any,
+        bucket: int,
+        buffers: dict[str, torch.Tensor],
+        name: str,
+    ) -> None:
+        """``candidates`` and ``vocabulary``: the draw of sampling rows (sampling.py);
+        ``logprobs``: the top-``logprobs`` log-probabilities."""
+        w, logits = self._weights(backend), buffers["logits"]
+        if name == "logprobs":
+            buffers["logprobs"], buffers["logprob_ids"] = torch.topk(
+                torch.log_softmax(logits, dim=-1), self.config.logprobs, dim=-1
+            )
+            return
+        floats, sampling, tokens = buffers["floats"], buffers["sampling"], buffers["tokens"]
+        candidates = name == "candidates"
+        rank = w["rank"] if candidates else w["rank_vocabulary"]
+        tokens.copy_(
+            sample(
+                logits,
+                tokens,
+                floats[:, 0],
+                sampling[:, 0],
+                floats[:, 1],
+                sampling[:, 1:],
+                w["codes"],
+                rank,
+                candidates,
+            )
+        )
+
+    def tails_for(self, plan: StepPlan, outputs: Any) -> list[str]:
+        tails = [plan.values["draw"]] if plan.values.get("draw") else []
+        if "logprobs" in outputs or "logprob_ids" in outputs:
+            tails.append("logprobs")
+        return tails
 
     # ------------------------------------------------------------ steps
     def plan(
@@ -513,16 +593,23 @@ class ModelProgram(GraphProgram):
                 "two rows write one slot (their block tables share the block of their "
                 "new tokens): its value would be ambiguous",
             )
-        temp, top_k, top_p, seed = sampling_values(params, batch, "params")
+        temp, top_k, top_p, seed = sampling_values(params, batch, "params", self.spec.vocab_size)
         ints = self._pad_ints[:bucket].clone()
-        ints[:batch] = torch.tensor(list(zip(toks, pos, slots, top_k, seed, strict=True)))
+        ints[:batch] = torch.tensor(list(zip(toks, pos, slots, strict=True)))
         floats = self._pad_floats[:bucket].clone()
         floats[:batch] = torch.tensor(list(zip(temp, top_p, strict=True)), dtype=torch.float32)
+        draw = needs(temp, top_k)
+        sampling = self._pad_sampling[:bucket].clone()
+        if draw:  # each row's keys: a hash of its seed and the position it samples
+            sampling[:batch] = torch.tensor(
+                [(k, *row_keys(sd, p + 1)) for k, sd, p in zip(top_k, seed, pos, strict=True)],
+                dtype=torch.int32,
+            )
         full_table = self._pad_table[:bucket].clone()
         full_table[:batch] = table
         padded = tuple(lengths) + (1,) * (bucket - batch)
-        host = {"ints": ints, "floats": floats, "block_table": full_table}
-        values = {"lengths": padded, "sequences": sequences, "ahead": ahead}
+        host = {"ints": ints, "floats": floats, "sampling": sampling, "block_table": full_table}
+        values = {"lengths": padded, "sequences": sequences, "ahead": ahead, "draw": draw}
         return StepPlan(self.name, batch, bucket, values, host)
 
     def _sequence_ids(self, ids: Any, rows: int, where: str = f"params.{SEQUENCE}") -> Any:
@@ -574,8 +661,11 @@ class ModelProgram(GraphProgram):
                     "previous step ran another step since (it skipped a step); send the "
                     "token itself"
                 )
-            if run and run[1].tokens is rec.tokens and run[1].done is rec.done and (
-                run[1].row + run[2] == rec.row and run[0] + run[2] == i
+            if (
+                run
+                and run[1].tokens is rec.tokens
+                and run[1].done is rec.done
+                and (run[1].row + run[2] == rec.row and run[0] + run[2] == i)
             ):
                 run[2] += 1
                 continue
@@ -658,7 +748,7 @@ class ModelProgram(GraphProgram):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if group:  # everything lands before layer 0 (three copies, padding rows included)
             return []
-        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "block_table")]
+        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "sampling", "block_table")]
 
     def output_views(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
@@ -705,8 +795,22 @@ class ModelProgram(GraphProgram):
         if len(set(names)) != len(names):
             raise StepError("outputs", f"names must be unique, got {list(names)}")
         prefill_params = fields.get("params") or {}
+        for key in prefill_params:
+            if key != SEQUENCE and key not in PARAMS:
+                raise StepError(
+                    f"params.{key}", f"unknown parameter (known: {sorted([*PARAMS, SEQUENCE])})"
+                )
         sequence = self._sequence_ids(prefill_params.get(SEQUENCE), 0, f"params.{SEQUENCE}")
-        sampling = sampling_tensors(prefill_params, 1, "params", per_row=False)
+        temp, top_k, top_p, seed = sampling_values(
+            prefill_params, 1, "params", self.spec.vocab_size, per_row=False
+        )
+        sampling = {
+            "temperature": torch.tensor(temp, dtype=torch.float32),
+            "top_p": torch.tensor(top_p, dtype=torch.float32),
+            "sampling": torch.tensor(
+                [[top_k[0], *row_keys(seed[0], start + n)]], dtype=torch.int32
+            ),
+        }
         inputs = {
             "tokens": tokens,
             "positions": pos,
@@ -714,7 +818,8 @@ class ModelProgram(GraphProgram):
             "block_table": table,
             **sampling,
         }
-        values = {"op": op, "start": start, "outputs": tuple(names), "sequence": sequence}
+        values = {"op": op, "start": start, "outputs": tuple(names), "sequence": sequence,
+                  "draw": needs(temp, top_k)}  # fmt: skip
         return StepPlan(self.name, n, 0, values, inputs)
 
     def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
@@ -736,13 +841,16 @@ class ModelProgram(GraphProgram):
         tokens, positions, slots = dev(host["tokens"]), dev(host["positions"]), dev(host["slots"])
         table = dev(host["block_table"].reshape(1, -1))
         start, n = plan.values["start"], plan.batch
-        h = None
+        b = backend
+        delta: torch.Tensor | None = None
         for c0 in range(0, n, c.prefill_chunk):
             c1 = min(n, c0 + c.prefill_chunk)
-            h = F.embedding(tokens[c0:c1], w["embed"])
+            residual, delta = F.embedding(tokens[c0:c1], w["embed"]), None
+            rope = self._rope(w, positions[c0:c1])
             for i, layer in enumerate(w["layers"]):
-                q, k, v = self._qkv(w, layer, h, positions[c0:c1])
-                self._write_kv(cache, i, slots[c0:c1], k, v)
+                x, residual = self._norm_in(b, layer.ln1, delta, residual)
+                q, k, v = self._qkv(b, layer, x, rope)
+                self._write_kv(b, cache, i, slots[c0:c1], k, v)
                 attn, _ = backend.call(
                     FIA,
                     (),
@@ -758,17 +866,21 @@ class ModelProgram(GraphProgram):
                         **self._fia,
                     ),
                 )
-                h = self._after_attention(layer, h, attn)
-        assert h is not None
-        logits = self._logits(w, h[-1:])
+                delta, residual = self._mlp(b, layer, attn, residual)
+        assert delta is not None
+        logits = self._logits(b, w, delta[-1:], residual[-1:])
         out: dict[str, torch.Tensor] = {}
         names = plan.values["outputs"]
         if "tokens" in names or plan.values["sequence"] is not None:
-            p = dev(torch.tensor([start + n], dtype=torch.int64))
-            out["tokens"] = self._prefilled = sample(
-                logits, dev(host["temperature"]), dev(host["top_k"]), dev(host["top_p"]),
-                dev(host["seed"]), p, w["vocab"],
-            )  # fmt: skip
+            tokens = torch.argmax(logits, dim=-1)
+            draw = plan.values["draw"]
+            if draw:
+                sp = dev(host["sampling"])
+                rank = w["rank"] if draw == "candidates" else w["rank_vocabulary"]
+                tokens = sample(logits, tokens, dev(host["temperature"]), sp[:, 0],
+                                dev(host["top_p"]), sp[:, 1:], w["codes"], rank,
+                                draw == "candidates")  # fmt: skip
+            out["tokens"] = self._prefilled = tokens
         if "logits" in names:
             out["logits"] = logits
         if "logprobs" in names or "logprob_ids" in names:

@@ -132,6 +132,7 @@ class PagedAttentionProgram(GraphProgram):
         self.name = name
         self.buckets = tuple(sorted(c.buckets))
         self.dtype = COMPUTE_DTYPES[c.dtype]
+        self.attention_dtype = c.dtype
         self.parameters = {
             "actual_seq_lengths_kv": "one KV length per batch row (the new token included), "
             f"in 1..{c.max_kv_len} (max_blocks_per_seq * block_size)",
