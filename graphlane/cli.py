@@ -21,6 +21,31 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+class _CommandParser(_Parser):
+    """A subcommand's parser: a flag it does not know is its own error, with its usage
+    (``graphlane serve --devises 2`` shows serve's, not the top-level one, as argparse
+    would by handing the leftovers up), and a near miss is named."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{self._near_miss(extras)}")
+        return parsed, extras
+
+    def _near_miss(self, extras: list[str]) -> str:
+        import difflib
+
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        for word in extras:
+            if word.startswith("--"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1)
+                if close:
+                    return f" (did you mean {close[0]}?)"
+        return ""
+
+
 def _parser() -> argparse.ArgumentParser:
     from graphlane import __version__
     from graphlane.orchestrator.config import DEFAULT_LISTEN
@@ -30,7 +55,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Keep captured NPU graphs hot and patch their parameters between replays.",
     )
     p.add_argument("--version", action="version", version=f"graphlane {__version__}")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_CommandParser
+    )
 
     s = sub.add_parser(
         "serve",
@@ -168,8 +195,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     b.epilog = (
         "exit status: 0 when every goal is met; 1 when a goal failed; 3 when the only "
-        "failures are marked noisy (the repeats spread too much for the figure to mean "
-        "much: run again on a quiet machine)."
+        "failures are goals this machine cannot judge, marked so with the reason: noisy "
+        "(the repeats spread too much for the figure to mean much), a busy machine (a "
+        "load average above half the cores when the run began), or an absolute figure "
+        "(it measures this machine's CPU as much as graphlane). Run again on a quiet "
+        "machine for a verdict on the first two."
     )
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.add_argument("--quick", action="store_true", help="fewer repetitions (noisier)")
@@ -220,9 +250,10 @@ EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``graphlane`` command; its exit status. Whatever the command, Ctrl-C is
-    one line ("interrupted") and :data:`EXIT_INTERRUPTED`, and a stdout closed early
-    (a pipe into ``head``) ends it quietly with :data:`EXIT_BROKEN_PIPE`."""
+    """Run one ``graphlane`` command; its exit status. Ctrl-C is one line ("interrupted")
+    and :data:`EXIT_INTERRUPTED`, except for ``serve``, whose handler drains the daemon
+    and exits 0; a stdout closed early (a pipe into ``head``) ends a command quietly with
+    :data:`EXIT_BROKEN_PIPE`."""
     words = sys.argv[1:] if argv is None else argv
     command = words[0] if words and not words[0].startswith("-") else ""
     try:
@@ -282,10 +313,11 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "bench":
         import json
 
-        from graphlane.bench.goals import exit_status, goals
+        from graphlane.bench.goals import exit_status, goals, machine
         from graphlane.bench.suite import format_report, run_all
 
-        report = run_all(quick=args.quick)
+        before = machine()  # before bench's own processes load the cores
+        report = {**run_all(quick=args.quick), "machine": before}
         verdicts = goals(report)
         if args.json:
             report["goals"] = verdicts
@@ -351,7 +383,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from graphlane.cli_support import key_flags_problem
     from graphlane.client import Client
-    from graphlane.protocol.errors import GraphlaneError
+    from graphlane.protocol.errors import GraphlaneError, Timeout
 
     problem = key_flags_problem(args.server_key, args.client_key)
     if problem is not None:
@@ -366,13 +398,20 @@ def _status(args: argparse.Namespace) -> int:
             client_key=args.client_key,
         )
         try:
+            # No answer to hello is said as loadtest says it: whether a daemon runs there.
+            from graphlane.cli_support import connect_within, no_daemon
+
             if args.wait is not None:
                 # The wait covers connecting too: the daemon may not be up yet.
-                from graphlane.cli_support import connect_within
-
-                left = await connect_within(client, args.wait, args.timeout)
+                try:
+                    left = await connect_within(client, args.wait, args.timeout)
+                except Timeout:
+                    raise no_daemon(args.connect, args.wait, "--wait", args.server_key) from None
                 return await client.wait_ready(left)
-            await client.connect()
+            try:
+                await client.connect()
+            except Timeout:
+                raise no_daemon(args.connect, args.timeout, "--timeout", args.server_key) from None
             return await client.status()
         finally:
             await client.close()
@@ -418,13 +457,26 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Settings that qualify another one, shown only when it is set: a model's seed and
+#: init_std make its random weights, and mean nothing for a checkpoint's.
+_QUALIFIES = {"seed": "random", "init_std": "random"}
+
+
+def _applies(key: str, config: dict[str, Any]) -> bool:
+    """Whether ``status`` shows a program's setting: not the buckets (shown apart), not
+    an option left unset, not one that qualifies an option left unset."""
+    if key == "buckets" or config[key] is None:
+        return False
+    return key not in _QUALIFIES or config.get(_QUALIFIES[key], True) is not None
+
+
 def describe_program(name: str, d: Any) -> list[str]:
     """A program's hello entry, readably: config, inputs and outputs (``batch``: the
     batch dimension, one of the buckets), parameters and device-state operations."""
     if not isinstance(d, dict):
         return [f"program {name}"]
     config = d.get("config") or {}
-    settings = " ".join(f"{k}={v}" for k, v in config.items() if k != "buckets")
+    settings = " ".join(f"{k}={v}" for k, v in config.items() if _applies(k, config))
     lines = [f"program {name}: buckets {d.get('buckets')} {settings}".rstrip()]
 
     def tensor(kind: str, n: str, spec: Any) -> str:

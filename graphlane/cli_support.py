@@ -30,6 +30,15 @@ async def connect_within(client: Client, wait_s: float, attempt_s: float) -> flo
         await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
+def no_daemon(endpoint: str, wait_s: float, flag: str, server_key: str | None) -> Timeout:
+    """TIMEOUT for a hello nobody answered, asking what a user would check first."""
+    keys = " (or it has other keys: CurveZMQ does not answer a client it refuses)"
+    return Timeout(
+        f"nothing answered at {endpoint} within {wait_s:g} s ({flag}): "
+        "is the daemon running there?" + (keys if server_key else "")
+    )
+
+
 def key_flags_problem(server_key: str | None, client_key: str | None) -> str | None:
     """Why --server-key/--client-key cannot be used as given, or None."""
     if (server_key is None) == (client_key is None):

@@ -212,3 +212,88 @@ def test_loadtest_says_which_programs_it_can_drive(capsys, monkeypatch) -> None:
         main(["loadtest", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "Programs it can drive (--program): attention-shaped ones" in help_text
+
+
+def _commands(
+    p: argparse.ArgumentParser, words: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every command line's words that end in a parser without subcommands, with it."""
+    subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [(words, p)]
+    return [c for a in subs for n, s in a.choices.items() for c in _commands(s, (*words, n))]
+
+
+def test_a_mistyped_flag_shows_its_own_command_s_usage(capsys) -> None:
+    """``graphlane serve --devises 2`` is serve's mistake: its usage and a near miss,
+    not the top-level usage; so for every command."""
+    commands = _commands(_parser())
+    assert len(commands) >= 8
+    for words, p in commands:
+        required: list[str] = []
+        chosen = [g._group_actions[0] for g in p._mutually_exclusive_groups if g.required]
+        for a in p._actions:
+            if (a.required or a in chosen) and not isinstance(a, argparse._SubParsersAction):
+                required += [a.option_strings[0], "1"] if a.option_strings else ["1"]
+        with pytest.raises(SystemExit) as exit_:
+            main([*words, *required, "--devises", "2"])
+        err = capsys.readouterr().err
+        prog = " ".join(("graphlane", *words))
+        assert exit_.value.code == 2 and err.startswith(f"usage: {prog} "), err
+        assert f"{prog}: error: unrecognized arguments: --devises" in err, err
+    with pytest.raises(SystemExit):
+        main(["serve", "--devises", "2"])
+    assert "(did you mean --devices?)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--wait"])
+def test_status_with_no_daemon_asks_whether_one_runs_there(
+    tmp_path: Path, capsys, flag: str
+) -> None:
+    nobody = f"ipc://{tmp_path}/nobody.sock"
+    assert main(["status", "--connect", nobody, flag, "0.3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and nobody in err, err
+    assert f"0.3 s ({flag})" in err and "is the daemon running there?" in err, err
+
+
+def test_status_shows_only_the_settings_that_apply() -> None:
+    """A checkpoint's model has no random architecture, so no seed or init_std either;
+    seeded weights show theirs; an unset option is not shown as None."""
+    from graphlane.cli import describe_program
+
+    common = {"buckets": [4], "dtype": "float32", "block_size": 16}
+    checkpoint = {"model": "/models/llama", "random": None, "seed": 0, "init_std": 0.02}
+    (line, *_) = describe_program("model", {"buckets": [4], "config": {**checkpoint, **common}})
+    assert "model=/models/llama" in line and "dtype=float32" in line, line
+    assert "None" not in line and "seed" not in line and "init_std" not in line, line
+    seeded = {"model": None, "random": {"layers": 2}, "seed": 7, "init_std": 0.02}
+    (line, *_) = describe_program("model", {"buckets": [4], "config": {**seeded, **common}})
+    assert "seed=7" in line and "init_std=0.02" in line and "model=" not in line, line
+    (line, *_) = describe_program("attention", {"buckets": [4], "config": {"seed": 3}})
+    assert "seed=3" in line, line  # a seed that qualifies nothing is the program's own
+
+
+def test_bench_separates_the_goals_this_machine_can_judge(capsys) -> None:
+    """Issue 43, item 8: on a busy machine (the load average before the run) no ratio is
+    judged, and an absolute rate never is: their failures exit 3, not 1, marked so."""
+    from graphlane.bench.goals import EXIT_FAILED, EXIT_NOISY, exit_status, format_goals, goals
+
+    def report(rtt: float, zero_cost: float, load: float) -> dict[str, Any]:
+        return {"control_plane": {"null": {"step_rtt_vs_raw": rtt}},
+                "zero_cost": {"steps_s": zero_cost},
+                "machine": {"load_average_1m": load, "cpu_cores": 2}}  # fmt: skip
+
+    quiet, busy = 0.4, 6.5
+    assert exit_status(goals(report(2.0, 3000.0, quiet))) == EXIT_FAILED
+    assert exit_status(goals(report(2.0, 3000.0, busy))) == EXIT_NOISY
+    assert exit_status(goals(report(1.0, 1000.0, quiet))) == EXIT_NOISY  # absolute only
+    assert exit_status(goals(report(2.0, 1000.0, quiet))) == EXIT_FAILED
+    text = "\n".join(format_goals(report(2.0, 1000.0, busy)))
+    assert text.startswith("machine: load average 6.5 on 2 cores when the run began"), text
+    assert "goal <= 1.15x: FAIL (not judged here)" in text and "run again when it is quiet" in text
+    assert "goal >= 2000: FAIL (not judged here)" in text and "an absolute rate" in text
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "3 when the only failures are goals this machine cannot judge" in help_text
