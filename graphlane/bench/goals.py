@@ -16,11 +16,19 @@ loop's. The windowed figures are medians of five
 repeats; when the repeats of a rate spread by more than :data:`NOISY_SPREAD` of
 their median, the machine was too noisy for that ratio to mean much, and the
 report says so instead of a bare pass or fail.
+
+Not every goal can be judged on every machine (:func:`unjudgeable`): an absolute rate
+depends on the machine's CPU as much as on graphlane, and every ratio compares
+measurements taken one after the other, which other work on the cores skews; the
+1-minute load average before the run began is in the report (``machine``), and above
+:data:`BUSY_LOAD_PER_CORE` per core no goal is judged. A goal not judged is still
+measured and printed, marked so, and its failure is exit status 3, not 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -39,6 +47,12 @@ GOALS = (
 )
 #: A spread over repeats above this share of the median makes a rate figure noise.
 NOISY_SPREAD = 0.25
+#: A 1-minute load average above this per core, before bench starts its own processes,
+#: means other work shares the cores (the quiet runs of docs/performance.md: 1.2-1.5 on
+#: 2 cores, while measuring).
+BUSY_LOAD_PER_CORE = 0.5
+#: Goals in absolute units: what they measure is the machine as much as graphlane.
+ABSOLUTE = ("zero-cost steps/s",)
 
 
 @contextlib.contextmanager
@@ -93,14 +107,45 @@ def _pipeline_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float
     return out
 
 
+def machine() -> dict[str, Any]:
+    """What ``graphlane bench`` records of the machine before it starts measuring."""
+    return {"load_average_1m": round(os.getloadavg()[0], 2), "cpu_cores": os.cpu_count() or 1}
+
+
+def unjudgeable(label: str, report: dict[str, Any]) -> str:
+    """Why this machine cannot judge the goal ``label`` in ``report``, or ""."""
+    if label in ABSOLUTE:
+        return ("an absolute rate: it says as much about this machine's CPU as about "
+                "graphlane; compare it with docs/performance.md's machine")  # fmt: skip
+    m = report.get("machine") or {}
+    load, cores = m.get("load_average_1m"), m.get("cpu_cores") or 1
+    if isinstance(load, (int, float)) and load > BUSY_LOAD_PER_CORE * cores:
+        return (f"load average {load:g} on {cores} cores when the run began: other work "
+                "skews a ratio of measurements taken one after the other; run again when "
+                "it is quiet")  # fmt: skip
+    return ""
+
+
 def _verdict(label: str, value: float, op: str, goal: float, note: str = "") -> dict[str, Any]:
     met = value <= goal if op == "<=" else value >= goal
     return {"goal": label, "value": value, "op": op, "target": goal, "met": met,
-            "noisy": bool(note), "note": note}  # fmt: skip
+            "noisy": bool(note), "note": note, "judged": not note}  # fmt: skip
+
+
+def _judged(verdict: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    why = unjudgeable(verdict["goal"], report)
+    if why and verdict["judged"]:
+        verdict.update(judged=False, note=why)
+    return verdict
 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each goal with its value, whether it was met, and a note on noise."""
+    """Each goal with its value, whether it was met, whether this machine could judge
+    it, and a note on why not (noise, load, an absolute figure)."""
+    return [_judged(v, report) for v in _goals(report)]
+
+
+def _goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     out = [_verdict(*g) for g in (*_pipeline_goals(report), *_decode_goals(report))]
     for label, path, op, goal in GOALS:
         value: Any = report
@@ -119,8 +164,9 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-#: Exit status of ``graphlane bench``: every goal met; a goal failed; the only goals
-#: that failed were measured on a machine too noisy for them to mean much (run again).
+#: Exit status of ``graphlane bench``: every goal met; a goal this machine could judge
+#: failed; the only goals that failed were ones it could not judge (noise, load, an
+#: absolute figure: see the notes printed under them).
 EXIT_MET, EXIT_FAILED, EXIT_NOISY = 0, 1, 3
 
 
@@ -129,7 +175,7 @@ def exit_status(verdicts: list[dict[str, Any]]) -> int:
     failed = [g for g in verdicts if not g["met"]]
     if not failed:
         return EXIT_MET
-    return EXIT_NOISY if all(g["noisy"] for g in failed) else EXIT_FAILED
+    return EXIT_FAILED if any(g.get("judged", True) for g in failed) else EXIT_NOISY
 
 
 def format_goals(report: dict[str, Any]) -> list[str]:
@@ -138,11 +184,17 @@ def format_goals(report: dict[str, Any]) -> list[str]:
         "the model's decode and the zero-cost rate on the timed sim):"
     ]
     listed = goals(report)
+    m = report.get("machine")
+    if m:
+        lines.insert(0, f"machine: load average {m['load_average_1m']:g} on {m['cpu_cores']} "
+                        "cores when the run began")  # fmt: skip
     width = max([28, *(len(g["goal"]) for g in listed)])
     for g in listed:
         verdict = "PASS" if g["met"] else "FAIL"
         if g["noisy"]:
             verdict += " (noisy)"
+        elif not g.get("judged", True):
+            verdict += " (not judged here)"
         if g["goal"].endswith("steps/s"):
             value, target = f"{g['value']:.0f}", f"{g['target']:.0f}"
         else:
