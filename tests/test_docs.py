@@ -358,3 +358,65 @@ def test_the_readme_auth_recipe_works_as_written(tmp_path: Path) -> None:
         assert "ready=True" in status.stdout
     finally:
         finish(d)
+
+
+# ---------------------------------------------------------------------------- the README's opening
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+
+def test_the_readme_opens_with_why_and_when_and_keeps_the_quick_start() -> None:
+    """Issue 43, item 9: before anything else, why a daemon instead of the in-process
+    graph mode and when, citing vLLM's findings, with no figure of its own (figures
+    live in docs/performance.md); the quick start keeps exactly its two commands."""
+    text = README.read_text()
+    opening = text[: text.index("\n## Quick start\n")]
+    why = _section(text, "## Why a daemon, and when")
+    assert why.strip() in opening
+    for needed in ("vllm-ascend", "interpreter lock", "process of their own",
+                   "vllm-project/vllm/issues/6854", "vllm-project/vllm/issues/6797",
+                   "docs/performance.md"):  # fmt: skip
+        assert needed in why, needed
+    assert not re.search(r"\d+(\.\d+)?\s*(ms|us|x\b|%|tok)", why), "figures: docs/performance.md"
+    quick = _section(text, "## Quick start")
+    blocks = re.findall(r"```bash\n(.*?)```", quick, flags=re.S)
+    assert blocks == ["bash scripts/dev demo\n", "bash scripts/dev test\n"], blocks
+
+
+def test_the_glossary_defines_the_words_the_readme_takes_for_granted() -> None:
+    text = README.read_text()
+    defined = {row[0] for row in _table(_section(text, "## Glossary"))}
+    words = {w.strip() for cell in defined for w in cell.split(",")}
+    pages = [text[: text.index("\n## Glossary\n")], *(p.read_text() for p in DOCS)]
+    used = " ".join(pages).lower()
+    for word in ("ENPU", "FIA", "TND", "the field", "task group", "ExternalEvent", "GIL",
+                 "bucket", "update", "decoding ahead", "paged KV cache", "CANN"):  # fmt: skip
+        assert word in words, f"{word}: not in the README's glossary"
+        assert word.lower() in used, f"{word}: defined, used nowhere"
+    assert "[glossary](#glossary)" in text[: text.index("\n## Why a daemon")]
+
+
+def test_the_readme_says_what_ctrl_c_does_to_serve_and_to_the_rest() -> None:
+    """Issue 43, item 7: Ctrl-C is "interrupted" and 130 for a command, but serve
+    drains and exits 0 (tests/daemon/test_first_hour.py holds the behaviour)."""
+    text = " ".join(README.read_text().split())
+    assert "Whatever the command, Ctrl-C" not in text
+    (sentence,) = re.findall(r"[^.]*Ctrl-C stops a command[^.]*\.[^.]*\.", text)
+    assert "130" in sentence and "except `graphlane serve`" in sentence
+    assert "drains, stops its workers and exits 0" in sentence
+    from graphlane.cli import main as cli_main
+
+    assert "Whatever the command" not in (cli_main.__doc__ or "")
+
+
+def test_the_readme_says_what_bench_s_exit_status_means() -> None:
+    """Issue 43, item 8: each exit status of ``graphlane bench``, as goals.py has it."""
+    from graphlane.bench.goals import BUSY_LOAD_PER_CORE, EXIT_FAILED, EXIT_MET, EXIT_NOISY
+
+    text = " ".join(README.read_text().split())
+    assert (
+        f"`graphlane bench` exits {EXIT_MET} when every goal is met, {EXIT_FAILED} when a goal "
+        f"this machine can judge failed, and {EXIT_NOISY} when the only goals that failed "
+        "are ones it cannot judge"
+    ) in text
+    assert BUSY_LOAD_PER_CORE == 0.5 and "a load average above half its cores" in text
