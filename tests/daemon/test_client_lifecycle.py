@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -135,7 +134,8 @@ def test_an_endpoint_without_its_form_is_an_immediate_error(endpoint: str) -> No
 
 @pytest.mark.parametrize("endpoint", ["127.0.0.1:7450", "foo"])
 def test_the_cli_answers_a_malformed_endpoint_in_one_line(endpoint: str) -> None:
-    t0 = time.monotonic()
+    # The refusal's words prove it came before any connection was tried (a wait would
+    # end in TIMEOUT); the subprocess timeout only keeps a hang from stalling the suite.
     proc = subprocess.run(
         [sys.executable, "-m", "graphlane.cli", "status", "--connect", endpoint],
         capture_output=True,
@@ -145,7 +145,7 @@ def test_the_cli_answers_a_malformed_endpoint_in_one_line(endpoint: str) -> None
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "tcp://HOST:PORT" in lines[0], proc.stderr
-    assert time.monotonic() - t0 < DEADLINE_S
+    assert "TIMEOUT" not in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------ against a daemon
@@ -336,4 +336,6 @@ def test_schedulers_killed_mid_call_leave_the_worker_serving_the_others(daemon) 
     assert daemon.worker(0)["pid"] == worker  # never restarted
     # Connections of killed peers are closed by the kernel; zmq drops their pipes.
     wait_for(lambda: _fds(worker) <= fds[0], 10, f"worker fds back to {fds[0]} (were {fds})")
-    assert rss[-1] - rss[0] < 32, f"worker RSS grew: {rss}"
+    # Against the worker's own size after warm-up: a leak per vanished peer grows
+    # it round after round; a tenth would be ~30 MiB in a ~300 MiB worker.
+    assert rss[-1] < 1.1 * rss[0], f"worker RSS grew: {rss}"

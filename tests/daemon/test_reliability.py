@@ -232,7 +232,7 @@ def test_overload_gets_busy_at_once_with_bounded_latency_and_flat_memory(start_d
     busy = [t for code, t in results if code == "BUSY"]
     ok = [t for code, t in results if code == "ok"]
     assert busy and ok and len(busy) + len(ok) == len(results)
-    assert after - before < 50 * 1024, (before, after)  # no growth beyond noise (50 MiB)
+    assert after < 1.15 * before, (before, after)  # no growth beyond noise: the worker's own size
 
 
 def test_curve_admits_known_keys_and_refuses_others(start_daemon, tmp_path) -> None:
@@ -357,7 +357,7 @@ def test_soak_steady_load_keeps_memory_fds_and_threads_flat(shared_daemon, secon
     steps = asyncio.run(load(time.monotonic() + seconds))
     after = usage()
     assert steps > 0
-    assert after[0] - before[0] < 30 * 1024, (before, after)  # RSS within 30 MiB
+    assert after[0] < 1.1 * before[0], (before, after)  # RSS within a tenth of its own
     assert after[1] <= before[1] + 4, (before, after)  # file descriptors
     assert after[2] == before[2], (before, after)  # threads
     assert d.worker(0)["restarts"] == 0

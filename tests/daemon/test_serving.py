@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -268,10 +269,25 @@ def test_an_idle_worker_sleeps_after_serving(shared_daemon) -> None:
             )
 
     asyncio.run(burst())
-    before, t0 = _cpu_seconds(pid), time.monotonic()
+    # The baseline: a thread spinning through the same window gets what a spinning
+    # worker would get of this machine, however busy it is (a fixed share of a core
+    # would not hold on a loaded host, nor catch a spin there).
+    stop, spun = threading.Event(), []
+
+    def spin() -> None:
+        t = time.thread_time()
+        while not stop.is_set():
+            pass
+        spun.append(time.thread_time() - t)
+
+    spinner = threading.Thread(target=spin)
+    before = _cpu_seconds(pid)
+    spinner.start()
     time.sleep(1.0)  # an observation window, not a wait for something to happen
-    used = (_cpu_seconds(pid) - before) / (time.monotonic() - t0)
-    assert used < 0.3, f"the idle worker used {used:.0%} of a core"
+    stop.set()
+    spinner.join()
+    used = _cpu_seconds(pid) - before
+    assert used < spun[0] / 4, f"the idle worker used {used:.2f} s of CPU, a spin {spun[0]:.2f}"
 
 
 def _minor_faults(pid: int) -> int:
@@ -297,15 +313,19 @@ def test_large_inputs_do_not_page_fault_the_worker_step_after_step(start_daemon)
     async def steps() -> list[int]:
         faults = []
         async with Client(d.endpoint, timeout=60) as c:
-            for i in range(8):
+            for _ in range(12):
                 before = _minor_faults(pid)
                 await c.step("attention", 0, {"actual_seq_lengths_kv": [3] * 4}, inputs)
-                if i >= 2:  # the first steps map the pages
-                    faults.append(_minor_faults(pid) - before)
+                faults.append(_minor_faults(pid) - before)
         return faults
 
     faults = asyncio.run(steps())
-    assert max(faults) < 500, faults  # without the malloc settings: ~4 000 every other step
+    # The baseline is this run's first step, which maps its frames' pages (4 096 or
+    # more); without the malloc settings every other step maps them again. A busy host
+    # may make an odd step map one frame anew: a share of the steps, not one of them.
+    first, later = faults[0], faults[2:]
+    remapped = [f for f in later if f > first / 4]
+    assert len(remapped) <= len(later) // 4, faults
 
 
 def _threads(pid: int) -> dict[int, str]:

@@ -47,12 +47,13 @@ def _rounds(mode: str, **env: str) -> dict[str, object]:
 def test_freed_buffers_are_reused_without_page_faults() -> None:
     tuned = _rounds("tuned")
     assert tuned["tuned"] is True
-    later = tuned["faults"][1:]  # type: ignore[index]
-    assert max(later) < 200, tuned  # the first round maps the pages, later ones reuse them
+    first, *later = tuned["faults"]  # type: ignore[misc]
+    assert max(later) < first / 10, tuned  # the first round maps the pages, later ones reuse them
     # Without the thresholds, glibc hands the pages back and maps them again: the
     # rounds fault over their whole size (4096 pages), so the check above can fail.
     plain = _rounds("plain")
-    assert sum(f > 2000 for f in plain["faults"][1:]) >= 2, plain  # type: ignore[index,union-attr]
+    plain_first, *plain_later = plain["faults"]  # type: ignore[misc]
+    assert sum(f > plain_first / 2 for f in plain_later) >= 2, plain
 
 
 def test_the_users_own_malloc_settings_are_kept() -> None:
