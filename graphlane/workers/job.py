@@ -42,6 +42,7 @@ class Job:
     deadline: float | None = None  # perf_counter time after which it is not issued
     changes_state: bool = False  # a kv_write or step of a program with device state
     feeds: list[Any] | None = None  # its DeviceFeeds, resolved at issue (GraphProgram.feeds)
+    inputs_on_u: bool = False  # its inputs go on U, behind an update's (a staged instance)
     # filled by the engine
     graph: CapturedGraph | None = None  # the graph instance it ran on
     done: Any = None  # the device event that ends its work

@@ -471,7 +471,7 @@ class Worker:
                 fields = {f: getattr(body, f) for f in body.__struct_fields__}
                 return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Update:
-                return Job(JobKind.UPDATE, self.engine.plan(body))
+                return Job(JobKind.UPDATE, self.engine.plan_update(body))
             outputs = tuple(body.outputs)
             plan = self.engine.plan_replay(body.program, body.batch, outputs)
             return Job(JobKind.REPLAY, plan, outputs)
