@@ -90,8 +90,10 @@ class WorkerSpec:
     generation: int = 0
     log_level: int = logging.INFO
     log_format: str = "text"
-    auth_dir: str | None = None  # CurveZMQ server keys and admitted clients
-    roles: security.Roles | None = None  # with auth_dir: who may do what (None: anyone all)
+    #: CurveZMQ: the server's keys and the admitted clients, as the daemon read them when
+    #: it started (a worker does not read the key files: every restart admits the same)
+    keys: security.ServerKeys | None = None
+    roles: security.Roles | None = None  # with keys: who may do what (None: anyone all)
     # Fault injection for tests: "fail_start": true, "hang_device_after": N,
     # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
@@ -184,18 +186,17 @@ class Worker:
         affinity.free_io_threads(self.ctx)  # a pinned worker's sockets do I/O on every core
         self.auth: Any = None
         # Roles apply with CurveZMQ only; then each message's sender is noted (WorkerLoop).
-        self.roles = spec.roles if spec.auth_dir is not None else None
+        self.roles = spec.roles if spec.keys is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
-        if spec.auth_dir is not None:
-            keys = security.ServerKeys.load(spec.auth_dir)
-            self.auth = security.start_authenticator(self.ctx, keys)
-            keys.apply(self.sock)
+        if spec.keys is not None:
+            self.auth = security.start_authenticator(self.ctx, spec.keys)
+            spec.keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A frame over this cuts the peer's connection unanswered; under it, a message
         # over the limits is answered TOO_LARGE (see protocol/admission.py).
         self.sock.setsockopt(zmq.MAXMSGSIZE, spec.limits.max_message_bytes)
         try:
-            self.sock.bind(spec.endpoint)
+            security.bind(self.sock, spec.endpoint)  # an ipc socket: its owner's only
         except zmq.ZMQError as exc:
             self.sock.close(linger=0)
             raise RuntimeError(
