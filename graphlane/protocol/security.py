@@ -187,15 +187,15 @@ def sender_of(frame: zmq.Frame) -> str | None:
     return sender if isinstance(sender, str) else None
 
 
-def recv_with_sender(
+def recv_with_source(
     sock: zmq.Socket[Any], copied: int, flags: int = 0
-) -> tuple[list[Any], str | None]:
-    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and the sender's
-    key: the routing id is received as a Frame (which carries the User-Id), the rest by
-    recv_message itself."""
+) -> tuple[list[Any], zmq.Frame]:
+    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and its routing
+    id as a Frame, which carries the message's properties: the sender's key
+    (:func:`sender_of`), the descriptor it came in on (``zmq.SRCFD``)."""
     first = sock.recv(flags, copy=False)
     frames = [first.bytes, *wire.recv_message(sock, copied - 1)] if first.more else [first.bytes]
-    return frames, sender_of(first)
+    return frames, first
 
 
 @dataclass(frozen=True)

@@ -41,16 +41,20 @@ bundle, so its reply may wait to go back in one)."""
 
 class Origin:
     """Where the requests of one message came from: the sender's routing id, whether
-    they came bundled, when the message was received (perf_counter) and, with CURVE
-    roles, the sender's key (ZAP User-Id)."""
+    they came bundled, when the message was received (perf_counter), with CURVE roles
+    the sender's key (ZAP User-Id) and, when the server asked for it, ``source``: the
+    routing id's Frame (which connection it came in on)."""
 
-    __slots__ = ("bundled", "ident", "received", "sender")
+    __slots__ = ("bundled", "ident", "received", "sender", "source")
 
-    def __init__(self, ident: Any, bundled: bool, received: float, sender: str | None) -> None:
+    def __init__(
+        self, ident: Any, bundled: bool, received: float, sender: str | None, source: Any = None
+    ) -> None:
         self.ident = ident
         self.bundled = bundled
         self.received = received
         self.sender = sender
+        self.source = source
 
 
 class Handler(Protocol):
@@ -95,9 +99,9 @@ class Responder:
         # then a line per interval with the count, whatever a peer sends.
         self._failed_log = Throttled(log, tracebacks=_TRACEBACKS)
 
-    def message(self, frames: list[Any], sender: str | None = None) -> None:
+    def message(self, frames: list[Any], sender: str | None = None, source: Any = None) -> None:
         """Answer one received message: ``frames[0]`` the sender's routing id, then the
-        message. Never raises for what the message holds."""
+        message (``sender``, ``source``: see Origin). Never raises for what it holds."""
         received = time.perf_counter()
         ident = frames[0]
         try:
@@ -105,10 +109,10 @@ class Responder:
         except DecodeError as exc:
             reqs = [exc]
         if len(reqs) == 1:
-            self.request(reqs[0], Origin(ident, False, received, sender))
+            self.request(reqs[0], Origin(ident, False, received, sender, source))
             return
         self.counters["bundles"] += 1
-        origin = Origin(ident, True, received, sender)
+        origin = Origin(ident, True, received, sender, source)
         between = self.between
         for req in reqs:
             self.request(req, origin)

@@ -36,6 +36,7 @@ class Job:
     outputs: tuple[str, ...] = ()  # names of the outputs asked for
     # routing (the worker's): who asked, and how to answer
     ident: Any = None  # the sender's routing id
+    source: Any = None  # that routing id's Frame, when the worker watches connections
     request_id: int = 0
     bundled: bool = False  # came in a bundle: its sender takes bundled replies
     received: float = 0.0  # perf_counter time the worker decoded it
