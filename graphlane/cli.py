@@ -364,6 +364,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"graphlane serve: configuration error: {exc}", file=sys.stderr)
         return 2
     from graphlane.orchestrator.ports import PortInUse, check_ports
+    from graphlane.protocol.security import SecurityError
 
     try:
         check_ports(conf)  # one line naming the port, before anything starts
@@ -373,7 +374,7 @@ def _serve(args: argparse.Namespace) -> int:
     setup_logging(args.log_level.upper(), conf.log_format, "daemon")
     try:
         return serve(conf, ready_file=args.ready_file)
-    except PortInUse as exc:  # taken between the check and the bind
+    except (PortInUse, SecurityError) as exc:  # taken since the check; an unsafe ipc dir
         print(f"graphlane serve: {exc}", file=sys.stderr)
         return 1
 

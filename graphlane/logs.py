@@ -55,22 +55,46 @@ def setup_logging(level: int | str, fmt: str = "text", process_name: str = "daem
 
 class Throttled:
     """Log a recurring event at most once per ``interval_s``, counting the ones skipped,
-    so that a flood of bad input cannot turn into a flood of log lines."""
+    so that a flood of bad input cannot turn into a flood of log lines. With
+    ``tracebacks`` N, the first N events that carry an exception are logged each with
+    its traceback; after them, every line is one line (the exception's type and
+    message, no traceback), at most one per interval."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float = 5.0) -> None:
+    def __init__(
+        self, logger: logging.Logger, interval_s: float = 5.0, tracebacks: int = 0
+    ) -> None:
         self.logger = logger
         self.interval_s = interval_s
         self._last = 0.0
         self._skipped = 0
+        self._tracebacks = tracebacks
+        self._one_line = tracebacks > 0  # past the first N: no more tracebacks
 
     def warning(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
         """Log ``msg % args`` unless one was logged within the interval; ``exc_info``:
         the exception that caused it, its traceback logged too."""
+        self.log(logging.WARNING, msg, *args, exc_info=exc_info)
+
+    def error(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        """As :meth:`warning`, at level ERROR."""
+        self.log(logging.ERROR, msg, *args, exc_info=exc_info)
+
+    def log(
+        self, level: int, msg: str, *args: object, exc_info: BaseException | None = None
+    ) -> None:
+        if exc_info is not None and self._tracebacks > 0:  # one of the first N: in full
+            self._tracebacks -= 1
+            self.logger.log(level, msg, *args, exc_info=exc_info)
+            return
         now = time.monotonic()
         if now - self._last < self.interval_s:
             self._skipped += 1
             return
+        if exc_info is not None and self._one_line:
+            msg = f"{msg}: %s: %s"
+            args = (*args, type(exc_info).__name__, " ".join(str(exc_info).split()))
+            exc_info = None
         if self._skipped:
             msg = f"{msg} (and {self._skipped} more like it since the last report)"
         self._last, self._skipped = now, 0
-        self.logger.warning(msg, *args, exc_info=exc_info)
+        self.logger.log(level, msg, *args, exc_info=exc_info)

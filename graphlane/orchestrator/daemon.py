@@ -80,12 +80,13 @@ class Daemon:
         )
         self.counters = self.responder.counters
         generation = first_generation()
+        #: The server's keys and the admitted ones, read once: the daemon's socket and
+        #: every worker it ever spawns admit these (docs/security.md).
+        self.keys = security.ServerKeys.load(config.auth_dir) if config.auth_dir else None
         #: Who may do what (None: every admitted key everything; no auth: no keys).
         self.roles = (
-            security.Roles.load(
-                Path(config.auth_dir) / "clients", config.admin_keys, config.program_clients
-            )
-            if config.auth_dir is not None
+            security.Roles.load(self.keys, config.admin_keys, config.program_clients)
+            if self.keys is not None
             else None
         )
         self._failed_log = Throttled(log)  # a message whose handling raised: its cause
@@ -107,7 +108,7 @@ class Daemon:
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,
                 faults=dict(config.faults),
-                auth_dir=config.auth_dir,
+                keys=self.keys,
                 roles=self.roles,
                 cpus=cpus,
                 generation=generation,
@@ -147,10 +148,9 @@ class Daemon:
         ctx = zmq.asyncio.Context()
         auth = None
         sock = ctx.socket(zmq.ROUTER)
-        if self.config.auth_dir is not None:
-            keys = security.ServerKeys.load(self.config.auth_dir)
-            auth = security.start_authenticator(ctx, keys)
-            keys.apply(sock)
+        if self.keys is not None:
+            auth = security.start_authenticator(ctx, self.keys)
+            self.keys.apply(sock)
         sock.setsockopt(zmq.LINGER, 0)
         # A frame over this cuts the peer's connection unanswered; under it, a message
         # over the limits is answered TOO_LARGE (see protocol/admission.py).
@@ -158,7 +158,7 @@ class Daemon:
         try:
             endpoint, role = self.config.listen, "the daemon's port"
             _prepare_ipc(endpoint)  # its directory: an OSError too when it cannot be made
-            sock.bind(endpoint)
+            security.bind(sock, endpoint)  # an ipc socket: its owner's only
             if self.config.metrics_port is not None:
                 from .metrics import serve_metrics
                 from .ports import METRICS_ROLE, metrics_endpoint
@@ -168,12 +168,14 @@ class Daemon:
                 self.metrics_server = serve_metrics(
                     self.supervisor, self.config.metrics_port, self.config.metrics_host
                 )
-        except (zmq.ZMQError, OSError) as exc:  # taken since check_ports looked
+        except (zmq.ZMQError, OSError, security.SecurityError) as exc:
             sock.close(linger=0)
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)
-            raise PortInUse(bind_error(endpoint, role, exc)) from None
+            if isinstance(exc, security.SecurityError):
+                raise
+            raise PortInUse(bind_error(endpoint, role, exc)) from None  # taken meanwhile
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         log.info(
             "daemon listening on %s, starting %d worker(s)", self.endpoint, len(self.config.devices)
@@ -353,7 +355,8 @@ def _every_worker_failed(workers: Iterable[WorkerHandle]) -> str:
 
 
 def _prepare_ipc(endpoint: str) -> None:
-    """ipc sockets live in a directory only the owner can enter."""
+    """An ipc socket's directory (made the owner's only when it does not exist), without
+    the socket file a daemon before left there (security.bind checks the rest)."""
     if not endpoint.startswith("ipc://"):
         return
     path = endpoint[len("ipc://") :]

@@ -47,16 +47,17 @@ Bundles
 =======
 
 A worker's socket also takes a *bundle*: a single-frame message whose frame 0
-is a msgpack array of request envelopes (1 to ``Limits.max_items`` of them), none
+is a msgpack array of request envelopes (1 to ``Limits.max_bundle``, 256, of them), none
 referencing data frames. Each envelope is checked
 and answered on its own, as if it had come alone: one bad envelope fails alone,
 with its id. The replies to a bundle's requests may come back bundled the same
 way (an array of reply envelopes); however they group, each request gets
 exactly one reply. The limits of frame 0 (``Limits.max_envelope_bytes``) apply
-to the bundle as a whole: a bundle over them is refused unread (nobody is
-answered). So a sender keeps bundles small: graphlane's client and workers make
-none over ``wire.BUNDLE_BYTES`` (64 KiB) nor of more than ``wire.BUNDLE_MAX`` (32)
-envelopes. Calls that carry tensors as frames never travel in a bundle. A daemon
+to the bundle as a whole: a bundle over them, or of more than ``max_bundle``
+requests, is refused unread (nobody is answered; the server counts it). So a
+sender keeps bundles small: graphlane's client and workers make none over
+``wire.BUNDLE_BYTES`` (64 KiB) nor of more than ``wire.BUNDLE_MAX`` (32) envelopes.
+Calls that carry tensors as frames never travel in a bundle. A daemon
 whose hello ``capabilities`` say ``"bundles": true`` runs workers that take
 them; the daemon's own socket answers each request of a bundle with
 BAD_REQUEST. ``wire.bundle`` builds one, ``wire.bundles`` packs envelopes into

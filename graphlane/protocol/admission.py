@@ -63,6 +63,10 @@ class Limits:
     max_tensor_dims: int = 8
     max_depth: int = 32  # nesting of containers in one envelope
     max_items: int = 65536  # entries of one array or map
+    #: requests of one bundle: a bundle of more is refused unread, before any is answered
+    #: (a bundle is handled in one turn of the socket loop, and each request may ask for
+    #: a reply ~100 times its size: ``status``)
+    max_bundle: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -194,6 +198,19 @@ def untyped(kind: Any) -> bool:
 def is_bundle(head: bytes | memoryview) -> bool:
     """Whether a message's first frame is a bundle: a msgpack array (an envelope is a map)."""
     return bool(head) and (0x90 <= head[0] <= 0x9F or head[0] in (0xDC, 0xDD))
+
+
+def bundle_size(head: memoryview, limits: Limits) -> int:
+    """How many envelopes a bundle's header says it holds; DecodeError (TOO_LARGE, no id:
+    nobody is answered) for more than ``limits.max_bundle``, read from its first bytes."""
+    width = {0xDC: 2, 0xDD: 4}.get(head[0], 0)
+    count = int.from_bytes(head[1 : 1 + width], "big") if width else head[0] & 0x0F
+    if count > limits.max_bundle:
+        raise DecodeError(
+            f"a bundle of {count} requests, at most {limits.max_bundle}: send fewer per message",
+            code=ErrorCode.TOO_LARGE,
+        )
+    return count
 
 
 def bundle_items(head: memoryview, limits: Limits) -> list[tuple[memoryview, str | None]]:

@@ -23,7 +23,7 @@ User-Id of the message: pyzmq's authenticator sets it to the client's public key
 
 Binds: ipc endpoints and loopback tcp are allowed without authentication; any
 other tcp bind is refused unless authentication is configured or ``insecure``
-is set.
+is set. An ipc socket is its owner's only (:func:`bind`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,9 +50,15 @@ class SecurityError(ValueError):
 
 @dataclass(frozen=True)
 class ServerKeys:
+    """The server's keypair and the admitted client keys, read once (when the daemon
+    starts) and handed to every worker it spawns: every socket of a daemon's life admits
+    the same keys, however ``clients/`` changes meanwhile."""
+
     public: bytes
     secret: bytes
     clients_dir: str
+    #: the admitted keys by name: NAME of each clients/NAME.key -> its public key (Z85)
+    clients: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def load(cls, auth_dir: str | os.PathLike[str]) -> ServerKeys:
@@ -70,7 +77,7 @@ class ServerKeys:
         public, secret = zmq.auth.load_certificate(str(secret_file))
         if secret is None:
             raise SecurityError(f"--auth-dir: {secret_file} holds no secret key")
-        return cls(public, secret, str(clients))
+        return cls(public, secret, str(clients), client_keys(clients))
 
     def apply(self, sock: zmq.Socket[Any]) -> None:
         """Make ``sock`` a CURVE server (before bind)."""
@@ -81,13 +88,24 @@ class ServerKeys:
 
 def start_authenticator(ctx: zmq.Context[Any], keys: ServerKeys) -> Any:
     """ZAP handler of ``ctx`` (in its own thread, so it exists before any bind): admits
-    CURVE clients whose public keys are in clients_dir. Call ``.stop()`` at shutdown."""
+    the CURVE clients of ``keys.clients`` (as read when the keys were loaded; the
+    directory is not read again). Call ``.stop()`` at shutdown."""
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(zmq.Context.shadow(ctx.underlying))
     auth.start()
-    auth.configure_curve(domain="*", location=keys.clients_dir)
+    auth.configure_curve_callback("*", _Admitted(keys.clients.values()))
     return auth
+
+
+class _Admitted:
+    """pyzmq's credentials provider over a fixed set of public keys (Z85)."""
+
+    def __init__(self, keys: Any) -> None:
+        self.keys = frozenset(k.encode("ascii") for k in keys)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
 
 
 def client_keys(clients_dir: str | os.PathLike[str]) -> dict[str, str]:
@@ -116,14 +134,14 @@ class Roles:
     @classmethod
     def load(
         cls,
-        clients_dir: str | os.PathLike[str],
+        server: ServerKeys,
         admin_keys: Sequence[str] | None,
         program_clients: Mapping[str, Sequence[str]],
     ) -> Roles | None:
         """None when the config names no roles (every admitted key may do everything)."""
         if admin_keys is None and not program_clients:
             return None
-        by_name = client_keys(clients_dir)
+        by_name, clients_dir = server.clients, server.clients_dir
 
         def keys(setting: str, names: Sequence[str]) -> frozenset[str]:
             for name in names:
@@ -169,15 +187,15 @@ def sender_of(frame: zmq.Frame) -> str | None:
     return sender if isinstance(sender, str) else None
 
 
-def recv_with_sender(
+def recv_with_source(
     sock: zmq.Socket[Any], copied: int, flags: int = 0
-) -> tuple[list[Any], str | None]:
-    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and the sender's
-    key: the routing id is received as a Frame (which carries the User-Id), the rest by
-    recv_message itself."""
+) -> tuple[list[Any], zmq.Frame]:
+    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and its routing
+    id as a Frame, which carries the message's properties: the sender's key
+    (:func:`sender_of`), the descriptor it came in on (``zmq.SRCFD``)."""
     first = sock.recv(flags, copy=False)
     frames = [first.bytes, *wire.recv_message(sock, copied - 1)] if first.more else [first.bytes]
-    return frames, sender_of(first)
+    return frames, first
 
 
 @dataclass(frozen=True)
@@ -230,6 +248,46 @@ def generate(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
     pub, sec = zmq.auth.create_certificates(str(d), name)
     os.chmod(sec, 0o600)
     return Path(pub), Path(sec)
+
+
+def bind(sock: zmq.Socket[Any], endpoint: str) -> None:
+    """``sock.bind(endpoint)``; an ipc socket file is made its owner's only: created with
+    umask 077 (``srwx------``: another user may not connect, whatever the umask and the
+    directory's mode), in a directory no other user may replace it in (see
+    :func:`check_ipc_directory`). The daemon and its workers bind through this."""
+    if not endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+        return
+    path = endpoint[len("ipc://") :]
+    check_ipc_directory(os.path.dirname(path) or ".", endpoint)
+    umask = os.umask(0o077)  # the process's: nothing else here creates files meanwhile
+    try:
+        sock.bind(endpoint)  # libzmq creates the socket file in this call
+    finally:
+        os.umask(umask)
+    os.chmod(path, 0o700)  # the file is ours: make sure, whatever made it
+
+
+def check_ipc_directory(directory: str, endpoint: str) -> None:
+    """SecurityError unless ``directory`` belongs to this process's user (or root) and no
+    other user may write in it, or it has the sticky bit (as /tmp): elsewhere another
+    user could remove the socket and put their own in its place."""
+    try:
+        st = os.stat(directory)
+    except OSError as exc:
+        raise SecurityError(f"listen: {endpoint}: its directory: {exc.strerror}") from None
+    owner = st.st_uid
+    if owner not in (os.geteuid(), 0):
+        raise SecurityError(
+            f"listen: {endpoint}: its directory {directory} belongs to another user "
+            f"(uid {owner}); use a directory of your own, e.g. /run/graphlane"
+        )
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise SecurityError(
+            f"listen: {endpoint}: its directory {directory} is writable by other users "
+            f"(mode {stat.S_IMODE(st.st_mode):o}), who could replace the socket; "
+            f"use a directory only you may write (chmod go-w {directory})"
+        )
 
 
 def check_bind(endpoint: str, authenticated: bool, insecure: bool) -> None:

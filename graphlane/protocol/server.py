@@ -28,6 +28,9 @@ from graphlane.protocol.admission import DecodeError
 from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, as_error
 from graphlane.protocol.wire import Codec, Request
 
+_TRACEBACKS = 10
+"""Failed requests logged with their tracebacks; after them, one line per 5 s."""
+
 LATER: Any = object()
 """What a handler returns for a request it answers later (Responder.reply / fail)."""
 
@@ -38,16 +41,20 @@ bundle, so its reply may wait to go back in one)."""
 
 class Origin:
     """Where the requests of one message came from: the sender's routing id, whether
-    they came bundled, when the message was received (perf_counter) and, with CURVE
-    roles, the sender's key (ZAP User-Id)."""
+    they came bundled, when the message was received (perf_counter), with CURVE roles
+    the sender's key (ZAP User-Id) and, when the server asked for it, ``source``: the
+    routing id's Frame (which connection it came in on)."""
 
-    __slots__ = ("bundled", "ident", "received", "sender")
+    __slots__ = ("bundled", "ident", "received", "sender", "source")
 
-    def __init__(self, ident: Any, bundled: bool, received: float, sender: str | None) -> None:
+    def __init__(
+        self, ident: Any, bundled: bool, received: float, sender: str | None, source: Any = None
+    ) -> None:
         self.ident = ident
         self.bundled = bundled
         self.received = received
         self.sender = sender
+        self.source = source
 
 
 class Handler(Protocol):
@@ -88,10 +95,13 @@ class Responder:
         #: wire code -> error replies sent (a worker's metrics render it)
         self.errors_by_code: Counter[str] = Counter() if errors_by_code is None else errors_by_code
         self._dropped_log = Throttled(log)
+        # A request the server failed on (a bug): the first ones with their tracebacks,
+        # then a line per interval with the count, whatever a peer sends.
+        self._failed_log = Throttled(log, tracebacks=_TRACEBACKS)
 
-    def message(self, frames: list[Any], sender: str | None = None) -> None:
+    def message(self, frames: list[Any], sender: str | None = None, source: Any = None) -> None:
         """Answer one received message: ``frames[0]`` the sender's routing id, then the
-        message. Never raises for what the message holds."""
+        message (``sender``, ``source``: see Origin). Never raises for what it holds."""
         received = time.perf_counter()
         ident = frames[0]
         try:
@@ -99,10 +109,10 @@ class Responder:
         except DecodeError as exc:
             reqs = [exc]
         if len(reqs) == 1:
-            self.request(reqs[0], Origin(ident, False, received, sender))
+            self.request(reqs[0], Origin(ident, False, received, sender, source))
             return
         self.counters["bundles"] += 1
-        origin = Origin(ident, True, received, sender)
+        origin = Origin(ident, True, received, sender, source)
         between = self.between
         for req in reqs:
             self.request(req, origin)
@@ -127,7 +137,7 @@ class Responder:
             body = self.handler.answer(req, origin)
         except Exception as exc:  # never let one request take the server down
             if not isinstance(exc, GraphlaneError):
-                self.log.exception("request %s (%s) failed", req.id, req.op)
+                self._failed_log.error("request %s (%s) failed", req.id, req.op, exc_info=exc)
             self.fail(origin.ident, req.id, as_error(exc), origin.bundled)
             return
         if body is not LATER:
@@ -138,7 +148,9 @@ class Responder:
         try:
             frames = self.codec.encode_reply(request_id, body)
         except ValueError as exc:  # e.g. a program's outputs that cannot be sent: say so
-            self.log.exception("reply to request %s cannot be encoded", request_id)
+            self._failed_log.error(
+                "reply to request %s cannot be encoded", request_id, exc_info=exc
+            )
             self.fail(ident, request_id, InternalError(str(exc)), bundled)
             return
         self.counters["replies"] += 1

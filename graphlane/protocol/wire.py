@@ -56,8 +56,8 @@ FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
 
 BUNDLE_MAX = 32
 """The most requests (or replies) graphlane's senders put in one bundle: a full one
-goes at once. A receiver takes bundles of up to ``Limits.max_items`` envelopes from
-any sender; the sender's bound is the batching that pays: the worker answers a
+goes at once. A receiver takes bundles of up to ``Limits.max_bundle`` (256) envelopes
+from any sender; the sender's bound is the batching that pays: the worker answers a
 bundle's requests together, so the first waits for the last, and 32 keeps two bundles
 of a 64-call window in flight (the most steps/s on the null device)."""
 BUNDLE_BYTES = 64 * 1024
@@ -273,6 +273,7 @@ class Codec:
         """A bundle's requests, all in one pass when every one decodes (the common
         case); else each envelope on its own, each refusal in its place."""
         limits = self.limits
+        admission.bundle_size(head, limits)  # too many: refused before anything is decoded
         start_reading(Frames((), limits))  # a bundle carries no frames: inline tensors only
         try:
             envs = _request_bundle.decode(head)

@@ -301,6 +301,16 @@ class StepEngine:
         self._check_outputs(program, outputs)
         return plan
 
+    def plan_update(self, request: StepFields) -> StepPlan:
+        """Validate an update: a step's patches, staged for a later step or replay."""
+        prog = self._program(request.program)
+        if not prog.replayable:  # see GraphProgram.replayable
+            why = "its staged patches would be replayed over device state, or overwritten"
+            raise StepError(
+                "op", f"update is refused for {request.program!r}: {why}; send steps"
+            )
+        return self.plan(request)
+
     def plan_replay(self, program: str, batch: int, outputs: Sequence[str] = ()) -> StepPlan:
         """Validate a replay of the bucket that serves ``batch``."""
         prog = self._program(program)
@@ -387,6 +397,11 @@ class StepEngine:
         g = staged if staged is not None else self._next_graph(ring_key)
         step.graph = g
         previous = g.last_done  # the previous replay of g; U waits for it
+        if staged is not None and plan.inputs and self.pipeline:
+            # An update wrote g's inputs on U, and its work may still be queued there:
+            # this step's inputs go on U too, behind it (C would race it). (Serial, the
+            # host saw the update finish.)
+            step.inputs_on_u = True
         if step.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
             if step.feeds:  # the inputs and the feeds on S, before the replay
@@ -398,8 +413,8 @@ class StepEngine:
             self._replay(program, g, step)
             self._collect(program, g, step)
             return _S_ONLY
-        if plan.inputs or step.feeds:
-            self._copy_inputs(program, g, plan, previous, step.feeds)
+        if (plan.inputs and not step.inputs_on_u) or step.feeds:
+            self._copy_inputs(program, g, plan, previous, step.feeds, inputs=not step.inputs_on_u)
         if self.records_first:  # ENPU: every record before the replay that waits on it
             self._on_update_stream(step, previous)
         # Pipelined, the replay goes first: it waits for layer 0's release. The output
@@ -425,6 +440,7 @@ class StepEngine:
         plan: StepPlan,
         previous: Any,
         feeds: Sequence[DeviceFeed] | None = None,
+        inputs: bool = True,
     ) -> None:
         """Copy a step's inputs into g's buffers before this replay, then its ``feeds``.
 
@@ -440,7 +456,7 @@ class StepEngine:
         if not on_s and previous is not None:
             b.wait(stream, previous)
         with b.use_stream(stream):
-            for group in range(program.num_groups):
+            for group in range(program.num_groups if inputs else 0):
                 for dst, src in program.input_writes(g.buffers, plan, group):
                     b.copy_in(dst, src)
             for feed in feeds or ():
@@ -465,10 +481,11 @@ class StepEngine:
                 for event in g.events:
                     b.record(event, U)
             return
-        release = step.kind is JobKind.STEP  # a step's inputs are on C already
+        release = step.kind is JobKind.STEP  # a step's inputs are on C already, unless
+        copy = not release or step.inputs_on_u  # they follow an update's, on U
         t0 = time.perf_counter()
         program = self.programs[step.plan.program]
-        step.patched = self._patch_groups(program, g, step.plan, release, copy=not release)
+        step.patched = self._patch_groups(program, g, step.plan, release, copy=copy)
         step.dispatch_s = time.perf_counter() - t0
         if not release:  # an update: staged, done when its patches are
             step.results = {}

@@ -36,12 +36,14 @@ class Job:
     outputs: tuple[str, ...] = ()  # names of the outputs asked for
     # routing (the worker's): who asked, and how to answer
     ident: Any = None  # the sender's routing id
+    source: Any = None  # that routing id's Frame, when the worker watches connections
     request_id: int = 0
     bundled: bool = False  # came in a bundle: its sender takes bundled replies
     received: float = 0.0  # perf_counter time the worker decoded it
     deadline: float | None = None  # perf_counter time after which it is not issued
     changes_state: bool = False  # a kv_write or step of a program with device state
     feeds: list[Any] | None = None  # its DeviceFeeds, resolved at issue (GraphProgram.feeds)
+    inputs_on_u: bool = False  # its inputs go on U, behind an update's (a staged instance)
     # filled by the engine
     graph: CapturedGraph | None = None  # the graph instance it ran on
     done: Any = None  # the device event that ends its work

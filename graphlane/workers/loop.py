@@ -27,6 +27,7 @@ from graphlane.logs import Throttled
 from graphlane.protocol import security, wire
 from graphlane.protocol.admission import is_bundle
 from graphlane.protocol.server import Handler, Responder
+from graphlane.workers.connections import Connections
 from graphlane.workers.metrics import WorkerMetrics
 
 log = logging.getLogger("graphlane.worker")
@@ -46,11 +47,15 @@ class WorkerLoop:
         pump: Callable[[], None],
         metrics: WorkerMetrics,
         roles: bool = False,
+        connections: Connections | None = None,
     ) -> None:
         self.sock = sock
         self.pump = pump
         self.metrics = metrics
         self.roles = roles
+        #: with it, each message's routing id comes as a Frame (Origin.source: which
+        #: connection it came in on), and its monitor is polled beside the socket
+        self.connections = connections
         self.responder = Responder(
             codec, handler, self.send, log, between=self._between, errors_by_code=metrics.errors
         )
@@ -85,13 +90,18 @@ class WorkerLoop:
         # zmq_poll itself, not zmq.Poller (its Python), nor getsockopt(EVENTS) (an enum
         # call per test): the socket's readiness is one C call either way.
         both: list[Any] = [(sock, wire.POLLIN), (wake, wire.POLLIN)]
+        connections = self.connections
+        if connections is not None:  # its monitor: connections accepted and gone
+            both.append((connections.monitor, wire.POLLIN))
         while not self.stopping:
             readable = woken = False
             for which, _ in zmq_poll(both, 1000):  # at once when anything waits
                 if which is sock:
                     readable = True
-                else:
+                elif which is wake:
                     woken = True
+                else:
+                    connections.take_events()  # type: ignore[union-attr]
             if woken or self._woken:
                 self._take_wakeups()
             if readable:
@@ -103,30 +113,32 @@ class WorkerLoop:
             self.pump()
 
     def _receive(self) -> None:
-        sender = None
+        sender = source = None
         try:
-            if self.roles:  # only then: the sender costs a zero-copy frame
-                frames, sender = security.recv_with_sender(self.sock, 2, wire.NOBLOCK)
+            if self.roles or self.connections is not None:  # the routing id as a Frame
+                frames, source = security.recv_with_source(self.sock, 2, wire.NOBLOCK)
+                sender = security.sender_of(source) if self.roles else None
             else:
                 frames = wire.recv_message(self.sock, 2, wire.NOBLOCK)
         except zmq.Again:
             return
         try:
-            self.handle(frames, sender)
+            self.handle(frames, sender, source)
         except Exception as exc:  # no message may stop the loop
             self._failed_log.warning(
                 "a message failed: %s: %s", type(exc).__name__, exc, exc_info=exc
             )
 
-    def handle(self, frames: list[Any], sender: str | None = None) -> None:
+    def handle(self, frames: list[Any], sender: str | None = None, source: Any = None) -> None:
         """One received message (its routing id first, as bytes: the outbox groups
-        replies by it); a bundle's replies go back together."""
+        replies by it; ``source``: that routing id's Frame, or None); a bundle's replies
+        go back together."""
         self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
         if len(frames) != 2 or not is_bundle(frames[1]):
-            self.responder.message(frames, sender)
+            self.responder.message(frames, sender, source)
             return
         with self.replies_together():
-            self.responder.message(frames, sender)
+            self.responder.message(frames, sender, source)
 
     def _between(self) -> None:
         """Between a bundle's requests: steps that take long to issue (patches that cost

@@ -58,6 +58,7 @@ from graphlane.protocol.errors import (
 )
 from graphlane.protocol.server import LATER, Origin
 from graphlane.workers import affinity
+from graphlane.workers.connections import Connections
 from graphlane.workers.engine import StepEngine
 from graphlane.workers.job import Job, JobKind
 from graphlane.workers.loop import WorkerLoop
@@ -90,8 +91,10 @@ class WorkerSpec:
     generation: int = 0
     log_level: int = logging.INFO
     log_format: str = "text"
-    auth_dir: str | None = None  # CurveZMQ server keys and admitted clients
-    roles: security.Roles | None = None  # with auth_dir: who may do what (None: anyone all)
+    #: CurveZMQ: the server's keys and the admitted clients, as the daemon read them when
+    #: it started (a worker does not read the key files: every restart admits the same)
+    keys: security.ServerKeys | None = None
+    roles: security.Roles | None = None  # with keys: who may do what (None: anyone all)
     # Fault injection for tests: "fail_start": true, "hang_device_after": N,
     # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
@@ -191,18 +194,17 @@ class Worker:
         affinity.free_io_threads(self.ctx)  # a pinned worker's sockets do I/O on every core
         self.auth: Any = None
         # Roles apply with CurveZMQ only; then each message's sender is noted (WorkerLoop).
-        self.roles = spec.roles if spec.auth_dir is not None else None
+        self.roles = spec.roles if spec.keys is not None else None
         self.sock = self.ctx.socket(zmq.ROUTER)
-        if spec.auth_dir is not None:
-            keys = security.ServerKeys.load(spec.auth_dir)
-            self.auth = security.start_authenticator(self.ctx, keys)
-            keys.apply(self.sock)
+        if spec.keys is not None:
+            self.auth = security.start_authenticator(self.ctx, spec.keys)
+            spec.keys.apply(self.sock)
         self.sock.setsockopt(zmq.LINGER, 0)
         # A frame over this cuts the peer's connection unanswered; under it, a message
         # over the limits is answered TOO_LARGE (see protocol/admission.py).
         self.sock.setsockopt(zmq.MAXMSGSIZE, spec.limits.max_message_bytes)
         try:
-            self.sock.bind(spec.endpoint)
+            security.bind(self.sock, spec.endpoint)  # an ipc socket: its owner's only
         except zmq.ZMQError as exc:
             self.sock.close(linger=0)
             raise RuntimeError(
@@ -212,6 +214,14 @@ class Worker:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.draining = False
         self.metrics = WorkerMetrics()
+        self._stateful = any(p.state_ops for p in programs)
+        # Connections whose request changing device state was not applied: routing id ->
+        # (that request's id, why). Their requests to stateful programs are refused until
+        # they send resume (see _fence and docs/programs.md, "Ordering and retries"); an
+        # entry goes with its connection (_peer_gone), so there is one per open connection
+        # at most, and none is forgotten to make room.
+        self._fences: dict[bytes, tuple[int, str]] = {}
+        self.connections = Connections(self.sock, self._peer_gone) if self._stateful else None
         self.loop = WorkerLoop(
             self.sock,
             wire.Codec(spec.limits),
@@ -219,6 +229,7 @@ class Worker:
             pump=self._pump,
             metrics=self.metrics,
             roles=self.roles is not None,
+            connections=self.connections,
         )
         self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
@@ -232,11 +243,6 @@ class Worker:
         self._stop_when_idle = False
         # Accepted steps waiting for one of the engine's in-flight permits (bounded).
         self._waiting: collections.deque[Job] = collections.deque()
-        # Connections whose request changing device state was not applied: routing id ->
-        # (that request's id, why). Their requests to stateful programs are refused until
-        # they send resume (see _fence and docs/programs.md, "Ordering and retries").
-        self._fences: collections.OrderedDict[bytes, tuple[int, str]] = collections.OrderedDict()
-        self._stateful = any(p.state_ops for p in programs)
         self._main = threading.get_ident()
 
     @property
@@ -275,6 +281,7 @@ class Worker:
             "steps": self.engine.steps_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.responder.counters),
+            "fenced": len(self._fences),  # connections refused until they send resume
             "oldest_inflight_s": round(now - oldest, 3) if self._open else 0.0,
             "stalled_s": round(now - max(oldest, self._progress_at), 3) if self._open else 0.0,
             "metrics": self.metrics.snapshot(),
@@ -290,6 +297,8 @@ class Worker:
             self.loop.serve()
         finally:
             self.engine.close()
+            if self.connections is not None:
+                self.connections.close()
             # Replies already queued (the last answers before a stop or a fault) go out.
             self.sock.close(linger=2000)
             if self.auth is not None:
@@ -337,7 +346,7 @@ class Worker:
         """A state change whose body did not decode (which program it meant is unknown:
         any of them) was not applied: what this connection sent behind it is refused."""
         if error.op in _CHANGES_STATE and self._stateful and error.request_id is not None:
-            self._fence(origin.ident, error.request_id, str(error.code))
+            self._fence(origin.ident, origin.source, error.request_id, str(error.code))
 
     def answer(self, req: wire.Request, origin: Origin) -> Any:
         """The reply body of a request that is not device work; a device request's step
@@ -359,7 +368,7 @@ class Worker:
                 and self._keeps_state(body.program)
                 and not isinstance(exc, StateLost | PredecessorFailed)
             ):
-                self._fence(origin.ident, req.id, str(as_error(exc).code))
+                self._fence(origin.ident, origin.source, req.id, str(as_error(exc).code))
             raise
         return LATER
 
@@ -381,9 +390,10 @@ class Worker:
         if body.generation != self.spec.generation:  # None too: is it required?
             self._check_generation(body)
         if self._fences and ident in self._fences and self._keeps_state(body.program):
-            raise self._refusal(ident)
+            raise self._refusal(*self._fences[ident])
         step = self._step(body, req.op)
         step.ident, step.request_id, step.bundled = ident, req.id, origin.bundled
+        step.source = origin.source
         step.received = received = origin.received
         step.changes_state = req.op in _CHANGES_STATE and self._stateful
         if body.timeout_ms is not None:
@@ -413,15 +423,17 @@ class Worker:
         p = self.engine.programs.get(program)
         return p is not None and bool(p.state_ops)
 
-    def _fence(self, ident: bytes, request_id: int, why: str) -> None:
-        """Request ``request_id`` of connection ``ident`` would have changed device state
-        and was not applied: refuse its requests to stateful programs, those waiting
-        behind it now and those it sends until it sends ``resume``."""
-        if ident not in self._fences:  # the first failure is the one to send again
-            self._fences[ident] = (request_id, why)
-            if len(self._fences) > _MAX_FENCES:  # connections long gone, most likely
-                self._fences.popitem(last=False)
-                log.warning("forgot the oldest refused connection (%d kept)", _MAX_FENCES)
+    def _fence(self, ident: bytes, source: Any, request_id: int, why: str) -> None:
+        """Request ``request_id`` of connection ``ident`` (``source``: the routing-id
+        Frame of one of its messages) would have changed device state and was not
+        applied: refuse its requests to stateful programs, those waiting behind it now
+        and those it sends until it sends ``resume`` (or goes: _peer_gone)."""
+        fence = self._fences.get(ident)
+        if fence is None:  # the first failure is the one to send again
+            fence = (request_id, why)
+            # Kept while the connection is open (it cannot be forgotten before).
+            if self.connections is None or self.connections.watch(ident, source):
+                self._fences[ident] = fence
         waiting = self._waiting
         if not waiting:
             return
@@ -431,13 +443,17 @@ class Worker:
             kept = [s for s in waiting if id(s) not in refused]
             waiting.clear()
             waiting.extend(kept)
-            refusal = self._refusal(ident)
+            refusal = self._refusal(*fence)
             for step in behind:
                 self._open.pop(step, None)
                 self.responder.fail(step.ident, step.request_id, refusal, step.bundled)
 
-    def _refusal(self, ident: bytes) -> PredecessorFailed:
-        request_id, why = self._fences[ident]
+    def _peer_gone(self, ident: bytes) -> None:
+        """Connection ``ident`` closed: what the worker keeps for it goes too (so it
+        keeps state for open connections only). Called by self.connections."""
+        self._fences.pop(ident, None)
+
+    def _refusal(self, request_id: int, why: str) -> PredecessorFailed:
         return PredecessorFailed(
             f"request {request_id} of this connection ({why}) changes device state on "
             f"device {self.spec.device} and was not applied, so this request was not run; "
@@ -483,7 +499,7 @@ class Worker:
                 fields = {f: getattr(body, f) for f in body.__struct_fields__}
                 return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
             if type(body) is ops.Update:
-                return Job(JobKind.UPDATE, self.engine.plan(body))
+                return Job(JobKind.UPDATE, self.engine.plan_update(body))
             outputs = tuple(body.outputs)
             plan = self.engine.plan_replay(body.program, body.batch, outputs)
             return Job(JobKind.REPLAY, plan, outputs)
@@ -502,7 +518,7 @@ class Worker:
                 late = Timeout(f"{step.kind.value} waited past its deadline; it was not run")
                 self.responder.fail(step.ident, step.request_id, late, step.bundled)
                 if step.changes_state and self._keeps_state(step.plan.program):
-                    self._fence(step.ident, step.request_id, "TIMEOUT")
+                    self._fence(step.ident, step.source, step.request_id, "TIMEOUT")
                 continue
             if not self.engine.reserve(blocking=False):
                 return
@@ -522,7 +538,7 @@ class Worker:
             error = as_error(step.error or InternalError("step ended without results"))
             self.responder.fail(step.ident, step.request_id, error, step.bundled)
             if step.changes_state and self._keeps_state(step.plan.program):
-                self._fence(step.ident, step.request_id, str(error.code))
+                self._fence(step.ident, step.source, step.request_id, str(error.code))
         else:
             held = now - step.received
             self.metrics.observe_done(
@@ -563,6 +579,5 @@ _NO_GRAPH = GraphKey("", 0, 0)
 #: Ops whose failure leaves a stateful program's device state without what the client
 #: meant to put there (a kv_write's KV, a prefill's prompt, a step's new token).
 _CHANGES_STATE = frozenset({"kv_write", "prefill", "step"})
-_MAX_FENCES = 4096  # refused connections remembered (oldest forgotten first)
 
 __all__ = ["Worker", "WorkerSpec", "start_failure", "worker_main"]

@@ -246,3 +246,24 @@ def test_fuzzing_a_socket_kills_nothing(shared_daemon, socket: str) -> None:
         dealer.close()
     assert health(d) == before
     assert d.status()["state"] == "running"
+
+
+def test_a_bundle_of_more_requests_than_the_bound_is_refused_unread(shared_daemon) -> None:
+    """Issue 40 (7): a 0.96 MB bundle of 40,000 status requests made 121 MB of replies and
+    kept the worker deaf for seconds. A bundle of more than Limits.max_bundle requests is
+    refused before any is answered (counted, logged throttled); the next request on the
+    same connection is the only one answered."""
+    d = shared_daemon(devices=1)
+    before = health(d)
+    n = 40_000
+    status = [bytes(wire.encode_request(i + 1, "status", ops.Status())[0]) for i in range(n)]
+    flood = b"\xdc" + n.to_bytes(2, "big") + b"".join(status)
+    assert len(flood) < 2**20  # within the envelope limit: the bound is the count
+    for endpoint in (d.worker(0)["endpoint"], d.endpoint):
+        dealer = Dealer(endpoint)
+        try:
+            dealer.send([flood])
+            assert len(dealer.probe()) == 1  # the probe's own reply, nothing of the flood
+        finally:
+            dealer.close()
+    assert health(d) == before

@@ -195,7 +195,8 @@ class GraphProgram(abc.ABC):
 
     @property
     def replayable(self) -> bool:
-        """Whether ``replay`` (run a graph instance as last patched) is offered. Not for
+        """Whether ``replay`` (run a graph instance as last patched) and ``update`` (patch
+        one for a later replay or step) are offered. Not for
         a program with device state: its graphs write that state (a paged cache's new
         tokens) from the instance's static buffers, which hold whatever step ran on the
         instance last, maybe another client's, into slots since handed to other
