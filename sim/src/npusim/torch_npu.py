@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from . import atb_rotary as _atb_rotary
+from . import collectives as _collectives
 from . import fused_ops as _fused
 from . import npu
 from . import ops as _ops
@@ -31,6 +32,7 @@ from .paged_attention import paged_attention
 from .task_groups import TaskGroupHandle
 
 setup()
+_collectives.register()  # torch.distributed's "hccl" backend for the device "npu"
 
 _npu_ops = torch.ops.npu
 npu_fused_infer_attention_score = _ops.fused_infer_attention_score
