@@ -128,11 +128,33 @@ def race(rank: int, world: int, fenced: bool) -> dict[str, Any]:
         return {"error": type(exc).__name__, "kind": getattr(exc, "kind", ""), "message": str(exc)}
 
 
+def timed(rank: int, world: int) -> dict[str, Any]:
+    """A replayed all_reduce in timed mode costs ``collective_us`` of modelled device time."""
+    old = npusim.configure()
+    npusim.configure(mode="timed", collective_us=50_000.0)
+    try:
+        x = torch.ones(4).npu()
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s):
+            with torch.npu.graph(g, stream=s):
+                dist.all_reduce(x)
+            begin, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+            begin.record()
+            g.replay()
+            end.record()
+        end.synchronize()
+        return {"elapsed_ms": begin.elapsed_time(end)}
+    finally:
+        npusim.configure(mode=old.mode, collective_us=old.collective_us)
+
+
 SCENARIOS = {
     "eager": eager,
     "row_parallel": row_parallel,
     "async_wait": lambda r, w: async_wait(r, w, True),
     "async_no_wait": lambda r, w: async_wait(r, w, False),
+    "timed": timed,
     "skip": skip,
     "race": lambda r, w: race(r, w, False),
     "race_fenced": lambda r, w: race(r, w, True),

@@ -19,7 +19,7 @@ import pytest
 RANKS = Path(__file__).with_name("collective_ranks.py")
 # The rank that skips a collective must be last: its group's ranks fall out of step.
 SCENARIOS = ["eager", "row_parallel", "async_wait", "async_no_wait", "race", "race_fenced",
-             "skip"]  # fmt: skip
+             "timed", "skip"]  # fmt: skip
 
 
 def run_ranks(
@@ -108,3 +108,8 @@ def test_an_unfenced_write_racing_a_replayed_collective_is_reported(two_ranks: A
         assert "copy host->npu" in r["message"]
     for r in two_ranks["race_fenced"]:
         assert r["error"] is None and r["x"] == [5.0] * 4
+
+
+def test_timed_mode_charges_each_collective_its_modelled_cost(two_ranks: Any) -> None:
+    for r in two_ranks["timed"]:
+        assert r["elapsed_ms"] >= 50.0, r  # collective_us = 50 ms, in modelled time
