@@ -128,6 +128,20 @@ def race(rank: int, world: int, fenced: bool) -> dict[str, Any]:
         return {"error": type(exc).__name__, "kind": getattr(exc, "kind", ""), "message": str(exc)}
 
 
+def mismatch(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 all-reduces where the others broadcast: the same collective number."""
+    x = torch.ones(2).npu()
+    if rank == 0:
+        dist.all_reduce(x)
+    else:
+        dist.broadcast(x, src=0)
+    try:
+        torch.npu.synchronize()
+        return {"error": None}
+    except SimError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
 def timed(rank: int, world: int) -> dict[str, Any]:
     """A replayed all_reduce in timed mode costs ``collective_us`` of modelled device time."""
     old = npusim.configure()
@@ -154,6 +168,7 @@ SCENARIOS = {
     "row_parallel": row_parallel,
     "async_wait": lambda r, w: async_wait(r, w, True),
     "async_no_wait": lambda r, w: async_wait(r, w, False),
+    "mismatch": mismatch,
     "timed": timed,
     "skip": skip,
     "race": lambda r, w: race(r, w, False),

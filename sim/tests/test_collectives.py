@@ -19,7 +19,7 @@ import pytest
 RANKS = Path(__file__).with_name("collective_ranks.py")
 # The rank that skips a collective must be last: its group's ranks fall out of step.
 SCENARIOS = ["eager", "row_parallel", "async_wait", "async_no_wait", "race", "race_fenced",
-             "timed", "skip"]  # fmt: skip
+             "mismatch", "timed", "skip"]  # fmt: skip
 
 
 def run_ranks(
@@ -113,3 +113,10 @@ def test_an_unfenced_write_racing_a_replayed_collective_is_reported(two_ranks: A
 def test_timed_mode_charges_each_collective_its_modelled_cost(two_ranks: Any) -> None:
     for r in two_ranks["timed"]:
         assert r["elapsed_ms"] >= 50.0, r  # collective_us = 50 ms, in modelled time
+
+
+def test_ranks_running_different_collectives_are_reported(two_ranks: Any) -> None:
+    for r in two_ranks["mismatch"]:
+        assert r["error"] == "DeviceFaultError", r
+        assert "collective mismatch" in r["message"]
+        assert "all_reduce sum" in r["message"] and "broadcast root 0" in r["message"]
