@@ -43,6 +43,19 @@ def eager(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def pairs(rank: int, world: int) -> dict[str, Any]:
+    """Tensor-parallel groups of two inside the world (as vLLM's TP groups under DP/PP):
+    each pair reduces on its own, the world group still works."""
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes all
+    mine = groups[rank // 2]
+    x = torch.full((2,), float(rank + 1)).npu()
+    dist.all_reduce(x, group=mine)
+    y = torch.ones(1).npu()
+    dist.all_reduce(y)
+    return {"pair_sum": x.cpu().tolist(), "world_sum": y.cpu().tolist(),
+            "global_ranks": mine.global_ranks}  # fmt: skip
+
+
 def row_parallel(rank: int, world: int) -> dict[str, Any]:
     """matmul + all_reduce + matmul captured once, replayed with new inputs: a row-parallel
     linear (vLLM's RowParallelLinear) followed by a replicated one."""
@@ -165,6 +178,7 @@ def timed(rank: int, world: int) -> dict[str, Any]:
 
 SCENARIOS = {
     "eager": eager,
+    "pairs": pairs,
     "row_parallel": row_parallel,
     "async_wait": lambda r, w: async_wait(r, w, True),
     "async_no_wait": lambda r, w: async_wait(r, w, False),

@@ -74,8 +74,14 @@ def test_eager_collectives_give_every_rank_the_result(two_ranks: Any) -> None:
     _check_eager(two_ranks["eager"], 2)
 
 
-def test_eager_collectives_on_four_ranks(tmp_path: Path) -> None:
-    _check_eager(run_ranks(tmp_path / "init", ["eager"], world=4)["eager"], 4)
+def test_eager_collectives_on_four_ranks_and_groups_of_two(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path / "init", ["eager", "pairs"], world=4)
+    _check_eager(results["eager"], 4)
+    for rank, r in enumerate(results["pairs"]):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["global_ranks"] == pair
+        assert r["pair_sum"] == [float(sum(p + 1 for p in pair))] * 2
+        assert r["world_sum"] == [4.0]
 
 
 def test_captured_row_parallel_linear_replays_the_unsharded_result(two_ranks: Any) -> None:
