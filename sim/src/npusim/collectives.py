@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import access
 from .errors import DeadlockError, DeviceFaultError, SimUsageError
 from .runtime import RUNTIME
-from .streams import Dropped, Event, Stream, current_stream
+from .streams import Dropped, Event, EventRecordWork, Stream, current_stream
 
 #: The ``ReduceOp`` values the sim reduces, with what they do to the stacked inputs.
 _REDUCERS: list[tuple[Any, str, Callable[[torch.Tensor], torch.Tensor]]] = [
@@ -203,8 +203,10 @@ class ProcessGroupHCCL(dist.ProcessGroup):
                 return HcclWork(stream, None)
             node.seq = self.next_seq_locked()
             stream.issue_locked(node)
-        done = Event()
-        done.record(stream)
+            # recorded in the same critical section: nothing another thread issues to the
+            # stream can come between the collective and the event
+            done = Event()
+            stream.issue_locked(EventRecordWork(done, done.issue_record_locked(stream)))
         return HcclWork(stream, done)
 
 
