@@ -11,10 +11,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from npusim import SimUsageError, graph_profile
 
 RANKS = Path(__file__).with_name("collective_ranks.py")
 # The rank that skips a collective must be last: its group's ranks fall out of step.
@@ -126,3 +130,39 @@ def test_ranks_running_different_collectives_are_reported(two_ranks: Any) -> Non
         assert r["error"] == "DeviceFaultError", r
         assert "collective mismatch" in r["message"]
         assert "all_reduce sum" in r["message"] and "broadcast root 0" in r["message"]
+
+
+@pytest.fixture
+def lone_rank(tmp_path: Path) -> Iterator[None]:
+    """A group of one rank in this process."""
+    dist.init_process_group("hccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:.*all_gather_into_tensor.*:FutureWarning")
+def test_what_hccl_does_not_take_is_refused_at_the_call(lone_rank: None) -> None:
+    with pytest.raises(SimUsageError, match=r"takes npu tensors; the all_reduce tensor is on cpu"):
+        dist.all_reduce(torch.ones(2))
+    with pytest.raises(SimUsageError, match=r"ReduceOp BAND is not modelled"):
+        dist.all_reduce(torch.ones(2).npu(), op=dist.ReduceOp.BAND)
+    with pytest.raises(SimUsageError, match=r"output must hold world size \(1\) times"):
+        dist.all_gather_into_tensor(torch.empty(3).npu(), torch.ones(2).npu())
+
+
+def test_a_captured_collective_issues_nothing_until_replayed(lone_rank: None) -> None:
+    x = torch.ones(2).npu()
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    group = dist.distributed_c10d._get_default_group()
+    with torch.npu.stream(s):
+        with torch.npu.graph(g, stream=s):
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        issued = group.issued
+        for _ in range(3):
+            g.replay()
+    torch.npu.synchronize()
+    assert issued == 0 and group.issued == 3  # one collective number per replay
+    assert graph_profile(g).kernels == {"hccl all_reduce": 1}

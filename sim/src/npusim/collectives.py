@@ -54,8 +54,9 @@ def _reducer(op: Any) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
     for value, name, fn in _REDUCERS:
         if op == value:
             return name, fn
+    name = getattr(getattr(op, "op", op), "name", op)  # ReduceOp holds a RedOpType
     raise SimUsageError(
-        f"ReduceOp {op} is not modelled by the simulated NPU's hccl backend "
+        f"ReduceOp {name} is not modelled by the simulated NPU's hccl backend "
         "(SUM, MAX, MIN and PRODUCT are)"
     )
 

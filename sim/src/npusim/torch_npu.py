@@ -13,7 +13,6 @@ from types import SimpleNamespace
 import torch
 
 from . import atb_rotary as _atb_rotary
-from . import collectives as _collectives
 from . import fused_ops as _fused
 from . import npu
 from . import ops as _ops
@@ -32,7 +31,10 @@ from .paged_attention import paged_attention
 from .task_groups import TaskGroupHandle
 
 setup()
-_collectives.register()  # torch.distributed's "hccl" backend for the device "npu"
+if torch.distributed.is_available():  # torch.distributed's "hccl" backend for the device "npu"
+    from . import collectives as _collectives
+
+    _collectives.register()
 
 _npu_ops = torch.ops.npu
 npu_fused_infer_attention_score = _ops.fused_infer_attention_score
