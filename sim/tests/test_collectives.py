@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from npusim import SimUsageError, graph_profile
+from npusim import SimUsageError, graph_profile, torch_npu
 
 RANKS = Path(__file__).with_name("collective_ranks.py")
 # The rank that skips a collective must be last: its group's ranks fall out of step.
@@ -144,6 +144,8 @@ def lone_rank(tmp_path: Path) -> Iterator[None]:
 
 @pytest.mark.filterwarnings("ignore:.*all_gather_into_tensor.*:FutureWarning")
 def test_what_hccl_does_not_take_is_refused_at_the_call(lone_rank: None) -> None:
+    assert dist.is_hccl_available() and torch_npu.distributed.is_hccl_available()
+    assert dist.get_backend() == "hccl"
     with pytest.raises(SimUsageError, match=r"takes npu tensors; the all_reduce tensor is on cpu"):
         dist.all_reduce(torch.ones(2))
     with pytest.raises(SimUsageError, match=r"ReduceOp BAND is not modelled"):

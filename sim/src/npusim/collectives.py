@@ -419,9 +419,15 @@ def _create(options: Any, pg_options: Any = None) -> ProcessGroupHCCL:
     )
 
 
+def is_hccl_available() -> bool:
+    """``torch.distributed.is_hccl_available()`` of torch_npu: the backend is registered."""
+    return "hccl" in dist.Backend.backend_list
+
+
 def register() -> None:
-    """Register the "hccl" backend for the device "npu" (as ``import torch_npu`` does);
-    idempotent."""
+    """Register the "hccl" backend for the device "npu" and set
+    ``torch.distributed.is_hccl_available`` (as ``import torch_npu`` does); idempotent."""
+    dist.is_hccl_available = is_hccl_available  # type: ignore[attr-defined]
     if "hccl" in dist.Backend.backend_list and getattr(dist.Backend, "_npusim", False):
         return
     dist.Backend.register_backend("hccl", _create, extended_api=True, devices=["npu"])

@@ -35,6 +35,7 @@ if torch.distributed.is_available():  # torch.distributed's "hccl" backend for t
     from . import collectives as _collectives
 
     _collectives.register()
+    distributed = SimpleNamespace(is_hccl_available=_collectives.is_hccl_available)
 
 _npu_ops = torch.ops.npu
 npu_fused_infer_attention_score = _ops.fused_infer_attention_score
