@@ -121,6 +121,8 @@ class SimConfig:
         HazardError).
     device_memory: bytes of each simulated device (``mem_get_info``'s total; an
         allocation that does not fit raises ``torch.OutOfMemoryError``).
+    collective_us: timed mode: device time of one collective of the "hccl" backend
+        (:mod:`.collectives`), from when the last rank of the group started it.
     """
 
     mode: str = "compute"
@@ -129,11 +131,12 @@ class SimConfig:
     watchdog_s: float = 30.0
     event_mode: str = "cann"
     device_memory: int = 64 << 30
+    collective_us: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in ("compute", "timed"):
             raise ValueError(f"sim mode must be 'compute' or 'timed', not {self.mode!r}")
-        for name in ("task_us", "patch_us"):
+        for name in ("task_us", "patch_us", "collective_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim {name} must be >= 0")
         if self.watchdog_s <= 0:
@@ -426,8 +429,10 @@ def configure(
     watchdog_s: float | None = None,
     event_mode: str | None = None,
     device_memory: int | None = None,
+    collective_us: float | None = None,
 ) -> SimConfig:
-    """Change the device's cost model, watchdog or ExternalEvent mode; returns the
+    """Change the device's cost model (``collective_us``: a collective's device time in
+    timed mode), watchdog or ExternalEvent mode; returns the
     config now in force."""
     old = RUNTIME.config
     new = SimConfig(
@@ -437,6 +442,7 @@ def configure(
         watchdog_s=old.watchdog_s if watchdog_s is None else watchdog_s,
         event_mode=old.event_mode if event_mode is None else event_mode,
         device_memory=old.device_memory if device_memory is None else device_memory,
+        collective_us=old.collective_us if collective_us is None else collective_us,
     )
     RUNTIME.config = new
     return new

@@ -31,6 +31,11 @@ from .paged_attention import paged_attention
 from .task_groups import TaskGroupHandle
 
 setup()
+if torch.distributed.is_available():  # torch.distributed's "hccl" backend for the device "npu"
+    from . import collectives as _collectives
+
+    _collectives.register()
+    distributed = SimpleNamespace(is_hccl_available=_collectives.is_hccl_available)
 
 _npu_ops = torch.ops.npu
 npu_fused_infer_attention_score = _ops.fused_infer_attention_score

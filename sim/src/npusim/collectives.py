@@ -1,0 +1,434 @@
+"""Collectives of the simulated NPU: a ``torch.distributed`` backend named "hccl".
+
+torch_npu registers ``ProcessGroupHCCL`` for the device "npu" under the name "hccl"; its
+collectives are tasks on the device's current stream, issued without blocking the host,
+so an ``NPUGraph`` capture records them and its replays run them again. This module gives
+the sim the same: ``init_process_group("hccl", ...)`` in each rank's process (one process
+per rank, as the field runs), and ``all_reduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor``, ``broadcast`` and ``barrier`` become one device task each on the
+current stream, eager or captured.
+
+The device model (README, "Collectives"):
+
+- a collective is an edge between the ranks' streams: a rank's task ends only once every
+  rank of the group started its matching task (the group's n-th collective, counted at
+  issue: eagerly at the call, for a captured one at each replay's launch);
+- a rank that never joins is a ``DeadlockError`` after the watchdog, naming the group, the
+  collective and the ranks missing; ranks that run different collectives at the same
+  position are a ``DeviceFaultError`` naming both;
+- the task reads its input and writes its output as any device task does, so the memory
+  race checks of :mod:`.access` see it.
+
+Transport: the c10d store the group was created with (torch's ``TCPStore`` or
+``FileStore``, under the group's prefix). Each rank posts its input under the collective's
+number and reads the others'; every rank reduces the same inputs in rank order, so every
+rank gets the same bits. The last reader deletes the collective's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import access
+from .errors import DeadlockError, DeviceFaultError, SimUsageError
+from .runtime import RUNTIME
+from .streams import Dropped, Event, EventRecordWork, Stream, current_stream
+
+#: The ``ReduceOp`` values the sim reduces, with what they do to the stacked inputs.
+_REDUCERS: list[tuple[Any, str, Callable[[torch.Tensor], torch.Tensor]]] = [
+    (dist.ReduceOp.SUM, "sum", lambda x: x.sum(0, dtype=x.dtype)),
+    (dist.ReduceOp.MAX, "max", lambda x: x.amax(0)),
+    (dist.ReduceOp.MIN, "min", lambda x: x.amin(0)),
+    (dist.ReduceOp.PRODUCT, "product", lambda x: x.prod(0, dtype=x.dtype)),
+]
+
+
+def _reducer(op: Any) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    for value, name, fn in _REDUCERS:
+        if op == value:
+            return name, fn
+    name = getattr(getattr(op, "op", op), "name", op)  # ReduceOp holds a RedOpType
+    raise SimUsageError(
+        f"ReduceOp {name} is not modelled by the simulated NPU's hccl backend "
+        "(SUM, MAX, MIN and PRODUCT are)"
+    )
+
+
+def _npu(t: Any, what: str) -> torch.Tensor:
+    """The CPU view of npu tensor ``t``; refuses anything else, as HCCL does."""
+    data = getattr(t, "_data", None)
+    if not isinstance(t, torch.Tensor) or t.device.type != "npu" or data is None:
+        where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+        raise SimUsageError(
+            f"the hccl backend takes npu tensors; {what} is on {where} (move it with .npu())"
+        )
+    return data
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def _from_bytes(raw: bytes, like: torch.Tensor) -> torch.Tensor:
+    if not raw:
+        return torch.empty(like.shape, dtype=like.dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).reshape(like.shape)
+
+
+# ======================================================================= the group
+class ProcessGroupHCCL(dist.ProcessGroup):
+    """The sim's ``ProcessGroupHCCL``: collectives of npu tensors as device tasks on the
+    current stream, the ranks met through the group's c10d store."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        group_id: str = "0",
+        global_ranks: list[int] | None = None,
+    ) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        self.store = store
+        self._rank, self._size = rank, size
+        self.timeout = timeout
+        self.group_id = group_id
+        self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
+        self.issued = 0  # collectives issued (eager calls, and launches of captured ones)
+
+    # ------------------------------------------------------------ identity
+    def getBackendName(self) -> str:
+        return "hccl"
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def description(self) -> str:
+        return f"process group {self.group_id!r} (hccl, global ranks {self.global_ranks})"
+
+    def next_seq_locked(self) -> int:
+        """The number of the collective issued now. Caller holds the runtime lock."""
+        self.issued += 1
+        return self.issued
+
+    # ------------------------------------------------------------ collectives
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> HcclWork:  # type: ignore[override]
+        tensor = self._one(tensors, "all_reduce")
+        name, fn = _reducer(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        data = _npu(tensor, "the all_reduce tensor")
+        spec = _Spec(self, "all_reduce", name, data, data, reduce=fn)
+        return self._issue(spec, tensor)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> HcclWork:
+        work = None
+        for t in tensors:
+            work = self.allreduce([t], opts)
+        assert work is not None
+        return work
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> HcclWork:
+        out, inp = _npu(output, "the all_gather output"), _npu(input, "the all_gather input")
+        if out.numel() != inp.numel() * self._size or out.dtype != inp.dtype:
+            raise SimUsageError(
+                f"all_gather_into_tensor: the output must hold world size ({self._size}) times "
+                f"the input's {inp.numel()} elements of {inp.dtype}; it has {out.numel()} of "
+                f"{out.dtype}"
+            )
+        spec = _Spec(self, "all_gather_into_tensor", "", inp, out)
+        return self._issue(spec, output)
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> HcclWork:
+        out, inp = (
+            _npu(output, "the reduce_scatter output"),
+            _npu(input, "the reduce_scatter input"),
+        )
+        if inp.numel() != out.numel() * self._size or out.dtype != inp.dtype:
+            raise SimUsageError(
+                f"reduce_scatter_tensor: the input must hold world size ({self._size}) times "
+                f"the output's {out.numel()} elements of {out.dtype}; it has {inp.numel()} of "
+                f"{inp.dtype}"
+            )
+        name, fn = _reducer(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        spec = _Spec(self, "reduce_scatter_tensor", name, inp, out, reduce=fn)
+        return self._issue(spec, output)
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> HcclWork:  # type: ignore[override]
+        tensor = self._one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        data = _npu(tensor, "the broadcast tensor")
+        spec = _Spec(self, "broadcast", f"root {root}", data, data, root=root)
+        return self._issue(spec, tensor)
+
+    def barrier(self, opts: Any = None) -> HcclWork:
+        """An all-reduce of one element, waited for by the host (as ProcessGroupHCCL)."""
+        flag = torch.zeros(1, device=f"npu:{current_stream().device_index}")
+        work = self.allreduce([flag], dist.AllreduceOptions())
+        current_stream().synchronize()
+        return work
+
+    def _one(self, tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise SimUsageError(
+                f"{what}: the hccl backend takes one tensor per call, got {len(tensors)}"
+            )
+        return tensors[0]
+
+    def _issue(self, spec: _Spec, tensor: torch.Tensor) -> HcclWork:
+        stream = current_stream(tensor.device.index)
+        node = CollectiveTask(spec)
+        with RUNTIME.cond:
+            cap = stream.capturing
+            if cap is not None:
+                cap.add_node(node)
+                return HcclWork(stream, None)
+            node.seq = self.next_seq_locked()
+            stream.issue_locked(node)
+            # recorded in the same critical section: nothing another thread issues to the
+            # stream can come between the collective and the event
+            done = Event()
+            stream.issue_locked(EventRecordWork(done, done.issue_record_locked(stream)))
+        return HcclWork(stream, done)
+
+
+class HcclWork(dist._Work):
+    """What a collective returns: ``wait()`` makes the current stream wait for the
+    collective (the host does not block), as ProcessGroupHCCL's work does."""
+
+    def __init__(self, stream: Stream, done: Event | None) -> None:
+        super().__init__()
+        self.stream = stream
+        self.done = done  # recorded after an eager collective; None for a captured one
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        cur = current_stream(self.stream.device_index)
+        if cur is not self.stream:
+            if self.done is not None:
+                self.done.wait(cur)
+            else:  # captured: a join of the capture stream, recorded when it is needed
+                cur.wait_stream(self.stream)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+
+# ======================================================================= the task
+class _Spec:
+    """One collective call: what it reads and writes and how the ranks' inputs combine."""
+
+    def __init__(
+        self,
+        group: ProcessGroupHCCL,
+        kind: str,
+        detail: str,
+        inp: torch.Tensor,
+        out: torch.Tensor,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        root: int | None = None,
+    ) -> None:
+        self.group, self.kind, self.detail = group, kind, detail
+        self.inp, self.out = inp, out
+        self.reduce, self.root = reduce, root
+        # what every rank must agree on: the collective, its operation and the input
+        self.signature = [kind, detail, str(inp.dtype), list(inp.shape)]
+        items = [access.item(inp, inp is out, "tensor" if inp is out else "input")]
+        if out is not inp:
+            items.append(access.item(out, True, "output"))
+        self.footprint: access.Footprint = tuple(i for i in items if i is not None)
+
+    def combine(self, inputs: list[torch.Tensor]) -> None:
+        """Write the result of the ranks' ``inputs`` (in rank order) into the output."""
+        rank = self.group._rank
+        if self.kind == "broadcast":
+            assert self.root is not None
+            result = inputs[self.root]
+        elif self.kind == "all_gather_into_tensor":
+            result = torch.cat([x.reshape(-1) for x in inputs])
+        else:
+            assert self.reduce is not None
+            reduced = self.reduce(torch.stack(inputs))
+            if self.kind == "reduce_scatter_tensor":
+                result = reduced.reshape(-1).chunk(self.group._size)[rank]
+            else:
+                result = reduced
+        self.out.copy_(result.reshape(self.out.shape))
+
+
+class CollectiveTask:
+    """One collective on a stream: an eager entry (``seq`` set at issue) or a node of a
+    captured graph (a new ``seq`` at each replay's launch)."""
+
+    def __init__(self, spec: _Spec) -> None:
+        self.spec = spec
+        self.seq = 0
+        self.label = f"hccl {spec.kind}"
+        self.issued = next(access.ISSUED)
+        self.access = access.TaskAccess(spec.footprint)
+
+    def launch_locked(self, launch: Any, stream: Stream) -> None:
+        launch.seqs[self] = self.spec.group.next_seq_locked()
+
+    def run(self, ex: Stream, launch: Any = None) -> None:
+        spec = self.spec
+        seq = self.seq if launch is None else launch.seqs[self]
+        ex.tick()
+        with RUNTIME.cond:
+            if launch is None:
+                epoch, gen = ex.clock[ex.actor], RUNTIME.epoch
+                for it in spec.footprint:
+                    access.touch(ex, epoch, gen, it, (self.issued, self.label, ex))
+            else:
+                self.access.touch_locked(ex, (launch.issued, (self.label, launch), ex))
+        timed = RUNTIME.config.mode == "timed"
+        started = ex.resume_at if ex.resume_at is not None else ex.model_time
+        # A replayed task computes nothing in timed mode: the ranks meet, no data moves.
+        with_data = not (timed and launch is not None)
+        where = f" in replay #{launch.number} of {launch.graph_name}" if launch else ""
+        what = f"{spec.kind} #{seq} of {spec.group.description}{where} on {ex.name}"
+        inputs, starts = _Meeting(spec, seq, what, ex).meet(with_data, started)
+        if with_data:
+            spec.combine(inputs)
+        if timed:
+            ex.cost.add_at(RUNTIME.config.collective_us, max(starts))
+            ex.settle()
+
+
+class _Meeting:
+    """The ranks' rendezvous for one collective, over the group's store."""
+
+    POLL_MAX_S = 0.005
+
+    def __init__(self, spec: _Spec, seq: int, what: str, ex: Stream) -> None:
+        self.spec, self.what, self.ex = spec, what, ex
+        self.group = spec.group
+        self.base = f"npusim/{seq}"
+
+    def key(self, rank: int) -> str:
+        return f"{self.base}/{rank}"
+
+    def meet(self, with_data: bool, started: float) -> tuple[list[torch.Tensor], list[float]]:
+        group, spec = self.group, self.spec
+        me = group._rank
+        header = {"signature": spec.signature, "start": started}
+        sends = with_data and (spec.root is None or spec.root == me)
+        payload = _to_bytes(spec.inp) if sends else b""
+        store = group.store
+        store.set(self.key(me), json.dumps(header).encode() + b"\n" + payload)
+        others = [r for r in range(group._size) if r != me]
+        self._wait_for([self.key(r) for r in others])
+        inputs: list[torch.Tensor] = []
+        starts = [started]
+        for r in range(group._size):
+            if r == me:
+                inputs.append(spec.inp)
+                continue
+            raw = store.get(self.key(r))
+            head, _, body = raw.partition(b"\n")
+            theirs = json.loads(head)
+            if theirs["signature"] != spec.signature:
+                self._mismatch(r, theirs["signature"])
+            starts.append(float(theirs["start"]))
+            inputs.append(_from_bytes(body, spec.inp) if body else spec.inp)
+        if store.add(f"{self.base}/read", 1) == group._size:  # the last reader cleans up
+            for r in range(group._size):
+                store.delete_key(self.key(r))
+            store.delete_key(f"{self.base}/read")
+        return inputs, starts
+
+    def _wait_for(self, keys: list[str]) -> None:
+        """Poll the store until every key is there; a fault or reset drops the task, the
+        watchdog reports the ranks that never came."""
+        if not keys:
+            return
+        store, ex = self.group.store, self.ex
+        since = time.monotonic()
+        pause = 5e-5
+        while not store.check(keys):
+            if RUNTIME.fault is not None or RUNTIME.epoch != ex.run_epoch or RUNTIME.closing:
+                raise Dropped
+            if RUNTIME.watchdog_expired(since):
+                missing = [k for k in keys if not store.check([k])]
+                if missing:
+                    self._never_joined(missing)
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, self.POLL_MAX_S)
+
+    def _never_joined(self, missing: list[str]) -> None:
+        ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
+        names = ", ".join(f"rank {r} (global rank {self.group.global_ranks[r]})" for r in ranks)
+        with RUNTIME.cond:
+            RUNTIME.report(
+                DeadlockError(
+                    f"deadlock: {self.what} has waited {RUNTIME.config.watchdog_s:g} s for "
+                    f"{names}, which never joined it; every rank of a group must issue its "
+                    "collectives in the same order (NPUSIM_WATCHDOG_S sets this limit)",
+                    kind="watchdog",
+                )
+            )
+        raise Dropped
+
+    def _mismatch(self, rank: int, theirs: list[Any]) -> None:
+        kind, detail, dtype, shape = theirs
+        mine = self.spec.signature
+        with RUNTIME.cond:
+            RUNTIME.report(
+                DeviceFaultError(
+                    f"collective mismatch: {self.what} is {mine[0]} {mine[1]} of {mine[2]} "
+                    f"{mine[3]} here, but rank {rank} runs {kind} {detail} of {dtype} {shape} "
+                    "at that position; every rank of a group must issue the same collectives "
+                    "in the same order"
+                )
+            )
+        raise Dropped
+
+
+# ======================================================================= registration
+def _create(options: Any, pg_options: Any = None) -> ProcessGroupHCCL:
+    return ProcessGroupHCCL(
+        options.store,
+        options.group_rank,
+        options.group_size,
+        options.timeout,
+        group_id=str(options.group_id),
+        global_ranks=list(options.global_ranks_in_group),
+    )
+
+
+def is_hccl_available() -> bool:
+    """``torch.distributed.is_hccl_available()`` of torch_npu: the backend is registered."""
+    return "hccl" in dist.Backend.backend_list
+
+
+def register() -> None:
+    """Register the "hccl" backend for the device "npu" and set
+    ``torch.distributed.is_hccl_available`` (as ``import torch_npu`` does); idempotent."""
+    dist.is_hccl_available = is_hccl_available  # type: ignore[attr-defined]
+    if "hccl" in dist.Backend.backend_list and getattr(dist.Backend, "_npusim", False):
+        return
+    dist.Backend.register_backend("hccl", _create, extended_api=True, devices=["npu"])
+    dist.Backend._npusim = True  # type: ignore[attr-defined]

@@ -1,0 +1,206 @@
+"""One rank of a test of the sim's "hccl" backend (run by test_collectives.py).
+
+``python collective_ranks.py SCENARIOS RANK WORLD INIT_FILE``: joins the group through a
+file store, runs the comma-separated scenarios in order, prints one JSON line per scenario
+(what the test checks) and exits. After a scenario that faulted the device, every rank
+resets it; a barrier starts each scenario in step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from datetime import timedelta
+from typing import Any
+
+import npusim
+import torch
+import torch.distributed as dist
+from npusim import HazardError, SimError, graph_profile, torch_npu  # noqa: F401
+
+warnings.simplefilter("ignore", FutureWarning)  # all_gather_into_tensor's rename notice
+
+
+def eager(rank: int, world: int) -> dict[str, Any]:
+    x = torch.full((4,), float(rank + 1)).npu()
+    dist.all_reduce(x)
+    m = torch.tensor([float(rank), -float(rank)]).npu()
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    gathered = torch.empty(2 * world).npu()
+    dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)).npu())
+    scattered = torch.empty(2).npu()
+    dist.reduce_scatter_tensor(scattered, (torch.arange(2.0 * world) + rank).npu())
+    b = torch.full((3,), float(rank)).npu()
+    dist.broadcast(b, src=world - 1)
+    dist.barrier()
+    return {
+        "sum": x.cpu().tolist(),
+        "max": m.cpu().tolist(),
+        "gather": gathered.cpu().tolist(),
+        "scatter": scattered.cpu().tolist(),
+        "broadcast": b.cpu().tolist(),
+    }
+
+
+def pairs(rank: int, world: int) -> dict[str, Any]:
+    """Tensor-parallel groups of two inside the world (as vLLM's TP groups under DP/PP):
+    each pair reduces on its own, the world group still works."""
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes all
+    mine = groups[rank // 2]
+    x = torch.full((2,), float(rank + 1)).npu()
+    dist.all_reduce(x, group=mine)
+    y = torch.ones(1).npu()
+    dist.all_reduce(y)
+    return {"pair_sum": x.cpu().tolist(), "world_sum": y.cpu().tolist(),
+            "global_ranks": mine.global_ranks}  # fmt: skip
+
+
+def row_parallel(rank: int, world: int) -> dict[str, Any]:
+    """matmul + all_reduce + matmul captured once, replayed with new inputs: a row-parallel
+    linear (vLLM's RowParallelLinear) followed by a replicated one."""
+    gen = torch.Generator().manual_seed(0)  # every rank draws the same full weights
+    w1, w2 = torch.randn(6, 8, generator=gen), torch.randn(5, 6, generator=gen)
+    inputs = [torch.randn(3, 8, generator=gen) for _ in range(3)]
+    part = 8 // world
+    cols = slice(rank * part, (rank + 1) * part)
+    w1_shard, w2_dev = w1[:, cols].contiguous().npu(), w2.npu()
+    x = torch.zeros(3, part).npu()  # the static input buffer
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        with torch.npu.graph(g, stream=s):
+            y = x @ w1_shard.T
+            dist.all_reduce(y)
+            z = y @ w2_dev.T
+        errors = []
+        for full in inputs:
+            x.copy_(full[:, cols])
+            g.replay()
+            want = (full @ w1.T) @ w2.T
+            errors.append((z.cpu() - want).abs().max().item())
+    profile = graph_profile(g)
+    return {"errors": errors, "collectives": profile.kernels.get("hccl all_reduce", 0)}
+
+
+def async_wait(rank: int, world: int, wait: bool) -> dict[str, Any]:
+    """An all_reduce issued on a side stream with async_op=True, then used on the default
+    stream: ``work.wait()`` orders the use after it; without it the use races."""
+    x = torch.full((4,), float(rank + 1)).npu()
+    side = torch.npu.Stream()
+    side.wait_stream(torch.npu.current_stream())
+    with torch.npu.stream(side):
+        work = dist.all_reduce(x, async_op=True)
+    if wait:
+        work.wait()
+    y = x * 2
+    try:
+        return {"y": y.cpu().tolist()}
+    except HazardError as exc:
+        return {"error": type(exc).__name__, "kind": exc.kind, "message": str(exc)}
+
+
+def skip(rank: int, world: int) -> dict[str, Any]:
+    """The last rank never joins the group's second all_reduce."""
+    store = dist.distributed_c10d._get_default_store()
+    x = torch.ones(2).npu()
+    dist.all_reduce(x)
+    if rank == world - 1:
+        store.wait(["test/done"], timedelta(seconds=20))  # alive, but never joining
+        return {"skipped": True}
+    dist.all_reduce(x)
+    try:
+        torch.npu.synchronize()
+        return {"error": None}
+    except SimError as exc:
+        return {"error": type(exc).__name__, "kind": getattr(exc, "kind", ""), "message": str(exc)}
+    finally:
+        store.add("test/reported", 1)
+        if store.add("test/reported", 0) == world - 1:
+            store.set("test/done", "1")
+
+
+def race(rank: int, world: int, fenced: bool) -> dict[str, Any]:
+    """A host copy into the captured all_reduce's buffer on another stream, ordered with
+    the replay that reads it (``fenced``) or not."""
+    x = torch.ones(4).npu()
+    s, u = torch.npu.Stream(), torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    with torch.npu.stream(s):
+        with torch.npu.graph(g, stream=s):
+            dist.all_reduce(x)
+        g.replay()
+    try:
+        with torch.npu.stream(u):
+            if fenced:
+                u.wait_stream(s)
+            x.copy_(torch.full((4,), 5.0))  # unfenced: races the replay's collective
+        torch.npu.synchronize()
+        return {"error": None, "x": x.cpu().tolist()}
+    except SimError as exc:
+        return {"error": type(exc).__name__, "kind": getattr(exc, "kind", ""), "message": str(exc)}
+
+
+def mismatch(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 all-reduces where the others broadcast: the same collective number."""
+    x = torch.ones(2).npu()
+    if rank == 0:
+        dist.all_reduce(x)
+    else:
+        dist.broadcast(x, src=0)
+    try:
+        torch.npu.synchronize()
+        return {"error": None}
+    except SimError as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+
+
+def timed(rank: int, world: int) -> dict[str, Any]:
+    """A replayed all_reduce in timed mode costs ``collective_us`` of modelled device time."""
+    old = npusim.configure()
+    npusim.configure(mode="timed", collective_us=50_000.0)
+    try:
+        x = torch.ones(4).npu()
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s):
+            with torch.npu.graph(g, stream=s):
+                dist.all_reduce(x)
+            begin, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+            begin.record()
+            g.replay()
+            end.record()
+        end.synchronize()
+        return {"elapsed_ms": begin.elapsed_time(end)}
+    finally:
+        npusim.configure(mode=old.mode, collective_us=old.collective_us)
+
+
+SCENARIOS = {
+    "eager": eager,
+    "pairs": pairs,
+    "row_parallel": row_parallel,
+    "async_wait": lambda r, w: async_wait(r, w, True),
+    "async_no_wait": lambda r, w: async_wait(r, w, False),
+    "mismatch": mismatch,
+    "timed": timed,
+    "skip": skip,
+    "race": lambda r, w: race(r, w, False),
+    "race_fenced": lambda r, w: race(r, w, True),
+}
+
+
+def main() -> None:
+    scenarios, rank, world, init = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    torch.npu.set_device(rank)
+    dist.init_process_group("hccl", init_method=f"file://{init}", rank=rank, world_size=world)
+    for scenario in scenarios.split(","):
+        dist.barrier()
+        result = SCENARIOS[scenario](rank, world)
+        print(json.dumps({"scenario": scenario, "rank": rank, **result}), flush=True)
+        if npusim.fault() is not None:
+            npusim.reset_device()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The sim's "hccl" backend: collectives as device tasks, across real rank processes.
+
+One run of rank processes (``collective_ranks.py``, joined through a file store) goes
+through the scenarios in order, each rank printing what it saw; the tests check those
+results. Every process is killed if the run fails or times out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from npusim import SimUsageError, graph_profile, torch_npu
+
+RANKS = Path(__file__).with_name("collective_ranks.py")
+# The rank that skips a collective must be last: its group's ranks fall out of step.
+SCENARIOS = ["eager", "row_parallel", "async_wait", "async_no_wait", "race", "race_fenced",
+             "mismatch", "timed", "skip"]  # fmt: skip
+
+
+def run_ranks(
+    init: Path, scenarios: list[str], world: int, watchdog_s: float = 3.0, timeout: float = 120
+) -> dict[str, list[dict[str, Any]]]:
+    """Run ``scenarios`` on ``world`` rank processes: each scenario's results, by rank."""
+    env = {**os.environ, "NPUSIM_WATCHDOG_S": str(watchdog_s)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(RANKS), ",".join(scenarios), str(rank), str(world), str(init)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for rank in range(world)
+    ]
+    try:
+        results: dict[str, list[dict[str, Any]]] = {s: [] for s in scenarios}
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}"
+            for line in out.strip().splitlines():
+                r = json.loads(line)
+                results[r.pop("scenario")].append(r)
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return run_ranks(tmp_path_factory.mktemp("hccl") / "init", SCENARIOS, world=2)
+
+
+def _check_eager(results: list[dict[str, Any]], world: int) -> None:
+    assert [r["rank"] for r in results] == list(range(world))
+    total = float(sum(range(1, world + 1)))
+    summed = [sum(j + i for i in range(world)) for j in range(2 * world)]
+    for rank, r in enumerate(results):
+        assert r["sum"] == [total] * 4
+        assert r["max"] == [world - 1.0, 0.0]
+        assert r["gather"] == [float(i) for i in range(world) for _ in range(2)]
+        assert r["scatter"] == [float(v) for v in summed[2 * rank : 2 * rank + 2]]
+        assert r["broadcast"] == [world - 1.0] * 3
+
+
+def test_eager_collectives_give_every_rank_the_result(two_ranks: Any) -> None:
+    _check_eager(two_ranks["eager"], 2)
+
+
+def test_eager_collectives_on_four_ranks_and_groups_of_two(tmp_path: Path) -> None:
+    results = run_ranks(tmp_path / "init", ["eager", "pairs"], world=4)
+    _check_eager(results["eager"], 4)
+    for rank, r in enumerate(results["pairs"]):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert r["global_ranks"] == pair
+        assert r["pair_sum"] == [float(sum(p + 1 for p in pair))] * 2
+        assert r["world_sum"] == [4.0]
+
+
+def test_captured_row_parallel_linear_replays_the_unsharded_result(two_ranks: Any) -> None:
+    for r in two_ranks["row_parallel"]:
+        assert len(r["errors"]) == 3
+        assert max(r["errors"]) < 1e-4, r
+        assert r["collectives"] == 1  # one task per captured collective
+
+
+def test_async_work_wait_orders_the_current_stream_after_the_collective(two_ranks: Any) -> None:
+    for r in two_ranks["async_wait"]:
+        assert r["y"] == [6.0] * 4
+    for r in two_ranks["async_no_wait"]:
+        assert (r["error"], r["kind"]) == ("HazardError", "race"), r
+        assert "hccl all_reduce" in r["message"]
+
+
+def test_a_rank_that_never_joins_is_a_deadlock_naming_it(two_ranks: Any) -> None:
+    r0, r1 = two_ranks["skip"]
+    assert r1 == {"rank": 1, "skipped": True}
+    assert (r0["error"], r0["kind"]) == ("DeadlockError", "watchdog"), r0
+    assert "all_reduce #" in r0["message"] and "of process group '0'" in r0["message"]
+    assert "rank 1 (global rank 1), which never joined it" in r0["message"]
+
+
+def test_an_unfenced_write_racing_a_replayed_collective_is_reported(two_ranks: Any) -> None:
+    for r in two_ranks["race"]:
+        assert (r["error"], r["kind"]) == ("HazardError", "race"), r
+        assert "hccl all_reduce in replay #1" in r["message"]
+        assert "copy host->npu" in r["message"]
+    for r in two_ranks["race_fenced"]:
+        assert r["error"] is None and r["x"] == [5.0] * 4
+
+
+def test_timed_mode_charges_each_collective_its_modelled_cost(two_ranks: Any) -> None:
+    for r in two_ranks["timed"]:
+        assert r["elapsed_ms"] >= 50.0, r  # collective_us = 50 ms, in modelled time
+
+
+def test_ranks_running_different_collectives_are_reported(two_ranks: Any) -> None:
+    for r in two_ranks["mismatch"]:
+        assert r["error"] == "DeviceFaultError", r
+        assert "collective mismatch" in r["message"]
+        assert "all_reduce sum" in r["message"] and "broadcast root 0" in r["message"]
+
+
+@pytest.fixture
+def lone_rank(tmp_path: Path) -> Iterator[None]:
+    """A group of one rank in this process."""
+    dist.init_process_group("hccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore:.*all_gather_into_tensor.*:FutureWarning")
+def test_what_hccl_does_not_take_is_refused_at_the_call(lone_rank: None) -> None:
+    assert dist.is_hccl_available() and torch_npu.distributed.is_hccl_available()
+    assert dist.get_backend() == "hccl"
+    with pytest.raises(SimUsageError, match=r"takes npu tensors; the all_reduce tensor is on cpu"):
+        dist.all_reduce(torch.ones(2))
+    with pytest.raises(SimUsageError, match=r"ReduceOp BAND is not modelled"):
+        dist.all_reduce(torch.ones(2).npu(), op=dist.ReduceOp.BAND)
+    with pytest.raises(SimUsageError, match=r"output must hold world size \(1\) times"):
+        dist.all_gather_into_tensor(torch.empty(3).npu(), torch.ones(2).npu())
+
+
+def test_a_captured_collective_issues_nothing_until_replayed(lone_rank: None) -> None:
+    x = torch.ones(2).npu()
+    s = torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    group = dist.distributed_c10d._get_default_group()
+    with torch.npu.stream(s):
+        with torch.npu.graph(g, stream=s):
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        issued = group.issued
+        for _ in range(3):
+            g.replay()
+    torch.npu.synchronize()
+    assert issued == 0 and group.issued == 3  # one collective number per replay
+    assert graph_profile(g).kernels == {"hccl all_reduce": 1}
