@@ -233,11 +233,18 @@ class Daemon:
     # ------------------------------------------------------------ control socket
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         replies = self._replies
+        # The rest of a message is read synchronously, frame by frame (libzmq delivers a
+        # message whole: once its first frame is here, all are), keeping at most one
+        # frame over the limit: a message of millions of frames costs a pass over them
+        # that drops each, not a list of them all (wire.recv_message).
+        raw: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
+        keep = admission.CONTROL_LIMITS.max_frames + 1  # after the routing id
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            first = await sock.recv(copy=False)
+            frames = [first, *wire.recv_message(raw, 1, 0, keep)] if first.more else [first]
             try:
                 # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
-                sender = security.sender_of(frames[0]) if self.roles is not None else None
+                sender = security.sender_of(first) if self.roles is not None else None
                 self.responder.message(frames, sender)
                 for ident, reply in replies:
                     await sock.send_multipart([ident, *reply])

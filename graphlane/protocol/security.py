@@ -170,13 +170,16 @@ def sender_of(frame: zmq.Frame) -> str | None:
 
 
 def recv_with_sender(
-    sock: zmq.Socket[Any], copied: int, flags: int = 0
+    sock: zmq.Socket[Any], copied: int, flags: int = 0, keep: int = 1 << 62
 ) -> tuple[list[Any], str | None]:
     """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and the sender's
     key: the routing id is received as a Frame (which carries the User-Id), the rest by
-    recv_message itself."""
+    recv_message itself (``keep`` frames at most, the routing id included)."""
     first = sock.recv(flags, copy=False)
-    frames = [first.bytes, *wire.recv_message(sock, copied - 1)] if first.more else [first.bytes]
+    if first.more:
+        frames = [first.bytes, *wire.recv_message(sock, copied - 1, 0, keep - 1)]
+    else:
+        frames = [first.bytes]
     return frames, sender_of(first)
 
 

@@ -54,6 +54,8 @@ class WorkerLoop:
         self.responder = Responder(
             codec, handler, self.send, log, between=self._between, errors_by_code=metrics.errors
         )
+        # A routing id, then at most max_frames + 1: one more than admitted is refused.
+        self._keep = codec.limits.max_frames + 2
         self.stopping = False
         self._failed_log = Throttled(log)  # a message whose handling raised (a bug)
         # Posted by other threads, run by the main thread after a wake-up.
@@ -106,9 +108,11 @@ class WorkerLoop:
         sender = None
         try:
             if self.roles:  # only then: the sender costs a zero-copy frame
-                frames, sender = security.recv_with_sender(self.sock, 2, wire.NOBLOCK)
+                frames, sender = security.recv_with_sender(
+                    self.sock, 2, wire.NOBLOCK, self._keep
+                )
             else:
-                frames = wire.recv_message(self.sock, 2, wire.NOBLOCK)
+                frames = wire.recv_message(self.sock, 2, wire.NOBLOCK, self._keep)
         except zmq.Again:
             return
         try:
