@@ -104,6 +104,7 @@ class Daemon:
                 record_order=config.record_order,
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
+                max_unread_reply_bytes=config.max_unread_reply_bytes,
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,
                 faults=dict(config.faults),

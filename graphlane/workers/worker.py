@@ -86,6 +86,7 @@ class WorkerSpec:
     record_order: str = "after-replay"  # or "before-replay" (ENPU: records before the replay)
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
+    max_unread_reply_bytes: int = 256 * 2**20  # per connection (WorkerLoop.unread)
     limits: wire.Limits = field(default_factory=wire.Limits)
     generation: int = 0
     log_level: int = logging.INFO
@@ -134,9 +135,7 @@ def start_failure(exc: BaseException) -> pipe.Failed:
     cause: BaseException | None = exc
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if getattr(cause, "transient", False) is True or isinstance(
-            cause, torch.OutOfMemoryError
-        ):
+        if getattr(cause, "transient", False) is True or isinstance(cause, torch.OutOfMemoryError):
             transient = True
             break
         cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
@@ -212,6 +211,7 @@ class Worker:
             pump=self._pump,
             metrics=self.metrics,
             roles=self.roles is not None,
+            max_unread_bytes=spec.max_unread_reply_bytes,
         )
         self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
@@ -264,6 +264,9 @@ class Worker:
             "oldest_inflight_s": round(now - oldest, 3) if self._open else 0.0,
             "stalled_s": round(now - max(oldest, self._progress_at), 3) if self._open else 0.0,
             "metrics": self.metrics.snapshot(),
+            # Replies sent that libzmq still holds, over every connection (docs/security.md).
+            "unread_reply_bytes": self.loop.unread.total(),
+            "memory_releases": self.loop.freed.trims,
             "uptime_s": round(time.time() - self.started, 3),
         }
 
@@ -356,6 +359,8 @@ class Worker:
             self.roles.check(origin.sender, req.op, body.program)
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
+        if self.loop.unread.peers and (unread := self.loop.unread.refusal(ident)) is not None:
+            raise Busy(unread)  # (its replies unread: WorkerLoop.unread)
         if body.device != self.spec.device:
             raise UnknownDevice(f"this worker serves device {self.spec.device}, not {body.device}")
         if body.program not in self.engine.programs:
@@ -392,9 +397,7 @@ class Worker:
         if isinstance(body, ops.Drain):
             self.draining = True
             return {"state": "draining", "inflight": self.inflight}
-        raise BadRequest(
-                "shutdown is an orchestrator operation; send it to the daemon's endpoint"
-            )
+        raise BadRequest("shutdown is an orchestrator operation; send it to the daemon's endpoint")
 
     # ------------------------------------------------------------ ordering (docs/programs.md)
     def _keeps_state(self, program: str) -> bool:

@@ -9,11 +9,14 @@ against a baseline taken in the same run; no assertion is on time.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
+import torch
 import zmq
 
+from graphlane.client import SyncClient
 from graphlane.protocol import ErrorCode, ops, wire
 
 MiB = 2**20
@@ -41,10 +44,13 @@ def reset_peak(pid: int) -> None:
 class Peer:
     """One raw DEALER connection (what any peer may send, frame by frame)."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, reads: bool = True) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        if not reads:  # a reader that takes nothing: its own side queues next to nothing
+            self.sock.setsockopt(zmq.RCVHWM, 1)
+            self.sock.setsockopt(zmq.RCVBUF, 4096)
         self.sock.connect(endpoint)
 
     def close(self) -> None:
@@ -65,6 +71,17 @@ class Peer:
         (reply,) = wire.decode_replies(self.sock.recv_multipart())
         assert isinstance(reply, wire.Reply)
         return reply
+
+
+def worker_status(d: Any) -> dict[str, Any]:
+    """The worker's own status (what the daemon's does not relay)."""
+    peer = Peer(d.worker(0)["endpoint"])
+    try:
+        peer.sock.send_multipart(list(wire.encode_request(1, "status", ops.Status())))
+        body = peer.reply().body(ops.OPS["status"])
+        return {k: body[k] for k in ("unread_reply_bytes", "memory_releases")}
+    finally:
+        peer.close()
 
 
 def endpoints(d: Any) -> dict[str, tuple[str, int]]:
@@ -101,3 +118,97 @@ def test_a_message_of_many_frames_costs_what_libzmq_holds_and_no_more(
     finally:
         peer.close()
     assert os.path.exists(f"/proc/{pid}")
+
+
+# A paged KV cache whose full read is a 4 MiB reply: 2048 slots of 2 KiB (key and value).
+BIG_PAGED = {"name": "paged_attention", "layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "head_dim": 128, "block_size": 128, "num_blocks": 16, "max_blocks_per_seq": 2,
+             "buckets": [1]}  # fmt: skip
+READ_BYTES = 4 * MiB
+BOUND = 32 * MiB
+
+
+def kv_read(request_id: int, generation: int) -> list[Any]:
+    slots = torch.arange(BIG_PAGED["num_blocks"] * BIG_PAGED["block_size"])
+    body = ops.KvRead(program="paged_attention", device=0, slots=slots, generation=generation)
+    return list(wire.encode_request(request_id, "kv_read", body))
+
+
+def wait_for_value(read: Any, ok: Any, limit_s: float, what: str, explain: Any = dict) -> Any:
+    """``read()`` once ``ok`` of it, polled until ``limit_s``; else fail saying ``what``
+    it still is, and ``explain()``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = read()
+        if ok(value):
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: still {value} after {limit_s} s ({explain()})")
+        time.sleep(0.05)
+
+
+def test_a_client_that_reads_no_reply_holds_a_bounded_amount_and_frees_it(start_daemon) -> None:
+    """Issue 40 (4): 120 kv_read replies of 16 MiB to a client that never read them made
+    the worker hold 2 GiB for one connection, 1.37 GiB still after it closed. Now a
+    connection's unread replies are counted (pyzmq trackers): past
+    max_unread_reply_bytes its device requests are refused BUSY and its further data
+    replies replaced by a BUSY error (not retryable), so the worker grows by about the
+    bound; once the peer goes, libzmq drops its replies and the worker gives their
+    memory back. Another client's KV is exact throughout, and the peer, once it reads,
+    is served again."""
+    d = start_daemon(devices=1, programs=[BIG_PAGED], max_unread_reply_bytes=BOUND)
+    pid, generation = d.worker(0)["pid"], d.worker(0)["generation"]
+    layers, heads, dim = BIG_PAGED["layers"], BIG_PAGED["num_kv_heads"], BIG_PAGED["head_dim"]
+    gen = torch.Generator().manual_seed(40)
+    key = torch.randn((layers, 8, heads, dim), generator=gen).to(torch.float16)
+    value = torch.randn((layers, 8, heads, dim), generator=gen).to(torch.float16)
+    mine = list(range(100, 108))
+    with SyncClient(d.endpoint, timeout=60) as other:
+        other.kv_write("paged_attention", 0, mine, key, value)
+        for _ in range(2):  # the worker's path of a full read warmed up
+            other.kv_read("paged_attention", 0, torch.arange(BIG_PAGED["num_blocks"] * 128))
+        baseline, _ = rss(pid)
+        peer = Peer(d.worker(0)["endpoint"], reads=False)
+        try:
+            reads = 40  # 160 MiB of replies, five times the bound
+            for i in range(reads):
+                peer.sock.send_multipart(kv_read(1000 + i, generation))
+            # Every request is answered (each reply is queued or replaced): the worker's
+            # counters say so, without the peer reading anything.
+            wait_for_value(
+                lambda: d.worker(0)["inflight"] + d.worker(0)["queued"], lambda n: n == 0, 60,
+                "requests still open",
+            )  # fmt: skip
+            # What it held for the replies it dropped goes back within a second or so.
+            wait_for_value(
+                lambda: rss(pid)[0] - baseline, lambda grown: grown < BOUND + 4 * READ_BYTES, 20,
+                "the worker's growth while the peer reads nothing (bytes)",
+                lambda: worker_status(d),
+            )  # fmt: skip
+            back = other.kv_read("paged_attention", 0, mine)  # served while the peer is not
+            assert torch.equal(back.outputs["key"], key)
+            assert torch.equal(back.outputs["value"], value)
+            codes = [peer.reply().error for _ in range(reads)]
+            refused = [e for e in codes if e is not None]
+            assert refused and all(e.code == ErrorCode.BUSY for e in refused), refused
+            assert reads - len(refused) <= BOUND // READ_BYTES + 1
+            # Read up, the peer is served again.
+            peer.sock.send_multipart(kv_read(2000, generation))
+            assert peer.reply().error is None
+            # Now it leaves replies unread again, and goes.
+            for i in range(reads):
+                peer.sock.send_multipart(kv_read(3000 + i, generation))
+            wait_for_value(
+                lambda: d.worker(0)["inflight"] + d.worker(0)["queued"], lambda n: n == 0, 60,
+                "requests still open",
+            )  # fmt: skip
+        finally:
+            peer.close()
+        wait_for_value(
+            lambda: rss(pid)[0] - baseline, lambda grown: grown < BOUND // 4, 30,
+            "the worker's growth once the peer went (bytes)", lambda: worker_status(d),
+        )  # fmt: skip
+        back = other.kv_read("paged_attention", 0, mine)
+        assert torch.equal(back.outputs["key"], key)
+        assert torch.equal(back.outputs["value"], value)
+    assert d.worker(0)["pid"] == pid
