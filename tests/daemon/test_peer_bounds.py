@@ -9,12 +9,16 @@ against a baseline taken in the same run; no assertion is on time.
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import sys
 import time
 from typing import Any
 
 import pytest
 import torch
 import zmq
+from daemons import finish, free_port, serve_until_ready, write_config
 
 from graphlane.client import SyncClient
 from graphlane.protocol import ErrorCode, ops, wire
@@ -212,3 +216,44 @@ def test_a_client_that_reads_no_reply_holds_a_bounded_amount_and_frees_it(start_
         assert torch.equal(back.outputs["key"], key)
         assert torch.equal(back.outputs["value"], value)
     assert d.worker(0)["pid"] == pid
+
+
+def test_a_worker_killed_while_the_daemon_has_no_file_descriptor_left_comes_back(
+    tmp_path,
+) -> None:
+    """Issue 40 (5): with idle connections filling the daemon's file descriptors and
+    its worker killed, the restart died with EMFILE ("Task exception was never
+    retrieved") and the worker stayed ``starting`` for good, even once the connections
+    closed. A start the system refuses (any OSError) is now retried with backoff, so
+    the worker is back, with a new generation, once descriptors are free again. The
+    daemon runs with a low RLIMIT_NOFILE (set in its own process, before it starts)."""
+    limit = 64
+    wrapper = (
+        "import resource, runpy, sys; "
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limit}, {limit})); "
+        "sys.argv[0] = 'graphlane'; runpy.run_module('graphlane', run_name='__main__')"
+    )
+    listen = f"tcp://127.0.0.1:{free_port(2)}"
+    config = write_config(tmp_path / "fd.toml", {"listen": listen, "devices": 1})
+    argv = [sys.executable, "-c", wrapper, "serve", "--config", str(config)]
+    d = serve_until_ready(tmp_path, "fd", argv)
+    try:
+        before = d.worker(0)
+        host, port = listen[len("tcp://") :].rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port))) for _ in range(limit + 16)]
+        try:
+            os.kill(before["pid"], signal.SIGKILL)
+            wait_for_value(
+                lambda: d.log(), lambda text: "cannot start a worker process" in text, 60,
+                "the daemon's log",
+            )  # fmt: skip
+        finally:
+            for s in idle:
+                s.close()
+        after = wait_for_value(
+            lambda: d.worker(0), lambda w: w["state"] == "ready", 60, "the worker",
+        )  # fmt: skip
+        assert after["pid"] != before["pid"] and after["generation"] != before["generation"]
+        assert "Task exception was never retrieved" not in d.log()
+    finally:
+        finish(d)
