@@ -107,7 +107,9 @@ class Responder:
         try:
             reqs: list[Request | DecodeError] = self.codec.decode_requests(frames[1:])
         except DecodeError as exc:
-            reqs = [exc]
+            # Without its traceback: that holds this frame, whose locals hold the error (a
+            # cycle only the garbage collector ends), and the message's frames with it.
+            reqs = [exc.with_traceback(None)]
         if len(reqs) == 1:
             self.request(reqs[0], Origin(ident, False, received, sender))
             return

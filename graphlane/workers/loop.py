@@ -127,23 +127,25 @@ class WorkerLoop:
                 frames = wire.recv_message(self.sock, 2, wire.NOBLOCK, self._keep)
         except zmq.Again:
             return
+        big = len(frames) > 2 and (
+            len(frames) >= self._keep or sum(map(_nbytes, frames)) > self._limit_bytes
+        )
         try:
             self.handle(frames, sender)
         except Exception as exc:  # no message may stop the loop
             self._failed_log.warning(
                 "a message failed: %s: %s", type(exc).__name__, exc, exc_info=exc
             )
+        if big:  # refused TOO_LARGE: what the peer made libzmq hold goes back
+            del frames
+            self.freed.release()
 
     def handle(self, frames: list[Any], sender: str | None = None) -> None:
         """One received message (its routing id first, as bytes: the outbox groups
         replies by it); a bundle's replies go back together."""
-        size = sum(map(len, frames)) - len(frames[0])
-        self.metrics.bytes_in += size
+        self.metrics.bytes_in += sum(map(len, frames)) - len(frames[0])
         if len(frames) != 2 or not is_bundle(frames[1]):
             self.responder.message(frames, sender)
-            if size > self._limit_bytes or len(frames) >= self._keep:
-                del frames  # refused TOO_LARGE: what the peer made libzmq hold goes back
-                self.freed.release()
             return
         with self.replies_together():
             self.responder.message(frames, sender)
