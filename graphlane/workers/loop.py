@@ -294,7 +294,8 @@ class UnreadReplies:
 
     def total(self) -> int:
         """Bytes of replies libzmq still holds, over every peer."""
-        self.sweep()
+        for ident, sent in list(self.peers.items()):
+            self._prune(ident, sent)
         return sum(self._held.values())
 
     def refusal(self, ident: bytes) -> str | None:
