@@ -199,3 +199,18 @@ def messages(draw: st.DrawFn, ops: tuple[str, ...] = tuple(OPS)) -> list[bytes]:
             j = draw(st.integers(0, len(out) - 1))
             out[i], out[j] = out[j], out[i]
     return out
+
+
+# ------------------------------------------------------------------ frame counts and sizes
+@st.composite
+def frame_bombs(draw: st.DrawFn, max_frames: int = 64) -> list[bytes]:
+    """A hostile message padded with frames: around the frame limit (one under, at, one
+    over), far over it (thousands, empty or not), or frames larger than a small message
+    allows; the frames may follow a plausible envelope, a bundle, or garbage."""
+    head = draw(messages())
+    count = draw(
+        st.sampled_from([max_frames - 1 - len(head), max_frames - len(head), max_frames + 1])
+        | st.integers(max_frames + 2, 5000)
+    )
+    size = draw(st.sampled_from([0, 0, 1, 64, 4096]))
+    return [*head, *[b"\x07" * size] * max(0, count)]

@@ -22,6 +22,8 @@ cpu_affinity = "auto"              # "auto": each sim/null worker on a core of i
                                    #   graphlane/workers/affinity.py), npu workers unpinned;
                                    #   "off"; or cores per device, e.g. [[0, 1], [2, 3]]
 max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
+max_unread_reply_bytes = 268435456 # replies to one connection its reader has not taken yet; past
+                                   #   it that connection's device requests get BUSY
 startup_timeout_s = 120.0          # a worker's capture and handshake must end within this
 max_restarts = 5                   # restarts of a device's worker within restart_window_s,
 restart_window_s = 60.0            #   then it is marked failed (all failed: the daemon exits 1)
@@ -138,6 +140,8 @@ class ServeConfig:
     sim: SimSettings = field(default_factory=SimSettings)
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
     max_queued: int = 256
+    #: Bytes of replies one connection has not read yet (docs/security.md, "Bounds").
+    max_unread_reply_bytes: int = 256 * 2**20
     startup_timeout_s: float = 120.0
     max_restarts: int = 5
     restart_window_s: float = 60.0
@@ -353,9 +357,9 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     if "programs" in raw:
         backend = values.get("backend", cfg.backend)
         values["programs"], values["program_clients"] = _programs(raw["programs"], backend)
-    for k in ("max_queued", "max_restarts"):
+    for k in ("max_queued", "max_restarts", "max_unread_reply_bytes"):
         if k in raw:
-            values[k] = _int(k, raw[k], 1 if k == "max_queued" else 0)
+            values[k] = _int(k, raw[k], 0 if k == "max_restarts" else 1)
     for k in ("startup_timeout_s", "restart_window_s", "shutdown_timeout_s", "hang_timeout_s"):
         if k in raw:
             values[k] = _number(k, raw[k], 0.001)

@@ -38,6 +38,7 @@ from graphlane.protocol import admission, ops, pipe, security, wire
 from graphlane.protocol.errors import BadRequest, UnknownDevice
 from graphlane.protocol.server import Origin, Responder
 from graphlane.workers import affinity
+from graphlane.workers.memory import FreedMemory
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig
@@ -71,6 +72,7 @@ class Daemon:
         # The control socket's requests, answered by this daemon (answer, below); the
         # replies of one message are collected, then sent by the serving task.
         self._replies: list[tuple[Any, list[Any]]] = []
+        self._freed = FreedMemory()
         self.responder = Responder(
             wire.Codec(admission.CONTROL_LIMITS),
             self,
@@ -105,6 +107,7 @@ class Daemon:
                 record_order=config.record_order,
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
+                max_unread_reply_bytes=config.max_unread_reply_bytes,
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,
                 faults=dict(config.faults),
@@ -235,11 +238,20 @@ class Daemon:
     # ------------------------------------------------------------ control socket
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         replies = self._replies
+        # The rest of a message is read synchronously, frame by frame (libzmq delivers a
+        # message whole: once its first frame is here, all are), keeping at most one
+        # frame over the limit: a message of millions of frames costs a pass over them
+        # that drops each, not a list of them all (wire.recv_message).
+        raw: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
+        keep = admission.CONTROL_LIMITS.max_frames + 1  # after the routing id
+        limit = admission.CONTROL_LIMITS.max_message_bytes
         while True:
-            frames = await sock.recv_multipart(copy=False)
+            first = await sock.recv(copy=False)
+            frames = [first, *wire.recv_message(raw, 1, 0, keep)] if first.more else [first]
+            big = len(frames) > 2 and (len(frames) > keep or _nbytes(frames) > limit)
             try:
                 # The sender's key (ZAP User-Id, CurveZMQ only), for the roles.
-                sender = security.sender_of(frames[0]) if self.roles is not None else None
+                sender = security.sender_of(first) if self.roles is not None else None
                 self.responder.message(frames, sender)
                 for ident, reply in replies:
                     await sock.send_multipart([ident, *reply])
@@ -249,6 +261,11 @@ class Daemon:
                 )
             finally:
                 replies.clear()
+            if big:  # refused TOO_LARGE: what the peer made libzmq hold goes back
+                del frames, first
+                self._freed.release()
+                if self._freed.pending:
+                    asyncio.get_running_loop().call_later(self._freed.interval_s, self._freed.poll)
 
     def answer(self, req: wire.Request, origin: Origin) -> dict[str, Any]:
         """The reply body to one request of the daemon's socket (a Handler's)."""
@@ -374,3 +391,7 @@ def serve(config: ServeConfig, ready_file: str | None = None) -> int:
         # Shutting down already: a repeated SIGTERM/SIGINT must not kill the exit path.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _nbytes(frames: list[Any]) -> int:
+    return sum(f.buffer.nbytes if isinstance(f, zmq.Frame) else len(f) for f in frames[1:])

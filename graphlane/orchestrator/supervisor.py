@@ -202,6 +202,10 @@ class Supervisor:
         os.environ.update(env)  # a spawned child takes the parent's environment at start
         try:
             proc.start()
+        except BaseException:  # (out of file descriptors, of processes: OSError)
+            parent.close()
+            child.close()
+            raise
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -329,7 +333,12 @@ class Supervisor:
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("supervisor task failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
 
     def _failed(self, h: WorkerHandle, why: str) -> None:
         """Mark ``h`` FAILED for good (no more restarts)."""
@@ -359,7 +368,21 @@ class Supervisor:
         h.restarts += 1
         h.generation += 1
         log.info("worker restarted device=%s restarts=%s after %.2f s", h.device, h.restarts, delay)
-        await self._start(h)
+        # A start that the system refuses (no file descriptor, process or memory left:
+        # an OSError) is not the worker failing: retried with backoff, uncounted, for as
+        # long as it takes, so the worker comes back once the system has room again.
+        while True:
+            try:
+                await self._start(h)
+                return
+            except OSError as exc:
+                delay = min(hi, max(lo, delay * 2))
+                h.state = LOST
+                h.last_error = f"cannot start a worker process: {exc}; retrying in {delay:.1f} s"
+                log.error("worker start failed device=%s: %s", h.device, h.last_error)
+                await asyncio.sleep(delay)
+                if self.stopping:
+                    return
 
     # ------------------------------------------------------------ stop
     def _kill(self, proc: BaseProcess) -> None:

@@ -119,7 +119,8 @@ def check_sizes(frames: Sequence[Any], limits: Limits) -> list[memoryview]:
     if not frames:
         raise DecodeError("no frames")
     if len(frames) > limits.max_frames:
-        raise _too_large(frames, f"{len(frames)} frames, at most {limits.max_frames}")
+        # (a receiver keeps max_frames + 1 of a longer message: wire.recv_message)
+        raise _too_large(frames, f"more than {limits.max_frames} frames")
     try:
         buffers = [_buffer(f) for f in frames]
     except (TypeError, ValueError) as exc:

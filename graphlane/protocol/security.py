@@ -188,13 +188,17 @@ def sender_of(frame: zmq.Frame) -> str | None:
 
 
 def recv_with_source(
-    sock: zmq.Socket[Any], copied: int, flags: int = 0
+    sock: zmq.Socket[Any], copied: int, flags: int = 0, keep: int = 1 << 62
 ) -> tuple[list[Any], zmq.Frame]:
-    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket, and its routing
-    id as a Frame, which carries the message's properties: the sender's key
-    (:func:`sender_of`), the descriptor it came in on (``zmq.SRCFD``)."""
+    """:func:`~graphlane.protocol.wire.recv_message` of a ROUTER socket (``keep`` frames at
+    most, the routing id included), and its routing id as a Frame, which carries the
+    message's properties: the sender's key (:func:`sender_of`), the descriptor it came in
+    on (``zmq.SRCFD``)."""
     first = sock.recv(flags, copy=False)
-    frames = [first.bytes, *wire.recv_message(sock, copied - 1)] if first.more else [first.bytes]
+    if first.more:
+        frames = [first.bytes, *wire.recv_message(sock, copied - 1, 0, keep - 1)]
+    else:
+        frames = [first.bytes]
     return frames, first
 
 

@@ -25,7 +25,13 @@ from typing import Any, Protocol
 
 from graphlane.logs import Throttled
 from graphlane.protocol.admission import DecodeError
-from graphlane.protocol.errors import BadRequest, GraphlaneError, InternalError, as_error
+from graphlane.protocol.errors import (
+    BadRequest,
+    Busy,
+    GraphlaneError,
+    InternalError,
+    as_error,
+)
 from graphlane.protocol.wire import Codec, Request
 
 _TRACEBACKS = 10
@@ -72,7 +78,9 @@ class Responder:
     """Decodes, answers and sends, for one server socket (see the module docstring).
     ``bundles``: whether this socket takes bundles (the daemon's refuses each request
     of one); ``between``: called between the requests of a bundle (a worker sends the
-    replies of steps finished meanwhile)."""
+    replies of steps finished meanwhile); ``over_bound``: why a reply carrying data may
+    not go to a peer (it has left too much unread), or None: such a reply is replaced
+    by a BUSY error (not retryable: the request was done)."""
 
     def __init__(
         self,
@@ -84,6 +92,7 @@ class Responder:
         bundles: bool = True,
         between: Callable[[], None] | None = None,
         errors_by_code: Counter[str] | None = None,
+        over_bound: Callable[[Any], str | None] | None = None,
     ) -> None:
         self.codec = codec
         self.handler = handler
@@ -91,6 +100,7 @@ class Responder:
         self.log = log
         self.bundles = bundles
         self.between = between
+        self.over_bound = over_bound
         self.counters = {"requests": 0, "replies": 0, "errors": 0, "undecodable": 0, "bundles": 0}
         #: wire code -> error replies sent (a worker's metrics render it)
         self.errors_by_code: Counter[str] = Counter() if errors_by_code is None else errors_by_code
@@ -107,7 +117,9 @@ class Responder:
         try:
             reqs: list[Request | DecodeError] = self.codec.decode_requests(frames[1:])
         except DecodeError as exc:
-            reqs = [exc]
+            # Without its traceback: that holds this frame, whose locals hold the error (a
+            # cycle only the garbage collector ends), and the message's frames with it.
+            reqs = [exc.with_traceback(None)]
         if len(reqs) == 1:
             self.request(reqs[0], Origin(ident, False, received, sender, source))
             return
@@ -153,6 +165,12 @@ class Responder:
             )
             self.fail(ident, request_id, InternalError(str(exc)), bundled)
             return
+        if len(frames) > 1 and self.over_bound is not None:
+            why = self.over_bound(ident)
+            if why is not None:
+                dropped = Busy(f"reply dropped: {why}", retryable=False)
+                self.fail(ident, request_id, dropped, bundled)
+                return
         self.counters["replies"] += 1
         self.send(ident, frames, bundled)
 

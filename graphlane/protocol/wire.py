@@ -511,16 +511,39 @@ def send_message(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -
     sock.send(frames[last], flags, copy=False)
 
 
-def recv_message(sock: zmq.Socket[Any], copied: int, flags: int = 0) -> list[Any]:
+def recv_message(
+    sock: zmq.Socket[Any], copied: int, flags: int = 0, keep: int = 1 << 62
+) -> list[Any]:
     """One message: its first ``copied`` frames (a routing id, the envelope: small,
     and a copy costs less than a zero-copy frame object) as bytes, each further one
     (tensor data) as a zero-copy :class:`zmq.Frame`. ``zmq.Again`` when ``flags`` has
-    NOBLOCK and no message waits."""
+    NOBLOCK and no message waits.
+
+    At most ``keep`` frames are kept: a message of more is read to its end and its
+    other frames dropped (:func:`discard_rest`), so a receiver whose limit is ``keep
+    - 1`` frames sees a message over it, in time and memory bounded by ``keep``, not by
+    what the peer sent."""
     frames: list[Any] = [sock.recv(flags)]
     getsockopt = sock.getsockopt
     while getsockopt(_RCVMORE):
+        if len(frames) >= keep:
+            discard_rest(sock)
+            break
         frames.append(sock.recv() if len(frames) < copied else sock.recv(copy=False))
     return frames
+
+
+def discard_rest(sock: zmq.Socket[Any]) -> int:
+    """Read and drop the frames left of the message being received (its previous frame
+    had RCVMORE); how many. A zero-copy receive reads ``more`` from the frame itself,
+    the cheapest way pyzmq has (no copy, no getsockopt), and each frame's memory goes
+    back as it is dropped."""
+    n = 1
+    frame = sock.recv(copy=False)
+    while frame.more:
+        frame = sock.recv(copy=False)
+        n += 1
+    return n
 
 
 # ------------------------------------------------------------------ bundles

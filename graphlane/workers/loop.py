@@ -28,6 +28,7 @@ from graphlane.protocol import security, wire
 from graphlane.protocol.admission import is_bundle
 from graphlane.protocol.server import Handler, Responder
 from graphlane.workers.connections import Connections
+from graphlane.workers.memory import FreedMemory
 from graphlane.workers.metrics import WorkerMetrics
 
 log = logging.getLogger("graphlane.worker")
@@ -48,6 +49,7 @@ class WorkerLoop:
         metrics: WorkerMetrics,
         roles: bool = False,
         connections: Connections | None = None,
+        max_unread_bytes: int = 256 * 2**20,
     ) -> None:
         self.sock = sock
         self.pump = pump
@@ -56,9 +58,20 @@ class WorkerLoop:
         #: with it, each message's routing id comes as a Frame (Origin.source: which
         #: connection it came in on), and its monitor is polled beside the socket
         self.connections = connections
+        self.unread = UnreadReplies(max_unread_bytes)
         self.responder = Responder(
-            codec, handler, self.send, log, between=self._between, errors_by_code=metrics.errors
+            codec,
+            handler,
+            self.send,
+            log,
+            between=self._between,
+            errors_by_code=metrics.errors,
+            over_bound=self._over_bound,
         )
+        self.freed = FreedMemory()
+        self._limit_bytes = codec.limits.max_message_bytes
+        # A routing id, then at most max_frames + 1: one more than admitted is refused.
+        self._keep = codec.limits.max_frames + 2
         self.stopping = False
         self._failed_log = Throttled(log)  # a message whose handling raised (a bug)
         # Posted by other threads, run by the main thread after a wake-up.
@@ -111,23 +124,34 @@ class WorkerLoop:
                 # would cost a lone request one more).
                 self._receive()
             self.pump()
+            if self.unread.peers and self.unread.sweep():
+                self.freed.release()  # a connection's replies went: their memory too
+            self.freed.poll()
 
     def _receive(self) -> None:
         sender = source = None
         try:
             if self.roles or self.connections is not None:  # the routing id as a Frame
-                frames, source = security.recv_with_source(self.sock, 2, wire.NOBLOCK)
+                frames, source = security.recv_with_source(
+                    self.sock, 2, wire.NOBLOCK, self._keep
+                )
                 sender = security.sender_of(source) if self.roles else None
             else:
-                frames = wire.recv_message(self.sock, 2, wire.NOBLOCK)
+                frames = wire.recv_message(self.sock, 2, wire.NOBLOCK, self._keep)
         except zmq.Again:
             return
+        big = len(frames) > 2 and (
+            len(frames) >= self._keep or sum(map(_nbytes, frames)) > self._limit_bytes
+        )
         try:
             self.handle(frames, sender, source)
         except Exception as exc:  # no message may stop the loop
             self._failed_log.warning(
                 "a message failed: %s: %s", type(exc).__name__, exc, exc_info=exc
             )
+        if big:  # refused TOO_LARGE: what the peer made libzmq hold goes back
+            del frames
+            self.freed.release()
 
     def handle(self, frames: list[Any], sender: str | None = None, source: Any = None) -> None:
         """One received message (its routing id first, as bytes: the outbox groups
@@ -139,6 +163,14 @@ class WorkerLoop:
             return
         with self.replies_together():
             self.responder.message(frames, sender, source)
+
+    def _over_bound(self, ident: bytes) -> str | None:
+        """Why a data reply may not go to ``ident`` now (UnreadReplies); the reply it
+        replaces is memory to give back."""
+        why = self.unread.refusal(ident)
+        if why is not None:
+            self.freed.release()
+        return why
 
     def _between(self) -> None:
         """Between a bundle's requests: steps that take long to issue (patches that cost
@@ -187,8 +219,24 @@ class WorkerLoop:
             else:
                 envelopes.append(frames[0])
             return
-        self.metrics.bytes_out += sum(map(_nbytes, frames))
-        wire.send_message(self.sock, [ident, *frames])
+        if len(frames) == 1:
+            self.metrics.bytes_out += len(frames[0])
+            wire.send_message(self.sock, (ident, frames[0]))
+            return
+        # Data frames: each large one is tracked until libzmq is done with it (written
+        # to the connection, or dropped with it), so the bytes a peer leaves unread are
+        # known (UnreadReplies).
+        sock, unread = self.sock, self.unread
+        sock.send(ident, _SNDMORE, copy=False)
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            flags = _SNDMORE if i < last else 0
+            n = _nbytes(frame)
+            self.metrics.bytes_out += n
+            if n < _TRACKED:
+                sock.send(frame, flags, copy=False)
+            else:
+                unread.add(ident, sock.send(frame, flags, copy=False, track=True), n)
 
     @contextlib.contextmanager
     def replies_together(self) -> Iterator[None]:
@@ -220,6 +268,82 @@ class WorkerLoop:
 
 
 _HOLD_S = 0.0005  # the longest a reply waits in the outbox for the others of its bundle
+_SNDMORE = int(zmq.SNDMORE)
+_TRACKED = 65536  # frames of at least this many bytes are tracked (pyzmq copies smaller ones)
+
+
+class UnreadReplies:
+    """The bytes of replies sent to each peer that libzmq still holds: queued for it,
+    or being written to its connection. A peer that does not read its replies stops
+    the kernel's socket buffer from draining, and what the worker sends it piles up in
+    libzmq (its SNDHWM counts messages, not bytes). Each large frame is sent with a
+    pyzmq tracker, done when libzmq releases it; past ``bound`` bytes, the peer's device
+    requests are refused BUSY (Worker._accept) and its further data replies replaced by
+    an error (Responder's ``over_bound``), so it holds at most ``bound`` plus the
+    replies of the requests it had in flight. A peer that goes takes its queued replies
+    with it (libzmq drops them): their trackers finish, and :meth:`sweep` forgets it."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self.peers: dict[bytes, collections.deque[tuple[Any, int]]] = {}
+        self._held: dict[bytes, int] = {}
+        self._over: set[bytes] = set()  # peers refused since they last held nothing
+        self._gone = False  # one of them holds nothing now (read up, or went)
+
+    def add(self, ident: bytes, tracker: Any, nbytes: int) -> None:
+        sent = self.peers.get(ident)
+        if sent is None:
+            sent = self.peers[ident] = collections.deque()
+            self._held[ident] = 0
+        sent.append((tracker, nbytes))
+        self._held[ident] += nbytes
+
+    def held(self, ident: bytes) -> int:
+        """Bytes of replies to ``ident`` libzmq still holds (0 for an unknown peer)."""
+        sent = self.peers.get(ident)
+        if sent is None:
+            return 0
+        self._prune(ident, sent)
+        return self._held.get(ident, 0)
+
+    def total(self) -> int:
+        """Bytes of replies libzmq still holds, over every peer."""
+        for ident, sent in list(self.peers.items()):
+            self._prune(ident, sent)
+        return sum(self._held.values())
+
+    def refusal(self, ident: bytes) -> str | None:
+        """Why ``ident`` may be sent nothing more now; None when it may."""
+        held = self.held(ident) if ident in self.peers else 0
+        if held < self.bound:
+            return None
+        self._over.add(ident)
+        return (
+            f"this connection has {held} bytes of replies unread, at most "
+            f"{self.bound} (max_unread_reply_bytes): read the replies before sending more"
+        )
+
+    def sweep(self) -> bool:
+        """Forget what libzmq released, for every peer; whether a peer that had been
+        over the bound now holds nothing (it went, or read up): its memory is free."""
+        for ident, sent in list(self.peers.items()):
+            self._prune(ident, sent)
+        gone, self._gone = self._gone, False
+        return gone
+
+    def _prune(self, ident: bytes, sent: collections.deque[tuple[Any, int]]) -> int:
+        # A peer's frames leave in the order they were sent: stop at the first held one.
+        released = 0
+        while sent and sent[0][0].done:
+            released += sent.popleft()[1]
+        if sent:
+            self._held[ident] -= released
+        else:
+            del self.peers[ident], self._held[ident]
+            if ident in self._over:
+                self._over.discard(ident)
+                self._gone = True
+        return released
 
 
 def _nbytes(frame: Any) -> int:

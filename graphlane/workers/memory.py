@@ -1,4 +1,5 @@
-"""How a worker process asks glibc's malloc to keep large freed buffers.
+"""How a worker process asks glibc's malloc to keep large freed buffers, and to give back
+what a peer made it hold.
 
 A worker receives each large input as zmq frames that zmq's I/O thread
 allocates and the worker frees once the step is answered. With glibc's default,
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import time
 
 log = logging.getLogger("graphlane.worker")
 
@@ -49,3 +51,45 @@ def keep_freed_buffers() -> bool:
     if not ok:
         log.debug("mallopt refused the thresholds; malloc keeps its defaults")
     return ok
+
+
+class FreedMemory:
+    """Gives freed memory back to the kernel after a peer's large buffers went (a
+    refused message, the replies of a connection that closed): the thresholds above,
+    or glibc's dynamic ones, keep such buffers inside the heaps, where they would count
+    against the process for as long as it lives. ``malloc_trim(0)`` releases every
+    free page of every heap; it costs time in proportion to the heaps, so it runs at
+    most once per ``interval_s``: a request between two runs is kept, and done by the
+    next :meth:`poll` once the interval has passed."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self.pending = False
+        self.trims = 0  # how many times memory was given back (tests read it)
+        self._last = -interval_s
+        try:
+            trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):  # not glibc: its malloc returns memory itself
+            self._trim = None
+        else:
+            trim.argtypes = [ctypes.c_size_t]
+            trim.restype = ctypes.c_int
+            self._trim = trim
+
+    def release(self) -> None:
+        """Give freed memory back now, or as soon as the interval allows."""
+        self.pending = True
+        self.poll()
+
+    def poll(self) -> None:
+        """Run a pending release if the interval has passed (call it now and then)."""
+        if not self.pending:
+            return
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return
+        self.pending = False
+        self._last = now
+        if self._trim is not None:
+            self._trim(0)
+            self.trims += 1

@@ -87,6 +87,7 @@ class WorkerSpec:
     record_order: str = "after-replay"  # or "before-replay" (ENPU: records before the replay)
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
+    max_unread_reply_bytes: int = 256 * 2**20  # per connection (WorkerLoop.unread)
     limits: wire.Limits = field(default_factory=wire.Limits)
     generation: int = 0
     log_level: int = logging.INFO
@@ -230,6 +231,7 @@ class Worker:
             metrics=self.metrics,
             roles=self.roles is not None,
             connections=self.connections,
+            max_unread_bytes=spec.max_unread_reply_bytes,
         )
         self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
@@ -285,6 +287,9 @@ class Worker:
             "oldest_inflight_s": round(now - oldest, 3) if self._open else 0.0,
             "stalled_s": round(now - max(oldest, self._progress_at), 3) if self._open else 0.0,
             "metrics": self.metrics.snapshot(),
+            # Replies sent that libzmq still holds, over every connection (docs/security.md).
+            "unread_reply_bytes": self.loop.unread.total(),
+            "memory_releases": self.loop.freed.trims,
             "uptime_s": round(time.time() - self.started, 3),
         }
 
@@ -379,6 +384,8 @@ class Worker:
             self.roles.check(origin.sender, req.op, body.program)
         if self.draining:
             raise ShuttingDown(f"device {self.spec.device} is draining")
+        if self.loop.unread.peers and (unread := self.loop.unread.refusal(ident)) is not None:
+            raise Busy(unread)  # (its replies unread: WorkerLoop.unread)
         if body.device != self.spec.device:
             raise UnknownDevice(f"this worker serves device {self.spec.device}, not {body.device}")
         if body.program not in self.engine.programs:

@@ -21,9 +21,10 @@ import torch
 import zmq
 from daemons import RunningDaemon
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from graphlane import GraphlaneError
-from graphlane.client import Client
+from graphlane.client import Client, SyncClient
 from graphlane.client.transport import Channel, Sockets
 from graphlane.protocol import ErrorCode, ops, wire
 
@@ -266,4 +267,89 @@ def test_a_bundle_of_more_requests_than_the_bound_is_refused_unread(shared_daemo
             assert len(dealer.probe()) == 1  # the probe's own reply, nothing of the flood
         finally:
             dealer.close()
+    assert health(d) == before
+
+
+PAGED = {"name": "paged_attention", "layers": 2, "num_heads": 4, "num_kv_heads": 2,
+         "head_dim": 16, "block_size": 128, "num_blocks": 6, "max_blocks_per_seq": 2,
+         "buckets": [1]}  # fmt: skip
+SLOTS = PAGED["num_blocks"] * PAGED["block_size"]
+
+
+def paged_kv_read(request_id: int, generation: int) -> list[Any]:
+    body = ops.KvRead(
+        program="paged_attention", device=0, slots=torch.arange(SLOTS), generation=generation
+    )
+    return list(wire.encode_request(request_id, "kv_read", body))
+
+
+def test_frame_bombs_unread_replies_and_churn_leave_another_clients_state_exact(
+    shared_daemon,
+) -> None:
+    """Issue 40's classes together, on a worker keeping device state and on the daemon:
+    messages padded with frames around and far over the limit (tests/hostile.py
+    frame_bombs), connections that ask for large replies and close without reading
+    them, one that reads nothing at all, and churn. Each bomb is answered or dropped
+    and the connection serves on; afterwards the worker has its pid and generation,
+    another client's KV cache reads back exactly, and its step gives the same outputs,
+    bit for bit."""
+    d = shared_daemon(devices=1, programs=[PAGED], max_unread_reply_bytes=2**20)
+    before = health(d)
+    worker = d.worker(0)
+    gen = torch.Generator().manual_seed(40)
+    shape = (PAGED["layers"], 4, PAGED["num_kv_heads"], PAGED["head_dim"])
+    key = torch.randn(shape, generator=gen).to(torch.float16)
+    value = torch.randn(shape, generator=gen).to(torch.float16)
+    mine = [256, 257, 258, 259]  # block 2
+    query = torch.randn((1, PAGED["num_heads"], PAGED["head_dim"]), generator=gen)
+    step = {
+        "params": {"actual_seq_lengths_kv": [4]},
+        "inputs": {"query": query.to(torch.float16), "key": key[:, 3:], "value": value[:, 3:],
+                   "slot_mapping": torch.tensor([259]),
+                   "block_table": torch.tensor([[2, 3]], dtype=torch.int32)},
+    }  # fmt: skip
+
+    with SyncClient(d.endpoint, timeout=60) as other:
+        other.kv_write("paged_attention", 0, mine, key, value)
+        first = other.step("paged_attention", 0, **step).outputs
+
+        dealers = {name: Dealer(ep) for name, ep in (("worker", worker["endpoint"]),
+                                                     ("daemon", d.endpoint))}  # fmt: skip
+        try:
+
+            @settings(FUZZ, max_examples=40)
+            @given(hostile.frame_bombs(), st.sampled_from(sorted(dealers)))
+            def bomb(frames: list[bytes], where: str) -> None:
+                dealers[where].send(frames)
+                for reply in dealers[where].probe():
+                    assert reply.error is None or reply.error.code != ErrorCode.INTERNAL
+
+            bomb()
+        finally:
+            for dealer in dealers.values():
+                dealer.close()
+
+        # Churn: connections that ask for replies (some over the bound) and go unread.
+        for i in range(30):
+            churn = Dealer(worker["endpoint"])
+            if i % 3 == 0:
+                churn.sock.setsockopt(zmq.RCVHWM, 1)
+            for j in range(i % 4 + 1):
+                churn.send(paged_kv_read(10_000 + j, worker["generation"]))
+            churn.send([b"\x91" * 5, *[b""] * (i * 50)])  # and a frame bomb
+            churn.close()
+        deaf = Dealer(worker["endpoint"])
+        deaf.sock.setsockopt(zmq.RCVHWM, 1)
+        try:
+            for j in range(20):
+                deaf.send(paged_kv_read(20_000 + j, worker["generation"]))
+            assert torch.equal(other.kv_read("paged_attention", 0, mine).outputs["key"], key)
+        finally:
+            deaf.close()
+
+        back = other.kv_read("paged_attention", 0, mine).outputs
+        assert torch.equal(back["key"], key) and torch.equal(back["value"], value)
+        again = other.step("paged_attention", 0, **step).outputs
+        assert first.keys() == again.keys()
+        assert all(torch.equal(first[k], again[k]) for k in first)
     assert health(d) == before
