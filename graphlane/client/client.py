@@ -155,7 +155,7 @@ class Client:
                     host = Host(ep)
                     self._hosts.append(host)
                     host.daemon = Channel(
-                        self._sockets, ep, f"daemon at {ep}", self.keys, limits=CONTROL_LIMITS
+                        self._sockets, ep, "daemon", self.keys, limits=CONTROL_LIMITS
                     )
             hello = await self.hello()
             for host in self._hosts:
@@ -303,7 +303,7 @@ class Client:
             ch = host.workers[local] = Channel(
                 self._sockets,
                 entry["endpoint"],
-                f"device {local} at {host.endpoint}",
+                f"device {local} (daemon {host.endpoint})",
                 self.keys,
                 bundle_max=wire.BUNDLE_MAX if takes_bundles else 1,
                 limits=_worker_limits(capabilities),

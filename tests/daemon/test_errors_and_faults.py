@@ -103,7 +103,7 @@ def test_busy_and_timeout(start_daemon) -> None:
 
 def test_worker_killed_under_load_recovers_and_others_are_undisturbed(start_daemon) -> None:
     d = start_daemon(devices=2, sim=SLOW)
-    victim = d.worker(0)["pid"]
+    victim, worker_ep = d.worker(0)["pid"], d.worker(0)["endpoint"]
 
     async def load(c: Client, device: int, n: int) -> list[Any]:
         return await asyncio.gather(
@@ -126,6 +126,10 @@ def test_worker_killed_under_load_recovers_and_others_are_undisturbed(start_daem
             lost = [r for r in r0 if isinstance(r, GraphlaneError)]
             assert lost, "calls in flight on the killed worker must fail"
             assert all(e.code == "WORKER_LOST" and e.retryable for e in lost)
+            # Issue 43: the message named two endpoints with "at" twice ("device 0 at
+            # tcp://daemon at tcp://worker"); the worker's endpoint is the one it was at.
+            for e in lost:
+                assert str(e).count(" at ") == 1 and worker_ep in str(e), str(e)
             assert not any(isinstance(r, BaseException) for r in r1), r1
 
     asyncio.run(main())
