@@ -42,9 +42,11 @@ advertise_host = "node-3"          # the host clients use to reach workers (with
                                    #   listen such as tcp://0.0.0.0:7450; default: none)
 
 [sim]                              # backend "sim" only
-mode = "compute"                   # or "timed": cost model instead of compute
+mode = "compute"                   # or "timed": cost model instead of compute; or "perf":
+                                   #   timed, device work costs the host nothing, no checks
 task_us = 0.0                      # timed: device time per replayed task
 patch_us = 0.0                     # timed: host time per task-group patch
+patch_gil_us = 25.0                # perf: the part of patch_us holding the interpreter lock
 watchdog_s = 30.0                  # a device wait that nothing satisfies is a deadlock after this
 event_mode = "cann"                # or "enpu": an ExternalEvent wait issued before its record is
                                    #   reported (ENPU hangs there; current CANN allows it);
@@ -98,9 +100,11 @@ class SimSettings:
     settings into the sim's own config (npusim.SimConfig, same fields).
     """
 
-    mode: str = "compute"  # or "timed": a cost model instead of compute
+    mode: str = "compute"  # or "timed": a cost model instead of compute; "perf": timed,
+    # device work off the interpreter lock, no correctness checks (sim/README.md)
     task_us: float = 0.0  # timed: device time per replayed task
     patch_us: float = 0.0  # timed: host time per task-group patch
+    patch_gil_us: float = 25.0  # perf: the part of patch_us that holds the interpreter lock
     watchdog_s: float = 30.0  # a device wait nothing can satisfy is a deadlock after this
     event_mode: str = "cann"  # "enpu": report a wait issued before its record; "legacy": a
     # wait leaves the flag set until reset (older CANN)
@@ -227,15 +231,16 @@ def _sim(raw: Any) -> SimSettings:
     if not isinstance(raw, Mapping):
         raise ConfigError("sim", "must be a table")
     for k in raw:
-        if k not in ("mode", "task_us", "patch_us", "watchdog_s", "event_mode", "device_memory"):
+        if k not in ("mode", "task_us", "patch_us", "patch_gil_us", "watchdog_s", "event_mode",
+                     "device_memory"):  # fmt: skip
             raise ConfigError(
                 f"sim.{k}",
-                "unknown key (known: mode, task_us, patch_us, watchdog_s, event_mode, "
-                "device_memory)",
+                "unknown key (known: mode, task_us, patch_us, patch_gil_us, watchdog_s, "
+                "event_mode, device_memory)",
             )
     mode = raw.get("mode", "compute")
-    if mode not in ("compute", "timed"):
-        raise ConfigError("sim.mode", f"must be 'compute' or 'timed', not {mode!r}")
+    if mode not in ("compute", "timed", "perf"):
+        raise ConfigError("sim.mode", f"must be 'compute', 'timed' or 'perf', not {mode!r}")
     event_mode = raw.get("event_mode", "cann")
     if event_mode not in ("cann", "legacy", "enpu"):
         raise ConfigError(
@@ -245,6 +250,7 @@ def _sim(raw: Any) -> SimSettings:
         mode=mode,
         task_us=_number("sim.task_us", raw.get("task_us", 0.0)),
         patch_us=_number("sim.patch_us", raw.get("patch_us", 0.0)),
+        patch_gil_us=_number("sim.patch_gil_us", raw.get("patch_gil_us", 25.0)),
         watchdog_s=_number("sim.watchdog_s", raw.get("watchdog_s", 30.0), 0.001),
         event_mode=event_mode,
         device_memory=_bytes("sim.device_memory", raw.get("device_memory", 64 << 30)),

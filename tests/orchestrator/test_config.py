@@ -35,6 +35,13 @@ def test_file_then_flags(tmp_path: Path) -> None:
     assert cfg.programs[0]["layers"] == 2
 
 
+def test_perf_mode_and_its_lock_share_are_read(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[sim]\nmode = "perf"\npatch_us = 185.0\npatch_gil_us = 30.0\n')
+    cfg = load(f, {})
+    assert cfg.sim.mode == "perf" and cfg.sim.patch_gil_us == 30.0
+
+
 @pytest.mark.parametrize(
     ("raw", "key"),
     [
