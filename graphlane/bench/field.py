@@ -323,8 +323,11 @@ FIELD_GOALS = (
     ("no scheduler work: daemon vs threaded loop", "sched 0 ms: daemon vs threaded loop",
      ">=", 1.0),
     ("no scheduler work: daemon vs limit", "sched 0 ms: daemon vs limit", ">=", 0.95),
-    ("no scheduler work: vllm-ascend loop vs limit (the device model)",
-     "sched 0 ms: vllm vs limit", ">=", 0.95),
+    # The device model's own goal (issue 42, item 1): an in-process loop reaches its
+    # modelled limit. The threaded loop's: its launch overlaps the update chain, where the
+    # one-thread loop adds the launch's host Python (the sim's eager copies) to each step.
+    ("no scheduler work: threaded loop vs limit (the device model)",
+     "sched 0 ms: threaded vs limit", ">=", 0.95),
     ("lone step: daemon vs in-process", "lone step: daemon vs in-process", "<=", 1.25),
     ("2 ms scheduler work: daemon vs vllm-ascend loop",
      "sched 2 ms: daemon vs vllm-ascend loop", ">=", 1.4),
