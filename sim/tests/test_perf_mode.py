@@ -124,3 +124,51 @@ def test_perf_mode_is_timed() -> None:
     assert c.timed and c.perf
     assert SimConfig(mode="timed").timed and not SimConfig(mode="timed").perf
     assert not SimConfig().timed
+
+
+def test_a_layer_by_layer_replay_waits_for_each_release_in_modelled_time(
+    restore_config: None,
+) -> None:
+    """Replay, then update each layer releasing its wait (vllm-ascend's order): the
+    replay blocks once for the whole stretch of waits, but each layer's tasks still start
+    at its own release in the model, so the step is never shorter than its floor:
+    releases at 2, 4, 6 ms (2 ms patches), each layer's two 1 ms tasks after its release:
+    done at 8 ms after the replay's issue."""
+    layers = 3
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float16).npu()
+    kv = torch.randn(2, 4, 16, 8, dtype=torch.float16).npu()
+    outs = [(torch.zeros_like(q), torch.zeros(1, device="npu")) for _ in range(layers)]
+    x = torch.zeros(4).npu()
+    events = [torch.npu.ExternalEvent() for _ in range(layers)]
+    s, u = torch.npu.Stream(), torch.npu.Stream()
+    g = torch.npu.NPUGraph()
+    handles = []
+    fia = dict(num_heads=4, input_layout="BNSD")
+    with torch.npu.graph(g, stream=s):
+        for layer in range(layers):
+            events[layer].wait(s)
+            events[layer].reset(s)
+            torch.npu.graph_task_group_begin(s)
+            torch_npu.npu_fused_infer_attention_score.out(
+                q, kv, kv, actual_seq_lengths_kv=[16, 16], out=list(outs[layer]), **fia
+            )
+            handles.append(torch.npu.graph_task_group_end(s))
+            x.add_(1)
+    torch.npu.synchronize()
+    configure(mode="perf", patch_us=2_000, patch_gil_us=100, task_us=1_000)
+    start, done = (torch.npu.Event(enable_timing=True) for _ in range(2))  # type: ignore[attr-defined]
+    with torch.npu.stream(s):  # type: ignore[attr-defined]
+        start.record()
+        g.replay()
+        done.record()
+    for layer in range(layers):
+        with torch.npu.stream(u):  # type: ignore[attr-defined]
+            torch.npu.graph_task_update_begin(u, handles[layer])
+            torch_npu.npu_fused_infer_attention_score.out(
+                q, kv, kv, actual_seq_lengths_kv=[8, 8], out=list(outs[layer]), **fia
+            )
+            torch.npu.graph_task_update_end(u)
+            events[layer].record(u)
+    done.synchronize()
+    assert start.elapsed_time(done) >= 8.0
+    assert torch.count_nonzero(x.cpu()) == 0
