@@ -199,6 +199,7 @@ class FieldModel:
         jobs: queue.Queue[Any] = queue.Queue(maxsize=1)
 
         def updater() -> None:
+            self.backend.enter_thread()  # the device is per host thread, as in torch_npu
             while (job := jobs.get()) is not None:
                 self.update(*job)
 
