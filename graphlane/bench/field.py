@@ -281,7 +281,8 @@ class FieldFigures:
     replay_us: float
     patch_gil_us: float
     limit_steps_s: float  # 1 / (layers * max(patch, replay))
-    load_average: list[float]
+    load_average: list[float]  # os.getloadavg() at the start
+    load_average_end: list[float] = field(default_factory=list)
     steps_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # way -> sched
     lone_ms: dict[str, list[float]] = field(default_factory=dict)  # way -> mean per rep
     worker_cpu_us: list[float] = field(default_factory=list)  # per step, outside modelled
@@ -376,6 +377,7 @@ def measure(steps: int = 120, reps: int = 3, lone_steps: int = 40,
     figures.worker_cpu_us, figures.client_cpu_us = own_cpu(layers, steps, reps)
     if null_rtt:
         figures.null_rtt_vs_raw = null_round_trip_ratio()
+    figures.load_average_end = list(os.getloadavg())
     return figures
 
 
@@ -461,7 +463,8 @@ def table(f: FieldFigures) -> str:
         f"field decode: model program, {f.layers} layers, batch {BATCH}, npusim perf mode, "
         f"update {f.patch_us:g} us ({f.patch_gil_us:g} under the lock) / replay "
         f"{f.replay_us:g} us per layer; limit {f.limit_steps_s:.0f} steps/s; "
-        f"load average at start {f.load_average[0]:.2f}",
+        f"load average {f.load_average[0]:.2f} at the start"
+        + (f", {f.load_average_end[0]:.2f} at the end" if f.load_average_end else ""),
         f"{'sched ms':>8} {'vllm-ascend loop':>17} {'threaded loop':>14} {'daemon ahead':>13} "
         f"{'daemon/vllm':>11} {'daemon/thr':>10} {'daemon/limit':>12}",
     ]
