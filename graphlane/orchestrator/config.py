@@ -19,7 +19,8 @@ record_order = "after-replay"      # pipelined: launch a step's replay, then pat
                                    #   where a wait issued before its record hangs)
 cpu_affinity = "auto"              # "auto": each sim/null worker on a core of its own (its
                                    #   threads share one interpreter lock; why: see
-                                   #   graphlane/workers/affinity.py), npu workers unpinned;
+                                   #   graphlane/workers/affinity.py), npu workers and
+                                   #   perf-mode sim workers unpinned;
                                    #   "off"; or cores per device, e.g. [[0, 1], [2, 3]]
 max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
 startup_timeout_s = 120.0          # a worker's capture and handshake must end within this

@@ -114,6 +114,9 @@ def test_auto_pins_each_sim_or_null_worker_to_a_core_of_its_own() -> None:
     # npu: the patches' host work runs outside the interpreter lock; off: nothing pinned
     assert affinity.core_sets("auto", "npu", 2, offset=7) == [None, None]
     assert affinity.core_sets("off", "sim", 2, offset=7) == [None, None]
+    # npusim's perf mode: the modelled host work sleeps off the lock, as an npu worker's
+    assert affinity.core_sets("auto", "sim", 2, offset=7, sim_mode="perf") == [None, None]
+    assert affinity.core_sets("auto", "sim", 2, offset=7, sim_mode="timed")[0] is not None
     assert affinity.core_sets(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
 
 
