@@ -12,7 +12,10 @@ least 1.8x the serial mode (issue 20); for each profile of the model program's d
 (:mod:`.decode`, issue 32), decoding ahead through a daemon at least 0.95 of the
 modelled limit, 1.0x the field's in-process loop and 1.3x the same daemon when the
 scheduler waits for each step's tokens, and a lone step within 1.25x the in-process
-loop's. The windowed figures are medians of five
+loop's; issue 42's at the field's costs on npusim's performance mode (:mod:`.field`:
+decoding ahead against the vllm-ascend loop and the threaded loop with 0 and 2 ms of
+scheduler work, a lone step, the worker's and the client's own CPU per step, the
+control plane's round trip on ``null``). The windowed figures are medians of five
 repeats; when the repeats of a rate spread by more than :data:`NOISY_SPREAD` of
 their median, the machine was too noisy for that ratio to mean much, and the
 report says so instead of a bare pass or fail.
@@ -146,7 +149,10 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    out = [_verdict(*g) for g in (*_pipeline_goals(report), *_decode_goals(report))]
+    from .field import field_goals
+
+    out = [_verdict(*g) for g in (*_pipeline_goals(report), *_decode_goals(report),
+                                  *field_goals(report))]  # fmt: skip
     for label, path, op, goal in GOALS:
         value: Any = report
         for key in path:
@@ -197,6 +203,8 @@ def format_goals(report: dict[str, Any]) -> list[str]:
             verdict += " (not judged here)"
         if g["goal"].endswith("steps/s"):
             value, target = f"{g['value']:.0f}", f"{g['target']:.0f}"
+        elif g["goal"].endswith(", us"):
+            value, target = f"{g['value']:.0f} us", f"{g['target']:.0f} us"
         else:
             # Two decimals, more where two would round a figure onto its goal.
             digits = 2

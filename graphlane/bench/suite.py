@@ -11,7 +11,10 @@
   loop and beside the same daemon waiting for each step's tokens (:mod:`.decode`);
 - paged decode: request bytes per step at three context lengths, and pipelined paged
   decode through a daemon on the timed sim vs the limit and vs serial
-  (:mod:`.paged`).
+  (:mod:`.paged`);
+- the field's costs on npusim's performance mode (``--field`` runs it alone): decoding
+  ahead through a daemon beside the vllm-ascend loop and a threaded loop, with a
+  scheduler's work of 0, 0.5 and 2 ms per step (:mod:`.field`).
 
 The reliability figures (:mod:`.reliability`) are a run of their own:
 ``benchmarks/reliability.py``.
@@ -21,9 +24,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import control_plane, decode, paged, worker
+from . import control_plane, decode, field, paged, worker
 from . import pipeline as pipeline_bench
 from .goals import format_goals, progress
+
+
+def run_field(quick: bool = False) -> dict[str, Any]:
+    """Issue 42's part alone (``graphlane bench --field``, a few minutes)."""
+    with progress(
+        f"the field's decode on npusim's perf mode ({field.LAYERS} layers, 185/60 us): the "
+        "vllm-ascend loop, the threaded loop and a daemon, 0/0.5/2 ms of scheduler work; "
+        "graphlane's own CPU on null; the null round trip"
+    ):
+        f = field.measure(steps=60 if quick else 120, reps=2 if quick else 3,
+                          lone_steps=20 if quick else 40)  # fmt: skip
+    return {"field": f.as_dict(), "field_table": field.table(f)}
 
 
 def run_all(quick: bool = False) -> dict[str, Any]:
@@ -49,6 +64,7 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         dec = [decode.measure(name, *costs, steps=steps, reps=2 if quick else 3)
                for name, costs in decode.PROFILES.items()]  # fmt: skip
     return {
+        **run_field(quick),
         "pipeline": [r.as_dict() for r in pipe],
         "decode": [r.as_dict() for r in dec],
         "decode_table": decode.table(dec),
@@ -59,6 +75,11 @@ def run_all(quick: bool = False) -> dict[str, Any]:
         "bandwidth": bw,
         "scaling": sc,
     }
+
+
+def format_field(r: dict[str, Any]) -> str:
+    """``graphlane bench --field``'s report: the field table and its goals."""
+    return "\n".join([r["field_table"], "", *format_goals(r)])
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -115,4 +136,6 @@ def format_report(r: dict[str, Any]) -> str:
     if "decode_table" in r:
         lines += ["", f"model decode (timed sim, {decode.LAYERS} layers, batch {decode.BATCH}, "
                   f"{decode.WINDOW} steps in flight decoding ahead; tokens/s):", r["decode_table"]]
+    if "field_table" in r:
+        lines += ["", r["field_table"]]
     return "\n".join([*lines, "", *format_goals(r)])

@@ -19,7 +19,8 @@ record_order = "after-replay"      # pipelined: launch a step's replay, then pat
                                    #   where a wait issued before its record hangs)
 cpu_affinity = "auto"              # "auto": each sim/null worker on a core of its own (its
                                    #   threads share one interpreter lock; why: see
-                                   #   graphlane/workers/affinity.py), npu workers unpinned;
+                                   #   graphlane/workers/affinity.py), npu workers and
+                                   #   perf-mode sim workers unpinned;
                                    #   "off"; or cores per device, e.g. [[0, 1], [2, 3]]
 max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
 max_unread_reply_bytes = 268435456 # replies to one connection its reader has not taken yet; past
@@ -44,9 +45,11 @@ advertise_host = "node-3"          # the host clients use to reach workers (with
                                    #   listen such as tcp://0.0.0.0:7450; default: none)
 
 [sim]                              # backend "sim" only
-mode = "compute"                   # or "timed": cost model instead of compute
+mode = "compute"                   # or "timed": cost model instead of compute; or "perf":
+                                   #   timed, device work costs the host nothing, no checks
 task_us = 0.0                      # timed: device time per replayed task
 patch_us = 0.0                     # timed: host time per task-group patch
+patch_gil_us = 25.0                # perf: the part of patch_us holding the interpreter lock
 watchdog_s = 30.0                  # a device wait that nothing satisfies is a deadlock after this
 event_mode = "cann"                # or "enpu": an ExternalEvent wait issued before its record is
                                    #   reported (ENPU hangs there; current CANN allows it);
@@ -100,9 +103,11 @@ class SimSettings:
     settings into the sim's own config (npusim.SimConfig, same fields).
     """
 
-    mode: str = "compute"  # or "timed": a cost model instead of compute
+    mode: str = "compute"  # or "timed": a cost model instead of compute; "perf": timed,
+    # device work off the interpreter lock, no correctness checks (sim/README.md)
     task_us: float = 0.0  # timed: device time per replayed task
     patch_us: float = 0.0  # timed: host time per task-group patch
+    patch_gil_us: float = 25.0  # perf: the part of patch_us that holds the interpreter lock
     watchdog_s: float = 30.0  # a device wait nothing can satisfy is a deadlock after this
     event_mode: str = "cann"  # "enpu": report a wait issued before its record; "legacy": a
     # wait leaves the flag set until reset (older CANN)
@@ -231,15 +236,16 @@ def _sim(raw: Any) -> SimSettings:
     if not isinstance(raw, Mapping):
         raise ConfigError("sim", "must be a table")
     for k in raw:
-        if k not in ("mode", "task_us", "patch_us", "watchdog_s", "event_mode", "device_memory"):
+        if k not in ("mode", "task_us", "patch_us", "patch_gil_us", "watchdog_s", "event_mode",
+                     "device_memory"):  # fmt: skip
             raise ConfigError(
                 f"sim.{k}",
-                "unknown key (known: mode, task_us, patch_us, watchdog_s, event_mode, "
-                "device_memory)",
+                "unknown key (known: mode, task_us, patch_us, patch_gil_us, watchdog_s, "
+                "event_mode, device_memory)",
             )
     mode = raw.get("mode", "compute")
-    if mode not in ("compute", "timed"):
-        raise ConfigError("sim.mode", f"must be 'compute' or 'timed', not {mode!r}")
+    if mode not in ("compute", "timed", "perf"):
+        raise ConfigError("sim.mode", f"must be 'compute', 'timed' or 'perf', not {mode!r}")
     event_mode = raw.get("event_mode", "cann")
     if event_mode not in ("cann", "legacy", "enpu"):
         raise ConfigError(
@@ -249,6 +255,7 @@ def _sim(raw: Any) -> SimSettings:
         mode=mode,
         task_us=_number("sim.task_us", raw.get("task_us", 0.0)),
         patch_us=_number("sim.patch_us", raw.get("patch_us", 0.0)),
+        patch_gil_us=_number("sim.patch_gil_us", raw.get("patch_gil_us", 25.0)),
         watchdog_s=_number("sim.watchdog_s", raw.get("watchdog_s", 30.0), 0.001),
         event_mode=event_mode,
         device_memory=_bytes("sim.device_memory", raw.get("device_memory", 64 << 30)),

@@ -93,7 +93,8 @@ class Daemon:
         )
         self._failed_log = Throttled(log)  # a message whose handling raised: its cause
         cores = affinity.core_sets(
-            config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid()
+            config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid(),
+            sim_mode=config.sim.mode,
         )
         specs = [
             WorkerSpec(

@@ -20,6 +20,12 @@ above it gave 1,880-2,260 steps/s against 1,160-1,710 without (one run of the
 five went the other way: the machine's own speed varies by a third from run to
 run).
 
+A ``sim`` worker in npusim's perf mode is not pinned by ``"auto"`` either: most of its
+update and replay time is modelled as sleeps off the lock, and a sleeping
+``SCHED_BATCH`` thread on a shared core wakes behind whatever runs there (a lone step
+of the 20-layer field profile through a daemon, load average 3: 12.5 ms pinned against
+7.5 ms not, in-process 6.0; docs/performance.md).
+
 An ``npu`` worker is not pinned by ``"auto"``: there the patches' host work (the
 tiling) runs in torch_npu's C++ with the lock released and wants cores of its
 own; pin it with an explicit list (a list of cores per device, as torch_npu's
@@ -47,15 +53,23 @@ def available() -> tuple[int, ...]:
 
 
 def core_sets(
-    setting: str | Sequence[Sequence[int]], backend: str, count: int, offset: int
+    setting: str | Sequence[Sequence[int]],
+    backend: str,
+    count: int,
+    offset: int,
+    sim_mode: str = "compute",
 ) -> list[tuple[int, ...] | None]:
     """The cores of each of ``count`` workers (None: not pinned). ``setting`` is
-    ``"auto"``, ``"off"`` or one list of cores per worker."""
+    ``"auto"``, ``"off"`` or one list of cores per worker; ``sim_mode`` the sim's mode
+    (``[sim] mode``)."""
     if setting == "off":
         return [None] * count
     if setting == "auto":
         cores = available()
-        if backend not in PINNED_BY_AUTO or len(cores) < 2:
+        # npusim's perf mode models the field's host work as an npu worker's: sleeps
+        # off the lock, not Python (see the module doc).
+        perf = backend == "sim" and sim_mode == "perf"
+        if backend not in PINNED_BY_AUTO or perf or len(cores) < 2:
             return [None] * count
         return [(cores[(offset + i) % len(cores)],) for i in range(count)]
     if isinstance(setting, str) or len(setting) != count:

@@ -35,6 +35,13 @@ def test_file_then_flags(tmp_path: Path) -> None:
     assert cfg.programs[0]["layers"] == 2
 
 
+def test_perf_mode_and_its_lock_share_are_read(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('[sim]\nmode = "perf"\npatch_us = 185.0\npatch_gil_us = 30.0\n')
+    cfg = load(f, {})
+    assert cfg.sim.mode == "perf" and cfg.sim.patch_gil_us == 30.0
+
+
 @pytest.mark.parametrize(
     ("raw", "key"),
     [
@@ -107,6 +114,9 @@ def test_auto_pins_each_sim_or_null_worker_to_a_core_of_its_own() -> None:
     # npu: the patches' host work runs outside the interpreter lock; off: nothing pinned
     assert affinity.core_sets("auto", "npu", 2, offset=7) == [None, None]
     assert affinity.core_sets("off", "sim", 2, offset=7) == [None, None]
+    # npusim's perf mode: the modelled host work sleeps off the lock, as an npu worker's
+    assert affinity.core_sets("auto", "sim", 2, offset=7, sim_mode="perf") == [None, None]
+    assert affinity.core_sets("auto", "sim", 2, offset=7, sim_mode="timed")[0] is not None
     assert affinity.core_sets(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
 
 

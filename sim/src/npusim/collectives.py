@@ -303,7 +303,7 @@ class CollectiveTask:
                     access.touch(ex, epoch, gen, it, (self.issued, self.label, ex))
             else:
                 self.access.touch_locked(ex, (launch.issued, (self.label, launch), ex))
-        timed = RUNTIME.config.mode == "timed"
+        timed = RUNTIME.config.timed  # timed and perf modes
         started = ex.resume_at if ex.resume_at is not None else ex.model_time
         # A replayed task computes nothing in timed mode: the ranks meet, no data moves.
         with_data = not (timed and launch is not None)

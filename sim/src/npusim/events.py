@@ -216,6 +216,32 @@ class _ExtWait:
         return f"a record of {self.event.display}{by}"
 
 
+class _ExtWaitAll:
+    """Several ExternalEvents' records, waited for at once (performance mode)."""
+
+    def __init__(self, events: list[ExternalEvent]) -> None:
+        self.events = events
+
+    def providers(self) -> list[Stream]:
+        return list({s: None for ev in self.events if not ev.flag for s in ev.pending})
+
+    def ready(self) -> bool:
+        return all(ev.flag for ev in self.events)
+
+    def describe(self) -> str:
+        unset = [ev.display for ev in self.events if not ev.flag]
+        return f"records of {', '.join(unset)}"
+
+
+def await_records(ex: Stream, events: list[ExternalEvent]) -> None:
+    """Stream ``ex`` blocks until every one of ``events`` is set: one wake-up for a replay's
+    stretch of waits with nothing observable between them (performance mode: see
+    ``graphs._run_perf``); the waits then pass in order, each at its record's time."""
+    wait = _ExtWaitAll(events)
+    with RUNTIME.cond:
+        ex.block_until(wait.ready, wait, ex.run_epoch)
+
+
 class ExtWaitWork:
     def __init__(self, event: ExternalEvent) -> None:
         self.event = event

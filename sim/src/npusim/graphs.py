@@ -102,7 +102,11 @@ class ReplayWork:
         self, graph: NPUGraph, launch: Launch, nodes: list[Any] | None = None, where: str = ""
     ) -> None:
         self.launch = launch
-        self.nodes = list(graph.nodes if nodes is None else nodes)
+        if nodes is None:
+            nodes = graph.perf_plan().steps if RUNTIME.config.perf else graph.nodes
+        elif RUNTIME.config.perf:
+            nodes = ReplayPlan(nodes).steps
+        self.nodes = list(nodes)
         self.label = f"replay #{launch.number} of {graph.name}{where}"
 
     def run(self, ex: Stream) -> None:
@@ -110,6 +114,9 @@ class ReplayWork:
         # fork or join) first waits until the tasks before it are over.
         nodes, self.nodes = self.nodes, []  # a finished entry stays referenced (a stream's
         launch = self.launch  # last entry, a buffer's uses): it must not keep the graph alive
+        if RUNTIME.config.perf:
+            _run_perf(ex, launch, nodes)
+            return
         i, n = 0, len(nodes)
         while i < n:
             if type(nodes[i]) is TaskNode:
@@ -125,6 +132,79 @@ class ReplayWork:
         ex.settle()
 
 
+class ReplayPlan:
+    """A graph's nodes as performance mode replays them: each run of tasks in a row is
+    one number (how many), every other node stays; ``launchers`` are the nodes whose
+    ``launch_locked`` does something (a task's does nothing)."""
+
+    def __init__(self, nodes: list[Any]) -> None:
+        self.source, self.size = nodes, len(nodes)
+        self.steps: list[Any] = []
+        for node in nodes:
+            if type(node) is TaskNode:
+                if self.steps and type(self.steps[-1]) is int:
+                    self.steps[-1] += 1
+                else:
+                    self.steps.append(1)
+            else:
+                self.steps.append(node)
+        self.launchers = [node for node in nodes if type(node) is not TaskNode]
+
+
+#: Graph nodes after which performance mode need not have finished the tasks before
+#: them in wall time: nothing the host or another stream can observe follows from them
+#: (a wait's release time and the tasks' modelled ends are kept in modelled time).
+UNOBSERVED = frozenset({"EventWaitWork", "ExtWaitWork", "ExtResetWork"})
+
+
+def _run_perf(ex: Stream, launch: Launch, steps: list[Any]) -> None:
+    """Performance mode: a run of ``n`` tasks is one charge of ``n * task_us`` of modelled
+    device time from where the first could start, with no Python per task and no check
+    of the tasks (their reads of patched groups, their memory footprint: the correctness
+    modes prove those). The stream waits off the interpreter lock only before what another
+    stream or the host could observe (a record, a fork or join, the replay's end), so a
+    replay whose waits are its only other nodes is one sleep."""
+    task_us = RUNTIME.config.task_us
+    for i, step in enumerate(steps):
+        if type(step) is int:
+            started = ex.resume_at if ex.resume_at is not None else ex.model_time
+            ex.resume_at = None
+            ex.cost.add_at(task_us * step, started)
+            continue
+        kind = type(step).__name__
+        if kind in UNOBSERVED:
+            ex.advance()
+            if kind == "ExtWaitWork" and not step.event.flag:
+                _await_stretch(ex, steps, i)
+        else:
+            ex.settle()
+        step.run(ex, launch)
+    ex.settle()
+
+
+def _await_stretch(ex: Stream, steps: list[Any], i: int) -> None:
+    """Performance mode, at a wait not yet released: block once until every ExternalEvent
+    waited on from step ``i`` to the next observable node is set, instead of waking at
+    each record (a layer-by-layer graph's 20 waits: one wake-up). Nothing between them is
+    observable, so no record they wait for can depend on the stream passing one of them;
+    the stretch stops before an event waited on twice (its second record must follow the
+    first wait). Each wait then passes at its own record's modelled time."""
+    from .events import await_records
+
+    events: list[Any] = []
+    for step in steps[i:]:
+        if type(step) is int:
+            continue
+        kind = type(step).__name__
+        if kind not in UNOBSERVED:
+            break
+        if kind == "ExtWaitWork":
+            if step.event in events:
+                break
+            events.append(step.event)
+    await_records(ex, events)
+
+
 def _run_tasks(ex: Stream, launch: Launch, tasks: list[TaskNode]) -> None:
     """Tasks in a row, with nothing between them that another stream or the host could
     observe (no record, no wait). Computing, each is checked and then runs. Timed, one
@@ -132,7 +212,7 @@ def _run_tasks(ex: Stream, launch: Launch, tasks: list[TaskNode]) -> None:
     (when the wait before it was satisfied, the tasks before it ended, or its replay was
     issued, in modelled time), covers their device time: per task, the lock and the
     calls would cost the sim more than a field task's modelled 1 us."""
-    if RUNTIME.config.mode != "timed":
+    if not RUNTIME.config.timed:
         ex.resume_at = None
         for task in tasks:
             with RUNTIME.cond:
@@ -240,6 +320,7 @@ class NPUGraph:
         self.captured = False
         self.capture_stream: Stream | None = None
         self.replays = 0
+        self._plan: ReplayPlan | None = None
         self.auto_dispatch_capture = False
         self.graph_dispatch_mode = GraphDispatchState(self)
         self._pool = (id(self), 0)
@@ -336,7 +417,7 @@ class NPUGraph:
             self.replays += 1
             launch = Launch(self.name, self.replays)
             self.rng.replay_prologue_locked(s)  # the seed and offset its random ops read
-            for node in self.nodes:
+            for node in self.perf_plan().launchers:
                 node.launch_locked(launch, s)
             for branch in self.branches:
                 branch.launch_locked(launch)
@@ -345,6 +426,13 @@ class NPUGraph:
             RUNTIME.provider_added_locked(s)
             for branch in self.branches:  # side-stream work, ordered by its captured events
                 branch.issue_locked(ReplayWork(self, launch, branch.nodes, branch.where))
+
+    def perf_plan(self) -> ReplayPlan:
+        """The captured nodes as :class:`ReplayPlan` (made once per capture)."""
+        plan = self._plan
+        if plan is None or plan.source is not self.nodes or plan.size != len(self.nodes):
+            plan = self._plan = ReplayPlan(self.nodes)
+        return plan
 
     def reset(self) -> None:
         """Delete the captured graph. An ExternalEvent a captured wait consumed keeps its

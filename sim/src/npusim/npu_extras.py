@@ -82,7 +82,7 @@ class SleepWork:
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
         ex.tick()
         us = self.cycles * 1000 / SLEEP_CYCLES_PER_MS
-        if RUNTIME.config.mode == "timed":
+        if RUNTIME.config.timed:
             started = ex.resume_at if ex.resume_at is not None else ex.timed_now()
             ex.resume_at = None
             ex.cost.add_at(us, started)

@@ -16,7 +16,7 @@ from typing import Any
 from . import access
 from .graphs import TaskNode
 from .opcall import OpCall
-from .runtime import RUNTIME, host_clock
+from .runtime import RUNTIME, CostClock, host_clock
 from .streams import Stream
 
 
@@ -36,7 +36,7 @@ def route(
                 started = min(started, update.begun)  # the group's host work began there
             patch = update.patch_for(call, stream)
             config = RUNTIME.config
-            if config.mode != "timed" or config.patch_us <= 0:
+            if not config.timed or config.patch_us <= 0:
                 stream.issue_locked(patch)  # nothing to charge: issue it right away
                 return
         else:
@@ -48,8 +48,23 @@ def route(
             return
     # The host-side dispatch of an update (tiling on the real NPU) costs host time,
     # from the start of its dispatch: the sim's own Python is inside it.
-    if RUNTIME.config.mode == "timed":
-        t0 = time.perf_counter() if started is None else started
-        host_clock(t0).charge(RUNTIME.config.patch_us, t0)
+    t0 = time.perf_counter() if started is None else started
+    if config.perf:
+        charge_split(host_clock(t0), config.patch_us, config.patch_gil_us, t0)
+    else:
+        host_clock(t0).charge(config.patch_us, t0)
     with RUNTIME.cond:
         stream.issue_locked(patch)
+
+
+def charge_split(clock: CostClock, cost_us: float, gil_us: float, started: float) -> None:
+    """Performance mode's patch: ``cost_us`` of host time from ``started`` (in the model),
+    of which the first ``gil_us`` hold the interpreter lock (pure Python, as the Python
+    that prepares the update's call does in the field; the sim's own Python before it is
+    inside that share) and the rest is a sleep off the lock (the op's dispatch and tiling,
+    which torch_npu's C++ binding runs with the lock released: sim/README.md)."""
+    clock.add(cost_us, started)
+    held_until = clock.end - (cost_us - min(gil_us, cost_us)) * 1e-6
+    while time.perf_counter() < held_until:  # holds the lock, as Python does
+        pass
+    clock.settle()

@@ -105,13 +105,23 @@ def clock_join(into: Clock, other: Clock) -> None:
             into[k] = v
 
 
+MODES = ("compute", "timed", "perf")
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """How the simulated device behaves.
 
     mode: "compute" runs every op with torch on the CPU; "timed" replaces the
         compute of replayed graph tasks with ``task_us`` of device time each and
-        charges ``patch_us`` of host time for every task-group patch dispatch.
+        charges ``patch_us`` of host time for every task-group patch dispatch;
+        "perf" is timed with the device's work costing the host nothing (a stream's
+        replay is one sleep off the interpreter lock, no Python per task, no
+        correctness checks of replayed tasks) and a patch's host time split as the
+        field pays it: its first ``patch_gil_us`` hold the interpreter lock (the
+        Python that prepares the call), the rest does not (the op's dispatch and
+        tiling in C++, which torch_npu's binding runs with the lock released).
+        sim/README.md, "Performance mode".
     watchdog_s: how long a device wait that nothing queued can satisfy may
         block before it is reported as a DeadlockError.
     event_mode: "cann" (current CANN: an ExternalEvent wait may be issued before
@@ -128,15 +138,18 @@ class SimConfig:
     mode: str = "compute"
     task_us: float = 0.0
     patch_us: float = 0.0
+    patch_gil_us: float = 25.0
     watchdog_s: float = 30.0
     event_mode: str = "cann"
     device_memory: int = 64 << 30
     collective_us: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("compute", "timed"):
-            raise ValueError(f"sim mode must be 'compute' or 'timed', not {self.mode!r}")
-        for name in ("task_us", "patch_us", "collective_us"):
+        if self.mode not in MODES:
+            raise ValueError(
+                f"sim mode must be 'compute', 'timed' or 'perf', not {self.mode!r}"
+            )
+        for name in ("task_us", "patch_us", "patch_gil_us", "collective_us"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sim {name} must be >= 0")
         if self.watchdog_s <= 0:
@@ -148,6 +161,15 @@ class SimConfig:
             )
         if self.device_memory <= 0:
             raise ValueError("sim device_memory must be > 0 bytes (NPUSIM_DEVICE_MEMORY)")
+
+    @property
+    def timed(self) -> bool:
+        """Device work is modelled time (modes "timed" and "perf")."""
+        return self.mode != "compute"
+
+    @property
+    def perf(self) -> bool:
+        return self.mode == "perf"
 
     @classmethod
     def from_env(cls) -> SimConfig:
@@ -230,7 +252,7 @@ class Runtime:
 
         Caller holds ``cond``. Later host actions of every thread are ordered after it,
         and in timed mode happen no earlier than ``at`` (:func:`host_clock`)."""
-        if at is not None and at > self.observed_at[0] and self.config.mode == "timed":
+        if at is not None and at > self.observed_at[0] and self.config.timed:
             self.observed_at = (at, time.perf_counter(), threading.get_ident(), time.thread_time())
         _, clock = self.host_actor()
         clock_join(clock, other)
@@ -426,6 +448,7 @@ def configure(
     mode: str | None = None,
     task_us: float | None = None,
     patch_us: float | None = None,
+    patch_gil_us: float | None = None,
     watchdog_s: float | None = None,
     event_mode: str | None = None,
     device_memory: int | None = None,
@@ -439,6 +462,7 @@ def configure(
         mode=old.mode if mode is None else mode,
         task_us=old.task_us if task_us is None else task_us,
         patch_us=old.patch_us if patch_us is None else patch_us,
+        patch_gil_us=old.patch_gil_us if patch_gil_us is None else patch_gil_us,
         watchdog_s=old.watchdog_s if watchdog_s is None else watchdog_s,
         event_mode=old.event_mode if event_mode is None else event_mode,
         device_memory=old.device_memory if device_memory is None else device_memory,

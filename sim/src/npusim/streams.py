@@ -220,7 +220,7 @@ class Stream(torch.Stream):
             self.issue_locked(work)
 
     def issue_locked(self, work: Work) -> None:
-        model = model_now() if RUNTIME.config.mode == "timed" else 0.0
+        model = model_now() if RUNTIME.config.timed else 0.0
         entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch, model)
         self._queue.append(entry)
         self._last = entry
@@ -251,12 +251,19 @@ class Stream(torch.Stream):
         if cost.end > self.model_time:
             self.model_time = cost.end
 
+    def advance(self) -> None:
+        """The stream's modelled time moves past the device time charged so far without
+        waiting for it in wall time (performance mode, before a node nothing observes)."""
+        end = self.cost.end
+        if end > self.model_time:
+            self.model_time = end
+
     def timed_now(self) -> float:
         """When this stream's current work happens: in timed mode its modelled time (its
         entry's issue in the host's model, the waits it passed, the device time it was
         charged), which leaves out the simulator's own delays in getting to it; in
         compute mode the wall clock."""
-        if RUNTIME.config.mode == "timed":
+        if RUNTIME.config.timed:
             return self.model_time
         return time.perf_counter()
 

@@ -1,0 +1,493 @@
+"""Where graphlane's value lies: the field's costs, a scheduler's work, a device that costs
+the host nothing (issue 42).
+
+Everything here runs on npusim's performance mode (``mode = "perf"``, sim/README.md): a
+replay is modelled device time off the interpreter lock, and a layer's update costs
+``patch_us`` of host time of which ``patch_gil_us`` hold the lock (the Python that prepares
+the call) and the rest does not (the op's dispatch and tiling in C++). The program is the
+``model`` program (the demo's tiny Llama) with :data:`LAYERS` layers, batch :data:`BATCH`,
+at the field's costs: 185 us of host update and 60 us of replay per layer (vllm-ascend on
+a 910B3: 3.7 ms of host updates and 1.2 ms of replay per step at 20 layers).
+
+A **scheduler** does host work every step (schedule, prepare inputs, process outputs):
+:func:`scheduler_work`, ``sched_ms`` of pure Python holding the lock, the same code in
+every way measured. The field's figures for that work: vLLM measured 5-13 ms of GPU bubble
+per decode step from the host's work around it (vllm-project/vllm#6854, the multi-step
+scheduling RFC) and a 5-6 ms token gap at batch 256 from the interpreter lock
+(vllm-project/vllm#10634); hence vLLM's engine core in a process of its own and its
+asynchronous scheduling (#19970, #23569). :data:`SCHED_MS` spans 0 to 2 ms.
+
+Three ways, each with the same scheduler, in alternation in one run:
+
+- **the vllm-ascend loop** (:meth:`FieldModel.run_async`): one thread, as vllm-ascend's
+  full-graph decode runs under vLLM's async scheduling: the scheduler's work for step
+  N+1, then N+1's inputs, its replay launch and its layers' updates (vllm-ascend's
+  ``update_attn_params`` after the replay's launch, on the same thread), while the device
+  still replays step N; step N's tokens are waited for after N+1 was issued;
+- **the threaded loop** (:meth:`FieldModel.run_threaded`): the same, with the updates on
+  a thread of their own (as sglang's NPU graph runner runs ``NPUGraph.update`` in a
+  thread): the scheduler's thread schedules and launches, the update thread patches;
+  both share one interpreter lock;
+- **through the daemon** (:func:`daemon_ahead`): ``graphlane serve`` at its default
+  config, the scheduler in this process decoding ahead (every row's token ``-1``,
+  :data:`WINDOW` steps in flight); its work and the worker's updates run in two
+  processes.
+
+The in-process loops feed the step's tokens from the host (a copy per step); the daemon
+feeds them on the device. Nothing computes in performance mode, so the tokens are
+whatever the buffers hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import queue
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from npusim import configure
+
+from graphlane.client import Client
+from graphlane.workers.backends.sim import SimBackend
+from graphlane.workers.programs.model import ModelConfig, ModelProgram
+
+from . import decode
+from .daemon import BenchDaemon
+
+LAYERS = 20
+BATCH = decode.BATCH
+WINDOW = decode.WINDOW
+PATCH_US, REPLAY_US = 185.0, 60.0  # per layer: vllm-ascend on a 910B3
+PATCH_GIL_US = 25.0  # npusim's default (sim/README.md, "Performance mode")
+SCHED_MS = (0.0, 0.5, 2.0)
+TABLE = decode.TABLE
+
+
+def scheduler_work(ms: float) -> None:
+    """A scheduler's host work for one step: ``ms`` of the calling thread's CPU time in
+    pure Python (holding the interpreter lock, as a scheduler's Python does; when another
+    thread takes the lock the work takes longer, as it does in one process)."""
+    if ms <= 0:
+        return
+    end = time.thread_time() + ms * 1e-3
+    while time.thread_time() < end:
+        pass
+
+
+def architecture(layers: int = LAYERS) -> dict[str, Any]:
+    return {**decode.ARCHITECTURE, "num_hidden_layers": layers}
+
+
+def model_config(layers: int = LAYERS) -> ModelConfig:
+    c = decode.model_config()
+    return ModelConfig(
+        random=architecture(layers), seed=c.seed, init_std=c.init_std, dtype=c.dtype,
+        block_size=c.block_size, num_blocks=c.num_blocks,
+        max_blocks_per_seq=c.max_blocks_per_seq, buckets=c.buckets,
+    )  # fmt: skip
+
+
+def program_table(layers: int = LAYERS) -> dict[str, Any]:
+    """The same program as a daemon's ``[[programs]]`` table."""
+    table = {**decode.program_config(), "random": architecture(layers)}
+    return {k: v if k == "name" else decode._toml(v) for k, v in table.items()}
+
+
+def sim_settings(task_us: float, patch_us: float = PATCH_US,
+                 gil_us: float = PATCH_GIL_US) -> dict[str, Any]:  # fmt: skip
+    return {"mode": "perf", "patch_us": patch_us, "task_us": task_us, "patch_gil_us": gil_us}
+
+
+class FieldModel:
+    """The model program captured ``depth`` times on this process's sim (a ring: step N+1
+    patches another instance than the one step N replays), then performance mode at the
+    field's costs. One per process at a time."""
+
+    def __init__(self, layers: int = LAYERS, patch_us: float = PATCH_US,
+                 replay_us: float = REPLAY_US, gil_us: float = PATCH_GIL_US,
+                 depth: int = 2) -> None:  # fmt: skip
+        self.layers = layers
+        self.program = p = ModelProgram(model_config(layers))
+        configure(mode="compute")
+        b = self.backend = SimBackend()
+        self.S, self.U = b.new_stream(), b.new_stream(priority=-1)
+        self.instances: list[dict[str, Any]] = []
+        for _ in range(depth):
+            bufs = p.allocate(b, BATCH)
+            events = [b.new_external_event() for _ in range(layers)]
+            graph = b.new_graph()
+            b.synchronize()
+            with b.capture(graph, self.S):
+                handles, _ = p.capture(b, self.S, BATCH, bufs, events)
+            self.instances.append({"graph": graph, "bufs": bufs, "events": events,
+                                   "handles": handles, "done": None})  # fmt: skip
+        b.synchronize()
+        tasks = sum(decode.graph_tasks(self.instances[0]["graph"]))
+        self.task_us = layers * replay_us / tasks
+        self.sim = sim_settings(self.task_us, patch_us, gil_us)
+        configure(**self.sim)
+        self.tokens = torch.zeros(BATCH, dtype=torch.int64)
+        self.n = 0
+
+    def _plan(self, i: int) -> Any:
+        params = {"actual_seq_lengths_kv": decode._lengths(i % decode.MAX_STEPS)}
+        return self.program.plan(BATCH, params, {"tokens": self.tokens, "block_table": TABLE})
+
+    def launch(self, i: int) -> tuple[dict[str, Any], Any, Any]:
+        """Step ``i``'s inputs and replay on S, its tokens' copy and done event after it;
+        returns (instance, plan, the previous done event of that instance)."""
+        b, S = self.backend, self.S
+        g = self.instances[self.n % len(self.instances)]
+        self.n += 1
+        plan = self._plan(i)
+        with b.use_stream(S):
+            for dst, src in self.program.input_writes(g["bufs"], plan, 0):
+                b.copy_in(dst, src)
+        b.replay(g["graph"], S)
+        previous = g["done"]
+        with b.use_stream(S):
+            g["bufs"]["tokens"][:BATCH].to("cpu", non_blocking=True)
+            g["done"] = torch.npu.Event(enable_timing=True)  # type: ignore[attr-defined]
+            g["done"].record(S)
+        return g, plan, previous
+
+    def update(self, g: dict[str, Any], plan: Any, previous: Any) -> None:
+        """The step's layer updates on U (vllm-ascend's update_attn_params), fenced after
+        the previous replay of the same instance."""
+        b, U = self.backend, self.U
+        if previous is not None:
+            b.wait(U, previous)
+        for layer in range(self.layers):
+            op, args, kwargs = self.program.group_call(g["bufs"], plan, layer)
+            b.patch(U, g["handles"][layer], op, args, kwargs, g["events"][layer])
+
+    # ------------------------------------------------------------ the ways
+    def lone(self, steps: int) -> list[float]:
+        """Each step waited for before the next (no scheduler work): wall seconds each."""
+        out = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            g, plan, previous = self.launch(i)
+            self.update(g, plan, previous)
+            g["done"].synchronize()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def run_async(self, steps: int, sched_ms: float) -> float:
+        """The vllm-ascend loop under async scheduling, one thread: steps/s."""
+        pending: collections.deque[Any] = collections.deque()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            scheduler_work(sched_ms)
+            g, plan, previous = self.launch(i)
+            self.update(g, plan, previous)
+            pending.append(g["done"])
+            if len(pending) > 1:  # step N's tokens, once N+1 is issued
+                pending.popleft().synchronize()
+        while pending:
+            pending.popleft().synchronize()
+        return steps / (time.perf_counter() - t0)
+
+    def run_threaded(self, steps: int, sched_ms: float) -> float:
+        """The same with the updates on a thread of their own: steps/s."""
+        jobs: queue.Queue[Any] = queue.Queue(maxsize=1)
+
+        def updater() -> None:
+            self.backend.enter_thread()  # the device is per host thread, as in torch_npu
+            while (job := jobs.get()) is not None:
+                self.update(*job)
+
+        thread = threading.Thread(target=updater, name="field-updates", daemon=True)
+        thread.start()
+        pending: collections.deque[Any] = collections.deque()
+        t0 = time.perf_counter()
+        try:
+            for i in range(steps):
+                scheduler_work(sched_ms)
+                job = self.launch(i)
+                jobs.put(job)
+                pending.append(job[0]["done"])
+                if len(pending) > 1:
+                    pending.popleft().synchronize()
+            while pending:
+                pending.popleft().synchronize()
+            return steps / (time.perf_counter() - t0)
+        finally:
+            jobs.put(None)
+            thread.join()
+
+
+# ------------------------------------------------------------ through a daemon
+async def daemon_ahead(c: Client, steps: int, sched_ms: float, window: int = WINDOW,
+                       token: int = -1) -> float:  # fmt: skip
+    """The scheduler decoding ahead through the daemon: before each step its work, then
+    the step sent with every row's token ``token`` (-1: the one its sequence sampled in its
+    previous step, fed on the device), ``window`` steps in flight: steps/s."""
+    rows = list(range(BATCH))
+    feed = {"tokens": torch.full((BATCH,), token, dtype=torch.int64), "block_table": TABLE}
+    sent: collections.deque[asyncio.Task[Any]] = collections.deque()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        scheduler_work(sched_ms)
+        while len(sent) >= window:
+            await sent.popleft()
+        params: dict[str, Any] = {"actual_seq_lengths_kv": decode._lengths(i)}
+        if token < 0:
+            params["sequence_id"] = rows
+        sent.append(asyncio.create_task(c.step("model", 0, params, feed, outputs=["tokens"])))
+        await asyncio.sleep(0)  # tasks start in order: requests go in order
+    while sent:
+        await sent.popleft()
+    return steps / (time.perf_counter() - t0)
+
+
+async def daemon_lone(c: Client, steps: int) -> list[float]:
+    """Each step waited for before the next: wall seconds each."""
+    out = []
+    rows = list(range(BATCH))
+    feed = {"tokens": torch.full((BATCH,), -1, dtype=torch.int64), "block_table": TABLE}
+    for i in range(steps):
+        t0 = time.perf_counter()
+        await c.step("model", 0, {"actual_seq_lengths_kv": decode._lengths(i),
+                                  "sequence_id": rows}, feed, outputs=["tokens"])  # fmt: skip
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of every live thread of process ``pid`` (schedstat: nanoseconds)."""
+    total = 0
+    base = f"/proc/{pid}/task"
+    for tid in os.listdir(base):
+        try:
+            with open(f"{base}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total * 1e-9
+
+
+# ------------------------------------------------------------ figures
+@dataclass
+class FieldFigures:
+    layers: int
+    patch_us: float
+    replay_us: float
+    patch_gil_us: float
+    limit_steps_s: float  # 1 / (layers * max(patch, replay))
+    load_average: list[float]  # os.getloadavg() at the start
+    load_average_end: list[float] = field(default_factory=list)
+    steps_s: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # way -> sched
+    lone_ms: dict[str, list[float]] = field(default_factory=dict)  # way -> mean per rep
+    worker_cpu_us: list[float] = field(default_factory=list)  # per step, outside modelled
+    client_cpu_us: list[float] = field(default_factory=list)
+    null_rtt_vs_raw: float | None = None
+
+    def med(self, way: str, sched: float) -> float:
+        return statistics.median(self.steps_s[way][f"{sched:g}"])
+
+    def ratios(self) -> dict[str, float]:
+        r: dict[str, float] = {}
+        for s in SCHED_MS:
+            k = f"{s:g}"
+            if k not in self.steps_s.get("daemon", {}):
+                continue
+            r[f"sched {k} ms: daemon vs vllm-ascend loop"] = self.med("daemon", s) / self.med(
+                "vllm", s
+            )
+            r[f"sched {k} ms: daemon vs threaded loop"] = self.med("daemon", s) / self.med(
+                "threaded", s
+            )
+            for way in ("daemon", "vllm", "threaded"):
+                r[f"sched {k} ms: {way} vs limit"] = self.med(way, s) / self.limit_steps_s
+        if self.lone_ms:
+            r["lone step: daemon vs in-process"] = statistics.median(
+                self.lone_ms["daemon"]
+            ) / statistics.median(self.lone_ms["inprocess"])
+        return r
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ratios"] = {k: round(v, 3) for k, v in self.ratios().items()}
+        return d
+
+
+#: Issue 42's goals: (label, key of :meth:`FieldFigures.ratios` or a figure, op, goal).
+FIELD_GOALS = (
+    ("no scheduler work: daemon vs vllm-ascend loop", "sched 0 ms: daemon vs vllm-ascend loop",
+     ">=", 1.0),
+    ("no scheduler work: daemon vs threaded loop", "sched 0 ms: daemon vs threaded loop",
+     ">=", 1.0),
+    ("no scheduler work: daemon vs limit", "sched 0 ms: daemon vs limit", ">=", 0.95),
+    # The device model's own goal (issue 42, item 1): an in-process loop reaches its
+    # modelled limit. The threaded loop's: its launch overlaps the update chain, where the
+    # one-thread loop adds the launch's host Python (the sim's eager copies) to each step.
+    ("no scheduler work: threaded loop vs limit (the device model)",
+     "sched 0 ms: threaded vs limit", ">=", 0.95),
+    ("lone step: daemon vs in-process", "lone step: daemon vs in-process", "<=", 1.25),
+    ("2 ms scheduler work: daemon vs vllm-ascend loop",
+     "sched 2 ms: daemon vs vllm-ascend loop", ">=", 1.4),
+    ("2 ms scheduler work: daemon vs threaded loop", "sched 2 ms: daemon vs threaded loop",
+     ">=", 1.0),
+    ("worker's own CPU per step, us", "worker_cpu_us", "<=", 150.0),
+    ("client's own CPU per step, us", "client_cpu_us", "<=", 100.0),
+    ("control-plane round trip on null vs raw pyzmq", "null_rtt_vs_raw", "<=", 1.3),
+)  # fmt: skip
+
+
+def field_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float]]:
+    """(label, value, op, goal) of each goal the report has a figure for."""
+    r = report.get("field")
+    if not r:
+        return []
+    out = []
+    for label, key, op, goal in FIELD_GOALS:
+        value: Any = r["ratios"].get(key, r.get(key))
+        if isinstance(value, list):
+            value = statistics.median(value) if value else None
+        if isinstance(value, (int, float)):
+            out.append((f"field {label}", float(value), op, goal))
+    return out
+
+
+def measure(steps: int = 120, reps: int = 3, lone_steps: int = 40,
+            sched_ms: tuple[float, ...] = SCHED_MS, layers: int = LAYERS,
+            null_rtt: bool = True) -> FieldFigures:  # fmt: skip
+    """Every way at every scheduler load, in alternation ``reps`` times, one run."""
+    if not 1 <= steps <= decode.MAX_STEPS:
+        raise ValueError(f"steps must be in 1..{decode.MAX_STEPS} (the sequences' room)")
+    loop = FieldModel(layers)
+    figures = FieldFigures(
+        layers=layers, patch_us=PATCH_US, replay_us=REPLAY_US, patch_gil_us=PATCH_GIL_US,
+        limit_steps_s=1e6 / (layers * max(PATCH_US, REPLAY_US)),
+        load_average=list(os.getloadavg()),
+    )  # fmt: skip
+    daemon = BenchDaemon(program_table(layers), sim=loop.sim)
+    try:
+        asyncio.run(_alternate(loop, daemon.endpoint, figures, steps, reps, lone_steps,
+                               sched_ms))  # fmt: skip
+    finally:
+        daemon.close()
+    figures.worker_cpu_us, figures.client_cpu_us = own_cpu(layers, steps, reps)
+    if null_rtt:
+        figures.null_rtt_vs_raw = null_round_trip_ratio()
+    figures.load_average_end = list(os.getloadavg())
+    return figures
+
+
+async def _alternate(loop: FieldModel, endpoint: str, f: FieldFigures, steps: int, reps: int,
+                     lone_steps: int, sched_ms: tuple[float, ...]) -> None:  # fmt: skip
+    ways = ("vllm", "threaded", "daemon")
+    f.steps_s = {w: {f"{s:g}": [] for s in sched_ms} for w in ways}
+    f.lone_ms = {"inprocess": [], "daemon": []}
+    async with Client(endpoint, timeout=120) as c:
+        ps = decode.prompts()
+
+        async def ahead(s: float) -> float:
+            await decode._prefill(c, ps)  # step 0's rows of -1 take the prefill's tokens
+            return await daemon_ahead(c, steps, s)
+
+        await ahead(0.0)  # warm every path up
+        loop.run_async(steps, 0.0)
+        loop.run_threaded(steps, 0.0)
+        for _ in range(reps):
+            for s in sched_ms:
+                k = f"{s:g}"
+                f.steps_s["vllm"][k].append(loop.run_async(steps, s))
+                f.steps_s["threaded"][k].append(loop.run_threaded(steps, s))
+                f.steps_s["daemon"][k].append(await ahead(s))
+            f.lone_ms["inprocess"].append(1000 * statistics.fmean(loop.lone(lone_steps)))
+            await decode._prefill(c, ps)
+            f.lone_ms["daemon"].append(1000 * statistics.fmean(await daemon_lone(c, lone_steps)))
+
+
+def own_cpu(
+    layers: int = LAYERS, steps: int = 120, reps: int = 3
+) -> tuple[list[float], list[float]]:
+    """The worker's and the client's own CPU per decode step, in microseconds, one figure
+    per rep: the same program and the same requests decoding ahead, through a daemon on
+    the ``null`` backend (no device: what is left is graphlane's socket, decode, plan,
+    issue, completion and reply, and the client's send and receive). The null device
+    keeps no KV cache, so the rows carry their tokens (no prefill, no device feed); the
+    request is otherwise the same. The worker's is the CPU of all its threads
+    (``/proc``), the client's this process's."""
+    daemon = BenchDaemon(program_table(layers), backend="null")
+    try:
+        return asyncio.run(_own_cpu(daemon.endpoint, steps, reps))
+    finally:
+        daemon.close()
+
+
+async def _own_cpu(endpoint: str, steps: int, reps: int) -> tuple[list[float], list[float]]:
+    worker, client = [], []
+    async with Client(endpoint, timeout=120) as c:
+        pid = (await c.status())["workers"][0]["pid"]
+        for rep in range(reps + 1):  # the first warms up
+            w0, c0 = process_cpu_s(pid), time.process_time()
+            await daemon_ahead(c, steps, 0.0, token=1)
+            w1, c1 = process_cpu_s(pid), time.process_time()
+            if rep:
+                worker.append(1e6 * (w1 - w0) / steps)
+                client.append(1e6 * (c1 - c0) / steps)
+    return worker, client
+
+
+def null_round_trip_ratio(n: int = 500) -> float:
+    """The step round trip on the ``null`` backend over a raw pyzmq+msgpack round trip
+    measured beside it (:mod:`.control_plane`)."""
+    import functools
+
+    from . import control_plane
+
+    daemon = BenchDaemon(control_plane.TINY, backend="null")
+    try:
+        r = control_plane.with_raw_server(
+            functools.partial(control_plane._control_plane, daemon, n=n)
+        )
+    finally:
+        daemon.close()
+    return float(r["step_rtt_vs_raw"])
+
+
+def table(f: FieldFigures) -> str:
+    def rng(xs: list[float], fmt: str) -> str:
+        return f"{min(xs):{fmt}}-{max(xs):{fmt}}" if xs else "-"
+
+    lines = [
+        f"field decode: model program, {f.layers} layers, batch {BATCH}, npusim perf mode, "
+        f"update {f.patch_us:g} us ({f.patch_gil_us:g} under the lock) / replay "
+        f"{f.replay_us:g} us per layer; limit {f.limit_steps_s:.0f} steps/s; "
+        f"load average {f.load_average[0]:.2f} at the start"
+        + (f", {f.load_average_end[0]:.2f} at the end" if f.load_average_end else ""),
+        f"{'sched ms':>8} {'vllm-ascend loop':>17} {'threaded loop':>14} {'daemon ahead':>13} "
+        f"{'daemon/vllm':>11} {'daemon/thr':>10} {'daemon/limit':>12}",
+    ]
+    for k in f.steps_s.get("daemon", {}):
+        s = float(k)
+        lines.append(
+            f"{k:>8} {rng(f.steps_s['vllm'][k], '.0f'):>17} "
+            f"{rng(f.steps_s['threaded'][k], '.0f'):>14} {rng(f.steps_s['daemon'][k], '.0f'):>13} "
+            f"{f.med('daemon', s) / f.med('vllm', s):10.2f}x "
+            f"{f.med('daemon', s) / f.med('threaded', s):9.2f}x "
+            f"{f.med('daemon', s) / f.limit_steps_s:12.2f}"
+        )
+    if f.lone_ms:
+        lines.append(f"lone step ms: in-process {rng(f.lone_ms['inprocess'], '.3f')}, "
+                     f"daemon {rng(f.lone_ms['daemon'], '.3f')}")  # fmt: skip
+    lines.append(
+        f"own CPU per step (us, outside the modelled costs): worker "
+        f"{rng(f.worker_cpu_us, '.0f')}, client {rng(f.client_cpu_us, '.0f')}"
+    )
+    if f.null_rtt_vs_raw is not None:
+        lines.append(f"control-plane round trip on null: {f.null_rtt_vs_raw:.2f}x raw pyzmq")
+    return "\n".join(lines)
+
+
+__all__ = ["FIELD_GOALS", "FieldFigures", "FieldModel", "daemon_ahead", "field_goals",
+           "measure", "scheduler_work", "table"]  # fmt: skip

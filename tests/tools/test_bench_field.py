@@ -1,0 +1,84 @@
+"""Issue 42's bench part: a scheduler's work, the in-process anchors on npusim's perf mode,
+the goals it prints. The figures themselves are `graphlane bench --field`'s; nothing here
+asserts a rate or a wall time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from npusim import configure
+
+from graphlane.bench import field
+from graphlane.bench.goals import format_goals, goals
+from graphlane.cli import _parser
+
+
+@pytest.fixture
+def restore_sim() -> Iterator[None]:
+    old = configure()
+    yield
+    configure(mode=old.mode, task_us=old.task_us, patch_us=old.patch_us,
+              patch_gil_us=old.patch_gil_us)  # fmt: skip
+
+
+def test_scheduler_work_is_cpu_time_of_its_thread() -> None:
+    """The work is an amount of the thread's CPU, so a thread that waits for the
+    interpreter lock does the same work later, as a scheduler's Python does."""
+    c0 = time.thread_time()
+    field.scheduler_work(5.0)
+    assert time.thread_time() - c0 >= 0.005
+    c0 = time.thread_time()
+    field.scheduler_work(0.0)
+    assert time.thread_time() - c0 < 0.005
+
+
+def test_the_in_process_ways_run_on_perf_mode(restore_sim: None) -> None:
+    loop = field.FieldModel(layers=2)
+    assert configure().mode == "perf" and configure().patch_us == field.PATCH_US
+    assert loop.run_async(4, 0.1) > 0
+    threads = threading.active_count()
+    assert loop.run_threaded(4, 0.1) > 0
+    assert threading.active_count() == threads  # the update thread was joined
+    assert len(loop.lone(2)) == 2
+
+
+def _figures() -> field.FieldFigures:
+    f = field.FieldFigures(layers=20, patch_us=185, replay_us=60, patch_gil_us=25,
+                           limit_steps_s=270.3, load_average=[1.0, 1.0, 1.0])  # fmt: skip
+    f.steps_s = {
+        "vllm": {"0": [260.0], "0.5": [230.0], "2": [170.0]},
+        "threaded": {"0": [262.0], "0.5": [255.0], "2": [250.0]},
+        "daemon": {"0": [265.0], "0.5": [264.0], "2": [258.0]},
+    }
+    f.lone_ms = {"inprocess": [3.9], "daemon": [4.6]}
+    f.worker_cpu_us, f.client_cpu_us = [140.0, 160.0, 150.0], [120.0]
+    f.null_rtt_vs_raw = 1.25
+    return f
+
+
+def test_the_field_goals_are_ratios_of_one_run() -> None:
+    report = {"field": _figures().as_dict()}
+    by_name = {g["goal"]: g for g in goals(report)}
+    assert len(by_name) == len(field.FIELD_GOALS)
+    assert by_name["field no scheduler work: daemon vs vllm-ascend loop"]["met"]
+    assert by_name["field 2 ms scheduler work: daemon vs vllm-ascend loop"]["met"]  # 1.52x
+    assert by_name["field 2 ms scheduler work: daemon vs threaded loop"]["met"]
+    assert by_name["field no scheduler work: daemon vs limit"]["met"]  # 0.98
+    assert by_name["field lone step: daemon vs in-process"]["met"]  # 1.18x
+    assert by_name["field worker's own CPU per step, us"]["value"] == 150.0  # the median
+    assert not by_name["field client's own CPU per step, us"]["met"]
+    text = "\n".join(format_goals(report))
+    assert "client's own CPU per step, us" in text and "120 us, goal <= 100 us: FAIL" in text
+    assert "control-plane round trip on null vs raw pyzmq" in text and "1.25x" in text
+
+
+def test_a_report_without_the_field_part_has_no_field_goals() -> None:
+    assert not [g for g in goals({"zero_cost": {"steps_s": 2500.0}}) if "field" in g["goal"]]
+
+
+def test_bench_runs_the_field_part_alone_with_a_flag() -> None:
+    args = _parser().parse_args(["bench", "--field", "--quick"])
+    assert args.field and args.quick
