@@ -36,6 +36,9 @@ class Job:
     outputs: tuple[str, ...] = ()  # names of the outputs asked for
     # routing (the worker's): who asked, and how to answer
     ident: Any = None  # the sender's routing id
+    # whose sequences it names: the sender's CURVE key, else its routing id (a program's
+    # per-client state, see GraphProgram.feeds)
+    owner: Any = None
     request_id: int = 0
     bundled: bool = False  # came in a bundle: its sender takes bundled replies
     received: float = 0.0  # perf_counter time the worker decoded it

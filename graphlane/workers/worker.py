@@ -218,7 +218,9 @@ class Worker:
             self,
             pump=self._pump,
             metrics=self.metrics,
-            roles=self.roles is not None,
+            # With CURVE, every message's sender key is noted: roles check it, and it
+            # owns the sequences it adds (Job.owner).
+            roles=spec.auth_dir is not None,
         )
         self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
@@ -384,6 +386,9 @@ class Worker:
             raise self._refusal(ident)
         step = self._step(body, req.op)
         step.ident, step.request_id, step.bundled = ident, req.id, origin.bundled
+        # Whose sequences it names: a client key names one client across its
+        # connections; without CURVE, the connection is the client.
+        step.owner = origin.sender if origin.sender is not None else ident
         step.received = received = origin.received
         step.changes_state = req.op in _CHANGES_STATE and self._stateful
         if body.timeout_ms is not None:

@@ -7,6 +7,7 @@ second under its module path: a daemon names each program once)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from typing import Any
@@ -101,6 +102,42 @@ async def test_decoding_ahead_gives_transformers_greedy_tokens(
     for s in seqs:
         assert got[s.sid] == reference(model, s.prompt, NEW), f"sequence {s.sid}"
     assert status["failure"] is None
+
+
+async def test_two_clients_with_the_same_sequence_ids_each_get_their_own_tokens(
+    daemon: Any, models: dict[str, tuple[Any, str]]
+) -> None:
+    """A sequence is the client's that added it (docs/models.md, "Decoding ahead"): two
+    schedulers decoding ahead at once on one worker, naming the same sequence ids over
+    blocks of their own, each get their own prompts' tokens; a client naming an id only
+    the other has added is refused, and the other's sequence goes on unharmed."""
+    model = models["model"][0]
+    mine = [Sequence(sid, s.prompt, 0) for sid, s in enumerate(_sequences(11)[:2])]
+    theirs = [Sequence(sid, s.prompt, 0) for sid, s in enumerate(_sequences(12)[:2])]
+    half = BLOCKS // 2
+    async with Client(daemon.endpoint, timeout=60) as a, Client(daemon.endpoint, timeout=60) as b:
+        got_a, got_b = await asyncio.gather(
+            run_ahead(a, "model", mine, NEW, BLOCK, half, MAX_BLOCKS, window=3),
+            run_ahead(b, "model", theirs, NEW, BLOCK, half, MAX_BLOCKS, window=3,
+                      first_block=half),
+        )  # fmt: skip
+        for s in mine:
+            assert got_a[s.sid] == reference(model, s.prompt, NEW), f"A's sequence {s.sid}"
+        for s in theirs:
+            assert got_b[s.sid] == reference(model, s.prompt, NEW), f"B's sequence {s.sid}"
+        # A adds sequence 7; B cannot advance it by naming its id
+        prompt = mine[0].prompt
+        table = [0] + [BLOCKS] * (MAX_BLOCKS - 1)
+        first = await a.prefill("model", 0, prompt, table, params={"sequence_id": 7})
+        ahead = {"actual_seq_lengths_kv": [len(prompt) + 1], "sequence_id": [7]}
+        inputs = {"tokens": torch.tensor([-1]),
+                  "block_table": torch.tensor([table], dtype=torch.int32)}  # fmt: skip
+        with pytest.raises(GraphlaneError) as err:
+            await b.step("model", 0, ahead, inputs, outputs=["tokens"])
+        assert err.value.code == "NO_PREVIOUS_TOKEN"
+        r = await a.step("model", 0, ahead, inputs, outputs=["tokens"])
+        want = reference(model, prompt, 2)
+        assert [int(first.outputs["tokens"][0]), int(r.outputs["tokens"][0])] == want
 
 
 def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) -> None:

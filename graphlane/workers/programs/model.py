@@ -42,10 +42,13 @@ int64 [b, K] (the K most likely tokens' log-probabilities, before temperature) a
 
 Decoding ahead (docs/models.md): with ``sequence_id`` (per row, the scheduler's ids), a
 row's token may be PREVIOUS (-1): the token its sequence sampled in its last step issued
-on this worker (or its prefill, which named the id). :meth:`ModelProgram.feeds` resolves
-it when the step is issued, to a copy on the device from that step's ``tokens`` output,
-fenced by that step's event (:class:`~.base.DeviceFeed`), or refuses the step
-(NO_PREVIOUS_TOKEN) when no such token can be fed: never a stale one.
+on this worker (or its prefill, which named the id). A sequence is the client's that
+named it (its CURVE key, else its connection: ``Job.owner``). After each step that names
+sequences its sampled tokens are copied on the capture stream to a tensor of their own
+(:meth:`ModelProgram.issued`); :meth:`ModelProgram.feeds` resolves a PREVIOUS row when
+its step is issued, to a copy on the device from there (:class:`~.base.DeviceFeed`,
+fenced by stream order), or refuses the step (NO_PREVIOUS_TOKEN) when no such token can
+be fed: never a stale one, never another client's.
 
 ``prefill`` (a device-state operation, in order with the replays on the capture
 stream): one sequence's prompt ``tokens`` [n] from position ``start`` (0, or the
@@ -96,7 +99,8 @@ MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin docume
 OUTPUTS = ("tokens", "logprobs", "logprob_ids", "logits")
 SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
 PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
-REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps track of
+REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps, per client
+CLIENTS = 1024  # clients whose sequences a worker keeps (the least recently active go)
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
 
 
@@ -187,11 +191,9 @@ class ModelConfig:
 class _Sampled:
     """Where the token a sequence sampled in its last step is on the device."""
 
-    tokens: torch.Tensor  # what that step wrote: its instance's "tokens", a prefill's own
+    tokens: torch.Tensor  # that step's sampled tokens, a copy of its own (see issued)
     row: int  # the sequence's row in it
     length: int  # the sequence's length with the token that step fed
-    done: Any  # the event recorded after that step
-    graph: CapturedGraph | None  # its instance (None: a prefill's tensor, never rewritten)
 
 
 @dataclass
@@ -256,9 +258,10 @@ class ModelProgram(GraphProgram):
         self._pad_sampling = torch.zeros(top, 3, dtype=torch.int32)  # top_k, row keys
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
-        # Decoding ahead: each sequence's last sampled token, by the scheduler's id (the
-        # issuing thread's alone; a restarted worker starts with none).
-        self._sampled: OrderedDict[int, _Sampled] = OrderedDict()
+        # Decoding ahead: each sequence's last sampled token, by client (Job.owner) and
+        # the client's id of it (the issuing thread's alone; a restarted worker starts
+        # with none). A client's ids are its own: no other can name its sequences.
+        self._clients: OrderedDict[Any, OrderedDict[int, _Sampled]] = OrderedDict()
         self._prefilled: torch.Tensor | None = None  # the last prefill's sampled token
 
     @classmethod
@@ -628,25 +631,30 @@ class ModelProgram(GraphProgram):
         return tuple(many) if rows else many[0]
 
     # ------------------------------------------------------------ decoding ahead
-    def feeds(self, plan: StepPlan) -> list[DeviceFeed]:
+    def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The copies that feed each row of token PREVIOUS the token its sequence sampled
-        in its previous step, from that step's output on the device (fenced after that
-        step by its event); NoPreviousToken when there is no such token to feed. Runs in
-        issue order, so "previous" is the sequence's last step issued before this one."""
+        in its previous step, from that step's copy of its tokens on the device (on the
+        capture stream, behind that step); NoPreviousToken when there is no such token
+        to feed. Runs in issue order, so "previous" is the sequence's last step issued
+        before this one.
+        A sequence is ``owner``'s (the client that named it): another client's same id
+        is another sequence."""
         ahead = plan.values.get("ahead")
         if not ahead:
             return []
         sequences, lengths = plan.values["sequences"], plan.values["lengths"]
+        mine: Mapping[int, _Sampled] = self._clients.get(owner) or {}
         feeds: list[DeviceFeed] = []
         run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
         for i in ahead:
             sid, n = sequences[i], lengths[i]
-            rec = self._sampled.get(sid)
+            rec = mine.get(sid)
             if rec is None:
                 raise NoPreviousToken(
-                    f"row {i}: sequence {sid} has no step on this worker to take its token "
-                    "from (its steps were refused or failed, or ran on a worker that has "
-                    "restarted since, or it is long gone); send the token itself"
+                    f"row {i}: sequence {sid} has no step on this worker from this client "
+                    "to take its token from (its steps were refused or failed, or ran on a "
+                    "worker that has restarted since, or on another connection, or it is "
+                    "long gone); send the token itself"
                 )
             if rec.length + 1 != n:
                 raise NoPreviousToken(
@@ -655,16 +663,9 @@ class ModelProgram(GraphProgram):
                     "the step in between was refused, failed, timed out or was not sent; "
                     "send the token itself"
                 )
-            if rec.graph is not None and rec.graph.last_done is not rec.done:
-                raise NoPreviousToken(
-                    f"row {i}: sequence {sid}'s token is gone: the graph instance of its "
-                    "previous step ran another step since (it skipped a step); send the "
-                    "token itself"
-                )
             if (
                 run
                 and run[1].tokens is rec.tokens
-                and run[1].done is rec.done
                 and (run[1].row + run[2] == rec.row and run[0] + run[2] == i)
             ):
                 run[2] += 1
@@ -680,22 +681,35 @@ class ModelProgram(GraphProgram):
         source = rec.tokens[rec.row : rec.row + rows]
         return DeviceFeed(source, "ints", (slice(row, row + rows), 0))
 
-    def issued(self, plan: StepPlan, graph: CapturedGraph | None, done: Any) -> None:
-        """Remember where each identified sequence's sampled token is (a step's rows, a
-        prefill's token), for the next step that asks for it."""
-        sampled = self._sampled
+    def issued(
+        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
+    ) -> None:
+        """Remember where each identified sequence of ``owner`` has its sampled token (a
+        step's rows, a prefill's token), for the next step that asks for it."""
+        named = plan.values.get("sequences") if graph is not None else plan.values.get("sequence")
+        if named is None:
+            self._prefilled = None
+            return
+        clients = self._clients
+        sampled = clients.get(owner)
+        if sampled is None:
+            sampled = clients[owner] = OrderedDict()
+            while len(clients) > CLIENTS:  # the least recently active client's go
+                clients.popitem(last=False)
+        clients.move_to_end(owner)
         if graph is not None:
-            sequences = plan.values.get("sequences")
-            if sequences is None:
-                return
-            tokens, lengths = graph.buffers["tokens"], plan.values["lengths"]
-            for i, sid in enumerate(sequences):
-                sampled[sid] = _Sampled(tokens, i, lengths[i], done, graph)
+            # A copy of the rows' tokens, on the capture stream behind the step (the
+            # engine's): the instance's buffer is rewritten by its next replay, which
+            # may be any client's step, while a sequence may sit steps out.
+            tokens = graph.buffers["tokens"][: plan.batch].clone()
+            lengths = plan.values["lengths"]
+            for i, sid in enumerate(named):
+                sampled[sid] = _Sampled(tokens, i, lengths[i])
                 sampled.move_to_end(sid)
-        elif plan.values.get("op") == "prefill" and plan.values.get("sequence") is not None:
-            sid, token = plan.values["sequence"], self._prefilled
+        else:  # a prefill that named its sequence
+            sid, token = named, self._prefilled
             assert token is not None
-            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch, done, None)
+            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch)
             sampled.move_to_end(sid)
         self._prefilled = None
         while len(sampled) > REMEMBERED:
