@@ -311,6 +311,17 @@ class StepEngine:
         self._check_outputs(prog, outputs)
         return StepPlan(program, batch, bucket)
 
+    def plan_sequences(
+        self, program: str, op: str, fields: Mapping[str, Any], owner: Any,
+        outputs: Sequence[str] = (),
+    ) -> StepPlan:  # fmt: skip
+        """Validate a sequence operation (``add``, ``decode``) of ``owner``'s sequences."""
+        prog = self._program(program)
+        if not prog.sequence_ops:
+            raise StepError("op", f"program {program!r} keeps no sequences (a model does)")
+        self._check_outputs(prog, outputs)
+        return prog.plan_sequences(op, fields, owner)
+
     def plan_state(self, program: str, op: str, fields: Mapping[str, Any]) -> StepPlan:
         """Validate an operation on a program's device state (``kv_write``, ``kv_read``)."""
         prog = self._program(program)

@@ -315,6 +315,18 @@ class GraphProgram(abc.ABC):
         (a model's sequences) is that client's alone."""
         return []
 
+    #: True for a program that keeps decoding sequences (the wire's add, decode,
+    #: append_blocks, free: :meth:`plan_sequences`, :meth:`sequence_change`)
+    sequence_ops: bool = False
+
+    def plan_sequences(self, op: str, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        """``add`` (a STATE job) or ``decode`` (a STEP job) of ``owner``'s sequences."""
+        raise StepError("op", f"program {self.name!r} keeps no sequences")
+
+    def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
+        """``append_blocks`` or ``free``: host bookkeeping, answered at once."""
+        raise StepError("op", f"program {self.name!r} keeps no sequences")
+
     def issued(
         self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
     ) -> None:

@@ -101,6 +101,7 @@ SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
 PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
 REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps, per client
 CLIENTS = 1024  # clients whose sequences a worker keeps (the least recently active go)
+_GREEDY = (0.0, 0, 1.0, 0)  # a sequence's sampling settings by default
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
 
 
@@ -197,6 +198,15 @@ class _Sampled:
 
 
 @dataclass
+class _Sequence:
+    """A sequence a client added (``add``): what a ``decode`` builds its row from."""
+
+    blocks: list[int]
+    length: int  # tokens in the cache once the last decode planned has run
+    sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
+
+
+@dataclass
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -215,6 +225,7 @@ class ModelProgram(GraphProgram):
     batch_param = LENGTHS
     tails = ("candidates", "vocabulary", "logprobs")
     checks_inputs = True
+    sequence_ops = True
 
     def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
         config = config or ModelConfig(random={"model_type": "llama"})
@@ -263,6 +274,9 @@ class ModelProgram(GraphProgram):
         # with none). A client's ids are its own: no other can name its sequences.
         self._clients: OrderedDict[Any, OrderedDict[int, _Sampled]] = OrderedDict()
         self._prefilled: torch.Tensor | None = None  # the last prefill's sampled token
+        # Sequence operations (add, decode, append_blocks, free): each client's
+        # sequences by its id, as planned (accept order is issue order).
+        self._sequences: dict[Any, dict[int, _Sequence]] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -630,6 +644,93 @@ class ModelProgram(GraphProgram):
             raise StepError(where, "two rows name one sequence")
         return tuple(many) if rows else many[0]
 
+    # ------------------------------------------------------------ sequence operations
+    def plan_sequences(self, op: str, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        """``add``: a prefill that names the sequence, which the worker keeps; ``decode``:
+        a step of one row per sequence, each fed its last token on the device, its row
+        built here from what the worker keeps (blocks, length, sampling settings)."""
+        if op == "add":
+            return self._plan_add(fields, owner)
+        return self._plan_decode(fields, owner)
+
+    def _table(self, blocks: list[int], where: str) -> torch.Tensor:
+        c = self.config
+        if len(blocks) > c.max_blocks_per_seq:
+            raise StepError(where, f"{len(blocks)} blocks, more than max_blocks_per_seq "
+                            f"{c.max_blocks_per_seq}")  # fmt: skip
+        pad = [c.num_blocks] * (c.max_blocks_per_seq - len(blocks))
+        return torch.tensor(blocks + pad, dtype=torch.int32)
+
+    def _plan_add(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        sid, blocks = fields["sequence"], list(fields["blocks"])
+        params = dict(fields.get("params") or {})
+        if SEQUENCE in params:
+            raise StepError(f"params.{SEQUENCE}", "an add names its sequence in sequence")
+        mine = self._sequences.get(owner, {})
+        if sid in mine:
+            raise StepError("sequence", f"sequence {sid} is added already: free it first")
+        if len(mine) >= REMEMBERED:
+            raise StepError("sequence", f"this client has {REMEMBERED} sequences: free some")
+        prefill = {
+            "tokens": fields["tokens"],
+            "block_table": self._table(blocks, "blocks"),
+            "params": {**params, SEQUENCE: sid},
+            "outputs": fields.get("outputs") or ["tokens"],
+        }
+        plan = self.plan_state("prefill", prefill)
+        temp, top_k, top_p, seed = sampling_values(
+            params, 1, "params", self.spec.vocab_size, per_row=False
+        )
+        sampling = (temp[0], top_k[0], top_p[0], seed[0])
+        self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling)
+        return plan
+
+    def _plan_decode(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        sids, new = list(fields["sequences"]), fields.get("new_blocks") or {}
+        mine = self._sequences.get(owner, {})
+        rows = []
+        for i, sid in enumerate(sids):
+            seq = mine.get(sid)
+            if seq is None:
+                raise StepError(f"sequences[{i}]", f"sequence {sid} is not one this client "
+                                "added (or it was freed): add it first")  # fmt: skip
+            rows.append(seq)
+        for sid in new:
+            if sid not in sids:
+                raise StepError(f"new_blocks.{sid}", f"sequence {sid} is not decoded here")
+        lengths = [seq.length + 1 for seq in rows]
+        tables = []
+        for i, (sid, seq) in enumerate(zip(sids, rows, strict=True)):
+            blocks = seq.blocks + list(new.get(sid, ()))
+            if lengths[i] > len(blocks) * self.config.block_size:
+                raise StepError(f"sequences[{i}]", f"sequence {sid}'s {len(blocks)} blocks "
+                                f"hold no token {lengths[i]}: send new_blocks")  # fmt: skip
+            tables.append(self._table(blocks, f"new_blocks.{sid}"))
+        params: dict[str, Any] = {LENGTHS: lengths, SEQUENCE: sids}
+        if any(seq.sampling != _GREEDY for seq in rows):
+            for j, key in enumerate(("temperature", "top_k", "top_p", "seed")):
+                params[key] = [seq.sampling[j] for seq in rows]
+        inputs = {"tokens": torch.full((len(sids),), PREVIOUS), "block_table": torch.stack(tables)}
+        plan = self.plan(len(sids), params, inputs)
+        for sid, seq in zip(sids, rows, strict=True):  # planned: the worker's state moves on
+            seq.blocks += new.get(sid, ())
+            seq.length += 1
+        return plan
+
+    def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
+        mine = self._sequences.get(owner, {})
+        if op == "free":
+            # (its last token stays where steps already planned may take it from)
+            freed = [sid for sid in fields["sequences"] if mine.pop(sid, None) is not None]
+            return {"freed": freed}
+        sid, blocks = fields["sequence"], list(fields["blocks"])
+        seq = mine.get(sid)
+        if seq is None:
+            raise StepError("sequence", f"sequence {sid} is not one this client added")
+        self._table(seq.blocks + blocks, "blocks")
+        seq.blocks += blocks
+        return {"blocks": len(seq.blocks)}
+
     # ------------------------------------------------------------ decoding ahead
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The copies that feed each row of token PREVIOUS the token its sequence sampled
@@ -695,7 +796,8 @@ class ModelProgram(GraphProgram):
         if sampled is None:
             sampled = clients[owner] = OrderedDict()
             while len(clients) > CLIENTS:  # the least recently active client's go
-                clients.popitem(last=False)
+                gone, _ = clients.popitem(last=False)
+                self._sequences.pop(gone, None)
         clients.move_to_end(owner)
         if graph is not None:
             # A copy of the rows' tokens, on the capture stream behind the step (the
