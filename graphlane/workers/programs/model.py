@@ -204,6 +204,7 @@ class _Sequence:
     blocks: list[int]
     length: int  # tokens in the cache once the last decode planned has run
     sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
+    table: torch.Tensor  # int32 [max_blocks_per_seq]: blocks, then the scratch block
 
 
 @dataclass
@@ -611,6 +612,16 @@ class ModelProgram(GraphProgram):
                 "new tokens): its value would be ambiguous",
             )
         temp, top_k, top_p, seed = sampling_values(params, batch, "params", self.spec.vocab_size)
+        rows = (toks, pos, slots, lengths, temp, top_k, top_p, seed)
+        return self._build(batch, bucket, rows, sequences, ahead, table)
+
+    def _build(
+        self, batch: int, bucket: int, rows: tuple[Any, ...], sequences: Any,
+        ahead: tuple[int, ...], table: torch.Tensor,
+    ) -> StepPlan:  # fmt: skip
+        """A validated step's plan from its rows' values (lists: token, position, slot,
+        length, temperature, top_k, top_p, seed) and block table [batch, max_blocks]."""
+        toks, pos, slots, lengths, temp, top_k, top_p, seed = rows
         ints = self._pad_ints[:bucket].clone()
         ints[:batch] = torch.tensor(list(zip(toks, pos, slots, strict=True)))
         floats = self._pad_floats[:bucket].clone()
@@ -671,9 +682,11 @@ class ModelProgram(GraphProgram):
             raise StepError("sequence", f"sequence {sid} is added already: free it first")
         if len(mine) >= REMEMBERED:
             raise StepError("sequence", f"this client has {REMEMBERED} sequences: free some")
+        self._check_blocks(blocks, "blocks")
+        table = self._table(blocks, "blocks")
         prefill = {
             "tokens": fields["tokens"],
-            "block_table": self._table(blocks, "blocks"),
+            "block_table": table,
             "params": {**params, SEQUENCE: sid},
             "outputs": fields.get("outputs") or ["tokens"],
         }
@@ -682,11 +695,18 @@ class ModelProgram(GraphProgram):
             params, 1, "params", self.spec.vocab_size, per_row=False
         )
         sampling = (temp[0], top_k[0], top_p[0], seed[0])
-        self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling)
+        self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling, table)
         return plan
 
     def _plan_decode(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        """A decode's step, its rows' values straight from the worker's record (checked
+        when added or appended): nothing of it grows with the context or table width
+        but the block table's host copy."""
         sids, new = list(fields["sequences"]), fields.get("new_blocks") or {}
+        batch = len(sids)
+        bucket = self.bucket_for(batch)
+        if len(set(sids)) != batch:
+            raise StepError("sequences", "two rows name one sequence")
         mine = self._sequences.get(owner, {})
         rows = []
         for i, sid in enumerate(sids):
@@ -698,24 +718,42 @@ class ModelProgram(GraphProgram):
         for sid in new:
             if sid not in sids:
                 raise StepError(f"new_blocks.{sid}", f"sequence {sid} is not decoded here")
-        lengths = [seq.length + 1 for seq in rows]
-        tables = []
+            self._check_blocks(mine[sid].blocks + list(new[sid]), f"new_blocks.{sid}")
+        bs = self.config.block_size
+        lengths, pos, slots = [], [], []
         for i, (sid, seq) in enumerate(zip(sids, rows, strict=True)):
-            blocks = seq.blocks + list(new.get(sid, ()))
-            if lengths[i] > len(blocks) * self.config.block_size:
+            p = seq.length  # the new token's position
+            blocks = seq.blocks if sid not in new else seq.blocks + list(new[sid])
+            if p >= self.max_len:
+                raise StepError(f"sequences[{i}]", f"sequence {sid} is {p} tokens long: "
+                                f"{self.max_len} is the most (max_blocks_per_seq * "
+                                "block_size); free it")  # fmt: skip
+            if p // bs >= len(blocks):
                 raise StepError(f"sequences[{i}]", f"sequence {sid}'s {len(blocks)} blocks "
-                                f"hold no token {lengths[i]}: send new_blocks")  # fmt: skip
-            tables.append(self._table(blocks, f"new_blocks.{sid}"))
-        params: dict[str, Any] = {LENGTHS: lengths, SEQUENCE: sids}
-        if any(seq.sampling != _GREEDY for seq in rows):
-            for j, key in enumerate(("temperature", "top_k", "top_p", "seed")):
-                params[key] = [seq.sampling[j] for seq in rows]
-        inputs = {"tokens": torch.full((len(sids),), PREVIOUS), "block_table": torch.stack(tables)}
-        plan = self.plan(len(sids), params, inputs)
-        for sid, seq in zip(sids, rows, strict=True):  # planned: the worker's state moves on
-            seq.blocks += new.get(sid, ())
+                                f"hold no token {p + 1}: send new_blocks")  # fmt: skip
+            lengths.append(p + 1)
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+        if len(set(slots)) != batch:
+            raise StepError("sequences", "two sequences write one slot (they share the block "
+                            "of their new tokens): its value would be ambiguous")  # fmt: skip
+        for sid, more in new.items():  # checked: the record takes them
+            seq = mine[sid]
+            seq.blocks += more
+            seq.table = self._table(seq.blocks, f"new_blocks.{sid}")
+        temp, top_k, top_p, seed = (list(v) for v in zip(*(q.sampling for q in rows), strict=True))
+        table = torch.stack([seq.table for seq in rows])
+        values = ([0] * batch, pos, slots, lengths, temp, top_k, top_p, seed)
+        plan = self._build(batch, bucket, values, tuple(sids), tuple(range(batch)), table)
+        for seq in rows:  # planned: the worker's record moves on
             seq.length += 1
         return plan
+
+    def _check_blocks(self, blocks: list[int], where: str) -> None:
+        nb = self.config.num_blocks
+        if any(b < 0 or b >= nb for b in blocks):
+            raise StepError(where, f"blocks must be in 0..{nb - 1} (num_blocks)")
+        self._table(blocks, where)
 
     def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
         mine = self._sequences.get(owner, {})
@@ -727,8 +765,9 @@ class ModelProgram(GraphProgram):
         seq = mine.get(sid)
         if seq is None:
             raise StepError("sequence", f"sequence {sid} is not one this client added")
-        self._table(seq.blocks + blocks, "blocks")
+        self._check_blocks(seq.blocks + blocks, "blocks")
         seq.blocks += blocks
+        seq.table = self._table(seq.blocks, "blocks")
         return {"blocks": len(seq.blocks)}
 
     # ------------------------------------------------------------ decoding ahead
