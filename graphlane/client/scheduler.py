@@ -54,6 +54,9 @@ class ModelShape:
         missing = [n for n in MODEL_INPUTS if n not in (described.get("inputs") or {})]
         if "prefill" not in ops or missing or "tokens" not in described.get("outputs", ()):
             raise ValueError("not a model program (state op prefill, input and output tokens)")
+        if "decode" not in (described.get("sequence_ops") or ()):
+            raise ValueError("the worker's model program has no sequence operations (add, "
+                             "decode): upgrade the daemon")  # fmt: skip
         arch = cfg.get("architecture") or {}
         try:
             return cls(

@@ -316,6 +316,8 @@ class ModelProgram(GraphProgram):
                 "logits": {"shape": ["batch", s.vocab_size], "dtype": "float32"},
             },
             "state": state,
+            # the typed sequence operations (docs/models.md, "Sequences")
+            "sequence_ops": ["add", "decode", "append_blocks", "free"],
             "config": {
                 "model": c.model,
                 "random": dict(c.random) if c.random is not None else None,
