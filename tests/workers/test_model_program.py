@@ -481,3 +481,32 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     assert program.sequence_change("free", {"sequences": [1, 7]}, "b") == {"freed": [1]}
     refused("decode", {"sequences": [1]}, "b", "sequences[0]")
     assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 130
+
+
+def test_the_least_recently_active_clients_sequences_go_first(monkeypatch: Any) -> None:
+    """A client that went away is forgotten as others come (docs/models.md, "Whose
+    sequence"): past CLIENTS clients, the least recently active one's record and its
+    added sequences go; an active one's stay."""
+    from graphlane.workers.programs import model as model_module
+
+    monkeypatch.setattr(model_module, "CLIENTS", 2)
+    arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+    program = ModelProgram(ModelConfig(random=arch, **SERVING))
+
+    def add(owner: str, sid: int = 1) -> None:  # planned, issued as the engine does
+        plan = program.plan_sequences("add", {"sequence": sid, "tokens": torch.arange(3),
+                                              "blocks": [sid]}, owner)  # fmt: skip
+        program._prefilled = torch.zeros(1, dtype=torch.int64)
+        program.issued(plan, None, None, owner)
+
+    add("a")
+    add("b")
+    add("a", 2)  # a is the most recently active: b is the oldest
+    refused = pytest.raises(StepError)
+    add("c")
+    assert set(program._clients) == {"a", "c"} and set(program._sequences) == {"a", "c"}
+    with refused:
+        program.plan_sequences("decode", {"sequences": [1]}, "b")
+    assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 4
