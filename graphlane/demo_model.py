@@ -3,7 +3,7 @@ by the ``model`` program, decoding ahead, a share of its sequences checked again
 transformers' eager ``generate``.
 
 Per device, a scheduler as a serving engine runs one (docs/models.md; the loop is the load
-test's, :mod:`graphlane.loadtest.generation`): sequences arrive
+test's, :mod:`graphlane.client.scheduler`): sequences arrive
 with prompts of different lengths, each gets the cache blocks it needs and joins the
 batch with a ``prefill`` that names its ``sequence_id``; every decode step has one row
 per live sequence, each row's token ``-1`` ("the token this sequence sampled in its
@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from graphlane.client import Client
+from graphlane.client.scheduler import GenerationLoop, ModelShape, Request
 from graphlane.loadtest import generation
-from graphlane.loadtest.generation import GenerationLoop, ModelShape, Request
 
 #: The tiny Llama (the keys of a config.json) and how the demo's daemon serves it.
 ARCHITECTURE: dict[str, Any] = {
@@ -63,7 +63,7 @@ def _sequences(device: int, count: int) -> list[Request]:
 
 async def generate(client: Client, device: int, seqs: list[Request], window: int = 3) -> int:
     """Run ``seqs`` to completion on ``device``, continuously batched and decoding ahead
-    (:class:`graphlane.loadtest.generation.GenerationLoop`, the load test's loop); each
+    (:class:`graphlane.client.scheduler.GenerationLoop`, the load test's loop); each
     request's tokens land in its ``out``. Returns the number of decode steps; raises
     when a request failed."""
     loop = GenerationLoop(client, "model", device, SHAPE, window=window)

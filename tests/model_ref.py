@@ -128,12 +128,14 @@ def _table(s: Sequence, max_blocks: int) -> list[int]:
 async def run_ahead(
     client: Any, program: str, seqs: list[Sequence], new: int, block_size: int,
     num_blocks: int, max_blocks: int, window: int = 3, shuffle_seed: int = 0, device: int = 0,
+    first_block: int = 0,
 ) -> dict[int, list[int]]:  # fmt: skip
     """Continuous batching as :func:`run_batching` (the same joins, leaves and row
     shuffles), decoding ahead: every row is fed the token its sequence sampled in its
     previous step (token -1, ``sequence_id`` the sid), prefills and steps are sent without
-    waiting for a reply, up to ``window`` requests in flight. Returns tokens by sid."""
-    free = list(range(num_blocks))
+    waiting for a reply, up to ``window`` requests in flight; its blocks are
+    ``first_block`` onwards. Returns tokens by sid."""
+    free = list(range(first_block, first_block + num_blocks))
     rng = random.Random(shuffle_seed)
     inflight: list[asyncio.Task[Any]] = []
     replies: list[tuple[asyncio.Task[Any], list[Sequence]]] = []

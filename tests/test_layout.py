@@ -191,6 +191,18 @@ def test_each_process_role_imports_only_what_it_may(imports: list[Import]) -> No
     assert direction_violations(imports) == []
 
 
+def test_one_reference_scheduler_on_the_client_side(imports: list[Import]) -> None:
+    """The continuous-batching scheduler of a model is the client's (issue 41): the load
+    test and the demo run graphlane.client.scheduler, and no other module defines one."""
+    users = {imp.source for imp in imports if imp.target == "graphlane.client.scheduler"}
+    assert {"graphlane.loadtest.serving", "graphlane.demo_model"} <= users
+    defining = [
+        name for name, (src, _) in sources().items()
+        if "class GenerationLoop" in src and name != "graphlane.client.scheduler"
+    ]  # fmt: skip
+    assert defining == []
+
+
 # ---------------------------------------------------------------- the checker itself
 def _fake(files: dict[str, str]) -> list[Import]:
     modules = {

@@ -519,6 +519,80 @@ class Client:
         done = await self._on_device(ch, "prefill", body, timeout)
         return _reply(host.endpoint, local, done)
 
+    # ------------------------------------------------------------ sequences (models)
+    async def add_sequence(
+        self,
+        program: str,
+        device: Device,
+        sequence: int,
+        tokens: Any,
+        blocks: Sequence[int],
+        *,
+        params: Mapping[str, Any] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> StepReply:
+        """Run a new sequence's prompt ``tokens`` into the KV cache ``blocks`` and keep it
+        on the worker as ``sequence`` (an id of this client's, >= 0), with its sampling
+        settings ``params`` (temperature, top_k, top_p, seed); ``outputs["tokens"]`` [1]
+        is its first sampled token. See docs/models.md, "Sequences"."""
+        tokens_t = as_slots(tokens, "tokens")
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        body = ops.AddSequence(
+            program, local, sequence, tokens_t, [int(b) for b in blocks],
+            as_params(params or {}), output_names(outputs), host.generation_for(local, None),
+            deadline_ms(self.timeout, timeout),
+        )  # fmt: skip
+        done = await self._on_device(ch, "add", body, timeout)
+        return _reply(host.endpoint, local, done)
+
+    async def decode(
+        self,
+        program: str,
+        device: Device,
+        sequences: Sequence[int],
+        *,
+        new_blocks: Mapping[int, Sequence[int]] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> StepReply:
+        """One token more for each of ``sequences`` (rows in this order), each fed the
+        token it sampled last, on the device: it may be sent before the reply of the
+        previous decode. ``new_blocks``: blocks appended to some of them first."""
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        more = {int(k): [int(b) for b in v] for k, v in (new_blocks or {}).items()}
+        body = ops.Decode(
+            program, local, [int(s) for s in sequences], more, output_names(outputs),
+            host.generation_for(local, None), deadline_ms(self.timeout, timeout),
+        )  # fmt: skip
+        done = await self._on_device(ch, "decode", body, timeout)
+        return _reply(host.endpoint, local, done)
+
+    async def append_blocks(
+        self, program: str, device: Device, sequence: int, blocks: Sequence[int],
+        *, timeout: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Append ``blocks`` to ``sequence``'s blocks (before the decodes sent after it)."""
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        body = ops.AppendBlocks(program, local, sequence, [int(b) for b in blocks],
+                                host.generation_for(local, None))  # fmt: skip
+        return dict(await self._on_device(ch, "append_blocks", body, timeout))
+
+    async def free_sequences(
+        self, program: str, device: Device, sequences: Sequence[int],
+        *, timeout: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Forget ``sequences`` on the worker (their blocks are this client's to reuse);
+        ``freed``: those it had."""
+        host, local = self._resolve(device)
+        ch = await self._worker_at(host, local)
+        body = ops.Free(program, local, [int(s) for s in sequences],
+                        host.generation_for(local, None))  # fmt: skip
+        return dict(await self._on_device(ch, "free", body, timeout))
+
     def generation(self, device: Device) -> int | None:
         """The worker generation this client's requests to ``device`` name (None before
         the client first reached the device)."""

@@ -159,6 +159,54 @@ class SyncClient:
             )
         )  # fmt: skip
 
+    def add_sequence(
+        self,
+        program: str,
+        device: Device,
+        sequence: int,
+        tokens: Any,
+        blocks: Sequence[int],
+        *,
+        params: Mapping[str, Any] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> StepReply:
+        return self._run(
+            self._client.add_sequence(
+                program, device, sequence, tokens, blocks, params=params, outputs=outputs,
+                timeout=timeout,
+            )
+        )  # fmt: skip
+
+    def decode(
+        self,
+        program: str,
+        device: Device,
+        sequences: Sequence[int],
+        *,
+        new_blocks: Mapping[int, Sequence[int]] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> StepReply:
+        return self._run(
+            self._client.decode(program, device, sequences, new_blocks=new_blocks,
+                                outputs=outputs, timeout=timeout)
+        )  # fmt: skip
+
+    def append_blocks(
+        self, program: str, device: Device, sequence: int, blocks: Sequence[int],
+        *, timeout: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self._run(
+            self._client.append_blocks(program, device, sequence, blocks, timeout=timeout)
+        )
+
+    def free_sequences(
+        self, program: str, device: Device, sequences: Sequence[int],
+        *, timeout: float | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return self._run(self._client.free_sequences(program, device, sequences, timeout=timeout))
+
     def generation(self, device: Device) -> int | None:
         return self._client.generation(device)
 

@@ -25,12 +25,13 @@ from typing import Any
 import torch
 
 from graphlane.client import Client
+from graphlane.client.scheduler import ModelShape
 
 from .attention import ATTENTION_SHAPE, AttentionWorkload
 from .batching import Sequences
 from .calls import drive_calls, preflight
 from .config import LoadConfig
-from .generation import ModelShape, check_reference
+from .generation import check_reference
 from .paged import PagedScheduler, PagedShape
 from .progress import Progress
 from .record import Recorder, window_for

@@ -45,11 +45,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from graphlane.client.scheduler import GenerationLoop, ModelShape, Request
 from graphlane.protocol.errors import GraphlaneError
 
 from .availability import DeviceBackoff
 from .config import DECODE_TOKENS
-from .generation import GenerationLoop, ModelShape, Request, greedy, reference_model
+from .generation import greedy, reference_model
 from .run import CLIENT_DEADLINE, Run, finish
 from .workload import Call
 

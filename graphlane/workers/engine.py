@@ -321,6 +321,17 @@ class StepEngine:
         self._check_outputs(prog, outputs)
         return StepPlan(program, batch, bucket)
 
+    def plan_sequences(
+        self, program: str, op: str, fields: Mapping[str, Any], owner: Any,
+        outputs: Sequence[str] = (),
+    ) -> StepPlan:  # fmt: skip
+        """Validate a sequence operation (``add``, ``decode``) of ``owner``'s sequences."""
+        prog = self._program(program)
+        if not prog.sequence_ops:
+            raise StepError("op", f"program {program!r} keeps no sequences (a model does)")
+        self._check_outputs(prog, outputs)
+        return prog.plan_sequences(op, fields, owner)
+
     def plan_state(self, program: str, op: str, fields: Mapping[str, Any]) -> StepPlan:
         """Validate an operation on a program's device state (``kv_write``, ``kv_read``)."""
         prog = self._program(program)
@@ -345,14 +356,16 @@ class StepEngine:
         program = self.programs[step.plan.program]
         if step.kind is JobKind.STEP:
             try:  # copies from earlier steps' outputs (decoding ahead), if it has any
-                step.feeds = program.feeds(step.plan)
+                step.feeds = program.feeds(step.plan, step.owner)
             except Exception as exc:  # nothing of it was issued: its refusal alone
                 self._abandon(step, exc)
                 return
         try:
             fence = self._issue(step)
             if step.kind is JobKind.STEP or step.kind is JobKind.STATE:
-                program.issued(step.plan, step.graph, step.done)
+                # on S, behind the step's replay: what the hook issues reads its outputs
+                with self.backend.use_stream(self.capture_stream):
+                    program.issued(step.plan, step.graph, step.done, step.owner)
             # Alone in the engine (the update thread is idle): U's work is issued here.
             inline = fence is not _S_ONLY and (self._u_inline or self._permits.alone())
             if inline:

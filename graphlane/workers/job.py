@@ -37,6 +37,9 @@ class Job:
     # routing (the worker's): who asked, and how to answer
     ident: Any = None  # the sender's routing id
     source: Any = None  # that routing id's Frame, when the worker watches connections
+    # whose sequences it names: the sender's CURVE key, else its routing id (a program's
+    # per-client state, see GraphProgram.feeds)
+    owner: Any = None
     request_id: int = 0
     bundled: bool = False  # came in a bundle: its sender takes bundled replies
     received: float = 0.0  # perf_counter time the worker decoded it

@@ -229,7 +229,9 @@ class Worker:
             self,
             pump=self._pump,
             metrics=self.metrics,
-            roles=self.roles is not None,
+            # With CURVE, every message's sender key is noted: roles check it, and it
+            # owns the sequences it adds (Job.owner).
+            roles=spec.keys is not None,
             connections=self.connections,
             max_unread_bytes=spec.max_unread_reply_bytes,
         )
@@ -363,6 +365,8 @@ class Worker:
             return self._control(body)
         if type(body) is ops.Resume:
             return self._resume(origin.ident, body)
+        if type(body) is ops.AppendBlocks or type(body) is ops.Free:
+            return self._sequence_change(req.op, body, origin)
         try:
             self._accept(req, body, origin)
         except Exception as exc:
@@ -398,9 +402,13 @@ class Worker:
             self._check_generation(body)
         if self._fences and ident in self._fences and self._keeps_state(body.program):
             raise self._refusal(*self._fences[ident])
-        step = self._step(body, req.op)
+        # Whose sequences it names: a client key names one client across its
+        # connections; without CURVE, the connection is the client.
+        owner = origin.sender if origin.sender is not None else ident
+        step = self._step(body, req.op, owner)
         step.ident, step.request_id, step.bundled = ident, req.id, origin.bundled
         step.source = origin.source
+        step.owner = owner
         step.received = received = origin.received
         step.changes_state = req.op in _CHANGES_STATE and self._stateful
         if body.timeout_ms is not None:
@@ -413,6 +421,27 @@ class Worker:
             return
         self._open[step] = None
         self.engine.issue(step)
+
+    def _sequence_change(self, op: str, body: Any, origin: Origin) -> dict[str, Any]:
+        """append_blocks, free: the worker's record of the sender's sequences changes now
+        (steps accepted before are planned already: in order with them)."""
+        if self.roles is not None:
+            self.roles.check(origin.sender, op, body.program)
+        if body.device != self.spec.device:
+            raise UnknownDevice(f"this worker serves device {self.spec.device}, not {body.device}")
+        program = self.engine.programs.get(body.program)
+        if program is None:
+            raise UnknownProgram(
+                f"{body.program!r} is not served (serving {sorted(self.engine.programs)})"
+            )
+        if body.generation != self.spec.generation:
+            self._check_generation(body)
+        owner = origin.sender if origin.sender is not None else origin.ident
+        fields = {f: getattr(body, f) for f in body.__struct_fields__}
+        try:
+            return program.sequence_change(op, fields, owner)
+        except StepError as exc:
+            raise BadRequest(str(exc)) from exc
 
     def _control(self, body: Any) -> dict[str, Any]:
         """The answer to a request that is not device work."""
@@ -490,12 +519,21 @@ class Worker:
                 f"and name generation {self.spec.generation}"
             )
 
-    def _step(self, body: Any, op: str) -> Job:
+    def _step(self, body: Any, op: str, owner: Any = None) -> Job:
         """The step a device request's body asks for, validated (BAD_REQUEST if not)."""
         try:
             if type(body) is ops.Step:  # the common case first
                 outputs = tuple(body.outputs)
                 return Job(JobKind.STEP, self.engine.plan(body, outputs), outputs)
+            if type(body) is ops.Decode:
+                outputs = tuple(body.outputs) or ("tokens",)
+                fields = {"sequences": body.sequences, "new_blocks": body.new_blocks}
+                plan = self.engine.plan_sequences(body.program, op, fields, owner, outputs)
+                return Job(JobKind.STEP, plan, outputs)
+            if type(body) is ops.AddSequence:
+                fields = {f: getattr(body, f) for f in body.__struct_fields__}
+                plan = self.engine.plan_sequences(body.program, op, fields, owner, body.outputs)
+                return Job(JobKind.STATE, plan)
             if type(body) is ops.KvWrite:
                 fields = {"slots": body.slots, "key": body.key, "value": body.value}
                 return Job(JobKind.STATE, self.engine.plan_state(body.program, op, fields))
@@ -585,6 +623,6 @@ class Worker:
 _NO_GRAPH = GraphKey("", 0, 0)
 #: Ops whose failure leaves a stateful program's device state without what the client
 #: meant to put there (a kv_write's KV, a prefill's prompt, a step's new token).
-_CHANGES_STATE = frozenset({"kv_write", "prefill", "step"})
+_CHANGES_STATE = frozenset({"kv_write", "prefill", "step", "add", "decode"})
 
 __all__ = ["Worker", "WorkerSpec", "start_failure", "worker_main"]

@@ -7,6 +7,7 @@ second under its module path: a daemon names each program once)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 from typing import Any
@@ -101,6 +102,111 @@ async def test_decoding_ahead_gives_transformers_greedy_tokens(
     for s in seqs:
         assert got[s.sid] == reference(model, s.prompt, NEW), f"sequence {s.sid}"
     assert status["failure"] is None
+
+
+async def test_two_clients_with_the_same_sequence_ids_each_get_their_own_tokens(
+    daemon: Any, models: dict[str, tuple[Any, str]]
+) -> None:
+    """A sequence is the client's that added it (docs/models.md, "Decoding ahead"): two
+    schedulers decoding ahead at once on one worker, naming the same sequence ids over
+    blocks of their own, each get their own prompts' tokens; a client naming an id only
+    the other has added is refused, and the other's sequence goes on unharmed."""
+    model = models["model"][0]
+    mine = [Sequence(sid, s.prompt, 0) for sid, s in enumerate(_sequences(11)[:2])]
+    theirs = [Sequence(sid, s.prompt, 0) for sid, s in enumerate(_sequences(12)[:2])]
+    half = BLOCKS // 2
+    async with Client(daemon.endpoint, timeout=60) as a, Client(daemon.endpoint, timeout=60) as b:
+        got_a, got_b = await asyncio.gather(
+            run_ahead(a, "model", mine, NEW, BLOCK, half, MAX_BLOCKS, window=3),
+            run_ahead(b, "model", theirs, NEW, BLOCK, half, MAX_BLOCKS, window=3,
+                      first_block=half),
+        )  # fmt: skip
+        for s in mine:
+            assert got_a[s.sid] == reference(model, s.prompt, NEW), f"A's sequence {s.sid}"
+        for s in theirs:
+            assert got_b[s.sid] == reference(model, s.prompt, NEW), f"B's sequence {s.sid}"
+        # A adds sequence 7; B cannot advance it by naming its id
+        prompt = mine[0].prompt
+        table = [0] + [BLOCKS] * (MAX_BLOCKS - 1)
+        first = await a.prefill("model", 0, prompt, table, params={"sequence_id": 7})
+        ahead = {"actual_seq_lengths_kv": [len(prompt) + 1], "sequence_id": [7]}
+        inputs = {"tokens": torch.tensor([-1]),
+                  "block_table": torch.tensor([table], dtype=torch.int32)}  # fmt: skip
+        with pytest.raises(GraphlaneError) as err:
+            await b.step("model", 0, ahead, inputs, outputs=["tokens"])
+        assert err.value.code == "NO_PREVIOUS_TOKEN"
+        r = await a.step("model", 0, ahead, inputs, outputs=["tokens"])
+        want = reference(model, prompt, 2)
+        assert [int(first.outputs["tokens"][0]), int(r.outputs["tokens"][0])] == want
+
+
+async def _decode_sequences(
+    c: Client, prompts: dict[int, list[int]], blocks: dict[int, list[int]], window: int = 3
+) -> dict[int, list[int]]:
+    """The typed sequence operations: add each sequence, then decode them all ahead (up
+    to ``window`` requests unanswered), the second block of each given by a decode's
+    new_blocks when its length needs it. Returns the NEW tokens of each."""
+    sent: list[tuple[asyncio.Task[Any], list[int]]] = []
+
+    async def send(coro: Any, sids: list[int]) -> None:
+        while sum(not t.done() for t, _ in sent) >= window:
+            await asyncio.wait([t for t, _ in sent if not t.done()],
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        task = asyncio.create_task(coro)
+        await asyncio.sleep(0)  # tasks start in order: requests go in order
+        sent.append((task, sids))
+
+    lengths = {}
+    for sid, prompt in prompts.items():
+        await send(c.add_sequence("model", 0, sid, prompt, blocks[sid][:1]), [sid])
+        lengths[sid] = len(prompt)
+    for _ in range(NEW - 1):
+        sids = list(prompts)
+        more = {s: blocks[s][1:] for s in sids if lengths[s] == BLOCK}  # token BLOCK + 1
+        await send(c.decode("model", 0, sids, new_blocks=more), sids)
+        for s in sids:
+            lengths[s] += 1
+    out: dict[int, list[int]] = {sid: [] for sid in prompts}
+    for task, sids in sent:
+        tokens = (await task).outputs["tokens"].tolist()
+        for sid, tok in zip(sids, tokens, strict=True):
+            out[sid].append(tok)
+    return out
+
+
+async def test_sequence_operations_keep_each_clients_sequences_on_the_worker(
+    daemon: Any, models: dict[str, tuple[Any, str]]
+) -> None:
+    """add / decode / free (docs/models.md, "Sequences"): the worker keeps each
+    sequence's blocks, length and last token; two clients numbering their sequences
+    alike, decoding ahead at once, each get transformers' tokens for their own prompts
+    (one crosses into its second block through new_blocks); neither can decode or free
+    the other's."""
+    model = models["model"][0]
+    g = torch.Generator().manual_seed(5)
+    prompts_a = {0: torch.randint(0, 256, (100,), generator=g).tolist(),
+                 1: torch.randint(0, 256, (9,), generator=g).tolist()}  # fmt: skip
+    prompts_b = {0: torch.randint(0, 256, (30,), generator=g).tolist(),
+                 1: torch.randint(0, 256, (3,), generator=g).tolist()}  # fmt: skip
+    blocks_a = {0: [0, 1], 1: [2, 3]}
+    blocks_b = {0: [5, 6], 1: [7, 8]}
+    async with Client(daemon.endpoint, timeout=60) as a, Client(daemon.endpoint, timeout=60) as b:
+        got_a, got_b = await asyncio.gather(
+            _decode_sequences(a, prompts_a, blocks_a), _decode_sequences(b, prompts_b, blocks_b)
+        )
+        for sid, prompt in prompts_a.items():
+            assert got_a[sid] == reference(model, prompt, NEW), f"A's sequence {sid}"
+        for sid, prompt in prompts_b.items():
+            assert got_b[sid] == reference(model, prompt, NEW), f"B's sequence {sid}"
+        assert (await b.free_sequences("model", 0, [0]))["freed"] == [0]  # B's own 0
+        with pytest.raises(GraphlaneError) as err:  # B's 0 is gone; A's is not B's
+            await b.decode("model", 0, [0])
+        assert err.value.code == "BAD_REQUEST" and "not one this client added" in str(err.value)
+        # A's sequence 0 goes on, one token more, as transformers
+        r = await a.decode("model", 0, [0])
+        want = reference(model, prompts_a[0], NEW + 1)[-1]
+        assert r.outputs["tokens"].tolist() == [want]
+        assert (await a.free_sequences("model", 0, [0, 1, 9]))["freed"] == [0, 1]
 
 
 def test_logprobs_and_refusals(daemon: Any, models: dict[str, tuple[Any, str]]) -> None:

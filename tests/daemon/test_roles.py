@@ -120,3 +120,35 @@ def test_a_program_serves_only_its_clients_and_a_worker_drains_for_an_admin_only
             assert await _code(a.step(paged, 0, params, inputs)) == "SHUTTING_DOWN"
 
     asyncio.run(main())
+
+
+MODEL = {"name": "model", "block_size": 128, "num_blocks": 4, "max_blocks_per_seq": 1,
+         "buckets": [1], "prefill_chunk": 16, "dtype": "float32",
+         "random": {"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                    "intermediate_size": 64, "num_hidden_layers": 1,
+                    "num_attention_heads": 2, "num_key_value_heads": 1}}  # fmt: skip
+
+
+def test_a_sequence_is_its_client_keys_across_connections_and_no_other_keys(
+    start_daemon: Any, tmp_path
+) -> None:
+    """With CURVE a sequence belongs to the key that added it (docs/models.md, "Whose
+    sequence"): another connection of that key decodes ahead from it; another key naming
+    the same id is refused NO_PREVIOUS_TOKEN and leaves it as it was."""
+    keys = _keys(tmp_path)
+    d: RunningDaemon = start_daemon(
+        devices=1, auth_dir=str(keys), programs=[MODEL], client_keys=_as(keys, "ops")
+    )
+    ahead = {"actual_seq_lengths_kv": [4], "sequence_id": [7]}
+    inputs = {"tokens": torch.tensor([-1]), "block_table": torch.tensor([[0]], dtype=torch.int32)}
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=30, **_as(keys, "sched-a")) as a:
+            await a.prefill("model", 0, [1, 2, 3], [0], params={"sequence_id": 7})
+        async with Client(d.endpoint, timeout=30, **_as(keys, "sched-b")) as b:
+            assert await _code(b.step("model", 0, ahead, inputs)) == "NO_PREVIOUS_TOKEN"
+        async with Client(d.endpoint, timeout=30, **_as(keys, "sched-a")) as a2:
+            r = await a2.step("model", 0, ahead, inputs, outputs=["tokens"])
+            assert r.outputs["tokens"].shape == (1,)
+
+    asyncio.run(main())

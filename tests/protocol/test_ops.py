@@ -117,6 +117,22 @@ EXAMPLES: list[tuple[str, Any]] = [
             outputs=["tokens"],
         ),
     ),
+    (
+        "add",
+        ops.AddSequence(
+            "model",
+            0,
+            7,
+            torch.arange(5),
+            [3, 4],
+            params={"seed": 2},
+            outputs=["tokens"],
+            generation=1,
+        ),
+    ),
+    ("decode", ops.Decode("model", 0, [7, 0], new_blocks={7: [5]}, timeout_ms=50)),
+    ("append_blocks", ops.AppendBlocks("model", 0, 7, [6, 8], generation=1)),
+    ("free", ops.Free("model", 0, [7])),
     ("drain", ops.Drain()),
     ("drain", ops.Drain(device=3)),
     ("shutdown", ops.Shutdown()),
@@ -178,12 +194,16 @@ def test_every_op_has_a_round_trip_example() -> None:
 
 def test_ops_and_their_types() -> None:
     assert set(OPS) == {"hello", "status", "step", "update", "replay", "drain", "shutdown",
-                        "kv_write", "kv_read", "prefill", "resume"}  # fmt: skip
-    device_ops = {"step", "update", "replay", "kv_write", "kv_read", "prefill", "resume"}
+                        "kv_write", "kv_read", "prefill", "resume", "add", "decode",
+                        "append_blocks", "free"}  # fmt: skip
+    device_ops = {"step", "update", "replay", "kv_write", "kv_read", "prefill", "resume",
+                  "add", "decode", "append_blocks", "free"}  # fmt: skip
     assert {name for name, op in OPS.items() if op.device} == device_ops
+    answered_at_once = {"resume", "append_blocks", "free"}
     for name, op in OPS.items():
         assert op.name == name
-        assert op.reply is (ops.StepDone if op.device and name != "resume" else ops.Info)
+        device_work = op.device and name not in answered_at_once
+        assert op.reply is (ops.StepDone if device_work else ops.Info)
 
 
 def test_unset_optional_fields_are_left_out_of_the_wire() -> None:

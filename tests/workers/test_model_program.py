@@ -347,16 +347,16 @@ def test_a_row_with_no_token_to_feed_is_refused_never_fed_a_stale_one() -> None:
         assert refused(_ahead_step(eng, [(1, 4, 0), (99, 4, 1)]))
         assert refused(_ahead_step(eng, [(1, 5, 0)]))
         steps = [_ahead_step(eng, [(1, 4, 0)]), _ahead_step(eng, [(1, 5, 0)])]
-        # Its token is overwritten when the instance of its last step runs another step
-        # (bucket 1 has two: two steps without it).
+        # Its token outlives the instance of its last step running other steps (bucket 1
+        # has two: two steps without it): the worker keeps a copy of its own.
         other = {"tokens": torch.tensor([3]), "block_table": torch.tensor([[1]], dtype=torch.int32)}
         for n in (2, 3):
             eng.step(1, [n], inputs=other, program="model", params={"actual_seq_lengths_kv": [n]},
                      outputs=("tokens",))  # fmt: skip
-        assert refused(_ahead_step(eng, [(1, 6, 0)]))
+        steps.append(_ahead_step(eng, [(1, 6, 0)]))
         eng.wait([first, *steps], 60)
         got = [int(first.results["tokens"][0])] + [int(s.results["tokens"][0]) for s in steps]
-        assert got == expected[:3]
+        assert got == expected[:4]
         # A row that sends its token itself starts the sequence again.
         resent = {"tokens": torch.tensor(expected[2:3]), "block_table": torch.tensor([[0]],
                   dtype=torch.int32)}  # fmt: skip
@@ -439,3 +439,74 @@ def test_each_layer_is_the_fields_and_no_graph_runs_an_ai_cpu_task(bucket: int) 
         op.split(".")[0] for op in ops_
     }
     assert "sort" not in {op.split(".")[0] for op in two["tails"]["candidates"]["kernels_by_op"]}
+
+
+def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_client() -> None:
+    """add / decode / append_blocks / free on the host record (no device): each refusal
+    names its field, and one client's ids are not another's."""
+    arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+    program = ModelProgram(ModelConfig(random=arch, **{**SERVING, "max_blocks_per_seq": 2}))
+
+    def refused(op: str, fields: dict[str, Any], owner: Any, where: str) -> None:
+        with pytest.raises(StepError) as err:
+            if op in ("add", "decode"):
+                program.plan_sequences(op, fields, owner)
+            else:
+                program.sequence_change(op, fields, owner)
+        assert str(err.value).startswith(where), str(err.value)
+
+    def add(sid: int, n: int, blocks: list[int], owner: Any = "a") -> None:
+        program.plan_sequences("add", {"sequence": sid, "tokens": torch.arange(n),
+                                       "blocks": blocks}, owner)  # fmt: skip
+
+    add(1, 127, [0])
+    refused("add", {"sequence": 1, "tokens": torch.arange(3), "blocks": [1]}, "a", "sequence")
+    refused("add", {"sequence": 2, "tokens": torch.arange(3), "blocks": [6]}, "a", "blocks")
+    refused("add", {"sequence": 2, "tokens": torch.arange(3), "blocks": [1, 2, 3]}, "a", "blocks")
+    refused("decode", {"sequences": [1]}, "b", "sequences[0]")  # another client's id
+    refused("decode", {"sequences": [1, 1]}, "a", "sequences")
+    refused("decode", {"sequences": [1], "new_blocks": {3: [1]}}, "a", "new_blocks.3")
+    plan = program.plan_sequences("decode", {"sequences": [1]}, "a")  # token 128: block 0
+    assert plan.values["lengths"][0] == 128 and plan.values["ahead"] == (0,)
+    refused("decode", {"sequences": [1]}, "a", "sequences[0]")  # token 129: no block
+    refused("append_blocks", {"sequence": 1, "blocks": [9]}, "a", "blocks")
+    assert program.sequence_change("append_blocks", {"sequence": 1, "blocks": [4]}, "a") == {
+        "blocks": 2
+    }
+    plan = program.plan_sequences("decode", {"sequences": [1]}, "a")
+    assert int(plan.inputs["ints"][0, 2]) == 4 * 128  # token 129's slot: block 4's first
+    add(1, 5, [2], owner="b")  # b's sequence 1 is its own
+    assert program.sequence_change("free", {"sequences": [1, 7]}, "b") == {"freed": [1]}
+    refused("decode", {"sequences": [1]}, "b", "sequences[0]")
+    assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 130
+
+
+def test_the_least_recently_active_clients_sequences_go_first(monkeypatch: Any) -> None:
+    """A client that went away is forgotten as others come (docs/models.md, "Whose
+    sequence"): past CLIENTS clients, the least recently active one's record and its
+    added sequences go; an active one's stay."""
+    from graphlane.workers.programs import model as model_module
+
+    monkeypatch.setattr(model_module, "CLIENTS", 2)
+    arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+    program = ModelProgram(ModelConfig(random=arch, **SERVING))
+
+    def add(owner: str, sid: int = 1) -> None:  # planned, issued as the engine does
+        plan = program.plan_sequences("add", {"sequence": sid, "tokens": torch.arange(3),
+                                              "blocks": [sid]}, owner)  # fmt: skip
+        program._prefilled = torch.zeros(1, dtype=torch.int64)
+        program.issued(plan, None, None, owner)
+
+    add("a")
+    add("b")
+    add("a", 2)  # a is the most recently active: b is the oldest
+    refused = pytest.raises(StepError)
+    add("c")
+    assert set(program._clients) == {"a", "c"} and set(program._sequences) == {"a", "c"}
+    with refused:
+        program.plan_sequences("decode", {"sequences": [1]}, "b")
+    assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 4

@@ -1,6 +1,7 @@
 """Every operation of the wire: its name, its request body and its reply body.
 
-One module per family (:mod:`.control`, :mod:`.steps`, :mod:`.kv`, :mod:`.prefill`); the
+One module per family (:mod:`.control`, :mod:`.steps`, :mod:`.kv`, :mod:`.prefill`,
+:mod:`.sequences`); the
 same Structs are encoded by the client and decoded by the server, so the two cannot disagree.
 """
 
@@ -12,12 +13,17 @@ from typing import Any
 from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.kv import KvRead, KvWrite, Resume
 from graphlane.protocol.ops.prefill import Prefill
+from graphlane.protocol.ops.sequences import AddSequence, AppendBlocks, Decode, Free
 from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
 
 __all__ = [
     "MAX_OUTPUTS",
     "OPS",
+    "AddSequence",
+    "AppendBlocks",
+    "Decode",
     "Drain",
+    "Free",
     "Hello",
     "Info",
     "KvRead",
@@ -56,5 +62,9 @@ OPS: dict[str, Op] = {
         Op("kv_read", KvRead, StepDone, device=True),
         Op("prefill", Prefill, StepDone, device=True),
         Op("resume", Resume, Info, device=True),
+        Op("add", AddSequence, StepDone, device=True),
+        Op("decode", Decode, StepDone, device=True),
+        Op("append_blocks", AppendBlocks, Info, device=True),
+        Op("free", Free, Info, device=True),
     )
 }

@@ -308,15 +308,34 @@ class GraphProgram(abc.ABC):
         """(device destination, host source) copies that must land before group ``group`` runs."""
         return []
 
-    def feeds(self, plan: StepPlan) -> list[DeviceFeed]:
+    def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The device-to-device copies a step needs beside its host inputs, resolved when
         it is issued (in issue order, after every step issued before it); an exception
-        refuses this step alone (nothing of it was issued)."""
+        refuses this step alone (nothing of it was issued). ``owner``: the client that
+        sent it (its CURVE key, else its connection): state a program keeps per client
+        (a model's sequences) is that client's alone."""
         return []
 
-    def issued(self, plan: StepPlan, graph: CapturedGraph | None, done: Any) -> None:
+    #: True for a program that keeps decoding sequences (the wire's add, decode,
+    #: append_blocks, free: :meth:`plan_sequences`, :meth:`sequence_change`)
+    sequence_ops: bool = False
+
+    def plan_sequences(self, op: str, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        """``add`` (a STATE job) or ``decode`` (a STEP job) of ``owner``'s sequences."""
+        raise StepError("op", f"program {self.name!r} keeps no sequences")
+
+    def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
+        """``append_blocks`` or ``free``: host bookkeeping, answered at once."""
+        raise StepError("op", f"program {self.name!r} keeps no sequences")
+
+    def issued(
+        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
+    ) -> None:
         """Called by the issuing thread once a step (``graph`` its instance) or a
-        device-state operation (``graph`` None) is issued, ``done`` recorded after it."""
+        device-state operation (``graph`` None) is issued, ``done`` recorded after it
+        (``owner`` as in :meth:`feeds`). Device work it issues goes on the capture
+        stream, behind the step: it may copy the step's outputs before a later replay
+        of the instance rewrites them."""
         return None
 
     def capture_tail(

@@ -42,10 +42,13 @@ int64 [b, K] (the K most likely tokens' log-probabilities, before temperature) a
 
 Decoding ahead (docs/models.md): with ``sequence_id`` (per row, the scheduler's ids), a
 row's token may be PREVIOUS (-1): the token its sequence sampled in its last step issued
-on this worker (or its prefill, which named the id). :meth:`ModelProgram.feeds` resolves
-it when the step is issued, to a copy on the device from that step's ``tokens`` output,
-fenced by that step's event (:class:`~.base.DeviceFeed`), or refuses the step
-(NO_PREVIOUS_TOKEN) when no such token can be fed: never a stale one.
+on this worker (or its prefill, which named the id). A sequence is the client's that
+named it (its CURVE key, else its connection: ``Job.owner``). After each step that names
+sequences its sampled tokens are copied on the capture stream to a tensor of their own
+(:meth:`ModelProgram.issued`); :meth:`ModelProgram.feeds` resolves a PREVIOUS row when
+its step is issued, to a copy on the device from there (:class:`~.base.DeviceFeed`,
+fenced by stream order), or refuses the step (NO_PREVIOUS_TOKEN) when no such token can
+be fed: never a stale one, never another client's.
 
 ``prefill`` (a device-state operation, in order with the replays on the capture
 stream): one sequence's prompt ``tokens`` [n] from position ``start`` (0, or the
@@ -96,7 +99,9 @@ MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin docume
 OUTPUTS = ("tokens", "logprobs", "logprob_ids", "logits")
 SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
 PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
-REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps track of
+REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps, per client
+CLIENTS = 1024  # clients whose sequences a worker keeps (the least recently active go)
+_GREEDY = (0.0, 0, 1.0, 0)  # a sequence's sampling settings by default
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
 
 
@@ -187,11 +192,19 @@ class ModelConfig:
 class _Sampled:
     """Where the token a sequence sampled in its last step is on the device."""
 
-    tokens: torch.Tensor  # what that step wrote: its instance's "tokens", a prefill's own
+    tokens: torch.Tensor  # that step's sampled tokens, a copy of its own (see issued)
     row: int  # the sequence's row in it
     length: int  # the sequence's length with the token that step fed
-    done: Any  # the event recorded after that step
-    graph: CapturedGraph | None  # its instance (None: a prefill's tensor, never rewritten)
+
+
+@dataclass
+class _Sequence:
+    """A sequence a client added (``add``): what a ``decode`` builds its row from."""
+
+    blocks: list[int]
+    length: int  # tokens in the cache once the last decode planned has run
+    sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
+    table: torch.Tensor  # int32 [max_blocks_per_seq]: blocks, then the scratch block
 
 
 @dataclass
@@ -213,6 +226,7 @@ class ModelProgram(GraphProgram):
     batch_param = LENGTHS
     tails = ("candidates", "vocabulary", "logprobs")
     checks_inputs = True
+    sequence_ops = True
 
     def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
         config = config or ModelConfig(random={"model_type": "llama"})
@@ -256,10 +270,14 @@ class ModelProgram(GraphProgram):
         self._pad_sampling = torch.zeros(top, 3, dtype=torch.int32)  # top_k, row keys
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
-        # Decoding ahead: each sequence's last sampled token, by the scheduler's id (the
-        # issuing thread's alone; a restarted worker starts with none).
-        self._sampled: OrderedDict[int, _Sampled] = OrderedDict()
+        # Decoding ahead: each sequence's last sampled token, by client (Job.owner) and
+        # the client's id of it (the issuing thread's alone; a restarted worker starts
+        # with none). A client's ids are its own: no other can name its sequences.
+        self._clients: OrderedDict[Any, OrderedDict[int, _Sampled]] = OrderedDict()
         self._prefilled: torch.Tensor | None = None  # the last prefill's sampled token
+        # Sequence operations (add, decode, append_blocks, free): each client's
+        # sequences by its id, as planned (accept order is issue order).
+        self._sequences: dict[Any, dict[int, _Sequence]] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -298,6 +316,8 @@ class ModelProgram(GraphProgram):
                 "logits": {"shape": ["batch", s.vocab_size], "dtype": "float32"},
             },
             "state": state,
+            # the typed sequence operations (docs/models.md, "Sequences")
+            "sequence_ops": ["add", "decode", "append_blocks", "free"],
             "config": {
                 "model": c.model,
                 "random": dict(c.random) if c.random is not None else None,
@@ -594,6 +614,16 @@ class ModelProgram(GraphProgram):
                 "new tokens): its value would be ambiguous",
             )
         temp, top_k, top_p, seed = sampling_values(params, batch, "params", self.spec.vocab_size)
+        rows = (toks, pos, slots, lengths, temp, top_k, top_p, seed)
+        return self._build(batch, bucket, rows, sequences, ahead, table)
+
+    def _build(
+        self, batch: int, bucket: int, rows: tuple[Any, ...], sequences: Any,
+        ahead: tuple[int, ...], table: torch.Tensor,
+    ) -> StepPlan:  # fmt: skip
+        """A validated step's plan from its rows' values (lists: token, position, slot,
+        length, temperature, top_k, top_p, seed) and block table [batch, max_blocks]."""
+        toks, pos, slots, lengths, temp, top_k, top_p, seed = rows
         ints = self._pad_ints[:bucket].clone()
         ints[:batch] = torch.tensor(list(zip(toks, pos, slots, strict=True)))
         floats = self._pad_floats[:bucket].clone()
@@ -627,26 +657,146 @@ class ModelProgram(GraphProgram):
             raise StepError(where, "two rows name one sequence")
         return tuple(many) if rows else many[0]
 
+    # ------------------------------------------------------------ sequence operations
+    def plan_sequences(self, op: str, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        """``add``: a prefill that names the sequence, which the worker keeps; ``decode``:
+        a step of one row per sequence, each fed its last token on the device, its row
+        built here from what the worker keeps (blocks, length, sampling settings)."""
+        if op == "add":
+            return self._plan_add(fields, owner)
+        return self._plan_decode(fields, owner)
+
+    def _table(self, blocks: list[int], where: str) -> torch.Tensor:
+        c = self.config
+        if len(blocks) > c.max_blocks_per_seq:
+            raise StepError(where, f"{len(blocks)} blocks, more than max_blocks_per_seq "
+                            f"{c.max_blocks_per_seq}")  # fmt: skip
+        pad = [c.num_blocks] * (c.max_blocks_per_seq - len(blocks))
+        return torch.tensor(blocks + pad, dtype=torch.int32)
+
+    def _plan_add(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        sid, blocks = fields["sequence"], list(fields["blocks"])
+        params = dict(fields.get("params") or {})
+        if SEQUENCE in params:
+            raise StepError(f"params.{SEQUENCE}", "an add names its sequence in sequence")
+        mine = self._sequences.get(owner, {})
+        if sid in mine:
+            raise StepError("sequence", f"sequence {sid} is added already: free it first")
+        if len(mine) >= REMEMBERED:
+            raise StepError("sequence", f"this client has {REMEMBERED} sequences: free some")
+        self._check_blocks(blocks, "blocks")
+        table = self._table(blocks, "blocks")
+        prefill = {
+            "tokens": fields["tokens"],
+            "block_table": table,
+            "params": {**params, SEQUENCE: sid},
+            "outputs": fields.get("outputs") or ["tokens"],
+        }
+        plan = self.plan_state("prefill", prefill)
+        temp, top_k, top_p, seed = sampling_values(
+            params, 1, "params", self.spec.vocab_size, per_row=False
+        )
+        sampling = (temp[0], top_k[0], top_p[0], seed[0])
+        self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling, table)
+        return plan
+
+    def _plan_decode(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
+        """A decode's step, its rows' values straight from the worker's record (checked
+        when added or appended): nothing of it grows with the context or table width
+        but the block table's host copy."""
+        sids, new = list(fields["sequences"]), fields.get("new_blocks") or {}
+        batch = len(sids)
+        bucket = self.bucket_for(batch)
+        if len(set(sids)) != batch:
+            raise StepError("sequences", "two rows name one sequence")
+        mine = self._sequences.get(owner, {})
+        rows = []
+        for i, sid in enumerate(sids):
+            seq = mine.get(sid)
+            if seq is None:
+                raise StepError(f"sequences[{i}]", f"sequence {sid} is not one this client "
+                                "added (or it was freed): add it first")  # fmt: skip
+            rows.append(seq)
+        for sid in new:
+            if sid not in sids:
+                raise StepError(f"new_blocks.{sid}", f"sequence {sid} is not decoded here")
+            self._check_blocks(mine[sid].blocks + list(new[sid]), f"new_blocks.{sid}")
+        bs = self.config.block_size
+        lengths, pos, slots = [], [], []
+        for i, (sid, seq) in enumerate(zip(sids, rows, strict=True)):
+            p = seq.length  # the new token's position
+            blocks = seq.blocks if sid not in new else seq.blocks + list(new[sid])
+            if p >= self.max_len:
+                raise StepError(f"sequences[{i}]", f"sequence {sid} is {p} tokens long: "
+                                f"{self.max_len} is the most (max_blocks_per_seq * "
+                                "block_size); free it")  # fmt: skip
+            if p // bs >= len(blocks):
+                raise StepError(f"sequences[{i}]", f"sequence {sid}'s {len(blocks)} blocks "
+                                f"hold no token {p + 1}: send new_blocks")  # fmt: skip
+            lengths.append(p + 1)
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+        if len(set(slots)) != batch:
+            raise StepError("sequences", "two sequences write one slot (they share the block "
+                            "of their new tokens): its value would be ambiguous")  # fmt: skip
+        for sid, more in new.items():  # checked: the record takes them
+            seq = mine[sid]
+            seq.blocks += more
+            seq.table = self._table(seq.blocks, f"new_blocks.{sid}")
+        temp, top_k, top_p, seed = (list(v) for v in zip(*(q.sampling for q in rows), strict=True))
+        table = torch.stack([seq.table for seq in rows])
+        values = ([0] * batch, pos, slots, lengths, temp, top_k, top_p, seed)
+        plan = self._build(batch, bucket, values, tuple(sids), tuple(range(batch)), table)
+        for seq in rows:  # planned: the worker's record moves on
+            seq.length += 1
+        return plan
+
+    def _check_blocks(self, blocks: list[int], where: str) -> None:
+        nb = self.config.num_blocks
+        if any(b < 0 or b >= nb for b in blocks):
+            raise StepError(where, f"blocks must be in 0..{nb - 1} (num_blocks)")
+        self._table(blocks, where)
+
+    def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
+        mine = self._sequences.get(owner, {})
+        if op == "free":
+            # (its last token stays where steps already planned may take it from)
+            freed = [sid for sid in fields["sequences"] if mine.pop(sid, None) is not None]
+            return {"freed": freed}
+        sid, blocks = fields["sequence"], list(fields["blocks"])
+        seq = mine.get(sid)
+        if seq is None:
+            raise StepError("sequence", f"sequence {sid} is not one this client added")
+        self._check_blocks(seq.blocks + blocks, "blocks")
+        seq.blocks += blocks
+        seq.table = self._table(seq.blocks, "blocks")
+        return {"blocks": len(seq.blocks)}
+
     # ------------------------------------------------------------ decoding ahead
-    def feeds(self, plan: StepPlan) -> list[DeviceFeed]:
+    def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The copies that feed each row of token PREVIOUS the token its sequence sampled
-        in its previous step, from that step's output on the device (fenced after that
-        step by its event); NoPreviousToken when there is no such token to feed. Runs in
-        issue order, so "previous" is the sequence's last step issued before this one."""
+        in its previous step, from that step's copy of its tokens on the device (on the
+        capture stream, behind that step); NoPreviousToken when there is no such token
+        to feed. Runs in issue order, so "previous" is the sequence's last step issued
+        before this one.
+        A sequence is ``owner``'s (the client that named it): another client's same id
+        is another sequence."""
         ahead = plan.values.get("ahead")
         if not ahead:
             return []
         sequences, lengths = plan.values["sequences"], plan.values["lengths"]
+        mine: Mapping[int, _Sampled] = self._clients.get(owner) or {}
         feeds: list[DeviceFeed] = []
         run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
         for i in ahead:
             sid, n = sequences[i], lengths[i]
-            rec = self._sampled.get(sid)
+            rec = mine.get(sid)
             if rec is None:
                 raise NoPreviousToken(
-                    f"row {i}: sequence {sid} has no step on this worker to take its token "
-                    "from (its steps were refused or failed, or ran on a worker that has "
-                    "restarted since, or it is long gone); send the token itself"
+                    f"row {i}: sequence {sid} has no step on this worker from this client "
+                    "to take its token from (its steps were refused or failed, or ran on a "
+                    "worker that has restarted since, or on another connection, or it is "
+                    "long gone); send the token itself"
                 )
             if rec.length + 1 != n:
                 raise NoPreviousToken(
@@ -655,16 +805,9 @@ class ModelProgram(GraphProgram):
                     "the step in between was refused, failed, timed out or was not sent; "
                     "send the token itself"
                 )
-            if rec.graph is not None and rec.graph.last_done is not rec.done:
-                raise NoPreviousToken(
-                    f"row {i}: sequence {sid}'s token is gone: the graph instance of its "
-                    "previous step ran another step since (it skipped a step); send the "
-                    "token itself"
-                )
             if (
                 run
                 and run[1].tokens is rec.tokens
-                and run[1].done is rec.done
                 and (run[1].row + run[2] == rec.row and run[0] + run[2] == i)
             ):
                 run[2] += 1
@@ -680,22 +823,36 @@ class ModelProgram(GraphProgram):
         source = rec.tokens[rec.row : rec.row + rows]
         return DeviceFeed(source, "ints", (slice(row, row + rows), 0))
 
-    def issued(self, plan: StepPlan, graph: CapturedGraph | None, done: Any) -> None:
-        """Remember where each identified sequence's sampled token is (a step's rows, a
-        prefill's token), for the next step that asks for it."""
-        sampled = self._sampled
+    def issued(
+        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
+    ) -> None:
+        """Remember where each identified sequence of ``owner`` has its sampled token (a
+        step's rows, a prefill's token), for the next step that asks for it."""
+        named = plan.values.get("sequences") if graph is not None else plan.values.get("sequence")
+        if named is None:
+            self._prefilled = None
+            return
+        clients = self._clients
+        sampled = clients.get(owner)
+        if sampled is None:
+            sampled = clients[owner] = OrderedDict()
+            while len(clients) > CLIENTS:  # the least recently active client's go
+                gone, _ = clients.popitem(last=False)
+                self._sequences.pop(gone, None)
+        clients.move_to_end(owner)
         if graph is not None:
-            sequences = plan.values.get("sequences")
-            if sequences is None:
-                return
-            tokens, lengths = graph.buffers["tokens"], plan.values["lengths"]
-            for i, sid in enumerate(sequences):
-                sampled[sid] = _Sampled(tokens, i, lengths[i], done, graph)
+            # A copy of the rows' tokens, on the capture stream behind the step (the
+            # engine's): the instance's buffer is rewritten by its next replay, which
+            # may be any client's step, while a sequence may sit steps out.
+            tokens = graph.buffers["tokens"][: plan.batch].clone()
+            lengths = plan.values["lengths"]
+            for i, sid in enumerate(named):
+                sampled[sid] = _Sampled(tokens, i, lengths[i])
                 sampled.move_to_end(sid)
-        elif plan.values.get("op") == "prefill" and plan.values.get("sequence") is not None:
-            sid, token = plan.values["sequence"], self._prefilled
+        else:  # a prefill that named its sequence
+            sid, token = named, self._prefilled
             assert token is not None
-            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch, done, None)
+            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch)
             sampled.move_to_end(sid)
         self._prefilled = None
         while len(sampled) > REMEMBERED:
