@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from npusim import torch_npu
+from npusim import extensions, torch_npu
 from reference import decode_stack
 
 from graphlane.loadtest.attention import reference
@@ -36,13 +36,15 @@ def test_reference_agrees_with_the_loop_reference_and_the_sim_op(
 
     loop = decode_stack(query, list(key), list(value), lengths)
     x = query.npu()
-    for layer in range(shape.layers):
-        x, _ = torch_npu.npu_fused_infer_attention_score(
-            x, key[layer].npu(), value[layer].npu(), actual_seq_lengths_kv=lengths,
-            num_heads=heads, num_key_value_heads=kv_heads, input_layout="BNSD",
-            scale=1 / math.sqrt(16),
-        )  # fmt: skip
-    sim = x.cpu()
+    # float32 fused attention is the sim's exact-reference extension, not the NPU's.
+    with extensions.enabled(*(["float32_attention"] if dtype == "float32" else [])):
+        for layer in range(shape.layers):
+            x, _ = torch_npu.npu_fused_infer_attention_score(
+                x, key[layer].npu(), value[layer].npu(), actual_seq_lengths_kv=lengths,
+                num_heads=heads, num_key_value_heads=kv_heads, input_layout="BNSD",
+                scale=1 / math.sqrt(16),
+            )  # fmt: skip
+        sim = x.cpu()
     tol = TOLERANCE[torch_dtype]
     assert got.dtype == torch_dtype and got.shape == query.shape
     assert torch.isfinite(got).all()
