@@ -85,7 +85,14 @@ def row_parallel(rank: int, world: int) -> dict[str, Any]:
 
 def async_wait(rank: int, world: int, wait: bool) -> dict[str, Any]:
     """An all_reduce issued on a side stream with async_op=True, then used on the default
-    stream: ``work.wait()`` orders the use after it; without it the use races."""
+    stream: ``work.wait()`` orders the use after it; without it the use races.
+
+    The device is synchronized, not only ``y``'s stream: without the wait, ``y.cpu()``
+    can finish before the side stream's collective has run (it waits for the other
+    rank), so the race would be reported after this scenario, and ``x``, freed here
+    while the collective still writes it, would be reused by the next scenario (its
+    report then names that new tensor). Both accesses have run once the device is
+    synchronized, so the race is reported here on every run, whatever the timing."""
     x = torch.full((4,), float(rank + 1)).npu()
     side = torch.npu.Stream()
     side.wait_stream(torch.npu.current_stream())
@@ -95,6 +102,7 @@ def async_wait(rank: int, world: int, wait: bool) -> dict[str, Any]:
         work.wait()
     y = x * 2
     try:
+        torch.npu.synchronize()
         return {"y": y.cpu().tolist()}
     except HazardError as exc:
         return {"error": type(exc).__name__, "kind": exc.kind, "message": str(exc)}
