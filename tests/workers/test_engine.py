@@ -305,3 +305,26 @@ def test_a_failed_issue_is_reported_to_its_issuer_and_returns_the_permit() -> No
         refused = it.step(1, [2])  # the permit came back; a failed engine refuses, in order
         assert isinstance(refused.error, EngineError)
         assert it.engine.reserve(blocking=False)
+
+
+def test_null_backend_captures_and_steps_the_model_program() -> None:
+    """``backend = "null"`` serves every program (it measures graphlane's own CPU, as
+    ``graphlane bench --field`` does with the model): the model's fused ops give zeros
+    of their meta kernels' shapes, so its graph is built as on a device. (The null
+    provider returned None for every op, and the model program, built from fused ops
+    that return tensors, failed to start there.)"""
+    from graphlane.workers.programs.model import ModelConfig, ModelProgram
+
+    arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+    config = ModelConfig(random=arch, seed=5, init_std=0.3, block_size=128, num_blocks=6,
+                         max_blocks_per_seq=1, buckets=(2,))  # fmt: skip
+    program = ModelProgram(config)
+    with Issuer(create_backend("null"), [program], depth=2) as it:
+        inputs = {"tokens": torch.tensor([3, 4]),
+                  "block_table": torch.tensor([[0], [1]], dtype=torch.int32)}  # fmt: skip
+        done = it.wait([it.issue(it.plan(2, [1, 1], inputs=inputs, outputs=("tokens",),
+                                         program="model",
+                                         params={"actual_seq_lengths_kv": [1, 1]}))])  # fmt: skip
+    assert done[0].results is not None and done[0].results["tokens"].shape == (2,)

@@ -35,6 +35,32 @@ _DONE = _Done()
 _NO_CONTEXT: AbstractContextManager[Any] = nullcontext()
 
 
+def _meta_op(op: str) -> Any:
+    import npusim.torch_npu  # noqa: F401  (registers torch.ops.npu.*: graphlane's own dependency)
+
+    name, _, overload = op.partition(".")
+    packet = getattr(torch.ops.npu, name)
+    return getattr(packet, overload) if overload else packet
+
+
+def _to_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.empty_like(x, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to_meta(v) for k, v in x.items()}
+    return x
+
+
+def _zeros_like(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.zeros(x.shape, dtype=x.dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_zeros_like(v) for v in x)
+    return x
+
+
 class NullBackend:
     name = "null"
 
@@ -96,7 +122,18 @@ class NullBackend:
         pass
 
     def call(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return None  # no device: an op does nothing and returns nothing
+        """No device: an op computes nothing. An op that writes ``out=`` (a patch, an
+        ``.out`` overload), returns nothing or has no meta kernel gives None; one that
+        returns tensors (the fused norms, rotary, swiglu a program captures) gives zeros
+        of the shapes and dtypes its meta kernel (npusim's registration of torch_npu's
+        op) says, so a program's graph is built the same way on every backend."""
+        if "out" in kwargs:
+            return None
+        try:
+            shapes = _meta_op(op)(*_to_meta(args), **_to_meta(kwargs))
+        except NotImplementedError:  # no meta kernel (a workspace getter): nothing
+            return None
+        return _zeros_like(shapes)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype)
