@@ -66,10 +66,12 @@ def test_a_replay_is_its_tasks_modelled_time(restore_config: None) -> None:
     start.record()
     g.replay()
     end.record()
+    issued_ms = (time.perf_counter() - t0) * 1e3
     end.synchronize()
     assert time.perf_counter() - t0 >= 3 * 0.020  # never earlier than modelled
-    # modelled: the three tasks, after the host's Python between the two issues
-    assert 60.0 <= start.elapsed_time(end) < 65.0
+    # modelled: the three tasks, after the host's Python between the two issues (as long
+    # as this run's host took to issue them: on a busy machine, more than a quiet one's)
+    assert 60.0 <= start.elapsed_time(end) <= 60.0 + issued_ms + 1.0
     assert torch.count_nonzero(x.cpu()) == 0
 
 
