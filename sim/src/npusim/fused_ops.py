@@ -491,8 +491,6 @@ def _top_k_top_p_meta(logits: torch.Tensor, p: torch.Tensor | None = None,
         if t is not None and _shape(t) != [batch]:
             raise _refuse(op, f"{name} must be [batch={batch}] (one value per row), got "
                               f"{_shape(t)}")  # fmt: skip
-    if k is not None and k.dtype != torch.int32:
-        raise _refuse(op, f"k must be int32, got {k.dtype}")
     _same_dtype(op, logits, p=p)
     return _empty_like_meta(logits)
 
