@@ -13,8 +13,11 @@ later add writes them: the worker keeps the order). Each reply's tokens land in 
 request, with the time they came back.
 
 A failed add or decode fails the requests of its rows (their later decodes are refused
-by the worker too: never fed a stale token); STATE_LOST fails every live request and
-the loop adopts the worker's new generation before it sends again.
+by the worker too: never fed a stale token), except when the worker was lost: after
+STATE_LOST or WORKER_LOST (a worker restart forgets every sequence) the loop lets what
+is in flight end, adopts the worker's new generation and prefills each live request
+again, its prompt followed by the tokens it got so far, into the blocks it holds; it
+then goes on decoding (``reprefilled`` counts them), and no request fails for it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from .client import Client, StepReply
 
 #: What a step of a model program takes and gives (its hello entry says so).
 MODEL_INPUTS = ("tokens", "block_table")
+#: Errors that mean the worker's sequences are gone (a restarted worker, or the
+#: connection to it): the loop prefills its requests again instead of failing them.
+LOST = frozenset({"STATE_LOST", "WORKER_LOST"})
 
 
 @dataclass(frozen=True)
@@ -147,6 +153,8 @@ class GenerationLoop:
         self.closed = False  # no more arrivals: run() ends when all is answered
         self.stopped = False  # send nothing more: run() ends when the calls in flight are
         self.state_lost = False
+        self.state_losses = 0  # recoveries from a lost worker
+        self.reprefilled = 0  # requests prefilled again after one
         self.steps = 0
         self.batch_sum = 0
         self.bucket_sum = 0
@@ -258,12 +266,13 @@ class GenerationLoop:
             raise
         except GraphlaneError as exc:
             self._failures += 1
-            if exc.code == "STATE_LOST":
-                self.state_lost = True
             if self.observer is not None:
                 self.observer.failed(kind, rows, exc)
-            for r in rows:
-                self._fail(r, str(exc.code))
+            if exc.code in LOST:  # the rows are prefilled again by _recover
+                self.state_lost = True
+            else:
+                for r in rows:
+                    self._fail(r, str(exc.code))
             self._wake.set()
             return
         done = time.monotonic()
@@ -295,17 +304,16 @@ class GenerationLoop:
             await self.client.free_sequences(self.program, self.device, [rid])
 
     async def _recover(self) -> None:
-        """STATE_LOST: every live request is gone with the cache; adopt the new
-        generation (retryable errors meanwhile: held back, then tried again)."""
+        """The worker was lost: its sequences are gone with the cache. Once what is in
+        flight ended, adopt the new generation (retryable errors meanwhile: held back,
+        then tried again) and prefill every live request again from its prompt and the
+        tokens it got (those after a token that never came back are asked again)."""
         await self._drain()
-        for r in list(self.live):
-            self._fail(r, "STATE_LOST")
-            self._leave(r)
+        self.state_losses += 1
         while not self.stopped:
             try:
                 await self.client.reset_state(self.device)
-                self.state_lost = False
-                return
+                break
             except GraphlaneError as exc:
                 if not exc.retryable:
                     raise
@@ -315,6 +323,26 @@ class GenerationLoop:
                     await self.hold()
                 else:
                     await asyncio.sleep(0.1)
+        if self.stopped:
+            return
+        self.state_lost = False
+        for r in self.live:
+            if r.failed is not None:
+                continue
+            got = next((i for i, t in enumerate(r.tokens) if t is None), r.new)
+            r.tokens[got:] = [None] * (r.new - got)
+            r.times[got:] = [None] * (r.new - got)
+            r.received = r.asked = got
+            if got == r.new:
+                continue  # every token came back: it leaves
+            # Forget it first where the worker still has it (only the connection was
+            # lost): an id is added once. The free goes out before the add.
+            self._frees.append(asyncio.ensure_future(self._free(r.rid)))
+            r.asked = got + 1
+            context = [*r.prompt, *(int(t) for t in r.tokens[:got] if t is not None)]
+            call = self.client.add_sequence(self.program, self.device, r.rid, context, r.blocks)
+            self._start("prefill", call, [r])
+            self.reprefilled += 1
 
 
 __all__ = ["GenerationLoop", "ModelShape", "Observer", "Request"]
