@@ -420,3 +420,25 @@ def test_the_readme_says_what_bench_s_exit_status_means() -> None:
         "are ones it cannot judge"
     ) in text
     assert BUSY_LOAD_PER_CORE == 0.5 and "a load average above half its cores" in text
+
+
+def test_the_docs_say_what_loadtest_does_on_ctrl_c_and_how_it_checks_bfloat16() -> None:
+    """Issue 43, items 1-3 and 5: the README's Ctrl-C of loadtest (held by
+    tests/tools/test_loadtest_interrupt.py), and docs/models.md's check of a model's
+    tokens: the bfloat16 allowance is the one the load test applies."""
+    import torch
+
+    from graphlane.loadtest.generation import tie_allowance
+    from graphlane.loadtest.run import STOP_DRAIN_S
+
+    text = " ".join(README.read_text().split())
+    assert "Ctrl-C on `graphlane loadtest` ends the run within a second" in text
+    assert STOP_DRAIN_S < 1.0
+    models = " ".join((ROOT / "docs" / "models.md").read_text().split())
+    assert tie_allowance(torch.bfloat16) == 8 * 2**-8 and tie_allowance(torch.float32) == 0
+    assert tie_allowance(torch.float16) == 8 * 2**-11
+    allowance = "the bfloat16 allowance, `8 * 2**-8` of the logit scale; float16's `8 * 2**-11`"
+    assert allowance in models
+    assert "logits for the two tokens must be within `8 * 2**-8` of each other" in models
+    for said in ("`verify_ties`", "`verify_skipped`", "no request fails for it (`reprefilled`)"):
+        assert said in models, said

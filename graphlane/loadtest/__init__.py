@@ -18,9 +18,11 @@ What a call carries and how its answer is checked is the program's workload
 
 Both shapes stop starting steps after ``--duration`` and wait at most ``--timeout`` more
 for the calls in flight (each call also has that deadline); a call still unanswered then
-is cancelled and counted as ``CLIENT_DEADLINE``. From the command line, a first Ctrl-C
-ends the sending early the same way (the report is still written, marked
-``interrupted``; the command then exits 130); a second one aborts (one line, 130), as
+is cancelled and counted as ``CLIENT_DEADLINE``. A stop (from the command line, a
+first Ctrl-C) ends the run within a second: arrivals end at once, the calls in flight
+get at most :data:`.run.STOP_DRAIN_S` before they are cancelled, and a model's tokens
+are not checked (the report is still written, marked ``interrupted``, with the real
+``sending_s``; the command then exits 130); a second one aborts (one line, 130), as
 does a Ctrl-C before the run started. Every error is counted by its wire code (a
 :class:`~graphlane.GraphlaneError`'s ``code``; any other exception by its class name)
 and the device that gave it is held back (exponential backoff with jitter, capped; see

@@ -181,6 +181,8 @@ class Plan:
         self.sequences: dict[int, SequenceWorkload] = {}
         self.model: ModelShape | None = None
         self.verify = config.verify_share("sequences" if info.get("state_ops") else "calls")
+        #: why the default check of a model's tokens cannot run here (None: it can)
+        self.verify_skipped: str | None = None
         self.info, self.devices = info, devices
         if "prefill" in (info.get("state_ops") or ()):
             self.load = "sequences"
@@ -194,8 +196,10 @@ class Plan:
             try:
                 check_reference(info)  # a check that cannot run is known now
             except ValueError as exc:
-                if config.verify:  # asked for: refused; by default: not checked
+                if config.verify:  # asked for: refused; by default: not checked, said so
                     raise ValueError(f"--verify {config.verify:g}: {exc}") from None
+                if self.verify:
+                    self.verify_skipped = f"{exc} (the default --verify {self.verify:g})"
                 self.verify = 0.0
             self.tolerance = 0.0  # tokens: equal or wrong
             self.resolved = {"devices": list(devices), "buckets": list(self.model.buckets),
@@ -309,7 +313,10 @@ async def run_load(
             await Sequences(run, plan.sequences).drive()
         end = time.monotonic()
         if serving is not None and plan.verify > 0:  # transformers' time is not the server's
-            await serving.check(plan.info, plan.verify)
+            if run.stop.is_set():  # a Ctrl-C ends the run now, not after transformers
+                plan.verify_skipped = "interrupted before the tokens were checked"
+            else:
+                await serving.check(plan.info, plan.verify)
     finally:
         for t in spawned:
             t.cancel()
@@ -321,6 +328,7 @@ async def run_load(
         config, rec, hello, load=plan.load, resolved=plan.resolved, tolerance=plan.tolerance,
         preflight=checked, started_at=started_at, start=start, end=end,
         sent_until=run.sent_until, interrupted=run.stop.is_set(), extra=run.extra,
+        verify_skipped=plan.verify_skipped,
     )  # fmt: skip
     if config.report_dir:
         json_path, html_path = await asyncio.to_thread(write_report, report, config.report_dir)

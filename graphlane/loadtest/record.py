@@ -91,6 +91,7 @@ class Recorder:
         self.in_flight = 0
         self.verified = 0
         self.verify_failures = 0
+        self.verify_ties = 0  # right only up to a near tie of the dtype (tokens)
         self.verify_max_error = 0.0
         self.verified_by_generation: Counter[int] = Counter()
         self.failure_examples: list[dict[str, Any]] = []
@@ -138,12 +139,17 @@ class Recorder:
             if j < MAX_SAMPLES:
                 self.samples[j] = sample
 
-    def verification(self, call: Call, error: float | None, generation: int | None = None) -> None:
+    def verification(
+        self, call: Call, error: float | None, generation: int | None = None, *, tie: bool = False
+    ) -> None:
         """A checked output: wrong (``error`` None) or right within ``error``, computed by
-        the worker ``generation``."""
+        the worker ``generation``; ``tie``: right, but only up to a near tie (tokens that
+        differ where the reference's own logits were within the dtype's allowance)."""
         d = self._device(call.device)
         self.verified += 1
         d.verified += 1
+        if tie and error is not None:
+            self.verify_ties += 1
         if error is None:
             self.verify_failures += 1
             d.verify_failures += 1

@@ -38,9 +38,12 @@ def build_report(
     sent_until: float | None = None,
     interrupted: bool = False,
     extra: Mapping[str, Any] | None = None,
+    verify_skipped: str | None = None,
 ) -> dict[str, Any]:
     """``resolved``: what the run resolved against the daemon (``devices``, ``buckets``,
-    ``shape``, and ``batch_sizes`` for calls), shown in the report's ``config``."""
+    ``shape``, and ``batch_sizes`` for calls), shown in the report's ``config``;
+    ``verify_skipped``: why the default check did not run (None: it ran, or none was
+    asked for)."""
     elapsed = max(end - start, 1e-9)
     sending_s = max((end if sent_until is None else sent_until) - start, 1e-9)
     unavailable_s = rec.availability.total(start + sending_s)
@@ -102,6 +105,9 @@ def build_report(
         "verify_fraction": share,
         "verified": rec.verified,
         "verify_failures": rec.verify_failures,
+        "verify_exact": rec.verified - rec.verify_failures - rec.verify_ties,
+        "verify_ties": rec.verify_ties,
+        "verify_skipped": verify_skipped,
         "verify_max_abs_error": rec.verify_max_error,
         "verify_tolerance": tolerance,
         "verified_by_generation": {str(k): v for k, v in rec.verified_by_generation.items()},
@@ -155,6 +161,27 @@ def assess(report: Mapping[str, Any]) -> tuple[int, list[str]]:
     if not report.get("steps", 0):
         reasons.append("no step succeeded")
     return (1 if reasons else 0), reasons
+
+
+def verify_text(report: Mapping[str, Any]) -> str | None:
+    """The verification in a line: what was checked and what it found, or why nothing
+    was (None: no check asked for)."""
+    if report.get("verify_skipped"):
+        return f"not checked: {report['verify_skipped']}"
+    if not report.get("verify_fraction"):
+        return None
+    n, wrong = report.get("verified", 0), report.get("verify_failures", 0)
+    if report.get("serving") is not None:  # tokens: equal, a near tie, or different
+        ties = report.get("verify_ties", 0)
+        return (
+            f"{n} requests checked: {n - wrong - ties} exact, {ties} near "
+            f"tie{'' if ties == 1 else 's'} (docs/models.md, Precision), {wrong} differ"
+        )
+    err, tol = report.get("verify_max_abs_error", 0.0), report.get("verify_tolerance")
+    if wrong:
+        return (f"{n} checked, {wrong} wrong (beyond tolerance {tol}; the right ones "
+                f"within {err:.2g})")  # fmt: skip
+    return f"{n} checked, 0 wrong (max |out - reference| {err:.2g}, tolerance {tol})"
 
 
 def load_text(report: Mapping[str, Any]) -> str:

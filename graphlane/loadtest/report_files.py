@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import load_text
+from .report import load_text, verify_text
 
 __all__ = ["PLOTS", "plot_all", "render_html", "write_report"]
 
@@ -108,7 +108,6 @@ def plot_latency_over_time(report: Mapping[str, Any]) -> Any:
         ax.plot(t, _nan(ts.get(key, [])), label=f"{label} per {ts.get('window_s')} s", color=color)
     _log_if_wide(ax, list(sy))
     _sending_stopped(ax, report)
-    ax.set_xlim(left=0)
     ax.set_xlabel("time since start (s), by completion")
     ax.set_ylabel(f"latency (ms, from {report.get('latency_basis', 'send')})")
     ax.set_title(f"Latency over time: {_subtitle(report)}", fontsize=10)
@@ -159,8 +158,15 @@ def plot_latency_cdf(report: Mapping[str, Any]) -> Any:
 
 
 def _sending_stopped(ax: Any, report: Mapping[str, Any]) -> None:
-    if report.get("duration_s"):
-        ax.axvline(report["duration_s"], color="grey", ls="--", lw=1, label="sending stopped")
+    """The line where sending stopped (a run stopped early: where it stopped), and the
+    x axis ending where the run ended, not where the duration asked for would have."""
+    stopped = report.get("sending_s", report.get("duration_s"))
+    if stopped:
+        ax.axvline(stopped, color="grey", ls="--", lw=1, label="sending stopped")
+    ax.set_xlim(left=0)
+    end = max(report.get("elapsed_s") or 0.0, stopped or 0.0)
+    if end > 0:
+        ax.set_xlim(right=end * 1.02)
 
 
 def plot_throughput(report: Mapping[str, Any]) -> Any:
@@ -183,7 +189,6 @@ def plot_throughput(report: Mapping[str, Any]) -> Any:
     if report.get("offered_rate"):
         ax.axhline(report["offered_rate"], color="black", ls=":", lw=1, label="offered rate")
     _sending_stopped(ax, report)
-    ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("time since start (s), by completion")
     ax.set_ylabel(f"per second ({ts.get('window_s')} s windows)")
@@ -239,7 +244,6 @@ def plot_ttft_over_time(report: Mapping[str, Any]) -> Any:
                label="time to first token", linewidths=0)  # fmt: skip
     _log_if_wide(ax, [*samples.get("ttft_ms", []), *samples.get("e2el_ms", [])])
     _sending_stopped(ax, report)
-    ax.set_xlim(left=0)
     ax.set_xlabel("arrival time since start (s)")
     ax.set_ylabel("ms")
     ax.set_title(f"TTFT and latency by arrival: {_subtitle(report)}", fontsize=10)
@@ -395,13 +399,9 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
         )
     rows += _sequence_rows(report)
     rows.append(("errors", errors_text))
-    if report.get("verify_fraction"):
+    text = verify_text(report)
+    if text is not None:
         failures = report.get("verify_failures", 0)
-        text = (
-            f"{report.get('verified', 0)} checked against the reference, "
-            f"{failures} wrong (max |out - ref| {report.get('verify_max_abs_error', 0):.2g}, "
-            f"tolerance {report.get('verify_tolerance')})"
-        )
         rows.append(("verified", f'<span class="err">{_e(text)}</span>' if failures else _e(text)))
     rows.append(("server", _e(report.get("server", {}).get("server"))))
     rows.append(("started", _e(report.get("started_at"))))

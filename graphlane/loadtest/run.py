@@ -21,6 +21,10 @@ from .workload import Call
 #: Error codes of the load generator itself (never on the wire).
 CLIENT_OVERLOAD = "CLIENT_OVERLOAD"
 CLIENT_DEADLINE = "CLIENT_DEADLINE"
+#: After a stop (Ctrl-C), the most the calls in flight get before they are abandoned
+#: (cancelled, counted as CLIENT_DEADLINE): a stop ends the run within a second,
+#: whatever ``timeout_s`` says.
+STOP_DRAIN_S = 0.5
 
 
 @dataclass
@@ -97,21 +101,33 @@ async def send(
 
 
 async def finish(run: Run, tasks: set[asyncio.Task[Any]]) -> None:
-    """Wait for the tasks at most timeout_s after sending ended, then cancel what is left."""
+    """Wait for the tasks at most timeout_s after sending ended, and at most
+    :data:`STOP_DRAIN_S` after a stop (even one that comes while waiting), then cancel
+    what is left."""
     run.end_sending()
     assert run.sent_until is not None
     deadline = run.sent_until + run.config.timeout_s
-    done: set[asyncio.Task[Any]] = set()
-    if tasks:
-        done, pending = await asyncio.wait(
-            set(tasks), timeout=max(0.0, deadline - time.monotonic())
-        )
-        for t in pending:
-            t.cancel()
-        for t in pending:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-    for t in done:
-        error = None if t.cancelled() else t.exception()
-        if error is not None:
+    pending = set(tasks)
+    stopped = asyncio.ensure_future(run.stop.wait())
+    try:
+        while pending:
+            now = time.monotonic()
+            if run.stop.is_set():
+                deadline = min(deadline, now + STOP_DRAIN_S)
+            if now >= deadline:
+                break
+            wake = pending if stopped.done() else pending | {stopped}
+            done, _ = await asyncio.wait(wake, timeout=deadline - now,
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            pending -= done
+    finally:
+        stopped.cancel()
+    for t in pending:
+        t.cancel()
+    for t in pending:
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+    for t in tasks:
+        error = None if t.cancelled() or not t.done() else t.exception()
+        if error is not None and not isinstance(error, asyncio.CancelledError):
             raise error  # a bug of the load generator: do not hide it

@@ -28,15 +28,16 @@ send, errors by code), so the report has what every run's has; it adds ``serving
 
 A ``verify`` share of the completed requests is checked, after the clock stopped,
 against transformers' greedy ``generate`` of the served model (:func:`.generation.
-reference_model`): a request with a token that differs counts as a verify failure.
-Steps sample greedily, so the tokens must be equal (float32; in bf16 or fp16 a near tie
-can go either way between two implementations, and is counted too).
+reference_model`). Steps sample greedily, so in float32 the tokens must be equal; in
+bfloat16 or float16 a near tie can go either way between two implementations, and a
+request whose first different token is one (docs/models.md, "Precision";
+:class:`.generation.Judge`) counts as checked and right, in ``verify_ties``. Any other
+difference counts as a verify failure.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import math
 import random
@@ -50,7 +51,7 @@ from graphlane.protocol.errors import GraphlaneError
 
 from .availability import DeviceBackoff
 from .config import DECODE_TOKENS
-from .generation import greedy, reference_model
+from .generation import DIFFER, TIE, Judge, reference_model
 from .run import CLIENT_DEADLINE, Run, finish
 from .workload import Call
 
@@ -185,16 +186,10 @@ class Serving:
         if cfg.num_prompts is None:
             await run.pause(run.stop_at - time.monotonic())
         else:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_arrived.wait(), run.stop_at - time.monotonic())
+            await self._until_stopped(self._all_arrived.wait())
             for lp in self.loops.values():
                 lp.close()
-            answered = asyncio.ensure_future(asyncio.wait(loops))
-            stopped = asyncio.ensure_future(run.stop.wait())
-            await asyncio.wait([answered, stopped], return_when="FIRST_COMPLETED",
-                               timeout=max(0.0, run.stop_at - time.monotonic()))  # fmt: skip
-            answered.cancel()
-            stopped.cancel()
+            await self._until_stopped(asyncio.wait(loops))
         run.end_sending()
         for lp in self.loops.values():
             lp.close()
@@ -202,6 +197,20 @@ class Serving:
                 lp.stop()
         await finish(run, loops)
         run.extra.update(self.figures())
+
+    async def _until_stopped(self, awaitable: Any) -> None:
+        """Await ``awaitable`` until the duration is over or the run is stopped
+        (Ctrl-C), whichever comes first."""
+        run = self.run
+        waited = asyncio.ensure_future(awaitable)
+        stopped = asyncio.ensure_future(run.stop.wait())
+        try:
+            await asyncio.wait([waited, stopped], return_when=asyncio.FIRST_COMPLETED,
+                               timeout=max(0.0, run.stop_at - time.monotonic()))  # fmt: skip
+        finally:
+            waited.cancel()
+            stopped.cancel()
+            await asyncio.gather(waited, stopped, return_exceptions=True)
 
     def progress_line(self) -> str:
         """The live view's line: requests, output tokens/s, TTFT and ITL so far."""
@@ -237,33 +246,35 @@ class Serving:
                 "admitted": admitted,
                 "finished": len(done),
                 "failed": sum(r.failed is not None for r in self.requests),
-                "reprefilled": 0,
+                "reprefilled": sum(lp.reprefilled for lp in loops),
                 "cut": sum(r.cut for r in self.requests),
                 "never_admitted": sum(len(lp.queue) for lp in loops),
             },
-            "state_lost": sum(r.failed == "STATE_LOST" for r in self.requests),
+            "state_lost": sum(lp.state_losses for lp in loops),
             "prefills": self.prefills,
             "serving": serving_metrics(self.requests, self.start),
         }
 
     async def check(self, described: Mapping[str, Any], share: float) -> None:
         """Check a ``share`` of the completed requests against transformers (in a thread:
-        after the clock stopped)."""
+        after the clock stopped): equal tokens, or a near tie of the served dtype
+        (:class:`.generation.Judge`), or a verify failure. A stop ends the check."""
         done = [r for r in self.requests if r.done]
         rng = random.Random(self.run.config.seed ^ 0xC4EC)
         picked = [r for r in done if rng.random() < share]
         if not picked:
             return
-        model = await asyncio.to_thread(reference_model, described)
+        judge = Judge(await asyncio.to_thread(reference_model, described))
         for r in picked:
-            expected = await asyncio.to_thread(greedy, model, r.prompt, r.new)
-            wrong = next((i for i, (a, b) in enumerate(zip(r.out, expected, strict=True))
-                          if a != b), None)  # fmt: skip
-            params = {"request": r.rid, "prompt_len": len(r.prompt), "output_len": r.new}
-            if wrong is not None:
-                params["first_wrong_token"] = wrong
-            call = Call(0, 1, params, {})
-            self.run.rec.verification(call, None if wrong is not None else 0.0)
+            if self.run.stop.is_set():
+                return
+            found, first = await asyncio.to_thread(judge, r.prompt, r.out)
+            params: dict[str, Any] = {"request": r.rid, "prompt_len": len(r.prompt),
+                                      "output_len": r.new}  # fmt: skip
+            if first is not None:
+                params["first_different_token"] = first
+            self.run.rec.verification(Call(0, 1, params, {}),
+                                      None if found == DIFFER else 0.0, tie=found == TIE)
 
 
 def serving_metrics(requests: list[Request], start: float) -> dict[str, Any]:

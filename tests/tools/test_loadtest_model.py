@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
+import signal
 import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+from model_ref import save, tiny_model
 
 from graphlane import cli
 from graphlane.demo_model import PROGRAM_TOML
@@ -95,3 +98,73 @@ def test_model_flags_are_checked(daemon: Any, tmp_path: Path, capsys: Any) -> No
                 "--decode-tokens", "8,8"]  # fmt: skip
     assert cli.main([*base, *too_long]) == 2
     assert "--prompt-lens" in capsys.readouterr().err
+
+
+def test_a_worker_killed_mid_run_fails_no_request_and_the_tokens_stay_right(
+    start_daemon: Any,
+) -> None:
+    """Issue 43: after a worker restart the model loop prefills its requests again (their
+    prompt and the tokens they got) and goes on, as the paged loop writes its sequences
+    again; no request fails for it, and every token is still transformers'."""
+    d = start_daemon(devices=1, programs=PROGRAMS)
+    pid, first = d.worker(0)["pid"], d.worker(0)["generation"]
+    runs: list[Run] = []
+    config = LoadConfig(endpoint=d.endpoint, duration_s=120.0, concurrency=4, num_prompts=16,
+                        program="model", verify=1.0, prompt_lens=(5, 40), decode_tokens=(16, 24),
+                        max_unavailable=1.0, progress=False)  # fmt: skip
+
+    async def main() -> dict[str, Any]:
+        task = asyncio.create_task(run_load(config, started=lambda run, plan: runs.append(run)))
+        deadline = asyncio.get_running_loop().time() + 60
+        while not runs or runs[0].rec.steps < 10:  # requests mid-generation: kill
+            assert not task.done() and asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        return await asyncio.wait_for(task, 150)
+
+    report = asyncio.run(main())
+    d.worker_pids_seen.add(pid)
+    assert d.worker(0)["generation"] > first  # the supervisor restarted it
+    s = report["serving"]
+    assert (s["completed"], s["failed"], s["cut"]) == (16, 0, 0), report["errors"]
+    assert report["state_lost"] >= 1 and report["sequences"]["reprefilled"] >= 1
+    assert report["verified"] == 16 and report["verify_failures"] == 0
+    assert report["verify_ties"] == 0  # float32: every token equal
+    assert report["non_retryable_errors"] == 0, report["errors"]
+    assert report["verdict"]["exit_code"] == 0, report["verdict"]
+
+
+def test_help_says_the_model_loop_recovers_from_a_worker_restart(capsys: Any) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["loadtest", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "After a worker restart (STATE_LOST, WORKER_LOST) each live request is " \
+           "prefilled again" in text  # fmt: skip
+    assert "near tie" in text and "verify_skipped" in text
+
+
+def test_a_check_that_cannot_run_is_said_at_the_start_and_in_the_report(
+    start_daemon: Any, tmp_path: Path, capsys: Any
+) -> None:
+    """Issue 43: the model directory is not on the load-test machine (here: moved away
+    after the workers loaded it): the default check is skipped, in one line at the
+    start and in report.json; the run is still ok."""
+    model = tiny_model("llama", seed=3)
+    directory = Path(save(model, tmp_path / "m"))
+    program = {"name": "model", "model": str(directory), "dtype": "float32",
+               "block_size": 128, "num_blocks": 8, "max_blocks_per_seq": 1,
+               "buckets": [1, 2]}  # fmt: skip
+    d = start_daemon(devices=1, programs=[program])
+    directory.rename(tmp_path / "elsewhere")
+    out = tmp_path / "report"
+    argv = ["loadtest", "--connect", d.endpoint, "--program", "model", "--concurrency", "2",
+            "--num-prompts", "2", "--prompt-len", "8", "--output-len", "4", "--duration", "60",
+            "--report", str(out), "--no-progress"]  # fmt: skip
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "not checking tokens" in line]
+    assert len(said) == 1 and str(directory) in said[0] and "not on this machine" in said[0]
+    r = json.loads((out / "report.json").read_text())
+    assert "not on this machine" in r["verify_skipped"]
+    assert r["verified"] == 0 and r["verdict"]["ok"]
+    assert "not checked" in (out / "report.html").read_text()

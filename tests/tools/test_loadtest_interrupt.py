@@ -1,0 +1,100 @@
+"""Ctrl-C on ``graphlane loadtest``, as a user gives it: SIGINT to the command's process
+mid-run, for every program it drives (independent calls, a paged KV cache, a model with
+and without ``--num-prompts``). The run ends at once, not when ``--duration`` or
+``--timeout`` would have ended it: "interrupted", exit 130, a report of what ran with
+the real sending time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemons import SMALL, RunningDaemon
+
+from graphlane.client import Client
+from graphlane.demo_model import PROGRAM_TOML
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = tomllib.loads(PROGRAM_TOML)["programs"][0]
+PAGED = {"name": "paged_attention", "layers": 2, "num_heads": 4, "num_kv_heads": 2,
+         "head_dim": 16, "block_size": 128, "num_blocks": 6, "max_blocks_per_seq": 2,
+         "buckets": [4]}  # fmt: skip
+#: What the command is asked for: far longer than the test waits before Ctrl-C.
+DURATION_S = 120.0
+
+RUNS = {
+    "attention": ["--program", "attention", "--concurrency", "2"],
+    "paged": ["--program", "paged_attention", "--concurrency", "4", "--prompt-lens", "1,100",
+              "--decode-tokens", "4,8"],
+    "model": ["--program", "model", "--request-rate", "20", "--prompt-len", "16",
+              "--output-len", "24"],
+    # Issue 43: with --num-prompts, a Ctrl-C ran on to the full duration.
+    "model --num-prompts": ["--program", "model", "--request-rate", "10", "--num-prompts",
+                            "100000", "--prompt-len", "16", "--output-len", "24"],
+}  # fmt: skip
+
+
+async def _steps(endpoint: str) -> int:
+    async with Client(endpoint, timeout=30) as c:
+        return int((await c.worker_status(0))["steps"])
+
+
+def _wait_for_steps(d: RunningDaemon, proc: subprocess.Popen[bytes], more: int) -> None:
+    """Until the daemon ran ``more`` steps of the load test's (it may have run others)."""
+    before = asyncio.run(_steps(d.endpoint))
+    deadline = time.monotonic() + DURATION_S / 2
+    while asyncio.run(_steps(d.endpoint)) < before + more:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the load test ran no steps (exit {proc.returncode}): {err.decode()}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_ctrl_c_ends_any_load_test_at_once_and_reports_what_ran(
+    shared_daemon: Any, tmp_path: Path, run: str
+) -> None:
+    d: RunningDaemon = shared_daemon(devices=1, programs=[SMALL, PAGED, MODEL])
+    out = tmp_path / "report"
+    argv = [sys.executable, "-m", "graphlane", "loadtest", "--connect", d.endpoint,
+            "--duration", str(DURATION_S), "--timeout", str(DURATION_S), "--report",
+            str(out), "--no-progress", *RUNS[run]]  # fmt: skip
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_steps(d, proc, 3)
+        signalled = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=DURATION_S)
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr.decode()
+    assert "interrupted" in stderr.decode()
+    report = json.loads((out / "report.json").read_text())
+    assert report["interrupted"] is True
+    assert report["steps"] > 0
+    # What the run measured: it sent until the signal, not for the duration asked for...
+    assert report["sending_s"] <= signalled - started < DURATION_S / 2
+    # ... and it ended long before that duration would have (nor --timeout more).
+    assert exited - signalled < (DURATION_S - report["sending_s"]) / 2, (
+        exited - signalled, report["sending_s"],
+    )  # fmt: skip
+    # The calls in flight got a short drain at most, then were abandoned.
+    assert report["elapsed_s"] - report["sending_s"] < DURATION_S / 4
+    if run.startswith("model"):
+        assert "Serving Benchmark Result" in stdout.decode()
+        assert report["verify_skipped"] and "interrupted" in report["verify_skipped"]
