@@ -29,10 +29,13 @@ def test_scheduler_work_is_cpu_time_of_its_thread() -> None:
     interpreter lock does the same work later, as a scheduler's Python does."""
     c0 = time.thread_time()
     field.scheduler_work(5.0)
-    assert time.thread_time() - c0 >= 0.005
+    worked = time.thread_time() - c0
+    assert worked >= 0.005
     c0 = time.thread_time()
     field.scheduler_work(0.0)
-    assert time.thread_time() - c0 < 0.005
+    # None of it, against what the same run measured of 5 ms of work (not a fixed bound:
+    # the thread's clock ticks coarsely on a busy host).
+    assert time.thread_time() - c0 < worked / 2
 
 
 def test_the_in_process_ways_run_on_perf_mode(restore_sim: None) -> None:
