@@ -206,7 +206,9 @@ class GenerationLoop:
                         waits[-1].cancel()
             await self._drain()
         finally:
-            for t in self.inflight:
+            # Stopped (or cancelled): frees in flight are abandoned too, not waited for
+            # (a stalled worker would hold them until their deadline).
+            for t in [*self.inflight, *(self._frees if self.stopped else ())]:
                 t.cancel()
             await asyncio.gather(*self.inflight, *self._frees, return_exceptions=True)
             for r in self.admitted:

@@ -39,8 +39,8 @@ RUNS = {
     "attention, its worker stalled": ["--program", "attention", "--concurrency", "2"],
     "paged": ["--program", "paged_attention", "--concurrency", "4", "--prompt-lens", "1,100",
               "--decode-tokens", "4,8"],
-    "model": ["--program", "model", "--request-rate", "20", "--prompt-len", "16",
-              "--output-len", "24"],
+    "model, its worker stalled": ["--program", "model", "--request-rate", "20",
+                                  "--prompt-len", "16", "--output-len", "24"],
     # Issue 43: with --num-prompts, a Ctrl-C ran on to the full duration.
     "model --num-prompts": ["--program", "model", "--request-rate", "10", "--num-prompts",
                             "100000", "--prompt-len", "16", "--output-len", "24"],
