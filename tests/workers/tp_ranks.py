@@ -1,0 +1,107 @@
+"""One rank of a tensor-parallel ``model`` program (run by test_tensor_parallel.py).
+
+``python tp_ranks.py RANK WORLD INIT_FILE JOB_JSON``: sets its npu device, joins the
+"hccl" group through a file store (as a worker of a group does before it loads its
+programs), then for each model of the job builds the program with ``tensor_parallel =
+WORLD`` on a step engine of its own device and generates each prompt's tokens twice:
+
+- ``steps``: a prefill per prompt, then steps fed the tokens the host read back (decoding
+  ahead off: each step waits for the previous one's reply);
+- ``ahead``: ``add`` per prompt then ``decode`` steps issued back to back, each row fed
+  on the device the token its sequence sampled in its previous step (decoding ahead on).
+
+Prints one JSON line per model and mode: the tokens per prompt, and what the rank holds.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: issuer, daemons
+
+import torch
+import torch.distributed as dist
+from issuer import Issuer
+from npusim import extensions, torch_npu
+
+from graphlane.workers.backends.npu import NpuBackend
+from graphlane.workers.job import Job, JobKind
+from graphlane.workers.programs import ModelConfig, ModelProgram
+
+SERVING = dict(block_size=128, num_blocks=4, max_blocks_per_seq=1, buckets=(2,))
+
+
+def steps(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """Prefill, then decode with the tokens read back (one step in flight)."""
+    outs = []
+    for block, prompt in enumerate(prompts):
+        fields = {"tokens": torch.tensor(prompt),
+                  "block_table": torch.tensor([block], dtype=torch.int32)}  # fmt: skip
+        (s,) = eng.wait([eng.state("model", "prefill", fields)], 60)
+        assert s.results is not None
+        outs.append([int(s.results["tokens"][0])])
+    for _ in range(new - 1):
+        lengths = [len(p) + len(o) for p, o in zip(prompts, outs, strict=True)]
+        inputs = {"tokens": torch.tensor([o[-1] for o in outs]),
+                  "block_table": torch.tensor([[b] for b in range(len(prompts))],
+                                              dtype=torch.int32)}  # fmt: skip
+        step = eng.step(len(prompts), lengths, inputs=inputs, program="model",
+                        params={"actual_seq_lengths_kv": lengths}, outputs=("tokens",))  # fmt: skip
+        (s,) = eng.wait([step], 60)
+        assert s.results is not None
+        for o, t in zip(outs, s.results["tokens"].tolist(), strict=True):
+            o.append(t)
+    return outs
+
+
+def ahead(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """``add`` each prompt, then ``decode`` steps issued without waiting for replies."""
+    engine, owner = eng.engine, "client"
+    jobs: list[Job] = []
+    sids = list(range(len(prompts)))
+    for sid, prompt in zip(sids, prompts, strict=True):
+        fields = {"sequence": sid, "tokens": torch.tensor(prompt), "blocks": [sid]}
+        plan = engine.plan_sequences("model", "add", fields, owner)
+        jobs.append(eng.issue(Job(JobKind.STATE, plan, owner=owner)))
+    for _ in range(new - 1):
+        plan = engine.plan_sequences("model", "decode", {"sequences": sids}, owner, ("tokens",))
+        jobs.append(eng.issue(Job(JobKind.STEP, plan, ("tokens",), owner=owner)))
+    eng.wait(jobs, 120)
+    outs: list[list[int]] = [[] for _ in prompts]
+    for job in jobs:
+        assert job.results is not None
+        tokens = job.results["tokens"].reshape(-1).tolist()
+        rows = [job.plan.values["sequence"]] if job.kind is JobKind.STATE else sids
+        for sid, t in zip(rows, tokens, strict=True):
+            outs[sid].append(t)
+    return outs
+
+
+def main() -> None:
+    rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    job: dict[str, Any] = json.loads(sys.argv[4])
+    torch.npu.set_device(rank)
+    dist.init_process_group("hccl", init_method=f"file://{init}", rank=rank, world_size=world)
+    with extensions.enabled("float32_attention"):
+        for model in job["models"]:
+            config = ModelConfig(model=model["path"], dtype="float32", tensor_parallel=world,
+                                 **SERVING)  # fmt: skip
+            program = ModelProgram(config)
+            with Issuer(NpuBackend(torch_npu, rank), [program]) as eng:
+                for mode, run in (("steps", steps), ("ahead", ahead)):
+                    tokens = run(eng, job["prompts"], job["new"])
+                    held = {"leader": program.leader, "tp_rank": program.tp_rank,
+                            "tp_size": program.tp_size, "kv_heads": program.kv_heads,
+                            "cache": list(program.kv._state(eng.engine.backend)
+                                          ["key_cache_0"].shape)}  # fmt: skip
+                    line = {"model": model["name"], "mode": mode, "rank": rank,
+                            "tokens": tokens, **held}  # fmt: skip
+                    print(json.dumps(line), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
