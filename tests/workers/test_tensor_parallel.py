@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,31 +68,22 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def run_ranks(tmp: Path, world: int, models: dict[str, Any], timeout: float = 120) -> list[Any]:
+    """Each rank's lines (tp_ranks.py forks the ranks from one process, killed with
+    its ranks, a process group of its own, if the run fails or times out)."""
     job = {"models": [{"name": k, "path": v["path"]} for k, v in models.items()],
            "prompts": PROMPTS, "new": NEW}  # fmt: skip
     env = {**os.environ, "NPUSIM_WATCHDOG_S": "20"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(RANKS), str(rank), str(world), str(tmp / "init"), json.dumps(job)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in range(world)
-    ]
+    argv = [sys.executable, str(RANKS), str(world), str(tmp / "init"), json.dumps(job)]
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True)  # fmt: skip
     try:
-        lines = []
-        for rank, p in enumerate(procs):
-            out, err = p.communicate(timeout=timeout)
-            assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{err[-3000:]}"
-            lines += [json.loads(line) for line in out.strip().splitlines()]
-        return lines
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"the ranks exited with {p.returncode}:\n{err[-3000:]}"
+        return [json.loads(line) for line in out.strip().splitlines()]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,22 +1,30 @@
-"""One rank of a tensor-parallel ``model`` program (run by test_tensor_parallel.py).
+"""The ranks of a tensor-parallel ``model`` program (run by test_tensor_parallel.py).
 
-``python tp_ranks.py RANK WORLD INIT_FILE JOB_JSON``: sets its npu device, joins the
-"hccl" group through a file store (as a worker of a group does before it loads its
-programs), then for each model of the job builds the program with ``tensor_parallel =
-WORLD`` on a step engine of its own device and generates each prompt's tokens twice:
+``python tp_ranks.py WORLD INIT_FILE JOB_JSON``: imports once, then forks one process
+per rank (the imports cost more than a tiny model's run). Each rank sets its npu device,
+joins the "hccl" group through a file store (as a worker of a group does before it loads
+its programs), then for each model of the job builds the program with
+``tensor_parallel = WORLD`` on a step engine of its own device and generates each
+prompt's tokens twice:
 
 - ``steps``: a prefill per prompt, then steps fed the tokens the host read back (decoding
   ahead off: each step waits for the previous one's reply);
 - ``ahead``: ``add`` per prompt then ``decode`` steps issued back to back, each row fed
   on the device the token its sequence sampled in its previous step (decoding ahead on).
 
-Prints one JSON line per model and mode: the tokens per prompt, and what the rank holds.
+Prints one JSON line per rank, model and mode: the tokens per prompt, and what the rank
+holds. Exits non-zero if a rank failed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import json
+import os
+import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +88,7 @@ def ahead(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
     return outs
 
 
-def main() -> None:
-    rank, world, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    job: dict[str, Any] = json.loads(sys.argv[4])
+def run_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
     torch.npu.set_device(rank)
     dist.init_process_group("hccl", init_method=f"file://{init}", rank=rank, world_size=world)
     with extensions.enabled("float32_attention"):
@@ -99,8 +105,40 @@ def main() -> None:
                                           ["key_cache_0"].shape)}  # fmt: skip
                     line = {"model": model["name"], "mode": mode, "rank": rank,
                             "tokens": tokens, **held}  # fmt: skip
-                    print(json.dumps(line), flush=True)
+                    print(json.dumps(line), flush=True)  # one write: lines do not mix
     dist.destroy_process_group()
+
+
+def main() -> None:
+    world, init, job = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    importlib.import_module("torch._dynamo")  # the first capture imports it: once, here
+
+    children = {}
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:  # a rank: dies with the launcher, exits without its atexit work
+            libc = ctypes.CDLL(None)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            code = 0
+            try:
+                run_rank(rank, world, init, job)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        children[pid] = rank
+    failed = []
+    while children:
+        pid, status = os.wait()
+        rank = children.pop(pid)
+        if status:
+            failed.append(rank)
+    if failed:
+        sys.exit(f"ranks {failed} failed")
 
 
 if __name__ == "__main__":
