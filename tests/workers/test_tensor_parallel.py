@@ -91,10 +91,17 @@ def test_every_rank_generates_transformers_greedy_tokens(
     world: int, models: dict[str, Any], tmp_path: Path
 ) -> None:
     lines = run_ranks(tmp_path, world, models)
-    assert len(lines) == world * len(models) * 2
+    assert len(lines) == world * len(models) * 3
+    sampled: dict[str, list[Any]] = {}
     for r in lines:
-        assert r["tokens"] == models[r["model"]]["want"], r
         assert r["leader"] == (r["rank"] == 0) and r["tp_size"] == world
+        if r["mode"] == "sampled":  # the same draw on every rank
+            sampled.setdefault(r["model"], []).append(r["tokens"])
+            continue
+        assert r["tokens"] == models[r["model"]]["want"], r
+    for model, tokens in sampled.items():
+        assert len(tokens) == world and all(t == tokens[0] for t in tokens), model
+        assert tokens[0] != models[model]["want"]  # it did sample
     # each rank's cache holds its KV heads only: llama's 2 split at TP 2, replicated at
     # TP 4 (one each); qwen2's 4 split
     kv = {(r["model"], r["rank"]): r["kv_heads"] for r in lines}

@@ -10,7 +10,8 @@ prompt's tokens twice:
 - ``steps``: a prefill per prompt, then steps fed the tokens the host read back (decoding
   ahead off: each step waits for the previous one's reply);
 - ``ahead``: ``add`` per prompt then ``decode`` steps issued back to back, each row fed
-  on the device the token its sequence sampled in its previous step (decoding ahead on).
+  on the device the token its sequence sampled in its previous step (decoding ahead on);
+- ``sampled``: as ``ahead``, sampling with a temperature, top-k and a seed.
 
 Prints one JSON line per rank, model and mode: the tokens per prompt, and what the rank
 holds. Exits non-zero if a rank failed.
@@ -65,19 +66,24 @@ def steps(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
     return outs
 
 
-def ahead(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """``add`` each prompt, then ``decode`` steps issued without waiting for replies."""
+def ahead(
+    eng: Issuer, prompts: list[list[int]], new: int, params: dict[str, Any] | None = None
+) -> list[list[int]]:
+    """``add`` each prompt (sampling with ``params``, else greedy), then ``decode`` steps
+    issued without waiting for replies."""
     engine, owner = eng.engine, "client"
     jobs: list[Job] = []
     sids = list(range(len(prompts)))
     for sid, prompt in zip(sids, prompts, strict=True):
-        fields = {"sequence": sid, "tokens": torch.tensor(prompt), "blocks": [sid]}
+        fields = {"sequence": sid, "tokens": torch.tensor(prompt), "blocks": [sid],
+                  "params": params}  # fmt: skip
         plan = engine.plan_sequences("model", "add", fields, owner)
         jobs.append(eng.issue(Job(JobKind.STATE, plan, owner=owner)))
     for _ in range(new - 1):
         plan = engine.plan_sequences("model", "decode", {"sequences": sids}, owner, ("tokens",))
         jobs.append(eng.issue(Job(JobKind.STEP, plan, ("tokens",), owner=owner)))
     eng.wait(jobs, 120)
+    engine.programs["model"].sequence_change("free", {"sequences": sids}, owner)
     outs: list[list[int]] = [[] for _ in prompts]
     for job in jobs:
         assert job.results is not None
@@ -86,6 +92,14 @@ def ahead(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
         for sid, t in zip(rows, tokens, strict=True):
             outs[sid].append(t)
     return outs
+
+
+def sampled(eng: Issuer, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """:func:`ahead`, sampling: temperature, top-k (the candidates' draw), one seed."""
+    return ahead(eng, prompts, new, {"temperature": 1.5, "top_k": 40, "seed": 11})
+
+
+MODES = {"steps": steps, "ahead": ahead, "sampled": sampled}
 
 
 def run_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
@@ -97,7 +111,7 @@ def run_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
                                  **SERVING)  # fmt: skip
             program = ModelProgram(config)
             with Issuer(NpuBackend(torch_npu, rank), [program]) as eng:
-                for mode, run in (("steps", steps), ("ahead", ahead)):
+                for mode, run in MODES.items():
                     tokens = run(eng, job["prompts"], job["new"])
                     held = {"leader": program.leader, "tp_rank": program.tp_rank,
                             "tp_size": program.tp_size, "kv_heads": program.kv_heads,
@@ -105,7 +119,8 @@ def run_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
                                           ["key_cache_0"].shape)}  # fmt: skip
                     line = {"model": model["name"], "mode": mode, "rank": rank,
                             "tokens": tokens, **held}  # fmt: skip
-                    print(json.dumps(line), flush=True)  # one write: lines do not mix
+                    # one write of under PIPE_BUF bytes: the ranks' lines do not mix
+                    os.write(1, (json.dumps(line) + "\n").encode())
     dist.destroy_process_group()
 
 
