@@ -95,6 +95,8 @@ def test_every_rank_generates_transformers_greedy_tokens(
     sampled: dict[str, list[Any]] = {}
     for r in lines:
         assert r["leader"] == (r["rank"] == 0) and r["tp_size"] == world
+        # in the decode graph: o and down per layer (2 layers), the embedding; the logits
+        assert r["collectives"] == {"hccl all_reduce": 5, "hccl all_gather_into_tensor": 1}
         if r["mode"] == "sampled":  # the same draw on every rank
             sampled.setdefault(r["model"], []).append(r["tokens"])
             continue

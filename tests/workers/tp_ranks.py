@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: issuer, 
 import torch
 import torch.distributed as dist
 from issuer import Issuer
-from npusim import extensions, torch_npu
+from npusim import extensions, graph_profile, torch_npu
 
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.job import Job, JobKind
@@ -113,7 +113,10 @@ def run_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
             with Issuer(NpuBackend(torch_npu, rank), [program]) as eng:
                 for mode, run in MODES.items():
                     tokens = run(eng, job["prompts"], job["new"])
-                    held = {"leader": program.leader, "tp_rank": program.tp_rank,
+                    (decode,) = eng.engine.graphs.values()  # one bucket, one instance
+                    kernels = graph_profile(decode.graph).kernels
+                    held = {"collectives": {k: n for k, n in kernels.items() if "hccl" in k},
+                            "leader": program.leader, "tp_rank": program.tp_rank,
                             "tp_size": program.tp_size, "kv_heads": program.kv_heads,
                             "cache": list(program.kv._state(eng.engine.backend)
                                           ["key_cache_0"].shape)}  # fmt: skip
