@@ -18,7 +18,7 @@ import pytest
 import torch
 from model_ref import reference, save
 
-from graphlane.workers.programs import ModelConfig, ModelProgram, ProgramConfigError
+from graphlane.workers.programs import ModelConfig, ModelProgram, ProgramConfigError, StepError
 from graphlane.workers.programs.hf_model import ModelSpec, random_weights
 from graphlane.workers.programs.parallel import Shard, random_shard, shard_weights
 
@@ -144,6 +144,9 @@ def test_tensor_parallel_without_a_process_group_is_refused_at_load() -> None:
     group is joined when the weights load, in the worker."""
     program = ModelProgram(ModelConfig(random=_spec(), tensor_parallel=2, block_size=128))
     assert program.tp_size == 2 and program.heads == 4 and program.kv_heads == 1
+    assert program.describe()["config"]["tensor_parallel"] == 2
+    with pytest.raises(StepError, match=r"^op: kv_write addresses one rank's KV heads"):
+        program.plan_state("kv_write", {})
     with pytest.raises(ProgramConfigError) as err:
         _ = program.tp_rank
     assert err.value.key == "programs.model.tensor_parallel"
@@ -207,6 +210,10 @@ def test_shards_read_from_the_files_are_the_whole_tensors_cut(
         emb = torch.cat([p["model.embed_tokens.weight"] for p in parts])
         assert emb.shape == (256, 128) and torch.equal(emb[:200], full["model.embed_tokens.weight"])
         assert not emb[200:].any()
+        if world == 4:  # a vocabulary of 65: padded to 128, parts of 32; rank 3's is past 65
+            small = Shard(ModelSpec.from_hf(_spec(vocab_size=65), "m"), 3, 4)
+            assert small.vocab_range == (96, 96)
+            assert not small.take("model.embed_tokens.weight", torch.ones(65, 128)).any()
         k = "model.layers.0.self_attn.k_proj.weight"
         if world == 4:  # 2 KV heads on 4 ranks: ranks 0, 1 hold head 0; 2, 3 head 1
             assert torch.equal(parts[1][k], full[k][:16]) and torch.equal(parts[2][k], full[k][16:])

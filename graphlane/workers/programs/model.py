@@ -969,6 +969,13 @@ class ModelProgram(GraphProgram):
 
     # ------------------------------------------------------------ device-state operations
     def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
+        if op != "prefill" and self.config.tensor_parallel > 1:
+            raise StepError(
+                "op",
+                f"{op} addresses one rank's KV heads, and every rank of this model's group "
+                f"gets the same request (tensor_parallel {self.config.tensor_parallel}): "
+                "use prefill or add, which write each rank's own",
+            )
         if op != "prefill":
             return self.kv.plan_state(op, fields)
         c = self.config
