@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -67,13 +68,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-def run_ranks(tmp: Path, world: int, models: dict[str, Any], timeout: float = 120) -> list[Any]:
+def run_ranks(world: int, models: dict[str, Any], timeout: float = 120) -> list[Any]:
     """Each rank's lines (tp_ranks.py forks the ranks from one process, killed with
     its ranks, a process group of its own, if the run fails or times out)."""
     job = {"models": [{"name": k, "path": v["path"]} for k, v in models.items()],
            "prompts": PROMPTS, "new": NEW}  # fmt: skip
     env = {**os.environ, "NPUSIM_WATCHDOG_S": "20"}
-    argv = [sys.executable, str(RANKS), str(world), str(tmp / "init"), json.dumps(job)]
+    with socket.socket() as sock:  # a free port for rank 0's TCP store
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
+    argv = [sys.executable, str(RANKS), str(world), init, json.dumps(job)]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=env, start_new_session=True)  # fmt: skip
     try:
@@ -88,9 +93,9 @@ def run_ranks(tmp: Path, world: int, models: dict[str, Any], timeout: float = 12
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_rank_generates_transformers_greedy_tokens(
-    world: int, models: dict[str, Any], tmp_path: Path
+    world: int, models: dict[str, Any]
 ) -> None:
-    lines = run_ranks(tmp_path, world, models)
+    lines = run_ranks(world, models)
     assert len(lines) == world * len(models) * 3
     sampled: dict[str, list[Any]] = {}
     for r in lines:

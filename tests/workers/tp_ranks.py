@@ -1,11 +1,11 @@
 """The ranks of a tensor-parallel ``model`` program (run by test_tensor_parallel.py).
 
-``python tp_ranks.py WORLD INIT_FILE JOB_JSON``: imports once, then forks one process
+``python tp_ranks.py WORLD INIT_METHOD JOB_JSON``: imports once, then forks one process
 per rank (the imports cost more than a tiny model's run). Each rank sets its npu device,
-joins the "hccl" group through a file store (as a worker of a group does before it loads
-its programs), then for each model of the job builds the program with
-``tensor_parallel = WORLD`` on a step engine of its own device and generates each
-prompt's tokens twice:
+joins the "hccl" group (``INIT_METHOD``: ``tcp://127.0.0.1:PORT``, rank 0 serving the
+TCP store) as a worker of a group does before it loads its programs, then for each model
+of the job builds the program with ``tensor_parallel = WORLD`` on a step engine of its
+own device and generates each prompt's tokens three ways:
 
 - ``steps``: a prefill per prompt, then steps fed the tokens the host read back (decoding
   ahead off: each step waits for the previous one's reply);
@@ -104,7 +104,7 @@ MODES = {"steps": steps, "ahead": ahead, "sampled": sampled}
 
 def run_rank(rank: int, world: int, init: str, job: dict[str, Any]) -> None:
     torch.npu.set_device(rank)
-    dist.init_process_group("hccl", init_method=f"file://{init}", rank=rank, world_size=world)
+    dist.init_process_group("hccl", init_method=init, rank=rank, world_size=world)
     with extensions.enabled("float32_attention"):
         for model in job["models"]:
             config = ModelConfig(model=model["path"], dtype="float32", tensor_parallel=world,
