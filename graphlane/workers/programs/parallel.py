@@ -27,7 +27,6 @@ capture records them in the graph and every replay runs them again.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,17 +269,6 @@ class TensorParallelGroup:
         gather(gathered, local.contiguous(), group=self.group)
         whole = gathered.view(self.size, t, part).permute(1, 0, 2).reshape(t, self.size * part)
         return whole[:, :vocab]
-
-
-def describe(shard: Shard) -> Mapping[str, Any]:
-    """What a rank holds, for ``describe()``."""
-    return {
-        "tensor_parallel": shard.size,
-        "rank": shard.rank,
-        "heads": shard.heads,
-        "kv_heads": shard.kv_heads,
-        "vocab_range": list(shard.vocab_range),
-    }
 
 
 __all__ = [
