@@ -168,3 +168,25 @@ def test_a_captured_collective_issues_nothing_until_replayed(lone_rank: None) ->
     torch.npu.synchronize()
     assert issued == 0 and group.issued == 3  # one collective number per replay
     assert graph_profile(g).kernels == {"hccl all_reduce": 1}
+
+
+def test_a_tensor_freed_while_its_collective_runs_on_another_stream_is_held(
+    lone_rank: None,
+) -> None:
+    """ProcessGroupHCCL records a collective's tensors on the stream it runs on (its
+    record_stream): the host may free them after an async_op without waiting, and the
+    allocator holds the memory until the collective has run. So here: no use-after-free
+    when the default stream's next tensor would reuse that memory."""
+    side = torch.npu.Stream()
+    for _ in range(3):
+        x = torch.full((1024,), 2.0).npu()
+        side.wait_stream(torch.npu.current_stream())
+        with torch.npu.stream(side):
+            gathered = torch.empty(1024).npu()
+            dist.all_reduce(x, async_op=True)
+            dist.all_gather_single(gathered, x, async_op=True)
+        del x, gathered  # freed by the host, the collectives maybe still to run
+        y = torch.zeros(1024).npu()
+        y.add_(1.0)
+        torch.npu.synchronize()
+        assert y.cpu().eq(1.0).all()

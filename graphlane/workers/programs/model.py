@@ -92,6 +92,14 @@ from .paged_attention import (
     paged_arguments,
     paged_workspace,
 )
+from .parallel import (
+    Shard,
+    TensorParallelGroup,
+    check_tensor_parallel,
+    local_heads,
+    random_shard,
+    shard_weights,
+)
 from .sampling import CANDIDATES, PARAMS, needs, row_keys, sample, sampling_values, token_codes
 
 FIA = "npu_fused_infer_attention_score"
@@ -121,6 +129,7 @@ class ModelConfig:
     buckets: tuple[int, ...] = (1, 2, 4, 8)
     prefill_chunk: int = 256
     logprobs: int = 5
+    tensor_parallel: int = 1  # ranks the model is split over (docs/models.md)
     spec: ModelSpec | None = field(default=None, compare=False)  # filled by validate
 
     @classmethod
@@ -161,6 +170,7 @@ class ModelConfig:
         dtype = self.dtype or (spec.torch_dtype if half else "bfloat16")
         if dtype not in COMPUTE_DTYPES:
             raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
+        check_tensor_parallel(spec, self.tensor_parallel, where)
         out = ModelConfig(**{**self.__dict__, "dtype": dtype, "spec": spec})
         out.kv_config().validate(where)
         longest = self.max_blocks_per_seq * self.block_size
@@ -180,8 +190,9 @@ class ModelConfig:
     def kv_config(self) -> PagedAttentionConfig:
         s = self.spec
         assert s is not None and self.dtype is not None
+        heads, kv_heads = local_heads(s, self.tensor_parallel)  # a rank's cache: its KV heads
         return PagedAttentionConfig(
-            layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+            layers=s.num_layers, num_heads=heads, num_kv_heads=kv_heads,
             head_dim=s.head_dim, block_size=self.block_size, num_blocks=self.num_blocks,
             max_blocks_per_seq=self.max_blocks_per_seq, buckets=tuple(self.buckets),
             dtype=self.dtype,
@@ -252,9 +263,13 @@ class ModelProgram(GraphProgram):
             "into the cache of its block_table; returns its first sampled token",
             **self.kv.state_ops,
         }
+        # A rank's query and KV heads (all of them with one rank; parallel.py)
+        self.heads, self.kv_heads = local_heads(s, c.tensor_parallel)
+        self._tp: TensorParallelGroup | None = None  # joined when the weights load
+        self._shard = Shard(s)  # this rank's part of the model, set with the weights
         self._fia = dict(
-            num_heads=s.num_heads,
-            num_key_value_heads=s.num_kv_heads,
+            num_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
             input_layout="TND",
             scale=s.head_dim**-0.5,  # as transformers scales (not 1 / sqrt: bits differ)
             block_size=c.block_size,
@@ -287,6 +302,32 @@ class ModelProgram(GraphProgram):
     @property
     def num_groups(self) -> int:
         return self.spec.num_layers
+
+    # ------------------------------------------------------------ tensor parallel
+    @property
+    def tp(self) -> TensorParallelGroup:
+        """The ranks this program's model is split over (``tensor_parallel``): the group
+        this worker's process initialised, joined at first use (ProgramConfigError if
+        there is none of that size)."""
+        if self._tp is None:
+            self._tp = TensorParallelGroup.join(
+                self.config.tensor_parallel, f"programs.{self.name}"
+            )
+        return self._tp
+
+    @property
+    def tp_size(self) -> int:
+        return self.config.tensor_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp.rank
+
+    @property
+    def leader(self) -> bool:
+        """Whether this rank's outputs go to the client (rank 0; every rank computes
+        the same tokens from the same requests)."""
+        return self.tp.leader
 
     def describe(self) -> dict[str, Any]:
         c, s = self.config, self.spec
@@ -324,6 +365,7 @@ class ModelProgram(GraphProgram):
                 "seed": c.seed,
                 "init_std": c.init_std,
                 **{key: getattr(c, key) for key in _INTS},
+                "tensor_parallel": c.tensor_parallel,
                 "buckets": list(c.buckets),
                 "dtype": c.dtype,
                 "architecture": s.describe(),
@@ -337,8 +379,14 @@ class ModelProgram(GraphProgram):
         if self._device is not None:
             return self._device
         c, s = self.config, self.spec
-        if c.model is not None:
-            host = load_weights(s, c.model, self.dtype, f"programs.{self.name}.model")
+        tp = self.tp
+        self._shard = shard = Shard(s, tp.rank, tp.size)
+        where = f"programs.{self.name}"
+        if tp.size > 1:  # this rank's part of every tensor, and no more
+            host = (shard_weights(s, c.model, self.dtype, shard, where) if c.model is not None
+                    else random_shard(s, c.seed, c.init_std, self.dtype, shard))  # fmt: skip
+        elif c.model is not None:
+            host = load_weights(s, c.model, self.dtype, f"{where}.model")
         else:
             host = random_weights(s, c.seed, c.init_std, self.dtype)
 
@@ -365,11 +413,12 @@ class ModelProgram(GraphProgram):
                     wqkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),  # type: ignore[arg-type]
                     bqkv=cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                     wo=dev(host[a + "o_proj.weight"]),  # type: ignore[arg-type]
-                    bo=dev(host.get(a + "o_proj.bias")),
+                    # a row-parallel bias: rank 0 adds it, before the sum (as vLLM)
+                    bo=dev(host.get(a + "o_proj.bias")) if tp.leader else None,
                     wgu=cat(m + "gate_proj.weight", m + "up_proj.weight"),  # type: ignore[arg-type]
                     bgu=cat(m + "gate_proj.bias", m + "up_proj.bias"),
                     wd=dev(host[m + "down_proj.weight"]),  # type: ignore[arg-type]
-                    bd=dev(host.get(m + "down_proj.bias")),
+                    bd=dev(host.get(m + "down_proj.bias")) if tp.leader else None,
                 )
             )
         embed = dev(host["model.embed_tokens.weight"])
@@ -420,9 +469,8 @@ class ModelProgram(GraphProgram):
         self, b: DeviceBackend, layer: _Layer, x: torch.Tensor, rope: tuple[torch.Tensor, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, N, D], k and v [T, KV_N, D], contiguous, of normed hidden ``x`` [T, H]."""
-        s = self.spec
-        t, d, n, kv = x.shape[0], s.head_dim, s.num_heads, s.num_kv_heads
-        qkv = F.linear(x, layer.wqkv, layer.bqkv)
+        t, d, n, kv = x.shape[0], self.spec.head_dim, self.heads, self.kv_heads
+        qkv = F.linear(x, layer.wqkv, layer.bqkv)  # column-parallel: this rank's heads
         q, k, v = qkv.split([n * d, kv * d, kv * d], dim=-1)
         cos, sin = rope
         q = b.call("npu_rotary_mul", (q.view(t, 1, n, d), cos, sin), {})
@@ -435,7 +483,7 @@ class ModelProgram(GraphProgram):
     ) -> None:  # fmt: skip
         s = self.spec
         key, value = cache[f"key_cache_{layer}"], cache[f"value_cache_{layer}"]
-        nd = (key.shape[0], key.shape[1], s.num_kv_heads, s.head_dim)  # ND, as FIA's BSH
+        nd = (key.shape[0], key.shape[1], self.kv_heads, s.head_dim)  # ND, as FIA's BSH
         b.call("_npu_reshape_and_cache", (k, v, key.view(nd), value.view(nd), slots), {})
 
     def _mlp(
@@ -443,28 +491,35 @@ class ModelProgram(GraphProgram):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The output projection, its residual add (fused into the norm), the MLP: (the
         MLP's output, the residual stream before it)."""
-        o = F.linear(attn.reshape(attn.shape[0], -1), layer.wo, layer.bo)
+        # o and down are row-parallel: each rank's partial product, summed over the ranks
+        o = self.tp.all_reduce(F.linear(attn.reshape(attn.shape[0], -1), layer.wo, layer.bo))
         x, residual = self._norm_in(b, layer.ln2, o, residual)
         act = b.call("npu_swiglu", (F.linear(x, layer.wgu, layer.bgu),), {"dim": -1})
-        return F.linear(act, layer.wd, layer.bd), residual
+        return self.tp.all_reduce(F.linear(act, layer.wd, layer.bd)), residual
 
     def _logits(
         self, b: DeviceBackend, w: dict[str, Any], delta: torch.Tensor, residual: torch.Tensor
     ) -> torch.Tensor:
         x, _ = self._norm_in(b, w["norm"], delta, residual)
-        return F.linear(x, w["lm_head"]).to(torch.float32)
+        local = F.linear(x, w["lm_head"]).to(torch.float32)  # this rank's part of the vocab
+        return self.tp.gather_logits(local, self.spec.vocab_size)
+
+    def _embed(self, w: dict[str, Any], tokens: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ``tokens``: a lookup, or with several ranks each rank's
+        masked lookup of its part of the vocabulary, summed."""
+        return self.tp.embed(tokens, w["embed"], self._shard)
 
     # ------------------------------------------------------------ capture
     def allocate(self, backend: DeviceBackend, bucket: int) -> dict[str, torch.Tensor]:
         c, s = self.config, self.spec
         self._weights(backend)
         cache = self.kv._state(backend)
-        q = (bucket, s.num_heads, s.head_dim)
+        q = (bucket, self.heads, s.head_dim)
         bufs: dict[str, torch.Tensor] = {}
         for layer in range(s.num_layers):
             bufs[f"q_{layer}"] = backend.empty(q, self.dtype)
             bufs[f"attn_{layer}"] = backend.empty(q, self.dtype)
-            bufs[f"lse_{layer}"] = backend.empty((bucket, s.num_heads, 1), torch.float32)
+            bufs[f"lse_{layer}"] = backend.empty((bucket, self.heads, 1), torch.float32)
         for t in bufs.values():
             t.zero_()
         bufs["ints"] = backend.empty((bucket, 3), torch.int64)  # token, pos, slot
@@ -505,7 +560,7 @@ class ModelProgram(GraphProgram):
         lengths = [1] * bucket  # what the buffers hold: every row on the scratch block
         handles = []
         b = backend
-        residual, delta = F.embedding(tokens, w["embed"]), None
+        residual, delta = self._embed(w, tokens), None
         rope = self._rope(w, positions)
         for i, layer in enumerate(w["layers"]):
             x, residual = self._norm_in(b, layer.ln1, delta, residual)
@@ -914,6 +969,13 @@ class ModelProgram(GraphProgram):
 
     # ------------------------------------------------------------ device-state operations
     def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
+        if op != "prefill" and self.config.tensor_parallel > 1:
+            raise StepError(
+                "op",
+                f"{op} addresses one rank's KV heads, and every rank of this model's group "
+                f"gets the same request (tensor_parallel {self.config.tensor_parallel}): "
+                "use prefill or add, which write each rank's own",
+            )
         if op != "prefill":
             return self.kv.plan_state(op, fields)
         c = self.config
@@ -1002,7 +1064,7 @@ class ModelProgram(GraphProgram):
         delta: torch.Tensor | None = None
         for c0 in range(0, n, c.prefill_chunk):
             c1 = min(n, c0 + c.prefill_chunk)
-            residual, delta = F.embedding(tokens[c0:c1], w["embed"]), None
+            residual, delta = self._embed(w, tokens[c0:c1]), None
             rope = self._rope(w, positions[c0:c1])
             for i, layer in enumerate(w["layers"]):
                 x, residual = self._norm_in(b, layer.ln1, delta, residual)

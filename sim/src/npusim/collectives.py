@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from . import access
+from .allocation import record_stream
 from .errors import DeadlockError, DeviceFaultError, SimUsageError
 from .runtime import RUNTIME
 from .streams import Dropped, Event, EventRecordWork, Stream, current_stream
@@ -130,7 +131,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         name, fn = _reducer(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         data = _npu(tensor, "the all_reduce tensor")
         spec = _Spec(self, "all_reduce", name, data, data, reduce=fn)
-        return self._issue(spec, tensor)
+        return self._issue(spec, tensor, tensor)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> HcclWork:
         work = None
@@ -150,7 +151,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
                 f"{out.dtype}"
             )
         spec = _Spec(self, "all_gather_into_tensor", "", inp, out)
-        return self._issue(spec, output)
+        return self._issue(spec, output, input)
 
     _allgather_base = all_gather_single
 
@@ -169,7 +170,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             )
         name, fn = _reducer(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         spec = _Spec(self, "reduce_scatter_tensor", name, inp, out, reduce=fn)
-        return self._issue(spec, output)
+        return self._issue(spec, output, input)
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -178,7 +179,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         data = _npu(tensor, "the broadcast tensor")
         spec = _Spec(self, "broadcast", f"root {root}", data, data, root=root)
-        return self._issue(spec, tensor)
+        return self._issue(spec, tensor, tensor)
 
     def barrier(self, opts: Any = None) -> HcclWork:
         """An all-reduce of one element, waited for by the host (as ProcessGroupHCCL)."""
@@ -194,7 +195,9 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             )
         return tensors[0]
 
-    def _issue(self, spec: _Spec, tensor: torch.Tensor) -> HcclWork:
+    def _issue(self, spec: _Spec, tensor: torch.Tensor, other: torch.Tensor) -> HcclWork:
+        """Issue the collective on ``tensor``'s device's current stream (``other``: its
+        other tensor, or ``tensor`` again)."""
         stream = current_stream(tensor.device.index)
         node = CollectiveTask(spec)
         with RUNTIME.cond:
@@ -202,6 +205,12 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             if cap is not None:
                 cap.add_node(node)
                 return HcclWork(stream, None)
+        # As ProcessGroupHCCL records its tensors on the stream its HCCL task runs on: a
+        # tensor the host frees before the collective has run keeps its memory until
+        # then, whatever stream allocated it (the sim's task runs on the current stream).
+        for t in {id(tensor): tensor, id(other): other}.values():
+            record_stream(t, stream)
+        with RUNTIME.cond:
             node.seq = self.next_seq_locked()
             stream.issue_locked(node)
             # recorded in the same critical section: nothing another thread issues to the
