@@ -31,6 +31,8 @@ restart_window_s = 60.0            #   then it is marked failed (all failed: the
 shutdown_timeout_s = 30.0          # drain: in-flight work gets this long, then SIGTERM, SIGKILL
 hang_timeout_s = 30.0              # requests open and none answered (or a health check unanswered)
                                    #   means a hung worker: it is killed and restarted
+sequence_grace_s = 10.0            # a client key's sequences outlive its last connection this
+                                   #   long (a connection without a key: none; docs/models.md)
 log_format = "text"                # or "json": one JSON object per line
 metrics_port = 7460                # Prometheus metrics on this port (0: any free port;
                                    #   default: no metrics server)
@@ -152,6 +154,9 @@ class ServeConfig:
     restart_window_s: float = 60.0
     shutdown_timeout_s: float = 30.0
     hang_timeout_s: float = 30.0
+    #: How long a CURVE key's sequences are kept after its last connection closed
+    #: (docs/models.md, "Whose sequence"); a plain connection's go when it closes.
+    sequence_grace_s: float = 10.0
     log_format: str = "text"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -370,6 +375,8 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     for k in ("startup_timeout_s", "restart_window_s", "shutdown_timeout_s", "hang_timeout_s"):
         if k in raw:
             values[k] = _number(k, raw[k], 0.001)
+    if "sequence_grace_s" in raw:
+        values["sequence_grace_s"] = _number("sequence_grace_s", raw["sequence_grace_s"], 0.0)
     if raw.get("metrics_port") is not None:
         values["metrics_port"] = _int("metrics_port", raw["metrics_port"], 0)
         if values["metrics_port"] > 65535:

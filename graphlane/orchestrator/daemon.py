@@ -109,6 +109,7 @@ class Daemon:
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
                 max_unread_reply_bytes=config.max_unread_reply_bytes,
+                sequence_grace_s=config.sequence_grace_s,
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,
                 faults=dict(config.faults),

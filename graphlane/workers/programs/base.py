@@ -328,6 +328,14 @@ class GraphProgram(abc.ABC):
         """``append_blocks`` or ``free``: host bookkeeping, answered at once."""
         raise StepError("op", f"program {self.name!r} keeps no sequences")
 
+    def release(self, owner: Any) -> int:
+        """Forget ``owner``'s sequences (its client went); how many there were."""
+        return 0
+
+    def sequence_counts(self) -> dict[str, int]:
+        """What the program keeps of its clients' sequences (worker status)."""
+        return {}
+
     def issued(
         self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
     ) -> None:
