@@ -2,7 +2,9 @@
 TOML file, then CLI flags, validated there, and passed whole.
 
 Every key, with its default (``graphlane config check FILE`` loads a file as
-``serve`` would and prints the settings or the one to change):
+``serve`` would, builds its programs as the workers will, and prints the settings or the
+one to change; ``serve`` leaves the programs' own keys to its workers: this process
+imports no torch):
 
 ```toml
 listen = "tcp://127.0.0.1:7450"   # the daemon's endpoint (tcp or ipc); the worker of
@@ -303,14 +305,14 @@ def _key_names(key: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _programs(
-    raw: Any, backend: str
-) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
+def _programs(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
     """The programs' configs, and the ``clients`` of those that name them (a setting of
-    the daemon's, not of the program: taken out before the program reads its config),
-    each checked against the ``backend`` that will run it."""
-    from graphlane.workers.programs import ProgramConfigError, load_program
-
+    the daemon's, not of the program: taken out before the program reads its config).
+    What a program's own keys say is checked by the program, where it runs: each worker
+    builds it at its start (a program it cannot build fails the start, permanently, with
+    the key named: the daemon relays that line), and ``graphlane config check`` builds it
+    in its own process first (:func:`graphlane.cli_support.check_programs`); the daemon
+    imports no torch and reads no model for it."""
     if not isinstance(raw, list) or not raw:
         raise ConfigError("programs", "must be a non-empty array of tables ([[programs]])")
     seen = set()
@@ -325,10 +327,6 @@ def _programs(
         if "clients" in p:
             p = dict(p)
             clients[p["name"]] = _key_names(f"programs[{i}].clients", p.pop("clients"))
-        try:
-            load_program(p["name"], p).check_backend(backend)  # validated here, at the edge
-        except ProgramConfigError as exc:
-            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1]) from exc
         out.append(dict(p))
     return tuple(out), clients
 
@@ -367,8 +365,7 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     if "sim" in raw:
         values["sim"] = _sim(raw["sim"])
     if "programs" in raw:
-        backend = values.get("backend", cfg.backend)
-        values["programs"], values["program_clients"] = _programs(raw["programs"], backend)
+        values["programs"], values["program_clients"] = _programs(raw["programs"])
     for k in ("max_queued", "max_restarts", "max_unread_reply_bytes"):
         if k in raw:
             values[k] = _int(k, raw[k], 0 if k == "max_restarts" else 1)

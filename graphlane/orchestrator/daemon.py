@@ -39,7 +39,7 @@ from graphlane.protocol.errors import BadRequest, UnknownDevice
 from graphlane.protocol.server import Origin, Responder
 from graphlane.workers import affinity
 from graphlane.workers.memory import FreedMemory
-from graphlane.workers.worker import WorkerSpec
+from graphlane.workers.spec import WorkerSpec
 
 from .config import ServeConfig
 from .ports import PortInUse, bind_error

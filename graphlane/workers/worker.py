@@ -35,7 +35,6 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -67,46 +66,13 @@ from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.owners import SequenceOwners
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey, GraphProgram
+from graphlane.workers.spec import WorkerSpec
 
 log = logging.getLogger("graphlane.worker")
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs; built by the orchestrator, sent at spawn."""
-
-    device: int  # the physical id: what status, logs and metrics name
-    backend: str = "sim"
-    #: The device's index inside this process, as the device runtime numbers the devices
-    #: it makes visible (the daemon pins an npu worker with ASCEND_RT_VISIBLE_DEVICES, so
-    #: it is 0 there); None: ``device``.
-    runtime_index: int | None = None
-    sim: dict[str, Any] | None = None  # backend "sim": the fields of npusim.SimConfig
-    programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
-    depth: int = 2  # the config's default (see ServeConfig.depth)
-    pipeline: bool = True
-    record_order: str = "after-replay"  # or "before-replay" (ENPU: records before the replay)
-    endpoint: str = "tcp://127.0.0.1:0"
-    max_queued: int = 256
-    max_unread_reply_bytes: int = 256 * 2**20  # per connection (WorkerLoop.unread)
-    limits: wire.Limits = field(default_factory=wire.Limits)
-    generation: int = 0
-    log_level: int = logging.INFO
-    log_format: str = "text"
-    #: CurveZMQ: the server's keys and the admitted clients, as the daemon read them when
-    #: it started (a worker does not read the key files: every restart admits the same)
-    keys: security.ServerKeys | None = None
-    roles: security.Roles | None = None  # with keys: who may do what (None: anyone all)
-    # Fault injection for tests: "fail_start": true, "hang_device_after": N,
-    # "device_fault_after": N.
-    faults: dict[str, Any] = field(default_factory=dict)
-    #: how long a CURVE key's sequences outlive its last connection (SequenceOwners)
-    sequence_grace_s: float = 10.0
-    cpus: tuple[int, ...] | None = None  # the cores its threads run on (None: any; affinity.py)
-
-
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Process entry point (spawn)."""
+    """Process entry point (spawn: through :func:`graphlane.workers.entry.worker_main`)."""
     setup_logging(spec.log_level, spec.log_format, f"worker[{spec.device}]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
     keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)

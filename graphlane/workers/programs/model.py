@@ -8,7 +8,7 @@ projection, MLP), final norm, LM head, sampling. Per step only the attention's
 ``actual_seq_lengths_kv`` are patched (each layer's FIA is a task group behind its own
 ExternalEvent); tokens, positions, slots, sampling settings and block tables are
 copied into static buffers. The architecture and weights come from
-:mod:`.hf_model`; the cache and the ``kv_write``/``kv_read`` operations are those of a
+:mod:`graphlane.hf_model`; the cache and the ``kv_write``/``kv_read`` operations are those of a
 :class:`~.paged_attention.PagedAttentionProgram` the model owns (same layout, same
 scratch block for padding rows).
 
@@ -68,6 +68,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphlane.hf_model import (
+    ModelSpec,
+    load_weights,
+    random_weights,
+    read_hf_config,
+    safetensors_files,
+)
 from graphlane.protocol.errors import Busy, NoPreviousToken
 from graphlane.workers.backends.base import DeviceBackend
 
@@ -84,7 +91,6 @@ from .base import (
     StepPlan,
     config_values,
 )
-from .hf_model import ModelSpec, load_weights, random_weights, read_hf_config, safetensors_files
 from .paged_attention import (
     PagedAttentionConfig,
     PagedAttentionProgram,
