@@ -68,7 +68,7 @@ class WorkerMetrics:
     bytes_in: int = 0
     bytes_out: int = 0
     sequences_released: int = 0  # sequences forgotten because their client went
-    clients_released: int = 0  # clients whose sequences were released (SequenceOwners)
+    clients_released: int = 0  # clients that went holding sequences (SequenceOwners)
     # Answered steps not yet in the histograms: (program, op, held, dispatch_s,
     # replay_at, done_at) each, one append per step; sorted in by _take_done.
     done: list[tuple[str, str, float, float, float, float]] = field(default_factory=list)

@@ -39,7 +39,6 @@ class SequenceOwners:
         self._open: dict[Any, set[bytes]] = {}  # a client -> its watched connections
         #: clients with no connection left: owner -> when its sequences go (perf_counter)
         self.pending: dict[Any, float] = {}
-        self.released = 0  # clients released so far
 
     def note(self, owner: Any, ident: bytes, source: Any) -> bool:
         """``owner`` sends a sequence request on connection ``ident`` (``source``: the
@@ -65,7 +64,6 @@ class SequenceOwners:
             return
         del self._open[owner]
         if owner == ident:  # no key: the connection was the client
-            self.released += 1
             self._release(owner)
         else:
             self.pending[owner] = time.perf_counter() + self.grace_s
@@ -78,7 +76,6 @@ class SequenceOwners:
         for owner, due in list(self.pending.items()):
             if due <= now:
                 del self.pending[owner]
-                self.released += 1
                 self._release(owner)
 
 

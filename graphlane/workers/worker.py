@@ -489,8 +489,9 @@ class Worker:
         program forgets its sequences; its steps still waiting are dropped unrun (they
         would leave records behind; nobody is there to answer)."""
         released = sum(p.release(owner) for p in self._sequence_programs)
-        self.metrics.sequences_released += released
-        self.metrics.clients_released += 1
+        if released:
+            self.metrics.sequences_released += released
+            self.metrics.clients_released += 1
         mine = [s for s in self._waiting if s.owner == owner]
         if mine:
             kept = [s for s in self._waiting if s.owner != owner]
@@ -498,7 +499,8 @@ class Worker:
             self._waiting.extend(kept)
             for step in mine:
                 self._open.pop(step, None)
-        log.info("a client went: %d sequences released", released)
+        if released:
+            log.info("a client went: its %d sequences are released", released)
 
     def _refusal(self, request_id: int, why: str) -> PredecessorFailed:
         return PredecessorFailed(
