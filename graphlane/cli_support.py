@@ -7,9 +7,13 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from graphlane.client import Client
 from graphlane.protocol.errors import Timeout, WorkerLost
+
+if TYPE_CHECKING:
+    from graphlane.client import Client
+    from graphlane.orchestrator.config import ServeConfig
 
 
 async def connect_within(client: Client, wait_s: float, attempt_s: float) -> float:
@@ -75,6 +79,20 @@ def unignored_in_repo(secret: Path) -> Path | None:
     return None
 
 
+def check_programs(conf: ServeConfig) -> None:
+    """Build each program of ``conf`` as a worker will, in this process (torch, and a
+    model's config.json and weight files): ConfigError naming the key. ``serve`` leaves
+    this to its workers (a program one cannot build fails its start, permanently)."""
+    from graphlane.orchestrator.config import ConfigError
+    from graphlane.workers.programs import ProgramConfigError, load_program
+
+    for p in conf.programs:
+        try:
+            load_program(p["name"], p).check_backend(conf.backend)
+        except ProgramConfigError as exc:
+            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1]) from exc
+
+
 def check_config(path: str) -> int:
     """``graphlane config check FILE``: 0 and the resolved settings, or 2 and the error."""
     import sys
@@ -83,6 +101,7 @@ def check_config(path: str) -> int:
 
     try:
         conf = cfg.load(path)
+        check_programs(conf)
     except cfg.ConfigError as exc:
         print(f"graphlane config: {path}: {exc}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ per live sequence, each row's token ``-1`` ("the token this sequence sampled in 
 previous step", fed on the device), so the scheduler sends step N+1 before step N's
 reply is back, keeping ``window`` requests in flight; a sequence that has all its tokens
 leaves and its blocks go to the next. The weights are the program's seeded random ones
-(:func:`graphlane.workers.programs.hf_model.random_weights`), loaded into transformers
+(:func:`graphlane.hf_model.random_weights`), loaded into transformers
 for the check: greedy tokens must be the same, token for token (float32).
 """
 

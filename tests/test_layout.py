@@ -6,11 +6,19 @@ inside functions, under TYPE_CHECKING), read from what each one is:
 - graphlane.protocol, the wire both sides share, imports nothing of graphlane but
   itself and graphlane.logs;
 - graphlane.client (what schedulers import) imports the protocol and logs only;
-- graphlane.workers (a device's process) imports the protocol, logs and the sim (its
-  sim backend), never the daemon, the client or the tools;
+- graphlane.workers (a device's process) imports the protocol, logs, the sim (its
+  sim backend) and what it shares with the tools (graphlane.hf_model, a model's
+  architecture; graphlane.program_config), never the daemon, the client or the tools;
 - graphlane.orchestrator (the daemon) imports the protocol, logs, the root package
-  (its version) and graphlane.workers (it spawns workers: their spec and entry
-  point), never the client, the sim or the tools; workers never import it back;
+  (its version) and of graphlane.workers only its torch-free spec and entry point
+  (graphlane.workers.spec, .entry) and the two helpers it shares (affinity, memory), never the
+  client, the sim, the tools, or a program: the daemon imports no torch (a worker
+  builds its programs; test_the_daemon_imports_no_torch runs it); workers never import
+  it back;
+- graphlane.loadtest (a client of the daemon) imports nothing of graphlane.workers;
+- graphlane.bench and benchmarks/ use npusim's public API only: what npusim's
+  ``__init__`` exports (and its torch_npu namespace), never its modules' insides nor its
+  classes by name;
 - npusim (the simulated NPU, a distribution of its own under sim/) imports nothing of
   graphlane.
 
@@ -30,6 +38,9 @@ cycle.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,16 +51,28 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = (REPO / "graphlane", REPO / "sim" / "src" / "npusim")
 OURS = ("graphlane", "npusim")
 
+#: what the daemon may import of the workers: their spec and entry point, and two helpers
+TORCH_FREE_WORKERS = ("graphlane.workers.spec", "graphlane.workers.entry",
+                      "graphlane.workers.affinity", "graphlane.workers.memory")  # fmt: skip
 #: package -> the graphlane packages it may import (besides itself); "graphlane" alone is
 #: the root package (its __init__), not everything under it
 ALLOWED = {
     "graphlane.protocol": ("graphlane.logs",),
     "graphlane.client": ("graphlane.protocol", "graphlane.logs"),
-    "graphlane.workers": ("graphlane.protocol", "graphlane.logs", "npusim"),
-    "graphlane.orchestrator": ("graphlane.protocol", "graphlane.logs", "graphlane.workers",
-                               "graphlane"),
+    "graphlane.workers": ("graphlane.protocol", "graphlane.logs", "npusim",
+                          "graphlane.hf_model", "graphlane.program_config"),
+    "graphlane.orchestrator": ("graphlane.protocol", "graphlane.logs", "graphlane",
+                               *TORCH_FREE_WORKERS),
+    "graphlane.hf_model": ("graphlane.program_config",),
+    "graphlane.program_config": (),
     "npusim": (),
 }  # fmt: skip
+#: package -> the graphlane packages it may not import (it may import the rest)
+FORBIDDEN = {"graphlane.loadtest": ("graphlane.workers",)}
+#: what of npusim the tools that measure it may import: its package (the names its
+#: __init__ exports) and its torch_npu namespace
+NPUSIM_PUBLIC = ("npusim", "npusim.torch_npu")
+TOOLS = ("graphlane.bench", "benchmarks")
 
 
 @dataclass(frozen=True)
@@ -171,15 +194,92 @@ def direction_violations(imports: Iterable[Import]) -> list[str]:
                        for a in allowed):  # fmt: skip
                 may = ", ".join(allowed) or "nothing of graphlane"
                 out.append(f"{imp} ({package} may import {may})")
+        for package, forbidden in FORBIDDEN.items():
+            if _within(imp.source, package) and any(_within(imp.target, f) for f in forbidden):
+                out.append(f"{imp} ({package} may not import {', '.join(forbidden)})")
+        if (
+            any(_within(imp.source, t) for t in TOOLS)
+            and _within(imp.target, "npusim")
+            and imp.target not in NPUSIM_PUBLIC
+        ):
+            out.append(f"{imp} (npusim's public API only: {', '.join(NPUSIM_PUBLIC)})")
     return out
 
 
 # ---------------------------------------------------------------- the package
+def _tool_sources() -> dict[str, tuple[str, bool]]:
+    """The modules of graphlane, npusim and benchmarks/ (a directory of scripts)."""
+    return {**sources(), **sources((REPO / "benchmarks",))}
+
+
 @pytest.fixture(scope="module")
 def imports() -> list[Import]:
-    modules = sources()
+    modules = _tool_sources()
     assert "npusim.torch_npu" in modules and "graphlane.client" in modules
+    assert "benchmarks.sim_ops" in modules
     return all_imports(modules)
+
+
+def _imported_in_a_fresh_process(code: str) -> set[str]:
+    """The modules ``sys.modules`` holds after ``code`` runs in a new interpreter."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=REPO, check=True)  # fmt: skip
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def test_the_daemon_imports_no_torch_even_to_read_a_models_config() -> None:
+    """The daemon's process (the command line with every command's flags, the daemon,
+    its config, with a model program that names a directory that does not exist: the
+    worker reads it) loads no torch, no program and no model."""
+    loaded = _imported_in_a_fresh_process(
+        "import graphlane.cli, graphlane.orchestrator.daemon, graphlane.orchestrator.metrics\n"
+        "graphlane.cli._parser().parse_args(['serve'])\n"
+        "from graphlane.orchestrator import config\n"
+        "config.from_mapping({'programs': [{'name': 'model', 'model': '/nonexistent'}]})"
+    )
+    assert "torch" not in loaded and "numpy" in loaded
+    workers = {m for m in loaded if m.startswith("graphlane.workers.")}
+    assert workers <= set(TORCH_FREE_WORKERS), workers
+
+
+def test_the_load_test_imports_nothing_of_the_workers() -> None:
+    loaded = _imported_in_a_fresh_process(
+        "import graphlane.loadtest, graphlane.loadtest.cli, graphlane.loadtest.driver, "
+        "graphlane.loadtest.generation, graphlane.loadtest.serving"
+    )
+    assert not {m for m in loaded if m.startswith("graphlane.workers")}
+
+
+def test_the_load_tests_attention_shape_is_the_programs_config() -> None:
+    """The load test reads the attention program's shape itself (it imports no worker
+    code): the same keys and defaults as the program's config."""
+    from graphlane.loadtest.attention import AttentionShape
+    from graphlane.workers.programs.attention import AttentionConfig
+
+    assert AttentionShape().__dict__ == AttentionConfig().__dict__
+
+
+def test_the_tools_name_no_class_of_npusim_but_its_public_ones() -> None:
+    """graphlane.bench and benchmarks/ never compare a type's name with one of npusim's
+    own classes (what ``type(node).__name__ == "ExtWaitWork"`` did): its insides may
+    change; what the tools need of them is in its public API (graph_profile)."""
+    import npusim
+
+    modules = _tool_sources()
+    private = {
+        node.name
+        for name, (src, _) in modules.items() if _within(name, "npusim")
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, ast.ClassDef) and node.name[0].isupper()
+    } - set(npusim.__all__)  # fmt: skip
+    named = [
+        f"{name}:{node.lineno} names {node.value!r}"
+        for name, (src, _) in modules.items() if any(_within(name, t) for t in TOOLS)
+        for node in ast.walk(ast.parse(src))
+        if isinstance(node, ast.Constant) and node.value in private
+    ]  # fmt: skip
+    assert named == []
 
 
 def test_no_import_cycle_among_graphlane_and_npusim_modules(imports: list[Import]) -> None:

@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from npusim import configure
+from npusim import configure, graph_profile
 
 from graphlane.client import Client
 from graphlane.demo_model import ARCHITECTURE as DEMO_ARCHITECTURE
@@ -126,17 +126,8 @@ def _feedable(tokens: torch.Tensor) -> torch.Tensor:
 
 def graph_tasks(graph: Any) -> list[int]:
     """The tasks of a captured model graph by stretch: before the first layer's wait,
-    between consecutive waits, after the last (the sim's graph nodes)."""
-    from npusim.graphs import TaskNode
-
-    stretches, n = [], 0
-    for node in graph.nodes:
-        if type(node) is TaskNode:
-            n += 1
-        elif type(node).__name__ == "ExtWaitWork":
-            stretches.append(n)
-            n = 0
-    return [*stretches, n]
+    between consecutive waits, after the last (npusim's graph profile)."""
+    return list(graph_profile(graph).stretches)
 
 
 def lone_floor(patch_us: float, task_us: float, stretches: list[int]) -> float:

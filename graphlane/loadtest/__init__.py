@@ -56,8 +56,27 @@ load test can drive, shapes differ); 3 when nothing answered at the endpoint wit
 ``--connect-timeout``; 130 after a Ctrl-C, wherever it came.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .config import LoadConfig
-from .driver import run_load
-from .workload import LoadTestError
+
+if TYPE_CHECKING:
+    from .driver import run_load
+    from .workload import LoadTestError
+
+
+def __getattr__(name: str) -> Any:
+    """run_load and LoadTestError (the run: the client and torch), imported when asked
+    for: graphlane's command line reads the load test's flags for every command."""
+    if name == "run_load":
+        from .driver import run_load
+
+        return run_load
+    if name == "LoadTestError":
+        from .workload import LoadTestError
+
+        return LoadTestError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["LoadConfig", "LoadTestError", "run_load"]

@@ -15,7 +15,8 @@ written here with torch, not taken from the simulator).
 
 Shapes: the program's ``hello`` entry gives its buckets, task groups (= layers) and, for
 the built-in programs, every setting (``config``). A program that does not describe its
-settings takes them from ``--shape`` (defaults: :class:`AttentionConfig`'s).
+settings takes them from ``--shape`` (defaults: :class:`AttentionShape`'s, those of the
+program's own config).
 """
 
 from __future__ import annotations
@@ -29,12 +30,9 @@ from typing import Any
 
 import torch
 
-from graphlane.workers.programs.attention import AttentionConfig
-
+from .config import SHAPE_KEYS, AttentionShape
 from .workload import TOLERANCE, Call, LoadTestError, close_to
 
-#: Keys of ``--shape`` / ``LoadConfig.shape`` (defaults from AttentionConfig).
-SHAPE_KEYS = ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len", "dtype")
 #: Verified cases made per batch size before the run.
 VERIFY_POOL = 4
 #: Unverified queries made per batch size before the run.
@@ -62,7 +60,7 @@ def not_attention(info: Mapping[str, Any]) -> str | None:
 
 def attention_shape(
     program: str, info: Mapping[str, Any], given: Mapping[str, Any]
-) -> tuple[AttentionConfig, bool]:
+) -> tuple[AttentionShape, bool]:
     """The program's shape from its hello entry, ``given`` (``--shape``) filling what it
     does not say; and whether hello described it. ValueError names the flag."""
     groups = int(info.get("groups", 0)) or None
@@ -85,11 +83,11 @@ def attention_shape(
         )
     if groups is not None:
         shape.setdefault("layers", groups)
-    return AttentionConfig.from_mapping(shape, "--shape"), isinstance(described, Mapping)
+    return AttentionShape.from_mapping(shape, "--shape"), isinstance(described, Mapping)
 
 
 def reference(
-    shape: AttentionConfig,
+    shape: AttentionShape,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -147,7 +145,7 @@ class AttentionWorkload:
 
     def __init__(
         self,
-        shape: AttentionConfig,
+        shape: AttentionShape,
         devices: tuple[int, ...],
         batch_sizes: tuple[int, ...],
         buckets: tuple[int, ...],

@@ -13,22 +13,16 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
-from graphlane.client import Client
 from graphlane.orchestrator.config import DEFAULT_LISTEN
 from graphlane.protocol.endpoints import InvalidEndpoint
 from graphlane.protocol.errors import GraphlaneError, Timeout
 
-from .attention import SHAPE_KEYS
 from .availability import MAX_UNAVAILABLE
-from .config import DECODE_TOKENS, VERIFY, LoadConfig
-from .driver import run_load
-from .report import load_text, verify_text
-from .serving import serving_text
-from .workload import LoadTestError
+from .config import DECODE_TOKENS, SHAPE_KEYS, VERIFY, LoadConfig
+
+# The run itself (the client, torch, rich) is imported when a run starts: graphlane's
+# command line builds this parser for every command, `serve` included (whose process
+# imports no torch).
 
 
 # ---------------------------------------------------------------------------- command line
@@ -396,6 +390,12 @@ def _pair(flag: str, values: tuple[int, ...] | None) -> tuple[int, int] | None:
 
 def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
     """A rich table of the run's results."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .report import load_text, verify_text
+
     console = console or Console()
     lat = report["latency_ms"]
     cfg = report["config"]
@@ -499,6 +499,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, config: LoadConfig) -> int:
+    from .serving import serving_text
+    from .workload import LoadTestError
+
     try:
         asyncio.run(_first_hello(config, args.connect_timeout))
     except NoAnswer as exc:
@@ -526,6 +529,8 @@ def _main(args: argparse.Namespace, config: LoadConfig) -> int:
 
 async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
     """The daemon's hello, or NoAnswer naming the endpoint, the wait and its flag."""
+    from graphlane.client import Client
+
     client = Client(
         config.endpoint, timeout=wait_s,
         server_key=config.server_key, client_key=config.client_key,
@@ -564,6 +569,8 @@ async def _run_interruptible(config: LoadConfig) -> tuple[dict[str, Any], bool]:
     """run_load where the first Ctrl-C ends sending early (the report of
     the steps so far is still written) and a second one aborts; the report, and
     whether a Ctrl-C came."""
+    from .driver import run_load
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     me = asyncio.current_task()

@@ -15,11 +15,46 @@ from types import MappingProxyType
 from typing import Any
 
 from graphlane.cli_support import key_flags_problem
-from graphlane.workers.programs.attention import AttentionConfig
-from graphlane.workers.programs.base import ProgramConfigError
 
-from .attention import SHAPE_KEYS
 from .availability import MAX_UNAVAILABLE
+
+_SHAPE_DTYPES = ("float16", "bfloat16", "float32")  # the program's dtypes
+#: Keys of ``--shape`` / ``LoadConfig.shape`` (defaults from AttentionShape).
+SHAPE_KEYS = ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len", "dtype")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The attention program's shape as the load test reads it: the keys and defaults
+    of the program's config (``AttentionShape``, which the worker reads: this process
+    imports nothing of the workers; tests/test_layout.py holds the two equal)."""
+
+    layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    max_kv_len: int = 256
+    buckets: tuple[int, ...] = (1, 2, 4, 8)
+    dtype: str = "float16"
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], where: str = "--shape") -> AttentionShape:
+        """The shape ``raw`` gives over the defaults; ValueError naming the key."""
+        known = [f.name for f in fields(cls)]
+        for key in raw:
+            if key not in known:
+                raise ValueError(f"{where}.{key}: unknown key (known: {', '.join(known)})")
+        shape = cls(**{**raw, "buckets": tuple(raw.get("buckets", cls.buckets))})
+        for key in known[:5]:
+            v = getattr(shape, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{where}.{key}: must be a positive integer, not {v!r}")
+        if shape.num_heads % shape.num_kv_heads:
+            raise ValueError(f"{where}.num_kv_heads: {shape.num_kv_heads} must divide "
+                             f"num_heads {shape.num_heads}")  # fmt: skip
+        if shape.dtype not in _SHAPE_DTYPES:
+            raise ValueError(f"{where}.dtype: must be one of {sorted(_SHAPE_DTYPES)}")
+        return shape
 
 #: Tokens each sequence decodes when ``decode_tokens`` is not given.
 DECODE_TOKENS = (4, 32)
@@ -36,7 +71,7 @@ class LoadConfig:
     sequence arrivals/s for one with device state.
 
     ``verify``: the share of steps checked (None: :data:`VERIFY` by the shape of load).
-    ``shape`` overrides AttentionConfig's defaults for the keys in :data:`SHAPE_KEYS`
+    ``shape`` overrides AttentionShape's defaults for the keys in :data:`SHAPE_KEYS`
     where the daemon's ``hello`` does not describe them. ``max_outstanding`` caps the
     open loop's calls in flight (None: 10 s worth of arrivals, clamped to 100..10,000).
     ``prompt_lens`` (None: 1..half the longest sequence) and ``decode_tokens`` (None:
@@ -141,9 +176,7 @@ class LoadConfig:
         if unknown:
             raise ValueError(f"--shape: unknown key(s) {unknown} (known: {', '.join(SHAPE_KEYS)})")
         try:
-            AttentionConfig.from_mapping(dict(self.shape), "--shape")
-        except ProgramConfigError as exc:
-            raise ValueError(str(exc)) from None
+            AttentionShape.from_mapping(dict(self.shape), "--shape")
         except TypeError as exc:
             raise ValueError(f"--shape: {exc}") from None
 

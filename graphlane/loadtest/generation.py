@@ -22,7 +22,7 @@ def reference_model(described: Mapping[str, Any]) -> Any:
     random weights (``random``, ``seed``, ``init_std``) or its model directory (when it
     exists on this machine), in the served dtype. ValueError says why it cannot be
     built (transformers missing, a directory elsewhere)."""
-    from graphlane.workers.programs.hf_model import ModelSpec, random_weights
+    from graphlane.hf_model import ModelSpec, random_weights
 
     check_reference(described)
     import transformers

@@ -2,7 +2,9 @@
 TOML file, then CLI flags, validated there, and passed whole.
 
 Every key, with its default (``graphlane config check FILE`` loads a file as
-``serve`` would and prints the settings or the one to change):
+``serve`` would, builds its programs as the workers will, and prints the settings or the
+one to change; ``serve`` leaves the programs' own keys to its workers: this process
+imports no torch):
 
 ```toml
 listen = "tcp://127.0.0.1:7450"   # the daemon's endpoint (tcp or ipc); the worker of
@@ -31,6 +33,8 @@ restart_window_s = 60.0            #   then it is marked failed (all failed: the
 shutdown_timeout_s = 30.0          # drain: in-flight work gets this long, then SIGTERM, SIGKILL
 hang_timeout_s = 30.0              # requests open and none answered (or a health check unanswered)
                                    #   means a hung worker: it is killed and restarted
+sequence_grace_s = 10.0            # a client key's sequences outlive its last connection this
+                                   #   long (a connection without a key: none; docs/models.md)
 log_format = "text"                # or "json": one JSON object per line
 metrics_port = 7460                # Prometheus metrics on this port (0: any free port;
                                    #   default: no metrics server)
@@ -152,6 +156,9 @@ class ServeConfig:
     restart_window_s: float = 60.0
     shutdown_timeout_s: float = 30.0
     hang_timeout_s: float = 30.0
+    #: How long a CURVE key's sequences are kept after its last connection closed
+    #: (docs/models.md, "Whose sequence"); a plain connection's go when it closes.
+    sequence_grace_s: float = 10.0
     log_format: str = "text"
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -298,14 +305,14 @@ def _key_names(key: str, v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def _programs(
-    raw: Any, backend: str
-) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
+def _programs(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str, ...]]]:
     """The programs' configs, and the ``clients`` of those that name them (a setting of
-    the daemon's, not of the program: taken out before the program reads its config),
-    each checked against the ``backend`` that will run it."""
-    from graphlane.workers.programs import ProgramConfigError, load_program
-
+    the daemon's, not of the program: taken out before the program reads its config).
+    What a program's own keys say is checked by the program, where it runs: each worker
+    builds it at its start (a program it cannot build fails the start, permanently, with
+    the key named: the daemon relays that line), and ``graphlane config check`` builds it
+    in its own process first (:func:`graphlane.cli_support.check_programs`); the daemon
+    imports no torch and reads no model for it."""
     if not isinstance(raw, list) or not raw:
         raise ConfigError("programs", "must be a non-empty array of tables ([[programs]])")
     seen = set()
@@ -320,10 +327,6 @@ def _programs(
         if "clients" in p:
             p = dict(p)
             clients[p["name"]] = _key_names(f"programs[{i}].clients", p.pop("clients"))
-        try:
-            load_program(p["name"], p).check_backend(backend)  # validated here, at the edge
-        except ProgramConfigError as exc:
-            raise ConfigError(exc.key, str(exc).split(": ", 1)[-1]) from exc
         out.append(dict(p))
     return tuple(out), clients
 
@@ -362,14 +365,15 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
     if "sim" in raw:
         values["sim"] = _sim(raw["sim"])
     if "programs" in raw:
-        backend = values.get("backend", cfg.backend)
-        values["programs"], values["program_clients"] = _programs(raw["programs"], backend)
+        values["programs"], values["program_clients"] = _programs(raw["programs"])
     for k in ("max_queued", "max_restarts", "max_unread_reply_bytes"):
         if k in raw:
             values[k] = _int(k, raw[k], 0 if k == "max_restarts" else 1)
     for k in ("startup_timeout_s", "restart_window_s", "shutdown_timeout_s", "hang_timeout_s"):
         if k in raw:
             values[k] = _number(k, raw[k], 0.001)
+    if "sequence_grace_s" in raw:
+        values["sequence_grace_s"] = _number("sequence_grace_s", raw["sequence_grace_s"], 0.0)
     if raw.get("metrics_port") is not None:
         values["metrics_port"] = _int("metrics_port", raw["metrics_port"], 0)
         if values["metrics_port"] > 65535:

@@ -39,7 +39,7 @@ from graphlane.protocol.errors import BadRequest, UnknownDevice
 from graphlane.protocol.server import Origin, Responder
 from graphlane.workers import affinity
 from graphlane.workers.memory import FreedMemory
-from graphlane.workers.worker import WorkerSpec
+from graphlane.workers.spec import WorkerSpec
 
 from .config import ServeConfig
 from .ports import PortInUse, bind_error
@@ -109,6 +109,7 @@ class Daemon:
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
                 max_unread_reply_bytes=config.max_unread_reply_bytes,
+                sequence_grace_s=config.sequence_grace_s,
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,
                 faults=dict(config.faults),

@@ -50,6 +50,14 @@ class DaemonCollector(Collector):
             "graphlane_bytes_in", "Request bytes received", labels=["device"]
         )
         b_out = CounterMetricFamily("graphlane_bytes_out", "Reply bytes sent", labels=["device"])
+        sequences = GaugeMetricFamily(
+            "graphlane_sequences", "Sequences a worker keeps for its clients",
+            labels=["device", "program"],
+        )  # fmt: skip
+        released = CounterMetricFamily(
+            "graphlane_sequences_released", "Sequences released because their client went",
+            labels=["device"],
+        )  # fmt: skip
         step = HistogramMetricFamily(
             "graphlane_step_seconds", "Time a worker held a request (decode to reply)",
             labels=["device", "program", "op"],
@@ -76,6 +84,9 @@ class DaemonCollector(Collector):
                 errors.add_metric([d, code], n)
             b_in.add_metric([d], m.get("bytes_in", 0))
             b_out.add_metric([d], m.get("bytes_out", 0))
+            released.add_metric([d], m.get("sequences_released", 0))
+            for program, held in sorted(st.get("sequences", {}).items()):
+                sequences.add_metric([d, program], held.get("sequences", 0))
             for s in m.get("step_seconds", []):
                 step.add_metric([d, s["program"], s["op"]], _buckets(s), s["sum"])
             if "dispatch_seconds" in m:
@@ -84,7 +95,8 @@ class DaemonCollector(Collector):
                 )
             if "replay_seconds" in m:
                 replay.add_metric([d], _buckets(m["replay_seconds"]), m["replay_seconds"]["sum"])
-        yield from (up, restarts, queued, inflight, errors, b_in, b_out, step, dispatch, replay)
+        yield from (up, restarts, queued, inflight, errors, b_in, b_out, sequences, released)
+        yield from (step, dispatch, replay)
 
 
 def serve_metrics(supervisor: Supervisor, port: int, host: str = "127.0.0.1") -> Any:

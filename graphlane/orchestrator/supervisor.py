@@ -40,7 +40,8 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from graphlane.protocol import pipe
-from graphlane.workers.worker import WorkerSpec, worker_main
+from graphlane.workers.entry import worker_main
+from graphlane.workers.spec import WorkerSpec
 
 log = logging.getLogger("graphlane.supervisor")
 

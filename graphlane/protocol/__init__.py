@@ -234,6 +234,8 @@ has none it may feed). Retryable unless the error says otherwise: BUSY,
 WORKER_LOST, TIMEOUT, SHUTTING_DOWN, PREDECESSOR_FAILED.
 """
 
+from typing import Any
+
 from graphlane.protocol.errors import (
     RETRYABLE,
     BadRequest,
@@ -273,7 +275,7 @@ from graphlane.protocol.ops import (
     StepDone,
     Update,
 )
-from graphlane.protocol.tensors import INLINE_TENSOR_BYTES, TENSOR_KEY, WIRE_DTYPES, tensor_ref
+from graphlane.protocol.tensors import INLINE_TENSOR_BYTES, TENSOR_KEY, tensor_ref
 from graphlane.protocol.wire import (
     BUNDLE_BYTES,
     BUNDLE_MAX,
@@ -354,3 +356,11 @@ __all__ = [
     "error_from_wire",
     "tensor_ref",
 ]
+
+
+def __getattr__(name: str) -> Any:  # WIRE_DTYPES: torch's dtypes, imported when asked for
+    if name == "WIRE_DTYPES":
+        from graphlane.protocol import tensors
+
+        return tensors.WIRE_DTYPES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

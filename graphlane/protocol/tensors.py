@@ -9,24 +9,30 @@ like any other field and which turns itself into a ``torch.Tensor`` over the
 message's frames as it is decoded (:meth:`TensorRef.__post_init__`, in the same
 pass as the rest of the message; the frames are those the codec is reading, see
 :func:`start_reading`); the body then holds tensors (:func:`take_tensors`).
+
+torch is imported when a tensor is first made or sent, not with this module: a process
+that passes no tensors (the daemon) does without it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, get_args
 
 import msgspec
 import numpy as np
-import torch
 from msgspec import Meta, Struct
 
 from graphlane.protocol.admission import Limits
 from graphlane.protocol.bounds import Count, Positive
+
+if TYPE_CHECKING:
+    import torch
 
 Frame: TypeAlias = bytes | memoryview
 """A frame as the encoder makes it: the envelope's bytes, a view of a tensor's memory."""
@@ -35,23 +41,29 @@ INLINE_TENSOR_BYTES = 1024
 """Tensors of at most this many bytes travel inside the envelope, larger ones as frames."""
 TENSOR_KEY = "$tensor"
 
-WIRE_DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "bool": torch.bool,
-}
-"""The dtypes a tensor may have on the wire, by their wire name."""
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
 DType = Literal[
     "float16", "bfloat16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "bool"
 ]
+WIRE_DTYPE_NAMES: tuple[str, ...] = get_args(DType)
+"""The dtypes a tensor may have on the wire, by their wire name (torch's names)."""
+
+
+@functools.cache
+def _dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dict[torch.dtype, Any]]:
+    """WIRE_DTYPES, DTYPE_NAMES and the numpy dtypes, made when first needed."""
+    import torch
+
+    wire = {name: getattr(torch, name) for name in WIRE_DTYPE_NAMES}
+    numpy = {wire[n]: getattr(np, "bool_" if n == "bool" else n) for n in wire if n != "bfloat16"}
+    return wire, {dtype: name for name, dtype in wire.items()}, numpy
+
+
+def __getattr__(name: str) -> Any:  # WIRE_DTYPES, DTYPE_NAMES: with torch, when asked for
+    if name == "WIRE_DTYPES":
+        return _dtypes()[0]
+    if name == "DTYPE_NAMES":
+        return _dtypes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class TensorSpec(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -82,16 +94,18 @@ class TensorRef(Struct, forbid_unknown_fields=True, dict=True):
 def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -> TensorRef:
     """The reference of a CPU tensor to send; a large one's bytes are appended to
     ``frames`` as a view of its memory (a non-contiguous tensor is copied first)."""
+    import torch
+
     if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
         raise ValueError(f"{path}: must be a tensor, got {type(t).__name__}")
     if not t.is_cpu:
         raise ValueError(f"{path}: tensor is on {t.device}; copy it to the CPU before sending")
     if t.layout != torch.strided:
         raise ValueError(f"{path}: {t.layout} tensors cannot be sent, only strided ones")
-    name = DTYPE_NAMES.get(t.dtype)
+    name = _dtypes()[1].get(t.dtype)
     if name is None:
         raise ValueError(
-            f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(WIRE_DTYPES)})"
+            f"{path}: dtype {t.dtype} cannot be sent (supported: {sorted(WIRE_DTYPE_NAMES)})"
         )
     if t.requires_grad:
         t = t.detach()
@@ -112,6 +126,8 @@ def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") ->
 
 def _byte_view(t: torch.Tensor) -> memoryview:
     """A flat byte memoryview over a contiguous CPU tensor's memory (shares it)."""
+    import torch
+
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
@@ -131,7 +147,7 @@ class Frames:
         shape = spec.shape
         if len(shape) > self.limits.max_tensor_dims:
             raise ValueError(f"{len(shape)} dimensions, at most {self.limits.max_tensor_dims}")
-        dtype = WIRE_DTYPES[spec.dtype]
+        dtype = _dtypes()[0][spec.dtype]
         count = math.prod(shape)
         nbytes = count * dtype.itemsize
         # Zero-sized dimensions count as one: an empty tensor whose other dimensions
@@ -169,12 +185,14 @@ class Frames:
 
 def _tensor_of(buf: Any, dtype: torch.dtype, shape: list[int], *, inline: bool) -> torch.Tensor:
     """A tensor over ``buf``: a view of a received frame, a small copy of inline bytes."""
+    import torch
+
     if not len(buf):
         return torch.empty(shape, dtype=dtype)
     if inline and dtype is not torch.bfloat16:
         # A small copy of its own, writable and aligned: numpy's view of a fresh
         # bytearray is the cheapest way to a small tensor.
-        array = np.ndarray(shape, _NUMPY[dtype], bytearray(buf))
+        array = np.ndarray(shape, _dtypes()[2][dtype], bytearray(buf))
         if dtype is torch.bool and bool((array.view(np.uint8) > 1).any()):
             raise ValueError("bool tensor bytes must be 0 or 1")
         return torch.from_numpy(array)
@@ -193,19 +211,6 @@ def _tensor_of(buf: Any, dtype: torch.dtype, shape: list[int], *, inline: bool) 
     if dtype is torch.bool and bool((flat > 1).any()):
         raise ValueError("bool tensor bytes must be 0 or 1")
     return flat.view(dtype).reshape(shape)
-
-
-_NUMPY = {
-    torch.float16: np.float16,
-    torch.float32: np.float32,
-    torch.float64: np.float64,
-    torch.int8: np.int8,
-    torch.uint8: np.uint8,
-    torch.int16: np.int16,
-    torch.int32: np.int32,
-    torch.int64: np.int64,
-    torch.bool: np.bool_,
-}
 
 
 # ------------------------------------------------------------------ tensor fields

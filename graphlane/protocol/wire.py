@@ -27,6 +27,7 @@ none, so one may serve several threads. The module's functions (``encode_request
 from __future__ import annotations
 
 import reprlib
+import sys
 import threading
 import types
 from collections.abc import Sequence
@@ -34,7 +35,6 @@ from typing import Any, TypeAlias, Union
 
 import msgspec
 import numpy as np
-import torch
 import zmq
 from msgspec import Raw, Struct
 
@@ -198,7 +198,8 @@ _encoding = threading.local()  # the frames of the message being encoded, per th
 
 
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
+    torch = sys.modules.get("torch")  # (no tensor without it: the daemon never imports it)
+    if torch is not None and isinstance(obj, torch.Tensor):
         return tensor_ref(obj, _encoding.frames)
     if isinstance(obj, np.generic):
         return obj.item()

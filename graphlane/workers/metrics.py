@@ -67,6 +67,8 @@ class WorkerMetrics:
     errors: Counter[str] = field(default_factory=Counter)  # wire code -> count
     bytes_in: int = 0
     bytes_out: int = 0
+    sequences_released: int = 0  # sequences forgotten because their client went
+    clients_released: int = 0  # clients that went holding sequences (SequenceOwners)
     # Answered steps not yet in the histograms: (program, op, held, dispatch_s,
     # replay_at, done_at) each, one append per step; sorted in by _take_done.
     done: list[tuple[str, str, float, float, float, float]] = field(default_factory=list)
@@ -120,4 +122,6 @@ class WorkerMetrics:
             "errors": dict(self.errors),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "sequences_released": self.sequences_released,
+            "clients_released": self.clients_released,
         }

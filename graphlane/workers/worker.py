@@ -35,7 +35,6 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -64,46 +63,16 @@ from graphlane.workers.job import Job, JobKind
 from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
+from graphlane.workers.owners import SequenceOwners
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey, GraphProgram
+from graphlane.workers.spec import WorkerSpec
 
 log = logging.getLogger("graphlane.worker")
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs; built by the orchestrator, sent at spawn."""
-
-    device: int  # the physical id: what status, logs and metrics name
-    backend: str = "sim"
-    #: The device's index inside this process, as the device runtime numbers the devices
-    #: it makes visible (the daemon pins an npu worker with ASCEND_RT_VISIBLE_DEVICES, so
-    #: it is 0 there); None: ``device``.
-    runtime_index: int | None = None
-    sim: dict[str, Any] | None = None  # backend "sim": the fields of npusim.SimConfig
-    programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
-    depth: int = 2  # the config's default (see ServeConfig.depth)
-    pipeline: bool = True
-    record_order: str = "after-replay"  # or "before-replay" (ENPU: records before the replay)
-    endpoint: str = "tcp://127.0.0.1:0"
-    max_queued: int = 256
-    max_unread_reply_bytes: int = 256 * 2**20  # per connection (WorkerLoop.unread)
-    limits: wire.Limits = field(default_factory=wire.Limits)
-    generation: int = 0
-    log_level: int = logging.INFO
-    log_format: str = "text"
-    #: CurveZMQ: the server's keys and the admitted clients, as the daemon read them when
-    #: it started (a worker does not read the key files: every restart admits the same)
-    keys: security.ServerKeys | None = None
-    roles: security.Roles | None = None  # with keys: who may do what (None: anyone all)
-    # Fault injection for tests: "fail_start": true, "hang_device_after": N,
-    # "device_fault_after": N.
-    faults: dict[str, Any] = field(default_factory=dict)
-    cpus: tuple[int, ...] | None = None  # the cores its threads run on (None: any; affinity.py)
-
-
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Process entry point (spawn)."""
+    """Process entry point (spawn: through :func:`graphlane.workers.entry.worker_main`)."""
     setup_logging(spec.log_level, spec.log_format, f"worker[{spec.device}]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
     keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)
@@ -223,6 +192,13 @@ class Worker:
         # at most, and none is forgotten to make room.
         self._fences: dict[bytes, tuple[int, str]] = {}
         self.connections = Connections(self.sock, self._peer_gone) if self._stateful else None
+        # Programs that keep clients' sequences: a client's go when it does (owners.py).
+        self._sequence_programs = [p for p in programs if p.sequence_ops]
+        self.owners = (
+            SequenceOwners(self.connections, spec.sequence_grace_s, self._release)
+            if self._sequence_programs
+            else None
+        )
         self.loop = WorkerLoop(
             self.sock,
             wire.Codec(spec.limits),
@@ -286,6 +262,7 @@ class Worker:
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.responder.counters),
             "fenced": len(self._fences),  # connections refused until they send resume
+            **self._sequence_status(),
             "oldest_inflight_s": round(now - oldest, 3) if self._open else 0.0,
             "stalled_s": round(now - max(oldest, self._progress_at), 3) if self._open else 0.0,
             "metrics": self.metrics.snapshot(),
@@ -293,6 +270,16 @@ class Worker:
             "unread_reply_bytes": self.loop.unread.total(),
             "memory_releases": self.loop.freed.trims,
             "uptime_s": round(time.time() - self.started, 3),
+        }
+
+    def _sequence_status(self) -> dict[str, Any]:
+        """What the worker keeps of its clients' sequences (docs/api.md, worker_status)."""
+        if self.owners is None:
+            return {}
+        return {
+            "sequences": {p.name: p.sequence_counts() for p in self._sequence_programs},
+            # keys whose last connection went, their sequences kept for sequence_grace_s
+            "sequence_clients_leaving": len(self.owners.pending),
         }
 
     # ------------------------------------------------------------ lifecycle
@@ -405,6 +392,12 @@ class Worker:
         # Whose sequences it names: a client key names one client across its
         # connections; without CURVE, the connection is the client.
         owner = origin.sender if origin.sender is not None else ident
+        if (
+            self.owners is not None
+            and self.engine.programs[body.program].sequence_ops
+            and not self.owners.note(owner, ident, origin.source)
+        ):
+            raise BadRequest("this connection has closed: its sequences are released")
         step = self._step(body, req.op, owner)
         step.ident, step.request_id, step.bundled = ident, req.id, origin.bundled
         step.source = origin.source
@@ -488,6 +481,26 @@ class Worker:
         """Connection ``ident`` closed: what the worker keeps for it goes too (so it
         keeps state for open connections only). Called by self.connections."""
         self._fences.pop(ident, None)
+        if self.owners is not None:
+            self.owners.gone(ident)
+
+    def _release(self, owner: Any) -> None:
+        """``owner``'s last connection went (and its grace passed, for a key): every
+        program forgets its sequences; its steps still waiting are dropped unrun (they
+        would leave records behind; nobody is there to answer)."""
+        released = sum(p.release(owner) for p in self._sequence_programs)
+        if released:
+            self.metrics.sequences_released += released
+            self.metrics.clients_released += 1
+        mine = [s for s in self._waiting if s.owner == owner]
+        if mine:
+            kept = [s for s in self._waiting if s.owner != owner]
+            self._waiting.clear()
+            self._waiting.extend(kept)
+            for step in mine:
+                self._open.pop(step, None)
+        if released:
+            log.info("a client went: its %d sequences are released", released)
 
     def _refusal(self, request_id: int, why: str) -> PredecessorFailed:
         return PredecessorFailed(
@@ -554,6 +567,8 @@ class Worker:
     def _pump(self) -> None:
         """Issue waiting steps while the engine has in-flight permits; a step whose caller's
         deadline (``timeout_ms``) passed while it waited is answered TIMEOUT unrun."""
+        if self.owners is not None and self.owners.pending:
+            self.owners.release_due()
         waiting = self._waiting
         while waiting:
             step = waiting[0]

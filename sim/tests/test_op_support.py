@@ -66,6 +66,31 @@ def test_the_profile_counts_side_stream_branches_and_event_tasks() -> None:
     assert torch.equal(out.cpu(), torch.full((8,), 2))
 
 
+def test_the_profile_splits_the_capture_streams_tasks_at_its_external_waits() -> None:
+    """``stretches``: what a replay runs between the waits where the host releases it
+    (a side stream's tasks, and plain event waits, are not the capture stream's)."""
+    x = torch.ones(8, dtype=torch.int64, device="npu")
+    s, side, g = torch.npu.Stream(), torch.npu.Stream(), torch.npu.NPUGraph()
+    evs = [torch.npu.ExternalEvent() for _ in range(2)]
+    with torch.npu.graph(g, stream=s):
+        a = x + x  # 1 before the first wait
+        evs[0].wait(s)
+        evs[0].reset(s)
+        side.wait_stream(s)
+        with torch.npu.stream(side):
+            b = x >> 1  # on the branch: not counted
+        s.wait_stream(side)
+        c = a * 3 + b  # 2 between the waits
+        evs[1].wait(s)
+        evs[1].reset(s)
+    p = npusim.graph_profile(g)
+    assert p.stretches == (1, 2, 0)
+    for ev in evs:
+        ev.record(torch.npu.Stream())
+    g.replay()
+    assert torch.equal(c.cpu(), torch.full((8,), 6))
+
+
 def test_right_shift_runs_on_the_ai_cpu_per_the_cann_sources() -> None:
     for name in ("__rshift__.Tensor", "__rshift__.Scalar", "__irshift__.Tensor"):
         sup = opsupport.support_of(getattr(torch.ops.aten, name.split(".")[0]).__getattr__(

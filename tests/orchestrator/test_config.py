@@ -58,9 +58,7 @@ def test_perf_mode_and_its_lock_share_are_read(tmp_path: Path) -> None:
         ({"sim": {"task_us": -1}}, "sim.task_us"),
         ({"sim": {"speed": 1}}, "sim.speed"),
         ({"programs": []}, "programs"),
-        ({"programs": [{"name": "attention", "layers": 0}]}, "programs.attention.layers"),
         ({"programs": [{"name": "attention"}, {"name": "attention"}]}, "programs[1].name"),
-        ({"programs": [{"name": "nope"}]}, "programs.kind"),
         ({"metrics_port": 70000}, "metrics_port"),
         ({"faults": {"explode": True}}, "faults.explode"),
         ({"auth_dir": "/nonexistent"}, "auth_dir"),
@@ -75,6 +73,24 @@ def test_perf_mode_and_its_lock_share_are_read(tmp_path: Path) -> None:
 def test_errors_name_the_key(raw: dict, key: str) -> None:
     with pytest.raises(ConfigError) as err:
         from_mapping(raw)
+    assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("program", "key"),
+    [({"name": "attention", "layers": 0}, "programs.attention.layers"),
+     ({"name": "nope"}, "programs.kind")],
+)  # fmt: skip
+def test_a_programs_own_keys_are_checked_by_the_program_not_by_the_daemons_config(
+    program: dict, key: str
+) -> None:
+    """The daemon's config reads a program's table as is (it imports no torch: the
+    worker builds the program); config check builds it and names the key."""
+    from graphlane.cli_support import check_programs
+
+    conf = from_mapping({"programs": [program]})
+    with pytest.raises(ConfigError) as err:
+        check_programs(conf)
     assert err.value.key == key
 
 
@@ -212,11 +228,12 @@ def test_float32_fused_attention_is_refused_on_the_npu_backend_only(
     program: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from graphlane.cli import main
+    from graphlane.cli_support import check_programs
 
     with pytest.raises(ConfigError) as err:
-        from_mapping({"backend": "npu", "programs": [program]})
+        check_programs(from_mapping({"backend": "npu", "programs": [program]}))
     assert err.value.key == f"programs.{program['name']}.dtype"
-    assert from_mapping({"backend": "sim", "programs": [program]})  # the sim's reference
+    check_programs(from_mapping({"backend": "sim", "programs": [program]}))  # the reference
     path = tmp_path / "f32.toml"
     random = ", ".join(f"{k} = {v!r}" for k, v in TINY_MODEL.items()).replace("'", '"')
     lines = ['backend = "npu"', "[[programs]]", f'name = "{program["name"]}"', 'dtype = "float32"']
@@ -248,7 +265,9 @@ def test_a_model_is_bfloat16_unless_its_checkpoint_is_half_or_float32_is_asked_f
 def test_every_example_config_checks_on_the_backend_it_names_and_on_npu(path: Path) -> None:
     import tomllib
 
+    from graphlane.cli_support import check_programs
+
     raw = tomllib.loads(path.read_text())
-    assert from_mapping(raw)
+    check_programs(from_mapping(raw))
     npu = {k: v for k, v in raw.items() if k != "sim"} | {"backend": "npu"}  # as its comments say
-    assert from_mapping(npu).backend == "npu"
+    check_programs(from_mapping(npu))

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from graphlane.hf_model import DEFAULTS, ModelSpec
 from graphlane.workers.programs import ModelConfig, ModelProgram, ProgramConfigError, StepError
-from graphlane.workers.programs.hf_model import DEFAULTS, ModelSpec
 from graphlane.workers.programs.sampling import MIN_TEMPERATURE
 
 TINY = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

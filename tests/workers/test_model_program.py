@@ -483,30 +483,52 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 130
 
 
-def test_the_least_recently_active_clients_sequences_go_first(monkeypatch: Any) -> None:
-    """A client that went away is forgotten as others come (docs/models.md, "Whose
-    sequence"): past CLIENTS clients, the least recently active one's record and its
-    added sequences go; an active one's stay."""
+def test_added_sequences_are_capped_per_client_and_in_all_and_go_with_their_client(
+    monkeypatch: Any,
+) -> None:
+    """No client adds sequences without end (docs/models.md, "Whose sequence"): past
+    max_sequences_per_client its add is BAD_REQUEST, past max_sequences (all clients) BUSY;
+    release (its client went) frees them and their blocks. Past CLIENTS clients of
+    step/prefill sequence_id, the least recently active one's last tokens go, never the
+    sequences a client added."""
+    from graphlane.protocol.errors import Busy
     from graphlane.workers.programs import model as model_module
 
     monkeypatch.setattr(model_module, "CLIENTS", 2)
     arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2}  # fmt: skip
-    program = ModelProgram(ModelConfig(random=arch, **SERVING))
+    caps = dict(max_sequences=3, max_sequences_per_client=2)
+    program = ModelProgram(ModelConfig(random=arch, **SERVING, **caps))
 
-    def add(owner: str, sid: int = 1) -> None:  # planned, issued as the engine does
+    def add(owner: str, sid: int = 1, block: int | None = None) -> None:  # as the engine does
+        blocks = [sid if block is None else block]
         plan = program.plan_sequences("add", {"sequence": sid, "tokens": torch.arange(3),
-                                              "blocks": [sid]}, owner)  # fmt: skip
+                                              "blocks": blocks}, owner)  # fmt: skip
         program._prefilled = torch.zeros(1, dtype=torch.int64)
         program.issued(plan, None, None, owner)
 
-    add("a")
-    add("b")
-    add("a", 2)  # a is the most recently active: b is the oldest
-    refused = pytest.raises(StepError)
-    add("c")
-    assert set(program._clients) == {"a", "c"} and set(program._sequences) == {"a", "c"}
-    with refused:
-        program.plan_sequences("decode", {"sequences": [1]}, "b")
-    assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 4
+    add("a", 1)
+    add("a", 2)
+    with pytest.raises(StepError, match="max_sequences_per_client"):
+        add("a", 3)
+    add("b", 1, block=3)
+    with pytest.raises(Busy, match="max_sequences"):
+        add("c", 1, block=4)
+    counts = {"clients": 2, "sequences": 3, "blocks_held": 3, "blocks_free": 3}
+    assert program.sequence_counts() == counts
+    # step-path clients come and go past CLIENTS; a's and b's added sequences stay
+    for owner in ("x", "y", "z"):  # a prefill naming sequence_id 1
+        plan = program.plan_state("prefill", {
+            "tokens": torch.arange(3), "block_table": torch.tensor([5], dtype=torch.int32),
+            "params": {"sequence_id": 1}})  # fmt: skip
+        program._prefilled = torch.zeros(1, dtype=torch.int64)
+        program.issued(plan, None, None, owner)
+    assert "x" not in program._clients and "z" in program._clients
+    assert {"a", "b"} <= set(program._clients) and set(program._sequences) == {"a", "b"}
+    assert program.plan_sequences("decode", {"sequences": [1]}, "b").values["lengths"][0] == 4
+    assert program.release("a") == 2 and program.release("a") == 0
+    assert program.sequence_counts()["blocks_free"] == 5
+    add("c", 1, block=4)  # room again
+    with pytest.raises(StepError, match="not one this client added"):
+        program.plan_sequences("decode", {"sequences": [1]}, "a")

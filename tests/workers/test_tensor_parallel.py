@@ -19,8 +19,8 @@ import pytest
 import torch
 from model_ref import reference, save
 
+from graphlane.hf_model import ModelSpec, random_weights
 from graphlane.workers.programs import ModelConfig, ModelProgram, ProgramConfigError, StepError
-from graphlane.workers.programs.hf_model import ModelSpec, random_weights
 from graphlane.workers.programs.parallel import Shard, random_shard, shard_weights
 
 RANKS = Path(__file__).with_name("tp_ranks.py")

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import torch
 
+from graphlane.program_config import ProgramConfigError
 from graphlane.workers.backends.base import DeviceBackend
 
 
@@ -29,14 +30,6 @@ class StepError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
-
-
-class ProgramConfigError(ValueError):
-    """A program configuration that cannot be used: ``key`` names the setting."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 COMPUTE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -327,6 +320,14 @@ class GraphProgram(abc.ABC):
     def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
         """``append_blocks`` or ``free``: host bookkeeping, answered at once."""
         raise StepError("op", f"program {self.name!r} keeps no sequences")
+
+    def release(self, owner: Any) -> int:
+        """Forget ``owner``'s sequences (its client went); how many there were."""
+        return 0
+
+    def sequence_counts(self) -> dict[str, int]:
+        """What the program keeps of its clients' sequences (worker status)."""
+        return {}
 
     def issued(
         self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None

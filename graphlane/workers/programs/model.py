@@ -8,7 +8,7 @@ projection, MLP), final norm, LM head, sampling. Per step only the attention's
 ``actual_seq_lengths_kv`` are patched (each layer's FIA is a task group behind its own
 ExternalEvent); tokens, positions, slots, sampling settings and block tables are
 copied into static buffers. The architecture and weights come from
-:mod:`.hf_model`; the cache and the ``kv_write``/``kv_read`` operations are those of a
+:mod:`graphlane.hf_model`; the cache and the ``kv_write``/``kv_read`` operations are those of a
 :class:`~.paged_attention.PagedAttentionProgram` the model owns (same layout, same
 scratch block for padding rows).
 
@@ -68,7 +68,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from graphlane.protocol.errors import NoPreviousToken
+from graphlane.hf_model import (
+    ModelSpec,
+    load_weights,
+    random_weights,
+    read_hf_config,
+    safetensors_files,
+)
+from graphlane.protocol.errors import Busy, NoPreviousToken
 from graphlane.workers.backends.base import DeviceBackend
 
 from .base import (
@@ -84,7 +91,6 @@ from .base import (
     StepPlan,
     config_values,
 )
-from .hf_model import ModelSpec, load_weights, random_weights, read_hf_config, safetensors_files
 from .paged_attention import (
     PagedAttentionConfig,
     PagedAttentionProgram,
@@ -107,10 +113,10 @@ MASK_SIDE = 2048  # the optimised causal mask of sparse_mode 3 (op-plugin docume
 OUTPUTS = ("tokens", "logprobs", "logprob_ids", "logits")
 SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
 PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
-REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps, per client
-CLIENTS = 1024  # clients whose sequences a worker keeps (the least recently active go)
+CLIENTS = 1024  # clients of step/prefill sequence_id whose last tokens a worker keeps
 _GREEDY = (0.0, 0, 1.0, 0)  # a sequence's sampling settings by default
-_INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
+_INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs",
+         "max_sequences", "max_sequences_per_client")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,8 @@ class ModelConfig:
     prefill_chunk: int = 256
     logprobs: int = 5
     tensor_parallel: int = 1  # ranks the model is split over (docs/models.md)
+    max_sequences: int = 4096  # sequences the worker keeps for all its clients together
+    max_sequences_per_client: int = 1024  # ... and for one client (a key, or a connection)
     spec: ModelSpec | None = field(default=None, compare=False)  # filled by validate
 
     @classmethod
@@ -737,8 +745,7 @@ class ModelProgram(GraphProgram):
         mine = self._sequences.get(owner, {})
         if sid in mine:
             raise StepError("sequence", f"sequence {sid} is added already: free it first")
-        if len(mine) >= REMEMBERED:
-            raise StepError("sequence", f"this client has {REMEMBERED} sequences: free some")
+        self._check_room(len(mine))
         self._check_blocks(blocks, "blocks")
         table = self._table(blocks, "blocks")
         prefill = {
@@ -754,6 +761,40 @@ class ModelProgram(GraphProgram):
         sampling = (temp[0], top_k[0], top_p[0], seed[0])
         self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling, table)
         return plan
+
+    def _check_room(self, mine: int) -> None:
+        """Refuse an add past the caps: StepError (BAD_REQUEST) for this client's own,
+        Busy for the worker's total (others may free theirs)."""
+        c, where = self.config, f"programs.{self.name}"
+        if mine >= c.max_sequences_per_client:
+            raise StepError("sequence", f"this client holds {mine} sequences of program "
+                            f"{self.name!r}, the most ({where}.max_sequences_per_client): "
+                            "free some first")  # fmt: skip
+        held = sum(map(len, self._sequences.values()))
+        if held >= c.max_sequences:
+            raise Busy(f"this worker holds {held} sequences of program {self.name!r} for "
+                       f"its clients, the most ({where}.max_sequences): free some, or retry "
+                       "when other clients have")  # fmt: skip
+
+    def release(self, owner: Any) -> int:
+        """Forget every sequence of ``owner`` (a client that went); how many."""
+        added = self._sequences.pop(owner, {})
+        sampled = self._clients.pop(owner, OrderedDict())
+        return len(added.keys() | sampled.keys())
+
+    def sequence_counts(self) -> dict[str, int]:
+        """The clients with sequences, the sequences added (``add``) and the KV blocks
+        they hold, as status reports them."""
+        held: set[int] = set()
+        for mine in self._sequences.values():
+            for seq in mine.values():
+                held.update(seq.blocks)
+        return {
+            "clients": len(self._sequences.keys() | self._clients.keys()),
+            "sequences": sum(map(len, self._sequences.values())),
+            "blocks_held": len(held),
+            "blocks_free": self.config.num_blocks - len(held),
+        }
 
     def _plan_decode(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
         """A decode's step, its rows' values straight from the worker's record (checked
@@ -891,9 +932,8 @@ class ModelProgram(GraphProgram):
         sampled = clients.get(owner)
         if sampled is None:
             sampled = clients[owner] = OrderedDict()
-            while len(clients) > CLIENTS:  # the least recently active client's go
-                gone, _ = clients.popitem(last=False)
-                self._sequences.pop(gone, None)
+            if len(clients) > CLIENTS:
+                self._forget_a_client(owner)
         clients.move_to_end(owner)
         if graph is not None:
             # A copy of the rows' tokens, on the capture stream behind the step (the
@@ -910,8 +950,23 @@ class ModelProgram(GraphProgram):
             sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch)
             sampled.move_to_end(sid)
         self._prefilled = None
-        while len(sampled) > REMEMBERED:
-            sampled.popitem(last=False)
+        # A client's sequences of step/prefill sequence_id, the most recently stepped
+        # (its added ones are capped when added, and never forgotten while it is here).
+        extra = len(sampled) - self.config.max_sequences_per_client
+        if extra > 0:
+            added = self._sequences.get(owner) or {}
+            for sid in [sid for sid in sampled if sid not in added][:extra]:
+                del sampled[sid]
+
+    def _forget_a_client(self, newest: Any) -> None:
+        """Past CLIENTS clients of step/prefill ``sequence_id``: the least recently
+        active one without added sequences (those are capped and released when their
+        client goes) loses its last tokens (its next row of token -1:
+        NO_PREVIOUS_TOKEN)."""
+        for owner in self._clients:
+            if owner not in self._sequences and owner != newest:
+                del self._clients[owner]
+                return
 
     def _check_tokens(self, tokens: torch.Tensor, where: str) -> None:
         v = self.spec.vocab_size

@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from graphlane.hf_model import ModelSpec, random_weights, safetensors_files
+
 from .base import ProgramConfigError
-from .hf_model import ModelSpec, random_weights, safetensors_files
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 

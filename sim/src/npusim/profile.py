@@ -13,7 +13,10 @@ op-support data (:mod:`.opsupport`):
   the count is there so that a program author reads it as zero, not as unknown;
 - ``events``: captured event records, waits and resets;
 - ``extensions``: the sim extensions its tasks used (not the NPU's: see
-  :mod:`.extensions`).
+  :mod:`.extensions`);
+- ``stretches``: the capture stream's own tasks (kernels, AI CPU tasks and copies) between
+  its ExternalEvent waits: before the first, between each two, after the last (where a
+  replay runs on without waiting for the host: a timed replay's floor).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .events import ExtWaitWork
 from .graphs import TaskNode
 from .opsupport import op_name, support_of
 from .runtime import RUNTIME
@@ -46,6 +50,7 @@ class GraphProfile:
     host_syncs: int = 0
     events: int = 0
     extensions: frozenset[str] = frozenset()
+    stretches: tuple[int, ...] = (0,)
 
     @property
     def kernel_count(self) -> int:
@@ -87,9 +92,18 @@ def graph_profile(graph: Any) -> GraphProfile:
     events = 0
     with RUNTIME.cond:
         nodes = list(graph.nodes)
+        own = len(nodes)
         for branch in graph.branches:
             nodes += branch.nodes
         used = frozenset(graph.extensions)
+    stretches, n = [], 0
+    for node in nodes[:own]:
+        if type(node) is TaskNode:
+            n += 1
+        elif type(node) is ExtWaitWork:
+            stretches.append(n)
+            n = 0
+    stretches.append(n)
     for node in nodes:
         if not isinstance(node, TaskNode):
             label = getattr(node, "label", "")
@@ -112,5 +126,6 @@ def graph_profile(graph: Any) -> GraphProfile:
         else:
             kernels[op_name(call.op)] += 1
     return GraphProfile(
-        graph.name, _frozen(kernels), _frozen(aicpu), _frozen(memcpy), 0, events, used
+        graph.name, _frozen(kernels), _frozen(aicpu), _frozen(memcpy), 0, events, used,
+        tuple(stretches),
     )

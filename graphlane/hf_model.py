@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .base import ProgramConfigError
+from graphlane.program_config import ProgramConfigError
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 ROPE_TYPES = ("default", "linear", "llama3")

@@ -1,0 +1,51 @@
+"""The daemon imports no torch and reads no model to check a config (issue 41): a
+program's own keys are checked by the worker that builds it, which reports one it cannot
+load in one line; the daemon relays it and, every worker failing for good, exits 1.
+``graphlane config check`` builds the programs in its own process and names the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from daemons import write_config
+
+from graphlane.cli import main
+
+
+def test_a_program_the_worker_cannot_build_is_relayed_in_one_line(
+    tmp_path: Path, capsys: Any
+) -> None:
+    cfg = write_config(
+        tmp_path / "bad.toml",
+        {"listen": f"ipc://{tmp_path}/bad/daemon.sock", "devices": 1,
+         "programs": [{"name": "attention", "layers": 0}]},
+    )  # fmt: skip
+    log_path = tmp_path / "bad.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "graphlane", "serve", "--config", str(cfg)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        assert proc.wait(120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    failed = [line for line in log_path.read_text().splitlines() if "every worker failed" in line]
+    assert failed and "programs.attention.layers: must be a positive integer" in failed[-1]
+    assert main(["config", "check", str(cfg)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "programs.attention.layers" in err[0]
+
+
+def test_a_serving_daemon_has_no_torch_loaded(shared_daemon: Any) -> None:
+    """Its process maps no torch library (its workers do)."""
+    d = shared_daemon(devices=1)
+    maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    worker = d.worker(0)["pid"]
+    assert "libtorch" in Path(f"/proc/{worker}/maps").read_text()
