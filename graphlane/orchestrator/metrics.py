@@ -58,12 +58,22 @@ class DaemonCollector(Collector):
             "graphlane_update_dispatch_seconds", "Host time copying inputs and dispatching patches",
             labels=["device"],
         )  # fmt: skip
+        behind = GaugeMetricFamily(
+            "graphlane_group_rank_behind_steps",
+            "Steps a tensor-parallel group's leader completed that this rank has not",
+            labels=["device", "group", "rank"],
+        )
         replay = HistogramMetricFamily(
             "graphlane_replay_seconds", "From replay issue to the step's completion on the device",
             labels=["device"],
         )  # fmt: skip
         for h in self.supervisor.workers.values():
             d = str(h.device)
+            group = h.spec.group
+            if group is not None:
+                leader = self.supervisor.workers[group.devices[0]].stats.get("steps", 0)
+                lag = max(0, leader - h.stats.get("steps", 0))
+                behind.add_metric([d, str(group.index), str(group.rank)], lag)
             up.add_metric([d], 1.0 if h.state == READY else 0.0)
             restarts.add_metric([d], h.restarts)
             st = h.stats
@@ -85,6 +95,7 @@ class DaemonCollector(Collector):
             if "replay_seconds" in m:
                 replay.add_metric([d], _buckets(m["replay_seconds"]), m["replay_seconds"]["sum"])
         yield from (up, restarts, queued, inflight, errors, b_in, b_out, step, dispatch, replay)
+        yield behind
 
 
 def serve_metrics(supervisor: Supervisor, port: int, host: str = "127.0.0.1") -> Any:

@@ -37,7 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -66,6 +66,9 @@ from graphlane.workers.memory import keep_freed_buffers
 from graphlane.workers.metrics import WorkerMetrics
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey, GraphProgram
+
+if TYPE_CHECKING:
+    from graphlane.workers.group import GroupSpec
 
 log = logging.getLogger("graphlane.worker")
 
@@ -100,6 +103,8 @@ class WorkerSpec:
     # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
     cpus: tuple[int, ...] | None = None  # the cores its threads run on (None: any; affinity.py)
+    #: Its place in a tensor-parallel group (graphlane/workers/group.py); None: alone.
+    group: GroupSpec | None = None
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -109,7 +114,12 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)
     try:
         affinity.pin(spec.cpus)  # before any thread starts: they all inherit it
-        worker = Worker(spec, conn)
+        if spec.group is None:
+            worker = Worker(spec, conn)
+        else:  # a rank of a tensor-parallel group: its leader, or one that follows it
+            from graphlane.workers.group import worker_class
+
+            worker = worker_class(spec)(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
             failed = start_failure(exc)
@@ -165,6 +175,10 @@ class Worker:
             options["config"] = spec.sim
         index = spec.device if spec.runtime_index is None else spec.runtime_index
         backend = create_backend(spec.backend, index, **options)
+        if spec.group is not None:  # the group's collectives exist before any program loads
+            from graphlane.workers.group import join
+
+            join(spec.group, backend)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]
         for program in programs:
             program.check_backend(spec.backend)
@@ -420,7 +434,7 @@ class Worker:
             self._waiting.append(step)
             return
         self._open[step] = None
-        self.engine.issue(step)
+        self._issue(step)
 
     def _sequence_change(self, op: str, body: Any, origin: Origin) -> dict[str, Any]:
         """append_blocks, free: the worker's record of the sender's sequences changes now
@@ -567,7 +581,11 @@ class Worker:
                 continue
             if not self.engine.reserve(blocking=False):
                 return
-            self.engine.issue(waiting.popleft())
+            self._issue(waiting.popleft())
+
+    def _issue(self, step: Job) -> None:
+        """Issue an accepted step on the device (a group's leader forwards it first)."""
+        self.engine.issue(step)
 
     def _on_done(self, step: Job) -> None:
         """The engine's completion callback (see StepEngine.issue)."""

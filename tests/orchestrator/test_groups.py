@@ -1,0 +1,96 @@
+"""Tensor-parallel groups at the edge (issue 44): a program's ``tensor_parallel = N`` makes
+groups of N consecutive devices; ``graphlane config check`` (and serve, which loads the
+same way) refuses in one line a device count that is not a multiple of N, a group larger
+than the host's NPUs and devices the host does not have."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from graphlane.orchestrator.config import ConfigError, from_mapping
+from graphlane.orchestrator.groups import (
+    SIM_DEVICES,
+    DeviceGroups,
+    host_npus,
+    plan_groups,
+    tensor_parallel,
+)
+
+WORKERS_TESTS = str(Path(__file__).parents[1] / "workers")  # allreduce_program
+TP = {"name": "allreduce_program:AllReduceAttention", "layers": 1, "dtype": "float32"}
+
+
+@pytest.fixture(autouse=True)
+def _programs_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(WORKERS_TESTS)
+
+
+def test_groups_are_consecutive_devices_led_by_the_first() -> None:
+    cfg = from_mapping({"devices": 4, "programs": [{**TP, "tensor_parallel": 2}]})
+    assert cfg.tensor_parallel == 2
+    groups = plan_groups(cfg.devices, cfg.tensor_parallel, cfg.backend)
+    assert groups == DeviceGroups(2, ((0, 1), (2, 3)))
+    assert groups.leaders() == [0, 2] and groups.of(3) == (1, (2, 3))
+    listed = from_mapping({"devices": [4, 5, 6, 7], "programs": [{**TP, "tensor_parallel": 4}]})
+    assert plan_groups(listed.devices, 4, "sim").groups == ((4, 5, 6, 7),)
+    assert from_mapping({"programs": [TP]}).tensor_parallel == 1  # no key: each device alone
+
+
+def test_a_device_count_that_is_not_a_multiple_of_the_group_is_refused() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"devices": 3, "programs": [{**TP, "tensor_parallel": 2}]})
+    assert err.value.key == "devices" and "multiple of 2" in str(err.value)
+
+
+def test_a_group_larger_than_the_hosts_npus_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:  # the sim has 8
+        from_mapping({"devices": 16, "programs": [{**TP, "tensor_parallel": 16}]})
+    assert err.value.key == "tensor_parallel" and "8 NPU(s)" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # devices 8, 9 do not exist on the sim
+        from_mapping({"devices": [6, 7, 8, 9], "programs": [{**TP, "tensor_parallel": 2}]})
+    assert err.value.key == "devices" and "[8, 9]" in str(err.value)
+    # An Ascend host: one /dev/davinciN per NPU (davinci_manager is the driver's own)
+    for name in ("davinci0", "davinci1", "davinci_manager", "davinci_manager_docker"):
+        (tmp_path / name).touch()
+    assert host_npus("npu", tmp_path) == 2
+    assert plan_groups((0, 1), 2, "npu", tmp_path).groups == ((0, 1),)
+    with pytest.raises(ConfigError) as err:
+        plan_groups((0, 1, 2, 3), 4, "npu", tmp_path)
+    assert "larger than the 2 NPU(s) this host has" in str(err.value)
+    assert host_npus("npu", tmp_path / "absent") == 0
+
+
+def test_programs_must_agree_and_the_null_backend_has_no_collectives() -> None:
+    with pytest.raises(ConfigError) as err:
+        tensor_parallel([{"tensor_parallel": 2}, {}, {"tensor_parallel": 4}])
+    assert "disagree" in str(err.value) and err.value.key == "programs[0].tensor_parallel"
+    with pytest.raises(ConfigError) as err:
+        tensor_parallel([{"tensor_parallel": 0}])
+    assert err.value.key == "programs[0].tensor_parallel"
+    with pytest.raises(ConfigError) as err:
+        plan_groups((0, 1), 2, "null")
+    assert "no collectives" in str(err.value)
+
+
+def test_the_sims_device_count_is_npusims() -> None:
+    from npusim.runtime import RUNTIME
+
+    assert SIM_DEVICES == RUNTIME.device_count
+
+
+def test_config_check_refuses_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from graphlane.cli import main
+
+    path = tmp_path / "tp.toml"
+    path.write_text(
+        "devices = 3\n[[programs]]\n"
+        f'name = "{TP["name"]}"\nlayers = 1\ndtype = "float32"\ntensor_parallel = 2\n'
+    )
+    assert main(["config", "check", str(path)]) == 2
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and "devices" in err_lines[0], err_lines
+    assert "tensor_parallel = 2" in err_lines[0]
