@@ -430,10 +430,13 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
             f"gives cores for {len(cfg.cpu_affinity)} device(s), but {len(cfg.devices)} are "
             "served: one list of cores per device",
         )
-    from .groups import plan_groups, tensor_parallel
+    from .groups import GroupError, plan_groups, tensor_parallel
 
-    size = tensor_parallel(cfg.programs)
-    plan_groups(cfg.devices, size, cfg.backend)  # ConfigError: not a multiple, not on this host
+    try:
+        size = tensor_parallel(cfg.programs)
+        plan_groups(cfg.devices, size, cfg.backend)  # not a multiple, not on this host
+    except GroupError as exc:
+        raise ConfigError(exc.key, exc.message) from None
     cfg = replace(cfg, tensor_parallel=size)
     _check_roles(cfg, raw)
     _check_port_span(cfg)

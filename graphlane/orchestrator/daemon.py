@@ -38,8 +38,8 @@ from graphlane.protocol import admission, ops, pipe, security, wire
 from graphlane.protocol.errors import BadRequest, UnknownDevice
 from graphlane.protocol.server import Origin, Responder
 from graphlane.workers import affinity
-from graphlane.workers.group import GroupSpec
 from graphlane.workers.memory import FreedMemory
+from graphlane.workers.process_group import GroupSpec
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig

@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+
+class GroupError(ValueError):
+    """Groups that this host cannot serve; ``key`` names the setting to change (the
+    config reports it as its ConfigError)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
 
 #: The simulated NPU's devices (npusim's ``Runtime.device_count``; a test checks they agree).
 SIM_DEVICES = 8
@@ -40,11 +48,11 @@ def tensor_parallel(programs: Iterable[Mapping[str, Any]]) -> int:
         n = p["tensor_parallel"]
         key = f"programs[{i}].tensor_parallel"
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(key, f"must be an integer >= 1 (devices per group), not {n!r}")
+            raise GroupError(key, f"must be an integer >= 1 (devices per group), not {n!r}")
         sizes.setdefault(n, key)
     if len(sizes) > 1:
         keys = ", ".join(f"{k} = {n}" for n, k in sizes.items())
-        raise ConfigError(
+        raise GroupError(
             next(iter(sizes.values())),
             f"programs disagree ({keys}): the ranks of a group serve every program, so "
             "every tensor_parallel must be the same",
@@ -89,17 +97,17 @@ def plan_groups(
     devices: Sequence[int], size: int, backend: str, dev: Path = Path("/dev")
 ) -> DeviceGroups:
     """``devices`` in groups of ``size`` consecutive devices, each checked against the
-    host's NPUs (ConfigError naming the setting to change)."""
+    host's NPUs (GroupError naming the setting to change)."""
     if size == 1:
         return DeviceGroups(1, tuple((d,) for d in devices))
     if backend == "null":
-        raise ConfigError(
+        raise GroupError(
             "tensor_parallel",
             "backend 'null' has no device and no collectives: a group needs backend 'sim' "
             "or 'npu' (or set tensor_parallel = 1)",
         )
     if len(devices) % size:
-        raise ConfigError(
+        raise GroupError(
             "devices",
             f"{len(devices)} device(s) cannot form groups of tensor_parallel = {size}: serve "
             f"a multiple of {size} devices (each group is {size} consecutive devices)",
@@ -108,14 +116,14 @@ def plan_groups(
     if have is not None:
         where = "the simulated NPU has" if backend == "sim" else f"this host has ({dev}/davinci*)"
         if size > have:
-            raise ConfigError(
+            raise GroupError(
                 "tensor_parallel",
                 f"a group of {size} devices is larger than the {have} NPU(s) {where}: "
                 f"set tensor_parallel to at most {have}",
             )
         missing = [d for d in devices if d >= have]
         if missing:
-            raise ConfigError(
+            raise GroupError(
                 "devices",
                 f"device(s) {missing} do not exist: {where} {have} NPU(s) (0..{have - 1})",
             )
@@ -123,4 +131,11 @@ def plan_groups(
     return DeviceGroups(size, groups)
 
 
-__all__ = ["SIM_DEVICES", "DeviceGroups", "host_npus", "plan_groups", "tensor_parallel"]
+__all__ = [
+    "SIM_DEVICES",
+    "DeviceGroups",
+    "GroupError",
+    "host_npus",
+    "plan_groups",
+    "tensor_parallel",
+]

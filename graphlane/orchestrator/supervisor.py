@@ -46,6 +46,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from graphlane.protocol import pipe
+from graphlane.workers.group import group_main
 from graphlane.workers.worker import WorkerSpec, worker_main
 
 from .ports import free_loopback_ports
@@ -251,7 +252,10 @@ class Supervisor:
         spec = replace(h.spec, generation=h.generation)
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
-            target=worker_main, args=(spec, child), name=f"graphlane-worker-{h.device}", daemon=True
+            target=worker_main if spec.group is None else group_main,
+            args=(spec, child),
+            name=f"graphlane-worker-{h.device}",
+            daemon=True,
         )
         env = self.env_for(h.device)
         saved = {k: os.environ.get(k) for k in env}

@@ -36,8 +36,6 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -48,78 +46,19 @@ from graphlane.protocol import ops, wire
 from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.server import Origin
 from graphlane.workers.job import Job
-from graphlane.workers.worker import Worker, WorkerSpec
+from graphlane.workers.process_group import GroupSpec
+from graphlane.workers.worker import Worker, WorkerSpec, worker_main
 
 log = logging.getLogger("graphlane.worker")
 
 _PLAN, _CHANGE, _ISSUE, _END, _READY = b"P", b"C", b"I", b"E", b"R"
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """A worker's place in its tensor-parallel group (built by the orchestrator)."""
-
-    index: int  # the group's number on this host
-    rank: int
-    devices: tuple[int, ...]  # the group's devices, in rank order (devices[0]: the leader)
-    init_method: str = ""  # torch.distributed's rendezvous (tcp://127.0.0.1:PORT)
-    channel: str = ""  # the leader's forwarding socket (tcp://127.0.0.1:PORT)
-    timeout_s: float = 120.0  # the rendezvous's and the followers' readiness limit
-
-    @property
-    def size(self) -> int:
-        return len(self.devices)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "rank": self.rank,
-            "size": self.size,
-            "devices": list(self.devices),
-            "leader": self.devices[0],
-        }
-
-
-def join(group: GroupSpec, backend: Any) -> None:
-    """Join the group's process group from this rank's process: its device current
-    first, then ``init_process_group("hccl", ...)``, which waits for every rank."""
-    import torch.distributed as dist
-
-    npu = getattr(backend, "npu", None)
-    if npu is None:
-        raise RuntimeError(
-            f"backend {backend.name!r} has no collectives: tensor_parallel needs backend "
-            "'sim' or 'npu'"
-        )
-    visible = npu.device_count()
-    index = backend.device.index
-    if index >= visible:
-        raise RuntimeError(
-            f"device {group.devices[group.rank]} (rank {group.rank} of group {group.index}) "
-            f"is not among the {visible} NPU(s) this process sees; check "
-            "ASCEND_RT_VISIBLE_DEVICES and the config's devices"
-        )
-    npu.set_device(index)
-    dist.init_process_group(
-        "hccl",
-        rank=group.rank,
-        world_size=group.size,
-        init_method=group.init_method,
-        timeout=timedelta(seconds=group.timeout_s),
-    )
-    log.info(
-        "joined group %d as rank %d of %d (devices %s)",
-        group.index,
-        group.rank,
-        group.size,
-        list(group.devices),
-    )
-
-
-def worker_class(spec: WorkerSpec) -> type[Worker]:
-    """The worker a rank runs: the leader serves clients, the others follow it."""
+def group_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Process entry point (spawn) of a rank's worker: the leader serves clients, the
+    others follow it."""
     assert spec.group is not None
-    return GroupLeader if spec.group.rank == 0 else GroupFollower
+    worker_main(spec, conn, GroupLeader if spec.group.rank == 0 else GroupFollower)
 
 
 def _owner(owner: Any) -> Any:
@@ -330,4 +269,4 @@ def _rank(ident: bytes) -> int:
     return int(ident.rpartition(b"-")[2])
 
 
-__all__ = ["GroupFollower", "GroupLeader", "GroupSpec", "join", "worker_class"]
+__all__ = ["GroupFollower", "GroupLeader", "group_main"]

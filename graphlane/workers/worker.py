@@ -68,7 +68,7 @@ from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey, GraphProgram
 
 if TYPE_CHECKING:
-    from graphlane.workers.group import GroupSpec
+    from graphlane.workers.process_group import GroupSpec
 
 log = logging.getLogger("graphlane.worker")
 
@@ -107,19 +107,17 @@ class WorkerSpec:
     group: GroupSpec | None = None
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Process entry point (spawn)."""
+def worker_main(
+    spec: WorkerSpec, conn: Connection, worker_class: type[Worker] | None = None
+) -> None:
+    """Process entry point (spawn); ``worker_class``: a Worker's subclass to run instead
+    (a tensor-parallel group's rank: graphlane.workers.group.group_main)."""
     setup_logging(spec.log_level, spec.log_format, f"worker[{spec.device}]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
     keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)
     try:
         affinity.pin(spec.cpus)  # before any thread starts: they all inherit it
-        if spec.group is None:
-            worker = Worker(spec, conn)
-        else:  # a rank of a tensor-parallel group: its leader, or one that follows it
-            from graphlane.workers.group import worker_class
-
-            worker = worker_class(spec)(spec, conn)
+        worker = (worker_class or Worker)(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
             failed = start_failure(exc)
@@ -176,7 +174,7 @@ class Worker:
         index = spec.device if spec.runtime_index is None else spec.runtime_index
         backend = create_backend(spec.backend, index, **options)
         if spec.group is not None:  # the group's collectives exist before any program loads
-            from graphlane.workers.group import join
+            from graphlane.workers.process_group import join
 
             join(spec.group, backend)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]

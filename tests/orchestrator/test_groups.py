@@ -13,6 +13,7 @@ from graphlane.orchestrator.config import ConfigError, from_mapping
 from graphlane.orchestrator.groups import (
     SIM_DEVICES,
     DeviceGroups,
+    GroupError,
     host_npus,
     plan_groups,
     tensor_parallel,
@@ -56,20 +57,20 @@ def test_a_group_larger_than_the_hosts_npus_is_refused(tmp_path: Path) -> None:
         (tmp_path / name).touch()
     assert host_npus("npu", tmp_path) == 2
     assert plan_groups((0, 1), 2, "npu", tmp_path).groups == ((0, 1),)
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(GroupError) as err:
         plan_groups((0, 1, 2, 3), 4, "npu", tmp_path)
     assert "larger than the 2 NPU(s) this host has" in str(err.value)
     assert host_npus("npu", tmp_path / "absent") == 0
 
 
 def test_programs_must_agree_and_the_null_backend_has_no_collectives() -> None:
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(GroupError) as err:
         tensor_parallel([{"tensor_parallel": 2}, {}, {"tensor_parallel": 4}])
     assert "disagree" in str(err.value) and err.value.key == "programs[0].tensor_parallel"
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(GroupError) as err:
         tensor_parallel([{"tensor_parallel": 0}])
     assert err.value.key == "programs[0].tensor_parallel"
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(GroupError) as err:
         plan_groups((0, 1), 2, "null")
     assert "no collectives" in str(err.value)
 
@@ -77,7 +78,7 @@ def test_programs_must_agree_and_the_null_backend_has_no_collectives() -> None:
 def test_the_sims_device_count_is_npusims() -> None:
     from npusim.runtime import RUNTIME
 
-    assert SIM_DEVICES == RUNTIME.device_count
+    assert RUNTIME.device_count == SIM_DEVICES
 
 
 def test_config_check_refuses_in_one_line(
