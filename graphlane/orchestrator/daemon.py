@@ -338,15 +338,9 @@ class Daemon:
         return entry
 
     def _rank_entry(self, h: WorkerHandle) -> dict[str, Any]:
-        """A rank's place in its group, and how far it is behind the leader: the steps the
-        leader completed that it has not (from their latest reports, about a second
-        apart at most: a few steps of difference are in flight, a growing one is a
-        rank that falls behind)."""
+        """A rank's place in its group, and how far it is behind the leader."""
         assert h.spec.group is not None
-        entry = h.spec.group.describe()
-        leader = self.supervisor.workers[h.spec.group.devices[0]]
-        entry["behind"] = max(0, leader.stats.get("steps", 0) - h.stats.get("steps", 0))
-        return entry
+        return {**h.spec.group.describe(), "behind": self.supervisor.behind(h)}
 
     def hello(self) -> dict[str, Any]:
         return {

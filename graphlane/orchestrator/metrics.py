@@ -71,8 +71,7 @@ class DaemonCollector(Collector):
             d = str(h.device)
             group = h.spec.group
             if group is not None:
-                leader = self.supervisor.workers[group.devices[0]].stats.get("steps", 0)
-                lag = max(0, leader - h.stats.get("steps", 0))
+                lag = self.supervisor.behind(h)
                 behind.add_metric([d, str(group.index), str(group.rank)], lag)
             up.add_metric([d], 1.0 if h.state == READY else 0.0)
             restarts.add_metric([d], h.restarts)

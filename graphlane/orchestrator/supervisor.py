@@ -468,6 +468,15 @@ class Supervisor:
                 if self.stopping:
                     return
 
+    def behind(self, h: WorkerHandle) -> int:
+        """Steps ``h``'s group leader completed that ``h`` has not (0 for a leader or a
+        worker alone), from their latest reports (about poll_s apart: a few steps are
+        in flight; a growing number is a rank that falls behind)."""
+        if h.spec.group is None:
+            return 0
+        leader = self.workers[h.spec.group.devices[0]]
+        return max(0, int(leader.stats.get("steps", 0)) - int(h.stats.get("steps", 0)))
+
     # ------------------------------------------------------------ stop
     def _kill(self, proc: BaseProcess) -> None:
         if proc.is_alive() and proc.pid is not None:

@@ -31,7 +31,7 @@ ALLREDUCE = {"name": "allreduce_program:AllReduceAttention", "tensor_parallel": 
 #: A stateful program served whole on each rank: its sequences' add, decode, append and
 #: free reach every rank through the leader, in order.
 MODEL = {"name": "model", "block_size": 128, "num_blocks": 4, "max_blocks_per_seq": 3,
-         "buckets": [1, 2], "prefill_chunk": 16, "dtype": "float32",
+         "buckets": [1], "prefill_chunk": 16, "dtype": "float32",
          "random": {"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
                     "intermediate_size": 64, "num_hidden_layers": 1,
                     "num_attention_heads": 2, "num_key_value_heads": 1}}  # fmt: skip
@@ -97,6 +97,27 @@ def test_a_group_serves_each_step_on_every_rank_with_one_reply(start_daemon: Any
         (0, 0, 0), (1, 1, 0)
     ]  # fmt: skip
     assert [w["restarts"] for w in ranks] == [0, 0]  # no rank left the leader's plan
+    # A rank that falls behind shows: rank 1 stopped, the leader decodes on (the model
+    # program runs whole on each rank, no collective waits for rank 1).
+    os.kill(ranks[1]["pid"], signal.SIGSTOP)
+    try:
+
+        async def decode_alone() -> None:
+            async with Client(d.endpoint, timeout=60) as c:
+                await c.add_sequence("model", 0, 6, [1, 2], [0])
+                for _ in range(3):
+                    await c.decode("model", 0, [6])
+
+        asyncio.run(decode_alone())
+        lagging = wait_for(
+            lambda: (w := d.status()["workers"][1])["group"]["behind"] >= 4 and w, 30,
+            "rank 1's lag to show",
+        )  # fmt: skip
+        assert lagging["steps"] == steps
+    finally:
+        os.kill(ranks[1]["pid"], signal.SIGCONT)
+    steps += 4
+    wait_for(every_step_reported, 30, "rank 1 to catch up")
     out = subprocess.run([sys.executable, "-m", "graphlane", "status", "--connect", d.endpoint],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
