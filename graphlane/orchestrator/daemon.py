@@ -43,7 +43,7 @@ from graphlane.workers.process_group import GroupSpec
 from graphlane.workers.worker import WorkerSpec
 
 from .config import ServeConfig
-from .groups import DeviceGroups, plan_groups
+from .groups import DeviceGroups, group_devices
 from .ports import PortInUse, bind_error
 from .supervisor import READY, Supervisor, WorkerHandle
 
@@ -94,10 +94,9 @@ class Daemon:
             else None
         )
         self._failed_log = Throttled(log)  # a message whose handling raised: its cause
-        #: The served devices in tensor-parallel groups (size 1: each alone).
-        self.groups: DeviceGroups = plan_groups(
-            config.devices, config.tensor_parallel, config.backend
-        )
+        #: The served devices in tensor-parallel groups (size 1: each alone; the config
+        #: checked them against the host).
+        self.groups: DeviceGroups = group_devices(config.devices, config.tensor_parallel)
         cores = affinity.core_sets(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid(),
             sim_mode=config.sim.mode,

@@ -127,6 +127,12 @@ def plan_groups(
                 "devices",
                 f"device(s) {missing} do not exist: {where} {have} NPU(s) (0..{have - 1})",
             )
+    return group_devices(devices, size)
+
+
+def group_devices(devices: Sequence[int], size: int) -> DeviceGroups:
+    """``devices`` (a multiple of ``size``, checked by :func:`plan_groups`) in groups of
+    ``size`` consecutive devices."""
     groups = tuple(tuple(devices[i : i + size]) for i in range(0, len(devices), size))
     return DeviceGroups(size, groups)
 
@@ -135,6 +141,7 @@ __all__ = [
     "SIM_DEVICES",
     "DeviceGroups",
     "GroupError",
+    "group_devices",
     "host_npus",
     "plan_groups",
     "tensor_parallel",

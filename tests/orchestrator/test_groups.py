@@ -95,3 +95,36 @@ def test_config_check_refuses_in_one_line(
     err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err_lines) == 1 and "devices" in err_lines[0], err_lines
     assert "tensor_parallel = 2" in err_lines[0]
+
+
+def test_a_daemon_gives_each_rank_its_group_and_an_npu_rank_its_groups_npus() -> None:
+    """On backend npu each rank sees its group's NPUs, numbered from 0 in rank order, and
+    takes its own (rank r: device r), as vLLM's ranks do; hello lists the leaders only."""
+    from graphlane.orchestrator.config import ServeConfig
+    from graphlane.orchestrator.daemon import Daemon
+    from graphlane.workers.process_group import GroupSpec
+
+    conf = ServeConfig(backend="npu", devices=(0, 1, 2, 3), tensor_parallel=2)
+    d = Daemon(conf)
+    specs = {h.device: h.spec for h in d.supervisor.workers.values()}
+    assert specs[3].group == GroupSpec(1, 1, (2, 3)) and specs[0].group == GroupSpec(0, 0, (0, 1))
+    assert d._env_for(3) == {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}
+    assert [specs[dev].runtime_index for dev in range(4)] == [0, 1, 0, 1]
+    assert [w["device"] for w in d.hello()["workers"]] == [0, 2]
+    assert [w["group"]["rank"] for w in d.status()["workers"]] == [0, 1, 0, 1]
+    alone = Daemon(ServeConfig(backend="npu", devices=(0, 1)))
+    assert alone._env_for(1) == {"ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert all(h.spec.group is None for h in alone.supervisor.workers.values())
+
+
+def test_a_rank_whose_npu_its_process_cannot_see_is_refused_before_joining() -> None:
+    from types import SimpleNamespace
+
+    from graphlane.workers.process_group import GroupSpec, join
+
+    seen = SimpleNamespace(device_count=lambda: 1, set_device=lambda i: None)
+    backend = SimpleNamespace(name="npu", npu=seen, device=SimpleNamespace(index=1))
+    with pytest.raises(RuntimeError, match="ASCEND_RT_VISIBLE_DEVICES"):
+        join(GroupSpec(0, 1, (4, 5), "tcp://127.0.0.1:1"), backend)
+    with pytest.raises(RuntimeError, match="no collectives"):
+        join(GroupSpec(0, 1, (4, 5)), SimpleNamespace(name="null"))
