@@ -46,7 +46,7 @@ from graphlane.protocol import ops, wire
 from graphlane.protocol.errors import BadRequest
 from graphlane.protocol.server import Origin
 from graphlane.workers.job import Job
-from graphlane.workers.process_group import GroupSpec
+from graphlane.workers.process_group import GroupSpec, GroupUnavailable
 from graphlane.workers.worker import Worker, WorkerSpec, worker_main
 
 log = logging.getLogger("graphlane.worker")
@@ -95,9 +95,9 @@ class GroupLeader(_GroupWorker):
         self.followers = [_rank_id(r) for r in range(1, self.group.size)]
         self._seq = 0
         self._planned: dict[Job, int] = {}  # planned, not issued yet, in plan order
+        self._await_followers()  # before this worker says it is ready
 
     def run(self) -> int:
-        self._await_followers()
         try:
             return super().run()
         finally:
@@ -112,7 +112,7 @@ class GroupLeader(_GroupWorker):
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0 or not self.channel.poll(int(left * 1000)):
-                raise RuntimeError(
+                raise GroupUnavailable(
                     f"group {self.group.index}: rank(s) {sorted(_rank(w) for w in waiting)} "
                     f"not ready within {self.group.timeout_s:g} s"
                 )

@@ -17,6 +17,13 @@ from typing import Any
 log = logging.getLogger("graphlane.worker")
 
 
+class GroupUnavailable(RuntimeError):
+    """The group could not be formed this time (a rank missing at the rendezvous, a port
+    taken meanwhile): the orchestrator restarts the group (see start_failure)."""
+
+    transient = True
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """A worker's place in its tensor-parallel group (built by the orchestrator)."""
@@ -62,13 +69,19 @@ def join(group: GroupSpec, backend: Any) -> None:
             "ASCEND_RT_VISIBLE_DEVICES and the config's devices"
         )
     npu.set_device(index)
-    dist.init_process_group(
-        "hccl",
-        rank=group.rank,
-        world_size=group.size,
-        init_method=group.init_method,
-        timeout=timedelta(seconds=group.timeout_s),
-    )
+    try:
+        dist.init_process_group(
+            "hccl",
+            rank=group.rank,
+            world_size=group.size,
+            init_method=group.init_method,
+            timeout=timedelta(seconds=group.timeout_s),
+        )
+    except (RuntimeError, OSError, ValueError) as exc:  # c10d's DistStoreError included
+        raise GroupUnavailable(
+            f"group {group.index} rank {group.rank}: the group's rendezvous at "
+            f"{group.init_method} failed: {exc}"
+        ) from exc
     log.info(
         "joined group %d as rank %d of %d (devices %s)",
         group.index,
@@ -78,4 +91,4 @@ def join(group: GroupSpec, backend: Any) -> None:
     )
 
 
-__all__ = ["GroupSpec", "join"]
+__all__ = ["GroupSpec", "GroupUnavailable", "join"]

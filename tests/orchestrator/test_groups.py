@@ -128,3 +128,19 @@ def test_a_rank_whose_npu_its_process_cannot_see_is_refused_before_joining() -> 
         join(GroupSpec(0, 1, (4, 5), "tcp://127.0.0.1:1"), backend)
     with pytest.raises(RuntimeError, match="no collectives"):
         join(GroupSpec(0, 1, (4, 5)), SimpleNamespace(name="null"))
+
+
+def test_a_rendezvous_that_fails_is_a_transient_start_failure() -> None:
+    """A rank whose group never meets (the others gone, the port taken meanwhile) fails its
+    start as transient: the group is restarted, not failed for good."""
+    from graphlane.orchestrator.ports import free_loopback_ports
+    from graphlane.workers.backends import create_backend
+    from graphlane.workers.process_group import GroupSpec, GroupUnavailable, join
+    from graphlane.workers.worker import start_failure
+
+    (port,) = free_loopback_ports(1)  # nothing listens there: rank 0 never comes
+    group = GroupSpec(0, 1, (0, 1), f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+    with pytest.raises(GroupUnavailable) as err:
+        join(group, create_backend("sim", 1))
+    assert "rendezvous" in str(err.value)
+    assert start_failure(err.value).permanent is False
