@@ -103,7 +103,7 @@ class WorkerSpec:
     # "device_fault_after": N.
     faults: dict[str, Any] = field(default_factory=dict)
     cpus: tuple[int, ...] | None = None  # the cores its threads run on (None: any; affinity.py)
-    #: Its place in a tensor-parallel group (graphlane/workers/group.py); None: alone.
+    #: Its place in a tensor-parallel group (workers/process_group.py, group.py); None: alone.
     group: GroupSpec | None = None
 
 

@@ -95,6 +95,10 @@ def test_config_check_refuses_in_one_line(
     err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err_lines) == 1 and "devices" in err_lines[0], err_lines
     assert "tensor_parallel = 2" in err_lines[0]
+    path.write_text(path.read_text().replace("devices = 3", "devices = 4"))
+    assert main(["config", "check", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "tensor_parallel 2: groups [[0, 1], [2, 3]], clients reach devices [0, 2]" in out
 
 
 def test_a_daemon_gives_each_rank_its_group_and_an_npu_rank_its_groups_npus() -> None:
