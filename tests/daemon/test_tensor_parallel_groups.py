@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import zmq
 from daemons import RunningDaemon, free_port, pid_alive, wait_for
 from reference import decode_stack
 
 from graphlane import GraphlaneError
 from graphlane.client import Client
+from graphlane.protocol import ops, wire
 
 WORKERS_TESTS = str(Path(__file__).parents[1] / "workers")  # allreduce_program
 ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [WORKERS_TESTS, os.environ.get("PYTHONPATH")]))}
@@ -118,6 +120,21 @@ def test_a_group_serves_each_step_on_every_rank_with_one_reply(start_daemon: Any
         os.kill(ranks[1]["pid"], signal.SIGCONT)
     steps += 4
     wait_for(every_step_reported, 30, "rank 1 to catch up")
+    # Rank 1's own socket answers hello and status, and refuses a step naming the leader.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ranks[1]["endpoint"])
+    try:
+        step = ops.Step("allreduce", 1, {"actual_seq_lengths_kv": [1]}, outputs=["out"])
+        sock.send_multipart(wire.encode_request(1, "step", step))
+        assert sock.poll(30_000), "rank 1 did not answer"
+        (reply,) = wire.decode_replies(sock.recv_multipart())
+        assert isinstance(reply, wire.Reply) and reply.error is not None
+        assert reply.error.code == "BAD_REQUEST" and "leader, device 0" in str(reply.error)
+    finally:
+        sock.close(0)
+        ctx.destroy(linger=0)
     out = subprocess.run([sys.executable, "-m", "graphlane", "status", "--connect", d.endpoint],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
