@@ -624,7 +624,7 @@ def test_tensor_parallel_config_makes_two_groups_of_four_on_an_8_npu_host(tmp_pa
     assert conf.startup_timeout_s > int(env["HCCL_CONNECT_TIMEOUT"]) + 20
 
 
-def test_hccl_settings_are_the_fields(tmp_path: Path) -> None:
+def test_hccl_settings_are_in_canns_ranges_and_each_is_cited() -> None:
     """graphlane.env sets HCCL's variables within their documented ranges (CANN's
     environment variable reference; deploy/README.md cites each)."""
     env = parse_env_file(ENV_FILE.read_text())
