@@ -12,12 +12,14 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import zmq
-from daemons import RunningDaemon, free_port, pid_alive, wait_for
+from daemons import SHARED_PIDS, RunningDaemon, finish, free_port, launch, pid_alive, wait_for
 from reference import decode_stack
 
 from graphlane import GraphlaneError
@@ -39,8 +41,18 @@ MODEL = {"name": "model", "block_size": 128, "num_blocks": 4, "max_blocks_per_se
                     "num_attention_heads": 2, "num_key_value_heads": 1}}  # fmt: skip
 
 
-def _group(start_daemon: Any, **config: Any) -> RunningDaemon:
-    return start_daemon(devices=2, env=ENV, programs=[ALLREDUCE, MODEL], **config)
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
+    """One group of 2 for the module (its start costs two workers' capture): the first
+    test leaves it as it found it, the second restarts it."""
+    d = launch(tmp_path_factory.mktemp("tp"), "group", devices=2, env=ENV,
+               programs=[ALLREDUCE, MODEL], metrics_port=free_port())  # fmt: skip
+    SHARED_PIDS.add(d.proc.pid)  # outlives each test, not a test's leak
+    try:
+        yield d
+    finally:
+        SHARED_PIDS.discard(d.proc.pid)
+        finish(d)
 
 
 def _inputs(seed: int, batch: int = 1) -> dict[str, torch.Tensor]:
@@ -57,8 +69,8 @@ def _expected(inputs: dict[str, torch.Tensor], lengths: list[int]) -> torch.Tens
     return 2 * one  # the all-reduce of two ranks' equal outputs
 
 
-def test_a_group_serves_each_step_on_every_rank_with_one_reply(start_daemon: Any) -> None:
-    d = _group(start_daemon)
+def test_a_group_serves_each_step_on_every_rank_with_one_reply(group: RunningDaemon) -> None:
+    d = group
 
     async def main() -> dict[str, Any]:
         async with Client(d.endpoint, timeout=60) as c:
@@ -142,9 +154,10 @@ def test_a_group_serves_each_step_on_every_rank_with_one_reply(start_daemon: Any
     assert "behind the leader 0" in out.stdout
 
 
-def test_killing_a_rank_restarts_the_group_and_its_sequences_are_lost(start_daemon: Any) -> None:
-    metrics = free_port()
-    d = _group(start_daemon, metrics_port=metrics)
+def test_killing_a_rank_restarts_the_group_and_its_sequences_are_lost(
+    group: RunningDaemon,
+) -> None:
+    d = group
     before = {w["device"]: w for w in d.status()["workers"]}
 
     def kill_rank_1() -> dict[int, Any]:
@@ -182,5 +195,5 @@ def test_killing_a_rank_restarts_the_group_and_its_sequences_are_lost(start_daem
     after = asyncio.run(main())
     assert {w["restarts"] for w in after.values()} == {1}
     assert after[0]["generation"] == after[1]["generation"] == before[0]["generation"] + 1
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=30).read()
+    text = urllib.request.urlopen(d.status()["metrics"], timeout=30).read()
     assert b'graphlane_group_rank_behind_steps{device="1",group="0",rank="1"}' in text
