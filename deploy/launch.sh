@@ -26,6 +26,9 @@ options:
   --devices N|LIST       override the config's devices: a count (4) or ids (0,3)
   --listen ENDPOINT      override the config's listen (tcp://HOST:PORT or ipc://PATH)
   --log-level LEVEL      graphlane's logging level (default INFO)
+  --env-file FILE        start: add FILE's VAR=value lines to the daemon's environment
+                         (systemd's EnvironmentFile format, e.g. systemd/graphlane.env:
+                         CANN's variables, HCCL's settings for tensor-parallel groups)
   --numa NODE            run under \`numactl --cpunodebind=NODE --membind=NODE\`
                          (fails if numactl is missing)
   --run-dir DIR          pidfile, log and endpoint files (default: \$GRAPHLANE_RUN_DIR,
@@ -98,6 +101,7 @@ log_level="INFO"
 numa=""
 run_dir=""
 log_file=""
+env_file=""
 ready_timeout=600
 stop_timeout=60
 json=0
@@ -118,7 +122,7 @@ while [[ $# -gt 0 ]]; do
       ;;
     --json) json=1 ;;
     --config | --backend | --devices | --listen | --log-level | --numa | --run-dir | \
-      --log-file | --ready-timeout | --stop-timeout)
+      --log-file | --env-file | --ready-timeout | --stop-timeout)
       need_value "$@"
       case $1 in
         --config) config=$2 ;;
@@ -129,6 +133,7 @@ while [[ $# -gt 0 ]]; do
         --numa) numa=$2 ;;
         --run-dir) run_dir=$2 ;;
         --log-file) log_file=$2 ;;
+        --env-file) env_file=$2 ;;
         --ready-timeout) ready_timeout=$2 ;;
         --stop-timeout) stop_timeout=$2 ;;
       esac
@@ -145,6 +150,7 @@ done
 [[ $ready_timeout =~ ^[0-9]+$ ]] || usage_error "--ready-timeout: whole seconds"
 [[ $stop_timeout =~ ^[0-9]+$ ]] || usage_error "--stop-timeout: whole seconds"
 [[ -z $numa || $numa =~ ^[0-9]+$ ]] || usage_error "--numa: a NUMA node number"
+[[ -z $env_file || -r $env_file ]] || die "env file $env_file is not readable"
 if [[ -n $config ]]; then
   [[ -r $config ]] || die "config $config is not readable"
   config=$(cd "$(dirname "$config")" && echo "$PWD/$(basename "$config")")
@@ -287,6 +293,20 @@ log_tail() {
   fi
 }
 
+# The VAR=value lines of --env-file into the array env_args (the caller's): comments
+# and blank lines skipped, anything else refused naming its line; no shell, so values
+# stay verbatim, as systemd reads the same file.
+read_env_file() {
+  local line n=0
+  env_args=()
+  while IFS= read -r line || [[ -n $line ]]; do
+    n=$((n + 1))
+    [[ $line =~ ^[[:space:]]*(#.*)?$ ]] && continue
+    [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "$env_file:$n: not VAR=value: $line"
+    env_args+=("$line")
+  done <"$env_file"
+}
+
 # ------------------------------------------------------------------ commands
 do_start() {
   local bin ep connect pid deadline left wait_s
@@ -299,6 +319,11 @@ do_start() {
   ep=$(resolve_listen)
   connect=$(connect_endpoint "$ep")
   local -a cmd=()
+  if [[ -n $env_file ]]; then
+    local -a env_args=()
+    read_env_file
+    [[ ${#env_args[@]} -eq 0 ]] || cmd+=(env "${env_args[@]}")
+  fi
   if [[ -n $numa ]]; then
     command -v numactl >/dev/null 2>&1 ||
       die "--numa $numa: numactl is not installed (apt-get install numactl), or drop --numa"

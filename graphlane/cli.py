@@ -456,6 +456,13 @@ def _status(args: argparse.Namespace) -> int:
                 f"generation {w.get('generation', 0)} endpoint {w['endpoint']} "
                 f"programs [{programs}]"
             )
+            if w.get("group"):  # a rank of a tensor-parallel group
+                g = w["group"]
+                print(
+                    f"    group {g['index']} rank {g['rank']} of {g['size']} (devices "
+                    f"{g['devices']}, leader {g['leader']}), steps {w.get('steps', 0)}, "
+                    f"behind the leader {g.get('behind', 0)}"
+                )
             if w.get("last_error") and w["state"] != "ready":
                 print(f"    last error: {w['last_error']}")
             for name, d in (w.get("programs") or {}).items():

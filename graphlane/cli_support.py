@@ -109,6 +109,14 @@ def check_config(path: str) -> int:
     print(f"  listen {conf.listen} (workers: {conf.worker_endpoint(conf.devices[0])} ...)")
     print(f"  backend {conf.backend}, devices {list(conf.devices)}, depth {conf.depth}")
     print(f"  cpu_affinity {conf.cpu_affinity}")
+    if conf.tensor_parallel > 1:
+        from graphlane.orchestrator.groups import group_devices
+
+        groups = group_devices(conf.devices, conf.tensor_parallel)
+        print(
+            f"  tensor_parallel {conf.tensor_parallel}: groups "
+            f"{[list(g) for g in groups.groups]}, clients reach devices {groups.leaders()}"
+        )
     if conf.admin_keys is not None:
         print(f"  admin_keys {list(conf.admin_keys)} (drain, shutdown)")
     for p in conf.programs:

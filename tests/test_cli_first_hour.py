@@ -72,11 +72,15 @@ def test_the_config_module_documents_every_key() -> None:
     doc = cfg.__doc__ or ""
     (block,) = re.findall(r"```toml\n(.*?)```", doc, flags=re.S)
     raw = tomllib.loads(block)
-    # program_clients: the [[programs]] tables' clients, the daemon's key in them.
-    assert set(raw) == {f.name for f in fields(cfg.ServeConfig)} - {"program_clients"}
+    # program_clients, tensor_parallel: the daemon's keys in the [[programs]] tables.
+    assert set(raw) == {f.name for f in fields(cfg.ServeConfig)} - {
+        "program_clients", "tensor_parallel"
+    }  # fmt: skip
     assert set(raw["sim"]) == {f.name for f in fields(cfg.SimSettings)}
     (program,) = raw["programs"]
-    assert set(program) == {"name", "clients", *AttentionConfig.__dataclass_fields__}
+    assert set(program) == {
+        "name", "clients", "tensor_parallel", *AttentionConfig.__dataclass_fields__
+    }  # fmt: skip
     readme = (ROOT / "README.md").read_text()
     for text in ("graphlane example", "graphlane --version", ".venv/bin/graphlane",
                  "source .venv/bin/activate", "graphlane config check"):  # fmt: skip

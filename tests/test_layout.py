@@ -11,7 +11,7 @@ inside functions, under TYPE_CHECKING), read from what each one is:
   architecture; graphlane.program_config), never the daemon, the client or the tools;
 - graphlane.orchestrator (the daemon) imports the protocol, logs, the root package
   (its version) and of graphlane.workers only its torch-free spec and entry point
-  (graphlane.workers.spec, .entry) and the two helpers it shares (affinity, memory), never the
+  (graphlane.workers.spec, .entry, .process_group's GroupSpec) and the two helpers it shares (affinity, memory), never the
   client, the sim, the tools, or a program: the daemon imports no torch (a worker
   builds its programs; test_the_daemon_imports_no_torch runs it); workers never import
   it back;
@@ -53,6 +53,7 @@ OURS = ("graphlane", "npusim")
 
 #: what the daemon may import of the workers: their spec and entry point, and two helpers
 TORCH_FREE_WORKERS = ("graphlane.workers.spec", "graphlane.workers.entry",
+                      "graphlane.workers.process_group",  # a group rank's spec (its torch: lazy)
                       "graphlane.workers.affinity", "graphlane.workers.memory")  # fmt: skip
 #: package -> the graphlane packages it may import (besides itself); "graphlane" alone is
 #: the root package (its __init__), not everything under it

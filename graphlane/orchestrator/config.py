@@ -75,6 +75,9 @@ head_dim = 64
 max_kv_len = 256                   #   static key/value length; step lengths are 1..max_kv_len
 buckets = [1, 2, 4, 8]             #   batch sizes captured; a step runs on the smallest that fits
 dtype = "float16"                  #   or "bfloat16", "float32"
+tensor_parallel = 2                # a model's: groups of N consecutive devices serve it
+                                   #   together (devices must be a multiple of N; one
+                                   #   endpoint per group, its first device's; default 1)
 ```
 
 Other programs take the keys their own factory reads (docs/programs.md).
@@ -172,6 +175,9 @@ class ServeConfig:
     program_clients: dict[str, tuple[str, ...]] = field(default_factory=dict)
     insecure: bool = False
     advertise_host: str | None = None  # host clients use for workers (with a wildcard listen)
+    #: Devices per tensor-parallel group, from the programs' ``tensor_parallel``
+    #: (graphlane/orchestrator/groups.py; 1: every device serves alone).
+    tensor_parallel: int = 1
 
     def worker_endpoint(self, device: int) -> str:
         """Where the worker of ``device`` binds: next to the orchestrator's endpoint."""
@@ -180,9 +186,9 @@ class ServeConfig:
         return worker_endpoint(self.listen, device)
 
 
-#: Keys of the file's top level: one per ServeConfig field (programs' clients are in
-#: their [[programs]] tables).
-_TOP_KEYS = frozenset(f.name for f in fields(ServeConfig)) - {"program_clients"}
+#: Keys of the file's top level: one per ServeConfig field (programs' clients and
+#: tensor_parallel are in their [[programs]] tables).
+_TOP_KEYS = frozenset(f.name for f in fields(ServeConfig)) - {"program_clients", "tensor_parallel"}
 _FAULTS = {"fail_start": bool, "hang_device_after": int, "device_fault_after": int}
 
 
@@ -428,6 +434,14 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
             f"gives cores for {len(cfg.cpu_affinity)} device(s), but {len(cfg.devices)} are "
             "served: one list of cores per device",
         )
+    from .groups import GroupError, plan_groups, tensor_parallel
+
+    try:
+        size = tensor_parallel(cfg.programs)
+        plan_groups(cfg.devices, size, cfg.backend)  # not a multiple, not on this host
+    except GroupError as exc:
+        raise ConfigError(exc.key, exc.message) from None
+    cfg = replace(cfg, tensor_parallel=size)
     _check_roles(cfg, raw)
     _check_port_span(cfg)
     from graphlane.protocol.security import SecurityError, check_bind

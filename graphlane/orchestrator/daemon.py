@@ -39,9 +39,11 @@ from graphlane.protocol.errors import BadRequest, UnknownDevice
 from graphlane.protocol.server import Origin, Responder
 from graphlane.workers import affinity
 from graphlane.workers.memory import FreedMemory
+from graphlane.workers.process_group import GroupSpec
 from graphlane.workers.spec import WorkerSpec
 
 from .config import ServeConfig
+from .groups import DeviceGroups, group_devices
 from .ports import PortInUse, bind_error
 from .supervisor import READY, Supervisor, WorkerHandle
 
@@ -92,6 +94,9 @@ class Daemon:
             else None
         )
         self._failed_log = Throttled(log)  # a message whose handling raised: its cause
+        #: The served devices in tensor-parallel groups (size 1: each alone; the config
+        #: checked them against the host).
+        self.groups: DeviceGroups = group_devices(config.devices, config.tensor_parallel)
         cores = affinity.core_sets(
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid(),
             sim_mode=config.sim.mode,
@@ -117,6 +122,7 @@ class Daemon:
                 roles=self.roles,
                 cpus=cpus,
                 generation=generation,
+                group=self._group_spec(d),
             )
             for d, cpus in zip(config.devices, cores, strict=True)
         ]
@@ -127,21 +133,35 @@ class Daemon:
             restart_window_s=config.restart_window_s,
             hang_timeout_s=config.hang_timeout_s,
             env_for=self._env_for,
+            groups={d: g for g in self.groups.groups if len(g) > 1 for d in g},
         )
         self.metrics_server: Any = None
         self._shutdown = asyncio.Event()
         self.endpoint = ""
 
+    def _group_spec(self, device: int) -> GroupSpec | None:
+        """``device``'s place in its tensor-parallel group (its ports are taken at each
+        start of the group: Supervisor._start_unit); None when it serves alone."""
+        if self.groups.size == 1:
+            return None
+        index, devices = self.groups.of(device)
+        return GroupSpec(index, devices.index(device), devices)
+
     def _env_for(self, device: int) -> dict[str, str]:
         if self.config.backend == "npu":
             # Pin each worker to its NPU; inside the process it is device 0 (_runtime_index).
-            return {"ASCEND_RT_VISIBLE_DEVICES": str(device)}
+            # A group's ranks each see the group's NPUs, numbered 0..N-1 in rank order, as
+            # vLLM's ranks see a node's (each then sets its own: rank r, device r).
+            devices = self.groups.of(device)[1]
+            return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(map(str, devices))}
         return {}
 
     def _runtime_index(self, device: int) -> int | None:
         """The index of ``device`` inside its worker: the Ascend runtime numbers the
-        devices ASCEND_RT_VISIBLE_DEVICES names from 0, and _env_for names one."""
-        return 0 if self.config.backend == "npu" else None
+        devices ASCEND_RT_VISIBLE_DEVICES names from 0 (_env_for names its group's)."""
+        if self.config.backend != "npu":
+            return None
+        return self.groups.of(device)[1].index(device)
 
     # ------------------------------------------------------------ run
     async def run(self, ready_file: str | None = None) -> int:
@@ -313,7 +333,14 @@ class Daemon:
             queued=st.get("queued", 0),
             steps=st.get("steps", 0),
         )
+        if h.spec.group is not None:
+            entry["group"] = self._rank_entry(h)
         return entry
+
+    def _rank_entry(self, h: WorkerHandle) -> dict[str, Any]:
+        """A rank's place in its group, and how far it is behind the leader."""
+        assert h.spec.group is not None
+        return {**h.spec.group.describe(), "behind": self.supervisor.behind(h)}
 
     def hello(self) -> dict[str, Any]:
         return {
@@ -331,7 +358,12 @@ class Daemon:
                 "max_frames": wire.DEFAULT_LIMITS.max_frames,
                 "bundles": True,  # worker sockets take bundles of requests
             },
-            "workers": [self._worker_entry(h) for h in self.supervisor.workers.values()],
+            # One endpoint per group, its leader's: the other ranks follow it.
+            "workers": [
+                self._worker_entry(h)
+                for h in self.supervisor.workers.values()
+                if h.spec.group is None or h.spec.group.rank == 0
+            ],
         }
 
     def status(self) -> dict[str, Any]:
@@ -348,6 +380,7 @@ class Daemon:
             "config": {
                 "backend": self.config.backend,
                 "devices": list(self.config.devices),
+                "tensor_parallel": self.config.tensor_parallel,
                 "depth": self.config.depth,
                 "pipeline": self.config.pipeline,
                 "programs": [p["name"] for p in self.config.programs],

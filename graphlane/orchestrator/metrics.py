@@ -66,12 +66,21 @@ class DaemonCollector(Collector):
             "graphlane_update_dispatch_seconds", "Host time copying inputs and dispatching patches",
             labels=["device"],
         )  # fmt: skip
+        behind = GaugeMetricFamily(
+            "graphlane_group_rank_behind_steps",
+            "Steps a tensor-parallel group's leader completed that this rank has not",
+            labels=["device", "group", "rank"],
+        )
         replay = HistogramMetricFamily(
             "graphlane_replay_seconds", "From replay issue to the step's completion on the device",
             labels=["device"],
         )  # fmt: skip
         for h in self.supervisor.workers.values():
             d = str(h.device)
+            group = h.spec.group
+            if group is not None:
+                lag = self.supervisor.behind(h)
+                behind.add_metric([d, str(group.index), str(group.rank)], lag)
             up.add_metric([d], 1.0 if h.state == READY else 0.0)
             restarts.add_metric([d], h.restarts)
             st = h.stats
@@ -97,6 +106,7 @@ class DaemonCollector(Collector):
                 replay.add_metric([d], _buckets(m["replay_seconds"]), m["replay_seconds"]["sum"])
         yield from (up, restarts, queued, inflight, errors, b_in, b_out, sequences, released)
         yield from (step, dispatch, replay)
+        yield behind
 
 
 def serve_metrics(supervisor: Supervisor, port: int, host: str = "127.0.0.1") -> Any:

@@ -18,7 +18,14 @@ import socket
 
 from .config import ServeConfig
 
-__all__ = ["METRICS_ROLE", "PortInUse", "bind_error", "check_ports", "metrics_endpoint"]
+__all__ = [
+    "METRICS_ROLE",
+    "PortInUse",
+    "bind_error",
+    "check_ports",
+    "free_loopback_ports",
+    "metrics_endpoint",
+]
 
 
 class PortInUse(RuntimeError):
@@ -102,3 +109,21 @@ def bind_error(endpoint: str, role: str, exc: Exception) -> str:
         return _message(endpoint, split[1], role, exc)
     setting = METRICS_SETTING if role == METRICS_ROLE else "--listen (listen)"
     return f"cannot listen on {endpoint} ({role}): {exc}; check {setting}"
+
+
+def free_loopback_ports(n: int) -> list[int]:
+    """``n`` distinct tcp ports of 127.0.0.1 that nothing holds now, which the system
+    chose: a tensor-parallel group's rendezvous and forwarding channel, taken afresh at
+    each start of the group (a port the group before held may still be in TIME_WAIT).
+    Another process may take one before the group binds it: the group's start fails
+    then, and is retried as any failed start is."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

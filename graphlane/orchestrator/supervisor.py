@@ -12,6 +12,12 @@ Lifecycle of a worker, explicit:
     stop: pipe.Finish(stop=True) (finish in-flight, exit) -> SIGTERM -> SIGKILL,
     recording which step ended it.
 
+The workers of a tensor-parallel group (graphlane/orchestrator/groups.py) live and die
+together: they start together (with a rendezvous and a forwarding channel on ports
+taken afresh each time), a rank that is lost takes the others down with it and the
+group restarts as one, with one restart count and one generation, so that every
+sequence of the group gets STATE_LOST; a rank that fails for good fails the group.
+
 The pipe is also the worker's lifeline: when the orchestrator dies, the worker
 reads EOF and exits, so no orphan keeps a device. Only the typed messages of
 :mod:`graphlane.protocol.pipe` cross it. Each process's end of its pipe has one
@@ -33,15 +39,17 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from graphlane.protocol import pipe
-from graphlane.workers.entry import worker_main
+from graphlane.workers.entry import group_main, worker_main
 from graphlane.workers.spec import WorkerSpec
+
+from .ports import free_loopback_ports
 
 log = logging.getLogger("graphlane.supervisor")
 
@@ -130,6 +138,7 @@ class WorkerHandle:
     stopped_by: str = ""
     stats: dict[str, Any] = field(default_factory=dict)  # the worker's latest status report
     exited: asyncio.Event = field(default_factory=asyncio.Event)  # the current process ended
+    restarting: bool = False  # (a group's leader) its group is being taken down to restart
 
     @property
     def device(self) -> int:
@@ -172,7 +181,10 @@ class Supervisor:
         hang_timeout_s: float = 30.0,
         poll_s: float = 1.0,
         env_for: Callable[[int], dict[str, str]] | None = None,
+        groups: Mapping[int, tuple[int, ...]] | None = None,
     ) -> None:
+        """``groups``: each device of a tensor-parallel group -> the group's devices in
+        rank order (a device not in it serves alone)."""
         # Each worker's first generation is its spec's (the daemon's, see daemon.py).
         self.workers = {s.device: WorkerHandle(s, generation=s.generation) for s in specs}
         self.startup_timeout_s = startup_timeout_s
@@ -182,6 +194,7 @@ class Supervisor:
         self.hang_timeout_s = hang_timeout_s
         self.poll_s = poll_s
         self.env_for = env_for or (lambda device: {})
+        self.groups = dict(groups or {})
         self.stopping = False
         self.all_failed = asyncio.Event()  # set when every worker is FAILED for good
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -189,14 +202,60 @@ class Supervisor:
 
     # ------------------------------------------------------------ start
     async def start_all(self) -> None:
-        await asyncio.gather(*(self._start(h) for h in self.workers.values()))
+        units = {self._unit(h)[0].device: self._unit(h) for h in self.workers.values()}
+        await asyncio.gather(*(self._start_unit(u) for u in units.values()))
+
+    def _unit(self, h: WorkerHandle) -> list[WorkerHandle]:
+        """The workers that start, stop and restart with ``h``: its group's, leader first."""
+        devices = self.groups.get(h.device)
+        return [self.workers[d] for d in devices] if devices else [h]
+
+    async def _start_unit(self, unit: list[WorkerHandle]) -> None:
+        if len(unit) == 1:
+            await self._start(unit[0])
+            return
+        rendezvous, channel = free_loopback_ports(2)
+        for h in unit:
+            assert h.spec.group is not None
+            group = replace(
+                h.spec.group,
+                init_method=f"tcp://127.0.0.1:{rendezvous}",
+                channel=f"tcp://127.0.0.1:{channel}",
+                timeout_s=self.startup_timeout_s,
+            )
+            h.spec = replace(h.spec, group=group)
+        started = await asyncio.gather(*(self._start(h) for h in unit), return_exceptions=True)
+        errors = [e for e in started if isinstance(e, BaseException)]
+        if errors:  # a rank the system would not start: the others go too, then retry
+            await self._end_group(unit, None, "a rank of its group could not be started")
+            raise errors[0]
+
+    async def _end_group(
+        self, unit: list[WorkerHandle], cause: WorkerHandle | None, why: str
+    ) -> None:
+        """Take down every rank of ``unit`` but ``cause`` (lost already), and wait for
+        their ends: a group serves whole or not at all."""
+        ending = []
+        for m in unit:
+            if m is cause or m.process is None or m.exited.is_set():
+                continue
+            m.state = LOST
+            m.last_error = f"group restart: {f'device {cause.device} ' if cause else ''}{why}"
+            self._kill(m.process)
+            ending.append(m.exited.wait())
+        if ending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*ending), 10.0)
 
     async def _start(self, h: WorkerHandle) -> None:
         h.state = STARTING
         spec = replace(h.spec, generation=h.generation)
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(
-            target=worker_main, args=(spec, child), name=f"graphlane-worker-{h.device}", daemon=True
+            target=worker_main if spec.group is None else group_main,
+            args=(spec, child),
+            name=f"graphlane-worker-{h.device}",
+            daemon=True,
         )
         env = self.env_for(h.device)
         saved = {k: os.environ.get(k) for k in env}
@@ -256,7 +315,7 @@ class Supervisor:
         log.error("worker failed to start device=%s pid=%s: %s", h.device, proc.pid, h.last_error)
         h.state = LOST  # a transient failure: restarted, with backoff, once it has exited
         if h.exited.is_set():
-            self._spawn_task(self._restart(h))
+            self._spawn_task(self._restart(h, proc))
         else:
             self._kill(proc)  # _on_exit restarts it
 
@@ -329,7 +388,7 @@ class Supervisor:
         if h.state == READY:
             h.state = LOST
             log.warning("worker lost device=%s pid=%s exit=%s", h.device, proc.pid, proc.exitcode)
-        self._spawn_task(self._restart(h))
+        self._spawn_task(self._restart(h, proc))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -342,48 +401,81 @@ class Supervisor:
             log.error("supervisor task failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
 
     def _failed(self, h: WorkerHandle, why: str) -> None:
-        """Mark ``h`` FAILED for good (no more restarts)."""
+        """Mark ``h`` FAILED for good (no more restarts), and the rest of its group."""
+        for m in self._unit(h):
+            if m is not h:
+                m.state = FAILED
+                m.last_error = f"device {h.device} of its group failed: {why}"
+                if m.process is not None and not m.exited.is_set():
+                    self._kill(m.process)
         h.state = FAILED
         h.last_error = why
         if all(w.state == FAILED for w in self.workers.values()):
             self.all_failed.set()
 
-    async def _restart(self, h: WorkerHandle) -> None:
-        now = time.monotonic()
-        while h.restart_times and now - h.restart_times[0] > self.restart_window_s:
-            h.restart_times.popleft()
-        if len(h.restart_times) >= self.max_restarts:
-            why = (
-                f"{h.last_error or 'exited'}; {len(h.restart_times)} restarts within "
-                f"{self.restart_window_s:g} s (max_restarts): not restarting"
-            )
-            log.error("worker failed device=%s: %s", h.device, why)
-            self._failed(h, why)
+    async def _restart(self, h: WorkerHandle, proc: BaseProcess) -> None:
+        """Restart ``h`` (its whole group, counted on the group's leader) after ``proc``
+        ended; nothing if a newer process replaced it, or its group restarts already."""
+        unit = self._unit(h)
+        lead = unit[0]
+        if h.process is not proc or lead.restarting or h.state == FAILED:
             return
-        lo, hi = self.backoff_s
-        delay = min(hi, lo * (2 ** len(h.restart_times)))
-        h.restart_times.append(now)
-        await asyncio.sleep(delay)
+        lead.restarting = True
+        try:
+            if len(unit) > 1:
+                await self._end_group(unit, h, f"(rank {unit.index(h)}) {h.last_error or 'exited'}")
+            now = time.monotonic()
+            times = lead.restart_times
+            while times and now - times[0] > self.restart_window_s:
+                times.popleft()
+            if len(times) >= self.max_restarts:
+                why = (
+                    f"{h.last_error or 'exited'}; {len(times)} restarts within "
+                    f"{self.restart_window_s:g} s (max_restarts): not restarting"
+                )
+                log.error("worker failed device=%s: %s", h.device, why)
+                self._failed(h, why)
+                return
+            lo, hi = self.backoff_s
+            delay = min(hi, lo * (2 ** len(times)))
+            times.append(now)
+            await asyncio.sleep(delay)
+        finally:
+            lead.restarting = False
         if self.stopping:
             return
-        h.restarts += 1
-        h.generation += 1
-        log.info("worker restarted device=%s restarts=%s after %.2f s", h.device, h.restarts, delay)
+        for m in unit:
+            m.restarts += 1
+            m.generation += 1
+        log.info(
+            "worker restarted device=%s restarts=%s after %.2f s%s", h.device, h.restarts, delay,
+            f" (with its group: devices {[m.device for m in unit]})" if len(unit) > 1 else "",
+        )  # fmt: skip
         # A start that the system refuses (no file descriptor, process or memory left:
         # an OSError) is not the worker failing: retried with backoff, uncounted, for as
         # long as it takes, so the worker comes back once the system has room again.
         while True:
             try:
-                await self._start(h)
+                await self._start_unit(unit)
                 return
             except OSError as exc:
                 delay = min(hi, max(lo, delay * 2))
-                h.state = LOST
+                for m in unit:
+                    m.state = LOST
                 h.last_error = f"cannot start a worker process: {exc}; retrying in {delay:.1f} s"
                 log.error("worker start failed device=%s: %s", h.device, h.last_error)
                 await asyncio.sleep(delay)
                 if self.stopping:
                     return
+
+    def behind(self, h: WorkerHandle) -> int:
+        """Steps ``h``'s group leader completed that ``h`` has not (0 for a leader or a
+        worker alone), from their latest reports (about poll_s apart: a few steps are
+        in flight; a growing number is a rank that falls behind)."""
+        if h.spec.group is None:
+            return 0
+        leader = self.workers[h.spec.group.devices[0]]
+        return max(0, int(leader.stats.get("steps", 0)) - int(h.stats.get("steps", 0)))
 
     # ------------------------------------------------------------ stop
     def _kill(self, proc: BaseProcess) -> None:

@@ -15,4 +15,11 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     main(spec, conn)
 
 
-__all__ = ["worker_main"]
+def group_main(spec: WorkerSpec, conn: Connection) -> None:
+    """A tensor-parallel group's rank's entry point (:mod:`graphlane.workers.group`)."""
+    from graphlane.workers.group import group_main as main
+
+    main(spec, conn)
+
+
+__all__ = ["group_main", "worker_main"]

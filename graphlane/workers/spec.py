@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from graphlane.protocol import security, wire
+from graphlane.workers.process_group import GroupSpec
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class WorkerSpec:
     #: how long a CURVE key's sequences outlive its last connection (SequenceOwners)
     sequence_grace_s: float = 10.0
     cpus: tuple[int, ...] | None = None  # the cores its threads run on (None: any; affinity.py)
+    #: Its place in a tensor-parallel group (workers/process_group.py, group.py); None: alone.
+    group: GroupSpec | None = None
 
 
 

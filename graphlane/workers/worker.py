@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -68,17 +68,24 @@ from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey, GraphProgram
 from graphlane.workers.spec import WorkerSpec
 
+if TYPE_CHECKING:
+    pass
+
 log = logging.getLogger("graphlane.worker")
 
 
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Process entry point (spawn: through :func:`graphlane.workers.entry.worker_main`)."""
+def worker_main(
+    spec: WorkerSpec, conn: Connection, worker_class: type[Worker] | None = None
+) -> None:
+    """Process entry point (spawn: through :mod:`graphlane.workers.entry`); ``worker_class``:
+    a Worker's subclass to run instead (a tensor-parallel group's rank:
+    graphlane.workers.group.group_main)."""
     setup_logging(spec.log_level, spec.log_format, f"worker[{spec.device}]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the orchestrator decides when workers stop
     keep_freed_buffers()  # large inputs reuse mapped pages, step after step (see memory.py)
     try:
         affinity.pin(spec.cpus)  # before any thread starts: they all inherit it
-        worker = Worker(spec, conn)
+        worker = (worker_class or Worker)(spec, conn)
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
             failed = start_failure(exc)
@@ -134,6 +141,10 @@ class Worker:
             options["config"] = spec.sim
         index = spec.device if spec.runtime_index is None else spec.runtime_index
         backend = create_backend(spec.backend, index, **options)
+        if spec.group is not None:  # the group's collectives exist before any program loads
+            from graphlane.workers.process_group import join
+
+            join(spec.group, backend)
         programs = [load_program(str(p["name"]), p) for p in spec.programs]
         for program in programs:
             program.check_backend(spec.backend)
@@ -413,7 +424,7 @@ class Worker:
             self._waiting.append(step)
             return
         self._open[step] = None
-        self.engine.issue(step)
+        self._issue(step)
 
     def _sequence_change(self, op: str, body: Any, origin: Origin) -> dict[str, Any]:
         """append_blocks, free: the worker's record of the sender's sequences changes now
@@ -582,7 +593,11 @@ class Worker:
                 continue
             if not self.engine.reserve(blocking=False):
                 return
-            self.engine.issue(waiting.popleft())
+            self._issue(waiting.popleft())
+
+    def _issue(self, step: Job) -> None:
+        """Issue an accepted step on the device (a group's leader forwards it first)."""
+        self.engine.issue(step)
 
     def _on_done(self, step: Job) -> None:
         """The engine's completion callback (see StepEngine.issue)."""
