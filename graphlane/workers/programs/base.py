@@ -311,7 +311,10 @@ class GraphProgram(abc.ABC):
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The device-to-device copies a step needs beside its host inputs, resolved when
         it is issued (in issue order, after every step issued before it); an exception
-        refuses this step alone (nothing of it was issued). ``owner``: the client that
+        refuses this step alone (nothing of it was issued). Runs on the capture stream:
+        device work it issues (copies into device state the program keeps, gathers that
+        make the feeds' sources) is ordered after every replay issued before and before
+        this step's. ``owner``: the client that
         sent it (its CURVE key, else its connection): state a program keeps per client
         (a model's sequences) is that client's alone."""
         return []

@@ -84,6 +84,7 @@ from .base import (
     StepPlan,
     config_values,
 )
+from .batch import PADDING, PersistentBatch, Sequence
 from .hf_model import ModelSpec, load_weights, random_weights, read_hf_config, safetensors_files
 from .paged_attention import (
     PagedAttentionConfig,
@@ -102,6 +103,7 @@ PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous ste
 REMEMBERED = 1 << 16  # sequences whose last sampled token a worker keeps, per client
 CLIENTS = 1024  # clients whose sequences a worker keeps (the least recently active go)
 _GREEDY = (0.0, 0, 1.0, 0)  # a sequence's sampling settings by default
+_HOST_INPUTS = ("ints", "floats", "sampling", "block_table")  # a step's, into its buffers
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs")
 
 
@@ -198,16 +200,6 @@ class _Sampled:
 
 
 @dataclass
-class _Sequence:
-    """A sequence a client added (``add``): what a ``decode`` builds its row from."""
-
-    blocks: list[int]
-    length: int  # tokens in the cache once the last decode planned has run
-    sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
-    table: torch.Tensor  # int32 [max_blocks_per_seq]: blocks, then the scratch block
-
-
-@dataclass
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -269,6 +261,7 @@ class ModelProgram(GraphProgram):
         self._pad_floats = torch.tensor([[0.0, 1.0]] * top)  # temperature, top_p
         self._pad_sampling = torch.zeros(top, 3, dtype=torch.int32)  # top_k, row keys
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
+        self._pad_int_rows = [tuple(r) for r in self._pad_ints.tolist()]
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
         # Decoding ahead: each sequence's last sampled token, by client (Job.owner) and
         # the client's id of it (the issuing thread's alone; a restarted worker starts
@@ -277,7 +270,11 @@ class ModelProgram(GraphProgram):
         self._prefilled: torch.Tensor | None = None  # the last prefill's sampled token
         # Sequence operations (add, decode, append_blocks, free): each client's
         # sequences by its id, as planned (accept order is issue order).
-        self._sequences: dict[Any, dict[int, _Sequence]] = {}
+        self._sequences: dict[Any, dict[int, Sequence]] = {}
+        # ... and their rows on the device, which a decode patches and gathers (batch.py)
+        self._batch = PersistentBatch(c.max_blocks_per_seq, nb, top)
+        # Each instance's FIA arguments but the lengths, by layer (see group_call)
+        self._calls: dict[int, tuple[dict[str, torch.Tensor], list[dict[str, Any]]]] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -685,10 +682,9 @@ class ModelProgram(GraphProgram):
         if len(mine) >= REMEMBERED:
             raise StepError("sequence", f"this client has {REMEMBERED} sequences: free some")
         self._check_blocks(blocks, "blocks")
-        table = self._table(blocks, "blocks")
         prefill = {
             "tokens": fields["tokens"],
-            "block_table": table,
+            "block_table": self._table(blocks, "blocks"),
             "params": {**params, SEQUENCE: sid},
             "outputs": fields.get("outputs") or ["tokens"],
         }
@@ -697,14 +693,16 @@ class ModelProgram(GraphProgram):
             params, 1, "params", self.spec.vocab_size, per_row=False
         )
         sampling = (temp[0], top_k[0], top_p[0], seed[0])
-        self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling, table)
-        return plan
+        seq = Sequence(blocks, plan.batch, sampling, self._batch.take_row())
+        self._sequences.setdefault(owner, {})[sid] = seq
+        return StepPlan(plan.program, plan.batch, plan.bucket, {**plan.values, "added": seq},
+                        plan.inputs)  # fmt: skip
 
     def _plan_decode(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
         """A decode's step, its rows' values straight from the worker's record (checked
-        when added or appended): nothing of it grows with the context or table width
-        but the block table's host copy."""
-        sids, new = list(fields["sequences"]), fields.get("new_blocks") or {}
+        when added or appended): a few numbers per row, and the index of the rows in the
+        persistent batch that its block-table rows and tokens are gathered by (feeds)."""
+        sids, new = fields["sequences"], fields.get("new_blocks") or {}
         batch = len(sids)
         bucket = self.bucket_for(batch)
         if len(set(sids)) != batch:
@@ -718,69 +716,110 @@ class ModelProgram(GraphProgram):
                                 "added (or it was freed): add it first")  # fmt: skip
             rows.append(seq)
         for sid in new:
-            if sid not in sids:
+            if sid not in mine or mine[sid] not in rows:
                 raise StepError(f"new_blocks.{sid}", f"sequence {sid} is not decoded here")
             self._check_blocks(mine[sid].blocks + list(new[sid]), f"new_blocks.{sid}")
-        bs = self.config.block_size
-        lengths, pos, slots = [], [], []
-        for i, (sid, seq) in enumerate(zip(sids, rows, strict=True)):
+        bs, top = self.config.block_size, self.max_len
+        ints, slots = [], set()
+        for i, seq in enumerate(rows):
             p = seq.length  # the new token's position
-            blocks = seq.blocks if sid not in new else seq.blocks + list(new[sid])
-            if p >= self.max_len:
-                raise StepError(f"sequences[{i}]", f"sequence {sid} is {p} tokens long: "
-                                f"{self.max_len} is the most (max_blocks_per_seq * "
-                                "block_size); free it")  # fmt: skip
+            blocks = seq.blocks if not new or sids[i] not in new else seq.blocks + new[sids[i]]
+            if p >= top:
+                raise StepError(f"sequences[{i}]", f"sequence {sids[i]} is {p} tokens long: "
+                                f"{top} is the most (max_blocks_per_seq * block_size); "
+                                "free it")  # fmt: skip
             if p // bs >= len(blocks):
-                raise StepError(f"sequences[{i}]", f"sequence {sid}'s {len(blocks)} blocks "
-                                f"hold no token {p + 1}: send new_blocks")  # fmt: skip
-            lengths.append(p + 1)
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-        if len(set(slots)) != batch:
+                raise StepError(f"sequences[{i}]", f"sequence {sids[i]}'s {len(blocks)} "
+                                f"blocks hold no token {p + 1}: send new_blocks")  # fmt: skip
+            slot = blocks[p // bs] * bs + p % bs
+            ints.append((0, p, slot))  # the token: gathered on the device (feeds)
+            slots.add(slot)
+        if len(slots) != batch:
             raise StepError("sequences", "two sequences write one slot (they share the block "
                             "of their new tokens): its value would be ambiguous")  # fmt: skip
         for sid, more in new.items():  # checked: the record takes them
-            seq = mine[sid]
-            seq.blocks += more
-            seq.table = self._table(seq.blocks, f"new_blocks.{sid}")
-        temp, top_k, top_p, seed = (list(v) for v in zip(*(q.sampling for q in rows), strict=True))
-        table = torch.stack([seq.table for seq in rows])
-        values = ([0] * batch, pos, slots, lengths, temp, top_k, top_p, seed)
-        plan = self._build(batch, bucket, values, tuple(sids), tuple(range(batch)), table)
+            mine[sid].blocks += more
+        plan = self._build_rows(batch, bucket, ints, rows)
         for seq in rows:  # planned: the worker's record moves on
             seq.length += 1
         return plan
 
+    def _build_rows(
+        self, batch: int, bucket: int, ints: list[Any], rows: list[Sequence]
+    ) -> StepPlan:
+        """A decode's plan: the host values of its rows (token placeholder, position,
+        slot; sampling settings) and of the bucket's padding rows, as one tensor each."""
+        pad = bucket - batch
+        lengths = tuple(p + 1 for _, p, _ in ints) + (1,) * pad
+        temp = [q.sampling[0] for q in rows]
+        top_k = [q.sampling[1] for q in rows]
+        draw = needs(temp, top_k)
+        host = {
+            "ints": torch.tensor(ints + self._pad_int_rows[:pad], dtype=torch.int64),
+            "rows": torch.tensor([q.row for q in rows] + [PADDING] * pad, dtype=torch.int64),
+        }
+        if draw:  # only the draw reads them (an all-greedy step replays no tail)
+            host["floats"] = torch.tensor(
+                [(q.sampling[0], q.sampling[2]) for q in rows] + [(0.0, 1.0)] * pad,
+                dtype=torch.float32,
+            )
+            host["sampling"] = torch.tensor(
+                [(q.sampling[1], *row_keys(q.sampling[3], q.length + 1)) for q in rows]
+                + [(0, 0, 0)] * pad, dtype=torch.int32,
+            )  # fmt: skip
+        values = {"lengths": lengths, "kv": list(lengths), "draw": draw, "decoded": tuple(rows),
+                  "blocks": tuple(len(q.blocks) for q in rows)}  # fmt: skip
+        return StepPlan(self.name, batch, bucket, values, host)
+
     def _check_blocks(self, blocks: list[int], where: str) -> None:
-        nb = self.config.num_blocks
+        c = self.config
+        nb = c.num_blocks
         if any(b < 0 or b >= nb for b in blocks):
             raise StepError(where, f"blocks must be in 0..{nb - 1} (num_blocks)")
-        self._table(blocks, where)
+        if len(blocks) > c.max_blocks_per_seq:
+            raise StepError(where, f"{len(blocks)} blocks, more than max_blocks_per_seq "
+                            f"{c.max_blocks_per_seq}")  # fmt: skip
 
     def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
         mine = self._sequences.get(owner, {})
         if op == "free":
-            # (its last token stays where steps already planned may take it from)
-            freed = [sid for sid in fields["sequences"] if mine.pop(sid, None) is not None]
+            # (its row is written again only by a later add, issued after the steps
+            # already planned for it)
+            freed = []
+            for sid in fields["sequences"]:
+                seq = mine.pop(sid, None)
+                if seq is not None:
+                    self._batch.release_row(seq.row)
+                    freed.append(sid)
             return {"freed": freed}
         sid, blocks = fields["sequence"], list(fields["blocks"])
         seq = mine.get(sid)
         if seq is None:
             raise StepError("sequence", f"sequence {sid} is not one this client added")
         self._check_blocks(seq.blocks + blocks, "blocks")
-        seq.blocks += blocks
-        seq.table = self._table(seq.blocks, "blocks")
+        seq.blocks += blocks  # written to its row by the next decode that needs them
         return {"blocks": len(seq.blocks)}
 
     # ------------------------------------------------------------ decoding ahead
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
-        """The copies that feed each row of token PREVIOUS the token its sequence sampled
-        in its previous step, from that step's copy of its tokens on the device (on the
-        capture stream, behind that step); NoPreviousToken when there is no such token
-        to feed. Runs in issue order, so "previous" is the sequence's last step issued
-        before this one.
+        """A decode's rows from the persistent batch (batch.py): its rows' new blocks
+        written, their block-table rows and last tokens gathered by its index, on the
+        capture stream. A generic step's rows of token PREVIOUS: the token its sequence
+        sampled in its previous step, from that step's copy of its tokens on the device.
+        NoPreviousToken when there is no such token to feed. Runs in issue order, so
+        "previous" is the sequence's last step issued before this one.
         A sequence is ``owner``'s (the client that named it): another client's same id
         is another sequence."""
+        decoded = plan.values.get("decoded")
+        if decoded is not None:
+            b, lengths = self._batch, plan.values["lengths"]
+            for i, seq in enumerate(decoded):  # first: a refusal issues nothing
+                b.fed(seq, lengths[i], f"sequences[{i}]")
+            for seq, n in zip(decoded, plan.values["blocks"], strict=True):
+                b.write(seq, n)
+            table, tokens = b.gather(plan.inputs["rows"])
+            return [DeviceFeed(table, "block_table", slice(None)),
+                    DeviceFeed(tokens, "ints", (slice(None), 0))]  # fmt: skip
         ahead = plan.values.get("ahead")
         if not ahead:
             return []
@@ -823,37 +862,57 @@ class ModelProgram(GraphProgram):
         source = rec.tokens[rec.row : rec.row + rows]
         return DeviceFeed(source, "ints", (slice(row, row + rows), 0))
 
-    def issued(
-        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
-    ) -> None:
-        """Remember where each identified sequence of ``owner`` has its sampled token (a
-        step's rows, a prefill's token), for the next step that asks for it."""
-        named = plan.values.get("sequences") if graph is not None else plan.values.get("sequence")
-        if named is None:
-            self._prefilled = None
-            return
+    def _client(self, owner: Any) -> OrderedDict[int, _Sampled]:
+        """``owner``'s record of sampled tokens, made the most recently active; past
+        CLIENTS clients the least recently active one's go, its sequences' rows freed."""
         clients = self._clients
         sampled = clients.get(owner)
         if sampled is None:
             sampled = clients[owner] = OrderedDict()
-            while len(clients) > CLIENTS:  # the least recently active client's go
+            while len(clients) > CLIENTS:
                 gone, _ = clients.popitem(last=False)
-                self._sequences.pop(gone, None)
+                for seq in self._sequences.pop(gone, {}).values():
+                    self._batch.release_row(seq.row)
         clients.move_to_end(owner)
+        return sampled
+
+    def issued(
+        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
+    ) -> None:
+        """Keep each sequence's sampled token where its next step takes it from: a
+        decode's and an add's in the persistent batch; a generic step's or a prefill's
+        that named sequences, for ``owner``, in a copy of that step's tokens."""
+        values = plan.values
+        if graph is not None and "decoded" in values:
+            tokens = graph.buffers["tokens"][: plan.batch]
+            self._batch.commit(values["decoded"], values["lengths"], tokens)
+            self._client(owner)
+            return
+        named = values.get("sequences") if graph is not None else values.get("sequence")
+        if named is None:
+            self._prefilled = None
+            return
+        sampled = self._client(owner)
         if graph is not None:
             # A copy of the rows' tokens, on the capture stream behind the step (the
             # engine's): the instance's buffer is rewritten by its next replay, which
             # may be any client's step, while a sequence may sit steps out.
             tokens = graph.buffers["tokens"][: plan.batch].clone()
-            lengths = plan.values["lengths"]
+            lengths = values["lengths"]
             for i, sid in enumerate(named):
                 sampled[sid] = _Sampled(tokens, i, lengths[i])
                 sampled.move_to_end(sid)
-        else:  # a prefill that named its sequence
-            sid, token = named, self._prefilled
+        else:  # a prefill that named its sequence (an add's: its row takes the token)
+            token = self._prefilled
             assert token is not None
-            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch)
-            sampled.move_to_end(sid)
+            length = values["start"] + plan.batch
+            added = values.get("added")
+            if added is not None:
+                if self._batch.last is not None:  # (None: planned and issued, no device)
+                    self._batch.set_token(added, token, length)
+            else:
+                sampled[named] = _Sampled(token, 0, length)
+                sampled.move_to_end(named)
         self._prefilled = None
         while len(sampled) > REMEMBERED:
             sampled.popitem(last=False)
@@ -898,14 +957,25 @@ class ModelProgram(GraphProgram):
         return plan.values["lengths"]
 
     def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
-        return FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
+        # The arguments but the lengths are the instance's for good: made once, and each
+        # patch takes a copy with this step's lengths (one list per step, every layer's).
+        cached = self._calls.get(id(buffers))
+        if cached is None:
+            bucket = [1] * plan.bucket
+            layers = [self._arguments(buffers, i, bucket) for i in range(self.num_groups)]
+            cached = self._calls[id(buffers)] = (buffers, layers)
+        kwargs = cached[1][group].copy()
+        lengths = plan.values.get("kv")
+        kwargs[LENGTHS] = lengths if lengths is not None else list(plan.values["lengths"])
+        return FIA_OUT, (), kwargs
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if group:  # everything lands before layer 0 (three copies, padding rows included)
+        if group:  # everything lands before layer 0 (a few copies, padding rows included)
             return []
-        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "sampling", "block_table")]
+        inputs = plan.inputs
+        return [(buffers[k], inputs[k]) for k in _HOST_INPUTS if k in inputs]
 
     def output_views(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
@@ -982,6 +1052,10 @@ class ModelProgram(GraphProgram):
     def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
         if plan.values["op"] != "prefill":
             return self.kv.run_state(backend, plan)
+        added = plan.values.get("added")
+        if added is not None:  # an add: its row in the persistent batch, written first
+            self._batch.bind(backend)
+            self._batch.write(added, len(added.blocks))
         return self._prefill(backend, plan)
 
     def _prefill(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
