@@ -172,3 +172,34 @@ def test_a_token_its_sequence_never_sampled_here_is_refused() -> None:
         wait_for(lambda: eng._all_done([refused, behind]), 60, "both decodes answered")
         for job in (refused, behind):
             assert isinstance(job.error, NoPreviousToken), job.error
+
+
+def test_a_sampling_sequence_draws_the_same_tokens_in_any_row_beside_any_others() -> None:
+    """A sequence's sampling settings are kept with it (its add's params): decoded alone,
+    or in another row beside greedy sequences that join and leave (steps with no draw
+    between its steps), it draws the same seeded tokens."""
+    hot = {"temperature": 0.9, "top_k": 8, "seed": 4}
+
+    def run(others: bool) -> list[int]:
+        with Issuer(NpuBackend(torch_npu, 0), [_random_program(2)], max_inflight=3) as eng:
+            c = Client(eng, "a")
+            fields = {"sequence": 7, "tokens": torch.tensor([3, 1, 4]), "blocks": [0],
+                      "params": hot}  # fmt: skip
+            job = eng.issue(c.plan("add", fields))
+            c.jobs.append((job, [7]))
+            if others:
+                c.add(1, [5, 9], [1])
+                c.decode([1])  # greedy alone: its step copies no sampling settings
+                c.decode([1, 7])
+                c.add(2, [2, 6, 5], [2])
+                c.free([1])
+                c.decode([2, 7])
+                c.decode([2])
+                c.decode([7, 2])
+            else:
+                for _ in range(3):
+                    c.decode([7])
+            return c.tokens()[7]
+
+    alone = run(False)
+    assert run(True) == alone and len(set(alone)) > 1, alone

@@ -17,10 +17,10 @@ tables and last sampled ids on the GPU and gathers a step's rows by an index, a 
 Every one of these runs on the capture stream, in issue order, so each reads what the
 steps issued before it wrote; rows are taken and released at accept time and written at
 issue time, so a row freed by one sequence and taken by the next is rewritten after the
-last step that read it for the first. What the device holds is tracked per row
-(:class:`Resident`), so a step that was planned and never issued leaves no stale entry
-behind: the next one writes what is missing, and a token that its sequence never
-sampled on this worker is refused, never fed.
+last step that read it for the first. What a row holds is tracked as issued, on its
+:class:`Sequence`: a step that was planned and never issued leaves nothing stale behind
+(the next one writes the blocks still missing), and a token that its sequence did not
+sample in its last step planned is refused, never fed.
 """
 
 from __future__ import annotations
@@ -36,26 +36,19 @@ from graphlane.workers.backends.base import DeviceBackend
 PADDING = 0  # the row padding rows gather: the scratch block, token 0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A sequence a client added: the worker's host record of it (as planned: accept
-    order is issue order) and its row in the persistent batch."""
+    order is issue order), its row in the persistent batch, and what that row holds as
+    issued."""
 
     blocks: list[int]  # only ever appended to (append_blocks, a decode's new_blocks)
     length: int  # tokens in the cache once the last step planned for it has run
     sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
+    draw: str | None  # the draw its sampling needs (sampling.needs), None: greedy
     row: int
-
-
-@dataclass(eq=False)
-class Resident:
-    """What a row of the device tensors holds, as issued: whose row it is, how many of
-    its blocks are written, and the length its last issued step fed (None: no token
-    sampled yet)."""
-
-    sequence: Sequence
-    blocks: int
-    length: int | None = None
+    written: int = 0  # its blocks written to its row (by its add, then by decodes)
+    fed: int | None = None  # the length its last issued step fed (None: not issued)
 
 
 class PersistentBatch:
@@ -67,7 +60,6 @@ class PersistentBatch:
         self.index_rows = index_rows  # the largest bucket: a decode's index is padded to it
         self._free: list[int] = []
         self._next = PADDING + 1
-        self._resident: dict[int, Resident] = {}
         self._backend: DeviceBackend | None = None
         self.tables: torch.Tensor | None = None
         self.last: torch.Tensor | None = None
@@ -108,37 +100,39 @@ class PersistentBatch:
             last[: self.last.shape[0]].copy_(self.last)
         self.tables, self.last = tables, last
 
-    def write(self, seq: Sequence, blocks: int) -> None:
-        """Make ``seq``'s row hold its first ``blocks`` blocks: the new ones alone if the
-        row is its already, else the whole row (the scratch block past them)."""
+    def join(self, seq: Sequence) -> None:
+        """Write an added sequence's whole row: its blocks, the scratch block past them."""
         b, row = self._backend, seq.row
         assert b is not None and self.tables is not None
         while row >= self.tables.shape[0]:
             self._grow(2 * self.tables.shape[0])
-        held = self._resident.get(row)
-        if held is None or held.sequence is not seq:
-            pad = [self.scratch] * (self.width - blocks)
-            b.copy_in(self.tables[row], torch.tensor(seq.blocks[:blocks] + pad, dtype=torch.int32))
-            self._resident[row] = Resident(seq, blocks)
-        elif held.blocks < blocks:
-            new = torch.tensor(seq.blocks[held.blocks : blocks], dtype=torch.int32)
-            b.copy_in(self.tables[row, held.blocks : blocks], new)
-            held.blocks = blocks
+        blocks = seq.blocks
+        pad = [self.scratch] * (self.width - len(blocks))
+        b.copy_in(self.tables[row], torch.tensor(blocks + pad, dtype=torch.int32))
+        seq.written = len(blocks)
 
-    def fed(self, seq: Sequence, length: int, where: str) -> None:
-        """NoPreviousToken unless ``seq``'s row holds the token it sampled at length
-        ``length - 1``: the one a step of ``length`` feeds."""
-        held = self._resident.get(seq.row)
-        if held is None or held.sequence is not seq or held.length is None:
-            raise NoPreviousToken(
-                f"{where}: its add was not run on this worker (refused, failed or lost): "
-                "no token to feed; add it again"
-            )
-        if held.length + 1 != length:
-            raise NoPreviousToken(
-                f"{where}: its last step run fed length {held.length}, not {length - 1} "
-                "(a decode planned before this one was not run): free it and add it again"
-            )
+    def prepare(self, seqs: Any, lengths: Any) -> None:
+        """Before a decode of ``seqs`` (lengths[i] the length row i feeds): refuse it
+        (NoPreviousToken, nothing written) unless each row holds the token its sequence
+        sampled at length ``lengths[i] - 1``; then write each row's new blocks alone."""
+        for i, seq in enumerate(seqs):
+            if seq.fed is None or seq.fed + 1 != lengths[i]:
+                raise NoPreviousToken(
+                    f"sequences[{i}]: its add was not run on this worker (refused, failed "
+                    "or lost): no token to feed; add it again"
+                    if seq.fed is None
+                    else f"sequences[{i}]: its last step run fed length {seq.fed}, not "
+                    f"{lengths[i] - 1} (a decode planned before this one was not run): "
+                    "free it and add it again"
+                )
+        for seq in seqs:
+            if seq.written < len(seq.blocks):
+                b, tables = self._backend, self.tables
+                assert b is not None and tables is not None
+                new = seq.blocks[seq.written :]
+                b.copy_in(tables[seq.row, seq.written : len(seq.blocks)],
+                          torch.tensor(new, dtype=torch.int32))  # fmt: skip
+                seq.written = len(seq.blocks)
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the host index ``rows`` [bucket] to the device; the block-table rows and
@@ -156,17 +150,13 @@ class PersistentBatch:
         assert self.index is not None and self.last is not None
         self.last.index_put_((self.index[: tokens.shape[0]],), tokens)
         for seq, n in zip(seqs, lengths, strict=False):
-            held = self._resident.get(seq.row)
-            if held is not None and held.sequence is seq:
-                held.length = n
+            seq.fed = n
 
     def set_token(self, seq: Sequence, token: torch.Tensor, length: int) -> None:
         """After an add's prefill: its sampled ``token`` [1] is the row's last token."""
         assert self.last is not None
         self.last[seq.row : seq.row + 1].copy_(token)
-        held = self._resident.get(seq.row)
-        if held is not None and held.sequence is seq:
-            held.length = length
+        seq.fed = length
 
 
-__all__ = ["PADDING", "PersistentBatch", "Resident", "Sequence"]
+__all__ = ["PADDING", "PersistentBatch", "Sequence"]
