@@ -10,7 +10,8 @@ device: its copies and the device ops it issues cost what the null device costs)
 worker and its engine call it: decode the request's frames, plan the step, its feeds
 (and their copies into the instance's buffers), its input copies, every layer's patch
 arguments (``group_signature``, ``group_call``; the backend's patch itself is the
-engine's and the backend's, left out) and ``issued``. Sequences are re-added every
+engine's and the backend's, left out) and ``issued``; and the host-to-device copies it
+issues (count, bytes) per decode. Sequences are re-added every
 ``--per-round`` decodes (untimed) so that each stays in its blocks.
 
 ``--before DIR`` measures the tree whose ``graphlane`` package is in DIR too (a
@@ -45,6 +46,19 @@ def _size(frames: list) -> int:
     return sum(memoryview(f).nbytes for f in frames)
 
 
+class _CountingNull(NullBackend):
+    """The null device, counting the host-to-device copies issued to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = 0
+        self.copied = 0
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copies += 1
+        self.copied += src.numel() * src.element_size()
+
+
 def _program(width: int, rows: int, layers: int) -> ModelProgram:
     arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
             "intermediate_size": 128, "num_hidden_layers": layers, "num_attention_heads": 4,
@@ -59,7 +73,7 @@ def measure(
 ) -> dict[str, float]:
     """The figures of one width; ``profile`` (a cProfile.Profile) runs in the timed part."""
     program = _program(width, rows, layers)
-    backend = NullBackend()
+    backend = _CountingNull()
     buffers = program.allocate(backend, rows)
     graph = CapturedGraph(GraphKey(program.name, rows, 0), None, [], [], buffers, [])
     codec = Codec()
@@ -77,6 +91,7 @@ def measure(
     groups = program.num_groups
     spent = 0.0
     done = 0
+    h2d = [0, 0]  # host-to-device copies, bytes
     while done < reps:
         program.sequence_change("free", {"sequences": list(range(rows))}, owner)
         for sid in range(rows):  # each sequence's add, issued as the engine does: a
@@ -89,6 +104,7 @@ def measure(
         n = min(per_round, reps - done, BLOCK - 1)
         if profile is not None:
             profile.enable()
+        copies, copied = backend.copies, backend.copied
         t0 = time.process_time()
         for _ in range(n):
             (req,) = codec.decode_requests(frames)
@@ -107,10 +123,13 @@ def measure(
                 program.group_call(buffers, plan, group)
             program.issued(plan, graph, None, owner)
         spent += time.process_time() - t0
+        h2d[0] += backend.copies - copies
+        h2d[1] += backend.copied - copied
         if profile is not None:
             profile.disable()
         done += n
     out["decode_cpu_us"] = spent / reps * 1e6
+    out["h2d_copies"], out["h2d_bytes"] = h2d[0] / reps, h2d[1] / reps
     return out
 
 
@@ -152,13 +171,14 @@ def main() -> None:
     if args.before:
         trees.insert(0, ("before", args.before))
     print(f"{args.rows} rows, {args.layers} layers | tree | blocks/seq | step B | decode B | "
-          "worker CPU per decode, us")  # fmt: skip
+          "H2D copies, bytes per decode | worker CPU per decode, us")  # fmt: skip
     for _ in range(args.rounds if args.before else 1):
         for width in (4, 64):
             for name, tree in trees:
                 r = _run(args, width, tree)
                 print(f"{name:>10} | {width:>10} | {r['step_bytes']:>6.0f} | "
-                      f"{r['decode_bytes']:>8.0f} | {r['decode_cpu_us']:>8.1f}")  # fmt: skip
+                      f"{r['decode_bytes']:>8.0f} | {r['h2d_copies']:.0f}, {r['h2d_bytes']:.0f} | "
+                      f"{r['decode_cpu_us']:>8.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
