@@ -50,6 +50,15 @@ its step is issued, to a copy on the device from there (:class:`~.base.DeviceFee
 fenced by stream order), or refuses the step (NO_PREVIOUS_TOKEN) when no such token can
 be fed: never a stale one, never another client's.
 
+The sequence operations (``add``, ``decode``, ``append_blocks``, ``free``:
+docs/models.md, "Sequences"): each added sequence holds a row of a
+:class:`~.batch.PersistentBatch` on the device (its block-table row, its last sampled
+token); an ``add`` writes its row, a ``decode`` is planned from the worker's host record
+of its sequences (positions, slots, sampling settings), writes its rows' new blocks,
+gathers their block-table rows and tokens into the instance's buffers by the rows'
+index (:meth:`ModelProgram.feeds`) and scatters its sampled tokens back
+(:meth:`ModelProgram.issued`).
+
 ``prefill`` (a device-state operation, in order with the replays on the capture
 stream): one sequence's prompt ``tokens`` [n] from position ``start`` (0, or the
 tokens already in its cache), ``block_table`` [max_blocks_per_seq]; run eagerly in
