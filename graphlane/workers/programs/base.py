@@ -140,9 +140,10 @@ class CapturedGraph:
 
 @dataclass(frozen=True)
 class DeviceFeed:
-    """A copy on the device into a step's static buffer from the output of an earlier
-    step, with no host round trip (decoding ahead: a row's token is the one its
-    sequence sampled in its previous step). The engine issues it on the capture
+    """A copy on the device into a step's static buffer from device state, with no host
+    round trip: the output of an earlier step (decoding ahead: a row's token is the one
+    its sequence sampled in its previous step), or rows a program gathered from state it
+    keeps (a model's persistent batch). The engine issues it on the capture
     stream after the step's input copies: every replay runs on that stream, so its
     order puts the copy after the earlier step's replay, which wrote ``source``."""
 
