@@ -12,10 +12,11 @@ the same decode steps, on the timed sim with the same modelled costs, driven thr
   update stream releasing that layer's ExternalEvent (the graph waits per layer on
   it), and waits for the step's sampled tokens before it prepares the next step;
 - **through a daemon, waiting** (``graphlane serve`` at its default config, a child
-  process): a scheduler that sends step N+1 with the tokens of step N's reply;
-- **through the same daemon, decoding ahead**: every row's token is ``-1`` (the token
-  its sequence sampled in its previous step, fed on the device, docs/models.md) and
-  :data:`WINDOW` steps are in flight: step N+1 is sent before step N's reply.
+  process), on the sequence operations (docs/models.md, "Sequences"): each sequence
+  ``add``-ed, then a scheduler that sends ``decode`` N+1 once decode N's reply is back;
+- **through the same daemon, decoding ahead**: the same decodes with :data:`WINDOW` in
+  flight (decode N+1 sent before decode N's reply): the worker feeds each row the token
+  its sequence sampled last, on the device.
 
 Costs are per layer, as the field reports them: ``patch_us`` of host time per layer's
 update (the FIA re-dispatch and tiling) and ``replay_us`` of device time per layer of
@@ -35,7 +36,7 @@ spell of the machine falling on all of them):
   the daemon: the mean period of a loop that waits for each step's tokens).
 
 Timed mode computes nothing in a replay, so the tokens a step samples are whatever
-its buffer held: a waiting scheduler feeds them back clamped into the vocabulary
+its buffer held: the in-process loop feeds them back clamped into the vocabulary
 (greedy tokens in compute mode need no clamp: :func:`generate_in_process` and
 :func:`generate_through_daemon`, which tests/tools compares token for token).
 """
@@ -221,55 +222,49 @@ class ModelLoop:
 
 
 # ------------------------------------------------------------ through a daemon
-async def _prefill(c: Client, prompts: list[list[int]]) -> torch.Tensor:
+async def _add(c: Client, prompts: list[list[int]]) -> torch.Tensor:
+    """Each prompt added as sequence r over its blocks (``TABLE[r]``), after freeing the
+    sequences of a previous round: their first tokens."""
+    rows = list(range(BATCH))
+    await c.free_sequences("model", 0, rows)
     first = []
     for r, prompt in enumerate(prompts):
-        reply = await c.prefill("model", 0, torch.tensor(prompt), TABLE[r],
-                                params={"sequence_id": r})  # fmt: skip
+        reply = await c.add_sequence("model", 0, r, torch.tensor(prompt), TABLE[r].tolist())
         first.append(reply.outputs["tokens"])
     return torch.cat(first)
 
 
-async def daemon_waiting(
-    c: Client, tokens: torch.Tensor, steps: int
-) -> tuple[list[float], list[int]]:
-    """A scheduler that waits for each step's tokens and sends them in the next step:
-    wall seconds per step (reply to reply) and the tokens."""
+async def daemon_waiting(c: Client, steps: int) -> tuple[list[float], list[int]]:
+    """A scheduler that sends each decode once the previous one's reply is back: wall
+    seconds per step (reply to reply) and the tokens."""
+    rows = list(range(BATCH))
     period, out = [], []
     t0 = time.perf_counter()
-    for i in range(steps):
-        inputs = {"tokens": _feedable(tokens), "block_table": TABLE}
-        reply = await c.step("model", 0, {"actual_seq_lengths_kv": _lengths(i)}, inputs,
-                             outputs=["tokens"])  # fmt: skip
-        tokens = reply.outputs["tokens"]
+    for _ in range(steps):
+        reply = await c.decode("model", 0, rows)
         t1 = time.perf_counter()
         period.append(t1 - t0)
         t0 = t1
-        out += tokens.tolist()
+        out += reply.outputs["tokens"].tolist()
     return period, out
 
 
 async def daemon_ahead(c: Client, steps: int, window: int = WINDOW) -> tuple[float, list[int]]:
-    """A scheduler decoding ahead: every row's token is -1, ``window`` steps in flight
-    (step N+1 sent before step N's reply). Wall seconds for the ``steps`` and the tokens."""
+    """A scheduler decoding ahead: ``window`` decodes in flight (decode N+1 sent before
+    decode N's reply; the worker feeds each row the token its sequence sampled last, on
+    the device). Wall seconds for the ``steps`` and the tokens."""
     rows = list(range(BATCH))
-    feed = {"tokens": torch.full((BATCH,), -1, dtype=torch.int64), "block_table": TABLE}
     sent: list[asyncio.Task[Any]] = []
     t0 = time.perf_counter()
-    for i in range(steps):
+    for _ in range(steps):
         while sum(not t.done() for t in sent[-window:]) >= window:
             await asyncio.wait([t for t in sent[-window:] if not t.done()],
                                return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        params = {"actual_seq_lengths_kv": _lengths(i), "sequence_id": rows}
-        sent.append(asyncio.create_task(c.step("model", 0, params, feed, outputs=["tokens"])))
+        sent.append(asyncio.create_task(c.decode("model", 0, rows)))
         await asyncio.sleep(0)  # tasks start in order: requests go in order
     replies = await asyncio.gather(*sent)
     elapsed = time.perf_counter() - t0
     return elapsed, [t for r in replies for t in r.outputs["tokens"].tolist()]
-
-
-async def _prefill_ahead(c: Client, prompts: list[list[int]]) -> None:
-    await _prefill(c, prompts)  # named: step 0's rows of -1 take the prefill's tokens
 
 
 # ------------------------------------------------------------ correctness (compute mode)
@@ -290,11 +285,9 @@ async def generate_through_daemon(
     """The same through a daemon (a compute-mode sim): decoding ahead or waiting."""
     async with Client(endpoint, timeout=120) as c:
         await c.worker_status(0)  # the client sends calls in order once it has the connection
-        first = await _prefill(c, prompts(seed))
-        if ahead:
-            rest = (await daemon_ahead(c, steps))[1]
-        else:
-            rest = (await daemon_waiting(c, first, steps))[1]
+        first = await _add(c, prompts(seed))
+        run = daemon_ahead(c, steps) if ahead else daemon_waiting(c, steps)
+        rest = (await run)[1]
     return first.tolist() + rest
 
 
@@ -375,8 +368,9 @@ async def _alternate(loop: ModelLoop, endpoint: str, steps: int, reps: int) -> d
         await c.worker_status(0)  # the client sends calls in order once it has the connection
         for rep in range(reps + 1):  # the first round warms every path up
             wall, gaps, _ = loop.run(loop.prefill(ps), steps)
-            period, _ = await daemon_waiting(c, await _prefill(c, ps), steps)
-            await _prefill_ahead(c, ps)
+            await _add(c, ps)
+            period, _ = await daemon_waiting(c, steps)
+            await _add(c, ps)
             elapsed, _ = await daemon_ahead(c, steps)
             if rep == 0:
                 continue

@@ -229,6 +229,13 @@ class FieldModel:
 
 
 # ------------------------------------------------------------ through a daemon
+async def _prefill(c: Client, prompts: list[list[int]]) -> None:
+    """Each prompt prefilled naming its row as its sequence: step 0's rows of -1 take
+    the prefill's tokens (this bench's steps are the generic ones, token -1)."""
+    for r, prompt in enumerate(prompts):
+        await c.prefill("model", 0, torch.tensor(prompt), TABLE[r], params={"sequence_id": r})
+
+
 async def daemon_ahead(c: Client, steps: int, sched_ms: float, window: int = WINDOW,
                        token: int = -1) -> float:  # fmt: skip
     """The scheduler decoding ahead through the daemon: before each step its work, then
@@ -395,7 +402,7 @@ async def _alternate(loop: FieldModel, endpoint: str, f: FieldFigures, steps: in
         ps = decode.prompts()
 
         async def ahead(s: float) -> float:
-            await decode._prefill(c, ps)  # step 0's rows of -1 take the prefill's tokens
+            await _prefill(c, ps)
             return await daemon_ahead(c, steps, s)
 
         await ahead(0.0)  # warm every path up
@@ -408,7 +415,7 @@ async def _alternate(loop: FieldModel, endpoint: str, f: FieldFigures, steps: in
                 f.steps_s["threaded"][k].append(loop.run_threaded(steps, s))
                 f.steps_s["daemon"][k].append(await ahead(s))
             f.lone_ms["inprocess"].append(1000 * statistics.fmean(loop.lone(lone_steps)))
-            await decode._prefill(c, ps)
+            await _prefill(c, ps)
             f.lone_ms["daemon"].append(1000 * statistics.fmean(await daemon_lone(c, lone_steps)))
 
 

@@ -355,8 +355,10 @@ class StepEngine:
             return
         program = self.programs[step.plan.program]
         if step.kind is JobKind.STEP:
-            try:  # copies from earlier steps' outputs (decoding ahead), if it has any
-                step.feeds = program.feeds(step.plan, step.owner)
+            try:  # copies from earlier steps' outputs (decoding ahead), if it has any;
+                # device work the program issues for them goes on S, before the step's
+                with self.backend.use_stream(self.capture_stream):
+                    step.feeds = program.feeds(step.plan, step.owner)
             except Exception as exc:  # nothing of it was issued: its refusal alone
                 self._abandon(step, exc)
                 return

@@ -469,7 +469,9 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     refused("decode", {"sequences": [1, 1]}, "a", "sequences")
     refused("decode", {"sequences": [1], "new_blocks": {3: [1]}}, "a", "new_blocks.3")
     plan = program.plan_sequences("decode", {"sequences": [1]}, "a")  # token 128: block 0
-    assert plan.values["lengths"][0] == 128 and plan.values["ahead"] == (0,)
+    # its row's token and block table come from the persistent batch: none on the host
+    assert plan.values["lengths"][0] == 128 and "block_table" not in plan.inputs
+    assert plan.inputs["rows"].tolist() == [plan.values["decoded"][0].row]
     refused("decode", {"sequences": [1]}, "a", "sequences[0]")  # token 129: no block
     refused("append_blocks", {"sequence": 1, "blocks": [9]}, "a", "blocks")
     assert program.sequence_change("append_blocks", {"sequence": 1, "blocks": [4]}, "a") == {

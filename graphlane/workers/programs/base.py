@@ -133,9 +133,10 @@ class CapturedGraph:
 
 @dataclass(frozen=True)
 class DeviceFeed:
-    """A copy on the device into a step's static buffer from the output of an earlier
-    step, with no host round trip (decoding ahead: a row's token is the one its
-    sequence sampled in its previous step). The engine issues it on the capture
+    """A copy on the device into a step's static buffer from device state, with no host
+    round trip: the output of an earlier step (decoding ahead: a row's token is the one
+    its sequence sampled in its previous step), or rows a program gathered from state it
+    keeps (a model's persistent batch). The engine issues it on the capture
     stream after the step's input copies: every replay runs on that stream, so its
     order puts the copy after the earlier step's replay, which wrote ``source``."""
 
@@ -304,7 +305,10 @@ class GraphProgram(abc.ABC):
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The device-to-device copies a step needs beside its host inputs, resolved when
         it is issued (in issue order, after every step issued before it); an exception
-        refuses this step alone (nothing of it was issued). ``owner``: the client that
+        refuses this step alone (nothing of it was issued). Runs on the capture stream:
+        device work it issues (copies into device state the program keeps, gathers that
+        make the feeds' sources) is ordered after every replay issued before and before
+        this step's. ``owner``: the client that
         sent it (its CURVE key, else its connection): state a program keeps per client
         (a model's sequences) is that client's alone."""
         return []

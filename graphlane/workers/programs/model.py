@@ -50,6 +50,15 @@ its step is issued, to a copy on the device from there (:class:`~.base.DeviceFee
 fenced by stream order), or refuses the step (NO_PREVIOUS_TOKEN) when no such token can
 be fed: never a stale one, never another client's.
 
+The sequence operations (``add``, ``decode``, ``append_blocks``, ``free``:
+docs/models.md, "Sequences"): each added sequence holds a row of a
+:class:`~.batch.PersistentBatch` on the device (its block-table row, its last sampled
+token); an ``add`` writes its row, a ``decode`` is planned from the worker's host record
+of its sequences (positions, slots, sampling settings), writes its rows' new blocks,
+gathers their block-table rows and tokens into the instance's buffers by the rows'
+index (:meth:`ModelProgram.feeds`) and scatters its sampled tokens back
+(:meth:`ModelProgram.issued`).
+
 ``prefill`` (a device-state operation, in order with the replays on the capture
 stream): one sequence's prompt ``tokens`` [n] from position ``start`` (0, or the
 tokens already in its cache), ``block_table`` [max_blocks_per_seq]; run eagerly in
@@ -60,6 +69,7 @@ when asked).
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -91,6 +101,7 @@ from .base import (
     StepPlan,
     config_values,
 )
+from .batch import PADDING, PersistentBatch, Sequence
 from .paged_attention import (
     PagedAttentionConfig,
     PagedAttentionProgram,
@@ -115,6 +126,7 @@ SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
 PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
 CLIENTS = 1024  # clients of step/prefill sequence_id whose last tokens a worker keeps
 _GREEDY = (0.0, 0, 1.0, 0)  # a sequence's sampling settings by default
+_HOST_INPUTS = ("ints", "floats", "sampling", "block_table")  # a step's, into its buffers
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs",
          "max_sequences", "max_sequences_per_client")  # fmt: skip
 
@@ -217,16 +229,6 @@ class _Sampled:
 
 
 @dataclass
-class _Sequence:
-    """A sequence a client added (``add``): what a ``decode`` builds its row from."""
-
-    blocks: list[int]
-    length: int  # tokens in the cache once the last decode planned has run
-    sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
-    table: torch.Tensor  # int32 [max_blocks_per_seq]: blocks, then the scratch block
-
-
-@dataclass
 class _Layer:
     ln1: torch.Tensor
     ln2: torch.Tensor
@@ -292,6 +294,7 @@ class ModelProgram(GraphProgram):
         self._pad_floats = torch.tensor([[0.0, 1.0]] * top)  # temperature, top_p
         self._pad_sampling = torch.zeros(top, 3, dtype=torch.int32)  # top_k, row keys
         self._pad_table = torch.full((top, c.max_blocks_per_seq), nb, dtype=torch.int32)
+        self._pad_packed = self._pad_ints.flatten().tolist()
         self._q_ends = {b: list(range(1, b + 1)) for b in self.buckets}
         # Decoding ahead: each sequence's last sampled token, by client (Job.owner) and
         # the client's id of it (the issuing thread's alone; a restarted worker starts
@@ -300,7 +303,11 @@ class ModelProgram(GraphProgram):
         self._prefilled: torch.Tensor | None = None  # the last prefill's sampled token
         # Sequence operations (add, decode, append_blocks, free): each client's
         # sequences by its id, as planned (accept order is issue order).
-        self._sequences: dict[Any, dict[int, _Sequence]] = {}
+        self._sequences: dict[Any, dict[int, Sequence]] = {}
+        # ... and their rows on the device, which a decode patches and gathers (batch.py)
+        self._batch = PersistentBatch(c.max_blocks_per_seq, nb, top)
+        # Each instance's FIA arguments but the lengths, by layer (see group_call)
+        self._calls: dict[int, tuple[dict[str, torch.Tensor], list[dict[str, Any]]]] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -747,10 +754,9 @@ class ModelProgram(GraphProgram):
             raise StepError("sequence", f"sequence {sid} is added already: free it first")
         self._check_room(len(mine))
         self._check_blocks(blocks, "blocks")
-        table = self._table(blocks, "blocks")
         prefill = {
             "tokens": fields["tokens"],
-            "block_table": table,
+            "block_table": self._table(blocks, "blocks"),
             "params": {**params, SEQUENCE: sid},
             "outputs": fields.get("outputs") or ["tokens"],
         }
@@ -759,8 +765,11 @@ class ModelProgram(GraphProgram):
             params, 1, "params", self.spec.vocab_size, per_row=False
         )
         sampling = (temp[0], top_k[0], top_p[0], seed[0])
-        self._sequences.setdefault(owner, {})[sid] = _Sequence(blocks, plan.batch, sampling, table)
-        return plan
+        draw = needs(temp, top_k)
+        seq = Sequence(blocks, plan.batch, sampling, draw, self._batch.take_row())
+        self._sequences.setdefault(owner, {})[sid] = seq
+        return StepPlan(plan.program, plan.batch, plan.bucket, {**plan.values, "added": seq},
+                        plan.inputs)  # fmt: skip
 
     def _check_room(self, mine: int) -> None:
         """Refuse an add past the caps: StepError (BAD_REQUEST) for this client's own,
@@ -779,6 +788,8 @@ class ModelProgram(GraphProgram):
     def release(self, owner: Any) -> int:
         """Forget every sequence of ``owner`` (a client that went); how many."""
         added = self._sequences.pop(owner, {})
+        for seq in added.values():  # (rewritten only by a later add, issued after these)
+            self._batch.release_row(seq.row)
         sampled = self._clients.pop(owner, OrderedDict())
         return len(added.keys() | sampled.keys())
 
@@ -798,85 +809,129 @@ class ModelProgram(GraphProgram):
 
     def _plan_decode(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
         """A decode's step, its rows' values straight from the worker's record (checked
-        when added or appended): nothing of it grows with the context or table width
-        but the block table's host copy."""
-        sids, new = list(fields["sequences"]), fields.get("new_blocks") or {}
+        when added or appended): a few numbers per row, and the index of the rows in the
+        persistent batch that its block-table rows and tokens are gathered by (feeds)."""
+        sids, new = fields["sequences"], fields.get("new_blocks")
         batch = len(sids)
         bucket = self.bucket_for(batch)
+        mine = self._sequences.get(owner) or {}
+        rows = [mine.get(sid) for sid in sids]
+        if None in rows:
+            i = rows.index(None)
+            raise StepError(f"sequences[{i}]", f"sequence {sids[i]} is not one this client "
+                            "added (or it was freed): add it first")  # fmt: skip
         if len(set(sids)) != batch:
             raise StepError("sequences", "two rows name one sequence")
-        mine = self._sequences.get(owner, {})
-        rows = []
-        for i, sid in enumerate(sids):
-            seq = mine.get(sid)
-            if seq is None:
-                raise StepError(f"sequences[{i}]", f"sequence {sid} is not one this client "
-                                "added (or it was freed): add it first")  # fmt: skip
-            rows.append(seq)
-        for sid in new:
-            if sid not in sids:
-                raise StepError(f"new_blocks.{sid}", f"sequence {sid} is not decoded here")
-            self._check_blocks(mine[sid].blocks + list(new[sid]), f"new_blocks.{sid}")
+        if new:
+            for sid in new:
+                if sid not in sids:
+                    raise StepError(f"new_blocks.{sid}", f"sequence {sid} is not decoded here")
+                self._check_blocks(mine[sid].blocks + list(new[sid]), f"new_blocks.{sid}")
         bs = self.config.block_size
-        lengths, pos, slots = [], [], []
-        for i, (sid, seq) in enumerate(zip(sids, rows, strict=True)):
+        packed: list[int] = []  # per row: token (fed on the device), position, slot
+        lengths: list[int] = []
+        draw: str | None = None
+        for i, seq in enumerate(rows):
+            assert seq is not None
             p = seq.length  # the new token's position
-            blocks = seq.blocks if sid not in new else seq.blocks + list(new[sid])
-            if p >= self.max_len:
-                raise StepError(f"sequences[{i}]", f"sequence {sid} is {p} tokens long: "
-                                f"{self.max_len} is the most (max_blocks_per_seq * "
-                                "block_size); free it")  # fmt: skip
-            if p // bs >= len(blocks):
-                raise StepError(f"sequences[{i}]", f"sequence {sid}'s {len(blocks)} blocks "
-                                f"hold no token {p + 1}: send new_blocks")  # fmt: skip
+            k, offset = divmod(p, bs)
+            blocks = seq.blocks if not new or sids[i] not in new else seq.blocks + new[sids[i]]
+            if k >= len(blocks):
+                raise self._no_room(i, sids[i], p, len(blocks))
+            packed += (0, p, blocks[k] * bs + offset)
             lengths.append(p + 1)
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-        if len(set(slots)) != batch:
+            if seq.draw is not None and draw != "vocabulary":
+                draw = seq.draw
+        if len(set(packed[2::3])) != batch:
             raise StepError("sequences", "two sequences write one slot (they share the block "
                             "of their new tokens): its value would be ambiguous")  # fmt: skip
-        for sid, more in new.items():  # checked: the record takes them
-            seq = mine[sid]
-            seq.blocks += more
-            seq.table = self._table(seq.blocks, f"new_blocks.{sid}")
-        temp, top_k, top_p, seed = (list(v) for v in zip(*(q.sampling for q in rows), strict=True))
-        table = torch.stack([seq.table for seq in rows])
-        values = ([0] * batch, pos, slots, lengths, temp, top_k, top_p, seed)
-        plan = self._build(batch, bucket, values, tuple(sids), tuple(range(batch)), table)
-        for seq in rows:  # planned: the worker's record moves on
-            seq.length += 1
-        return plan
+        if new:  # checked: the record takes them (written to the rows when issued)
+            for sid, more in new.items():
+                mine[sid].blocks += more
+        return self._build_rows(batch, bucket, packed, lengths, rows, draw)  # type: ignore[arg-type]
+
+    def _no_room(self, i: int, sid: int, p: int, blocks: int) -> StepError:
+        if p >= self.max_len:
+            return StepError(f"sequences[{i}]", f"sequence {sid} is {p} tokens long: "
+                             f"{self.max_len} is the most (max_blocks_per_seq * block_size); "
+                             "free it")  # fmt: skip
+        return StepError(f"sequences[{i}]", f"sequence {sid}'s {blocks} blocks hold no "
+                         f"token {p + 1}: send new_blocks")  # fmt: skip
+
+    def _build_rows(
+        self, batch: int, bucket: int, packed: list[int], lengths: list[int],
+        rows: list[Sequence], draw: str | None,
+    ) -> StepPlan:  # fmt: skip
+        """A decode's plan (its rows' records move on): one host tensor of the rows'
+        values (token placeholder, position, slot) and the bucket's padding rows, then
+        the rows' index in the persistent batch (padded with its padding row); the
+        sampling settings only when a row draws."""
+        pad = bucket - batch
+        packed += self._pad_packed[: 3 * pad]
+        packed += [q.row for q in rows]
+        packed += [PADDING] * pad
+        host = torch.frombuffer(array("q", packed), dtype=torch.int64)  # 4x torch.tensor's speed
+        inputs = {"ints": host[: 3 * bucket].view(bucket, 3), "rows": host[3 * bucket :]}
+        if draw:  # only the draw reads them (an all-greedy step replays no tail)
+            sampling = [q.sampling for q in rows]
+            inputs["floats"] = torch.tensor(
+                [(t, p) for t, _, p, _ in sampling] + [(0.0, 1.0)] * pad, dtype=torch.float32
+            )
+            keys = [(k, *row_keys(sd, n))
+                    for (_, k, _, sd), n in zip(sampling, lengths, strict=True)]  # fmt: skip
+            inputs["sampling"] = torch.tensor(keys + [(0, 0, 0)] * pad, dtype=torch.int32)
+        for q in rows:
+            q.length += 1
+        kv = lengths + [1] * pad
+        values = {"lengths": tuple(kv), "kv": kv, "draw": draw, "decoded": rows}
+        return StepPlan(self.name, batch, bucket, values, inputs)
 
     def _check_blocks(self, blocks: list[int], where: str) -> None:
-        nb = self.config.num_blocks
+        c = self.config
+        nb = c.num_blocks
         if any(b < 0 or b >= nb for b in blocks):
             raise StepError(where, f"blocks must be in 0..{nb - 1} (num_blocks)")
-        self._table(blocks, where)
+        if len(blocks) > c.max_blocks_per_seq:
+            raise StepError(where, f"{len(blocks)} blocks, more than max_blocks_per_seq "
+                            f"{c.max_blocks_per_seq}")  # fmt: skip
 
     def sequence_change(self, op: str, fields: Mapping[str, Any], owner: Any) -> dict[str, Any]:
         mine = self._sequences.get(owner, {})
         if op == "free":
-            # (its last token stays where steps already planned may take it from)
-            freed = [sid for sid in fields["sequences"] if mine.pop(sid, None) is not None]
+            # (its row is written again only by a later add, issued after the steps
+            # already planned for it)
+            freed = []
+            for sid in fields["sequences"]:
+                seq = mine.pop(sid, None)
+                if seq is not None:
+                    self._batch.release_row(seq.row)
+                    freed.append(sid)
             return {"freed": freed}
         sid, blocks = fields["sequence"], list(fields["blocks"])
         seq = mine.get(sid)
         if seq is None:
             raise StepError("sequence", f"sequence {sid} is not one this client added")
         self._check_blocks(seq.blocks + blocks, "blocks")
-        seq.blocks += blocks
-        seq.table = self._table(seq.blocks, "blocks")
+        seq.blocks += blocks  # written to its row by the next decode that needs them
         return {"blocks": len(seq.blocks)}
 
     # ------------------------------------------------------------ decoding ahead
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
-        """The copies that feed each row of token PREVIOUS the token its sequence sampled
-        in its previous step, from that step's copy of its tokens on the device (on the
-        capture stream, behind that step); NoPreviousToken when there is no such token
-        to feed. Runs in issue order, so "previous" is the sequence's last step issued
-        before this one.
+        """A decode's rows from the persistent batch (batch.py): its rows' new blocks
+        written, their block-table rows and last tokens gathered by its index, on the
+        capture stream. A generic step's rows of token PREVIOUS: the token its sequence
+        sampled in its previous step, from that step's copy of its tokens on the device.
+        NoPreviousToken when there is no such token to feed. Runs in issue order, so
+        "previous" is the sequence's last step issued before this one.
         A sequence is ``owner``'s (the client that named it): another client's same id
         is another sequence."""
+        decoded = plan.values.get("decoded")
+        if decoded is not None:
+            b = self._batch
+            b.prepare(decoded, plan.values["kv"])
+            table, tokens = b.gather(plan.inputs["rows"])
+            return [DeviceFeed(table, "block_table", slice(None)),
+                    DeviceFeed(tokens, "ints", (slice(None), 0))]  # fmt: skip
         ahead = plan.values.get("ahead")
         if not ahead:
             return []
@@ -919,15 +974,9 @@ class ModelProgram(GraphProgram):
         source = rec.tokens[rec.row : rec.row + rows]
         return DeviceFeed(source, "ints", (slice(row, row + rows), 0))
 
-    def issued(
-        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
-    ) -> None:
-        """Remember where each identified sequence of ``owner`` has its sampled token (a
-        step's rows, a prefill's token), for the next step that asks for it."""
-        named = plan.values.get("sequences") if graph is not None else plan.values.get("sequence")
-        if named is None:
-            self._prefilled = None
-            return
+    def _client(self, owner: Any) -> OrderedDict[int, _Sampled]:
+        """``owner``'s record of sampled tokens, made the most recently active; past
+        CLIENTS clients the least recently active one's go, its sequences' rows freed."""
         clients = self._clients
         sampled = clients.get(owner)
         if sampled is None:
@@ -935,20 +984,45 @@ class ModelProgram(GraphProgram):
             if len(clients) > CLIENTS:
                 self._forget_a_client(owner)
         clients.move_to_end(owner)
+        return sampled
+
+    def issued(
+        self, plan: StepPlan, graph: CapturedGraph | None, done: Any, owner: Any = None
+    ) -> None:
+        """Keep each sequence's sampled token where its next step takes it from: a
+        decode's and an add's in the persistent batch; a generic step's or a prefill's
+        that named sequences, for ``owner``, in a copy of that step's tokens."""
+        values = plan.values
+        if graph is not None and "decoded" in values:
+            tokens = graph.buffers["tokens"][: plan.batch]
+            self._batch.commit(values["decoded"], values["lengths"], tokens)
+            self._client(owner)
+            return
+        named = values.get("sequences") if graph is not None else values.get("sequence")
+        if named is None:
+            self._prefilled = None
+            return
+        sampled = self._client(owner)
         if graph is not None:
             # A copy of the rows' tokens, on the capture stream behind the step (the
             # engine's): the instance's buffer is rewritten by its next replay, which
             # may be any client's step, while a sequence may sit steps out.
             tokens = graph.buffers["tokens"][: plan.batch].clone()
-            lengths = plan.values["lengths"]
+            lengths = values["lengths"]
             for i, sid in enumerate(named):
                 sampled[sid] = _Sampled(tokens, i, lengths[i])
                 sampled.move_to_end(sid)
-        else:  # a prefill that named its sequence
-            sid, token = named, self._prefilled
+        else:  # a prefill that named its sequence (an add's: its row takes the token)
+            token = self._prefilled
             assert token is not None
-            sampled[sid] = _Sampled(token, 0, plan.values["start"] + plan.batch)
-            sampled.move_to_end(sid)
+            length = values["start"] + plan.batch
+            added = values.get("added")
+            if added is not None:
+                if self._batch.last is not None:  # (None: planned and issued, no device)
+                    self._batch.set_token(added, token, length)
+            else:
+                sampled[named] = _Sampled(token, 0, length)
+                sampled.move_to_end(named)
         self._prefilled = None
         # A client's sequences of step/prefill sequence_id, the most recently stepped
         # (its added ones are capped when added, and never forgotten while it is here).
@@ -1008,14 +1082,25 @@ class ModelProgram(GraphProgram):
         return plan.values["lengths"]
 
     def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
-        return FIA_OUT, (), self._arguments(buffers, group, list(plan.values["lengths"]))
+        # The arguments but the lengths are the instance's for good: made once, and each
+        # patch takes a copy with this step's lengths (one list per step, every layer's).
+        cached = self._calls.get(id(buffers))
+        if cached is None:
+            bucket = [1] * plan.bucket
+            layers = [self._arguments(buffers, i, bucket) for i in range(self.num_groups)]
+            cached = self._calls[id(buffers)] = (buffers, layers)
+        kwargs = cached[1][group].copy()
+        lengths = plan.values.get("kv")
+        kwargs[LENGTHS] = lengths if lengths is not None else list(plan.values["lengths"])
+        return FIA_OUT, (), kwargs
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if group:  # everything lands before layer 0 (three copies, padding rows included)
+        if group:  # everything lands before layer 0 (a few copies, padding rows included)
             return []
-        return [(buffers[k], plan.inputs[k]) for k in ("ints", "floats", "sampling", "block_table")]
+        inputs = plan.inputs
+        return [(buffers[k], inputs[k]) for k in _HOST_INPUTS if k in inputs]
 
     def output_views(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
@@ -1099,6 +1184,10 @@ class ModelProgram(GraphProgram):
     def run_state(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:
         if plan.values["op"] != "prefill":
             return self.kv.run_state(backend, plan)
+        added = plan.values.get("added")
+        if added is not None:  # an add: its row in the persistent batch, written first
+            self._batch.bind(backend)
+            self._batch.join(added)
         return self._prefill(backend, plan)
 
     def _prefill(self, backend: DeviceBackend, plan: StepPlan) -> dict[str, torch.Tensor]:

@@ -1,0 +1,162 @@
+"""The persistent batch of a model program's sequences: what the worker keeps of each
+decoding sequence on the device, and how a decode is fed from it.
+
+Each added sequence holds a row of two device tensors, kept for its whole life: its
+block-table row (``tables`` int32 [rows, max_blocks_per_seq], the scratch block past
+its blocks) and its last sampled token (``last`` int64 [rows]). Row 0 is the padding
+rows' (every entry the scratch block, token 0). As vLLM v1's worker keeps its block
+tables and last sampled ids on the GPU and gathers a step's rows by an index, a decode:
+
+- writes only what changed in its rows since the device last saw them: a sequence's
+  new blocks (its whole row once, when it joins or takes a row another left);
+- copies one small index (its rows, in the decode's order, padded with row 0) and
+  gathers the block-table rows and tokens by it into the instance's static buffers
+  (device-to-device, :class:`~.base.DeviceFeed`);
+- after its replay, scatters its sampled tokens into ``last`` by the same index.
+
+Every one of these runs on the capture stream, in issue order, so each reads what the
+steps issued before it wrote; rows are taken and released at accept time and written at
+issue time, so a row freed by one sequence and taken by the next is rewritten after the
+last step that read it for the first. What a row holds is tracked as issued, on its
+:class:`Sequence`: a step that was planned and never issued leaves nothing stale behind
+(the next one writes the blocks still missing), and a token that its sequence did not
+sample in its last step planned is refused, never fed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphlane.protocol.errors import NoPreviousToken
+from graphlane.workers.backends.base import DeviceBackend
+
+PADDING = 0  # the row padding rows gather: the scratch block, token 0
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A sequence a client added: the worker's host record of it (as planned: accept
+    order is issue order), its row in the persistent batch, and what that row holds as
+    issued."""
+
+    blocks: list[int]  # only ever appended to (append_blocks, a decode's new_blocks)
+    length: int  # tokens in the cache once the last step planned for it has run
+    sampling: tuple[float, int, float, int]  # temperature, top_k, top_p, seed
+    draw: str | None  # the draw its sampling needs (sampling.needs), None: greedy
+    row: int
+    written: int = 0  # its blocks written to its row (by its add, then by decodes)
+    fed: int | None = None  # the length its last issued step fed (None: not issued)
+
+
+class PersistentBatch:
+    """The rows of every added sequence on one device (see the module doc)."""
+
+    def __init__(self, width: int, scratch_block: int, index_rows: int) -> None:
+        self.width = width  # max_blocks_per_seq
+        self.scratch = scratch_block
+        self.index_rows = index_rows  # the largest bucket: a decode's index is padded to it
+        self._free: list[int] = []
+        self._next = PADDING + 1
+        self._backend: DeviceBackend | None = None
+        self.tables: torch.Tensor | None = None
+        self.last: torch.Tensor | None = None
+        self.index: torch.Tensor | None = None  # the current decode's rows, on the device
+
+    # ------------------------------------------------------------ rows (accept time)
+    def take_row(self) -> int:
+        """A row for a sequence being added (its device entries are written when its add
+        is issued)."""
+        if self._free:
+            return self._free.pop()
+        self._next += 1
+        return self._next - 1
+
+    def release_row(self, row: int) -> None:
+        self._free.append(row)
+
+    # ------------------------------------------------------------ device (issue time, on S)
+    def bind(self, backend: DeviceBackend) -> None:
+        """The device tensors, made on first use: ``backend``'s current stream must be the
+        one every later call issues on."""
+        if self._backend is not None:
+            return
+        self._backend = backend
+        self.index = backend.empty((self.index_rows,), torch.int64)
+        self.index.zero_()
+        self._grow(max(2 * self.index_rows, 16))
+
+    def _grow(self, rows: int) -> None:
+        b = self._backend
+        assert b is not None
+        tables = b.empty((rows, self.width), torch.int32)
+        tables.fill_(self.scratch)
+        last = b.empty((rows,), torch.int64)
+        last.zero_()
+        if self.tables is not None and self.last is not None:
+            tables[: self.tables.shape[0]].copy_(self.tables)
+            last[: self.last.shape[0]].copy_(self.last)
+        self.tables, self.last = tables, last
+
+    def join(self, seq: Sequence) -> None:
+        """Write an added sequence's whole row: its blocks, the scratch block past them."""
+        b, row = self._backend, seq.row
+        assert b is not None and self.tables is not None
+        while row >= self.tables.shape[0]:
+            self._grow(2 * self.tables.shape[0])
+        blocks = seq.blocks
+        pad = [self.scratch] * (self.width - len(blocks))
+        b.copy_in(self.tables[row], torch.tensor(blocks + pad, dtype=torch.int32))
+        seq.written = len(blocks)
+
+    def prepare(self, seqs: Any, lengths: Any) -> None:
+        """Before a decode of ``seqs`` (lengths[i] the length row i feeds): refuse it
+        (NoPreviousToken, nothing written) unless each row holds the token its sequence
+        sampled at length ``lengths[i] - 1``; then write each row's new blocks alone."""
+        for i, seq in enumerate(seqs):
+            if seq.fed is None or seq.fed + 1 != lengths[i]:
+                raise NoPreviousToken(
+                    f"sequences[{i}]: its add was not run on this worker (refused, failed "
+                    "or lost): no token to feed; add it again"
+                    if seq.fed is None
+                    else f"sequences[{i}]: its last step run fed length {seq.fed}, not "
+                    f"{lengths[i] - 1} (a decode planned before this one was not run): "
+                    "free it and add it again"
+                )
+        for seq in seqs:
+            if seq.written < len(seq.blocks):
+                b, tables = self._backend, self.tables
+                assert b is not None and tables is not None
+                new = seq.blocks[seq.written :]
+                b.copy_in(tables[seq.row, seq.written : len(seq.blocks)],
+                          torch.tensor(new, dtype=torch.int32))  # fmt: skip
+                seq.written = len(seq.blocks)
+
+    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the host index ``rows`` [bucket] to the device; the block-table rows and
+        last tokens it names ([bucket, width], [bucket]), gathered there."""
+        b = self._backend
+        assert b is not None and self.index is not None
+        assert self.tables is not None and self.last is not None
+        index = self.index[: rows.shape[0]]
+        b.copy_in(index, rows)
+        return self.tables.index_select(0, index), self.last.index_select(0, index)
+
+    def commit(self, seqs: Any, lengths: Any, tokens: torch.Tensor) -> None:
+        """After a decode's replay: its rows' sampled ``tokens`` [batch] become their last
+        tokens (scattered by the index its :meth:`gather` copied)."""
+        assert self.index is not None and self.last is not None
+        self.last.index_put_((self.index[: tokens.shape[0]],), tokens)
+        for seq, n in zip(seqs, lengths, strict=False):
+            seq.fed = n
+
+    def set_token(self, seq: Sequence, token: torch.Tensor, length: int) -> None:
+        """After an add's prefill: its sampled ``token`` [1] is the row's last token."""
+        assert self.last is not None
+        self.last[seq.row : seq.row + 1].copy_(token)
+        seq.fed = length
+
+
+__all__ = ["PADDING", "PersistentBatch", "Sequence"]
