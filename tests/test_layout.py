@@ -13,8 +13,8 @@ inside functions, under TYPE_CHECKING), read from what each one is:
   (its version) and of graphlane.workers only its torch-free spec and entry point
   (graphlane.workers.spec, .entry, .process_group's GroupSpec) and the two helpers it
   shares (affinity, memory), never the client, the sim, the tools, or a program: the
-  daemon imports no torch (a worker builds its programs; test_the_daemon_imports_no_torch runs it); workers never import
-  it back;
+  daemon imports no torch (a worker builds its programs; test_the_daemon_imports_no_torch
+  runs it); workers never import it back;
 - graphlane.loadtest (a client of the daemon) imports nothing of graphlane.workers;
 - graphlane.bench and benchmarks/ use npusim's public API only: what npusim's
   ``__init__`` exports (and its torch_npu namespace), never its modules' insides nor its
