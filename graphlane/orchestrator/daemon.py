@@ -76,7 +76,7 @@ class Daemon:
         self._replies: list[tuple[Any, list[Any]]] = []
         self._freed = FreedMemory()
         self.responder = Responder(
-            wire.Codec(admission.CONTROL_LIMITS),
+            wire.Codec(admission.CONTROL_LIMITS, tensors=False),  # (no torch here)
             self,
             lambda ident, frames, bundled: self._replies.append((ident, frames)),
             log,

@@ -46,6 +46,8 @@ DType = Literal[
 ]
 WIRE_DTYPE_NAMES: tuple[str, ...] = get_args(DType)
 """The dtypes a tensor may have on the wire, by their wire name (torch's names)."""
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
+             "int16": 2, "int32": 4, "int64": 8, "bool": 1}  # fmt: skip
 
 
 @functools.cache
@@ -86,7 +88,7 @@ class TensorRef(Struct, forbid_unknown_fields=True, dict=True):
         if frames is None:  # made by a sender (tensor_ref), not read from a message
             return
         try:
-            self.tensor = frames.tensor(self.spec)
+            self.tensor = frames.tensor(self.spec)  # (None: checked, not made)
         except ValueError as exc:  # msgspec names the field the reference is in
             raise ValueError(f".{TENSOR_KEY}: {exc}") from None
 
@@ -132,28 +134,31 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 
 
 class Frames:
-    """The data frames of one received message; hands each out once, as a tensor."""
+    """The data frames of one received message; hands each out once, as a tensor
+    (``make``: False checks each reference against its frame and makes none, for a
+    process without torch: the daemon, which refuses tensors)."""
 
-    __slots__ = ("_frames", "_used", "limits")
+    __slots__ = ("_frames", "_used", "limits", "make")
 
-    def __init__(self, frames: Sequence[memoryview], limits: Limits) -> None:
+    def __init__(self, frames: Sequence[memoryview], limits: Limits, make: bool = True) -> None:
         self._frames = frames
         self._used = 0
         self.limits = limits
+        self.make = make
 
-    def tensor(self, spec: TensorSpec) -> torch.Tensor:
+    def tensor(self, spec: TensorSpec) -> torch.Tensor | None:
         """The tensor ``spec`` describes, over its frame (each frame is handed out
         once) or its inline bytes; ValueError if it does not fit them or the limits."""
         shape = spec.shape
         if len(shape) > self.limits.max_tensor_dims:
             raise ValueError(f"{len(shape)} dimensions, at most {self.limits.max_tensor_dims}")
-        dtype = _dtypes()[0][spec.dtype]
+        itemsize = _ITEMSIZE[spec.dtype]
         count = math.prod(shape)
-        nbytes = count * dtype.itemsize
+        nbytes = count * itemsize
         # Zero-sized dimensions count as one: an empty tensor whose other dimensions
         # are huge would overflow torch's stride computation.
         limit = self.limits.max_tensor_bytes
-        if (count or math.prod(d or 1 for d in shape)) * dtype.itemsize > limit:
+        if (count or math.prod(d or 1 for d in shape)) * itemsize > limit:
             raise ValueError(f"shape {shape} of {spec.dtype} is over {limit} bytes")
         if (spec.frame is None) == (spec.data is None):
             raise ValueError("exactly one of $tensor.frame and $tensor.data")
@@ -171,7 +176,9 @@ class Frames:
             buf = self._frames[index - 1]
         if len(buf) != nbytes:
             raise ValueError(f"{len(buf)} bytes for shape {shape} of {spec.dtype}")
-        return _tensor_of(buf, dtype, shape, inline=spec.data is not None)
+        if not self.make:
+            return None
+        return _tensor_of(buf, _dtypes()[0][spec.dtype], shape, inline=spec.data is not None)
 
     @property
     def count(self) -> int:
@@ -251,8 +258,10 @@ def take_tensor(body: Struct, name: str) -> None:
         msgspec.structs.force_setattr(body, name, _tensor_or_fail(value))
 
 
-def _tensor_or_fail(ref: TensorRef) -> torch.Tensor:
-    tensor = ref.__dict__.get("tensor")
-    if tensor is None:  # a reference made outside a codec's read: it names no frames
+def _tensor_or_fail(ref: TensorRef) -> Any:
+    if "tensor" not in ref.__dict__:  # made outside a codec's read: it names no frames
         raise ValueError("a tensor reference outside a message being decoded")
+    tensor = ref.__dict__["tensor"]
+    if tensor is None:  # read by a codec that makes no tensors: the checked reference
+        return ref
     return tensor

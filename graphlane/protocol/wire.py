@@ -215,10 +215,13 @@ class Codec:
     """Messages to frames and back (see the module docstring); ``limits``: what its
     decoders take."""
 
-    __slots__ = ("limits",)
+    __slots__ = ("limits", "tensors")
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, tensors: bool = True) -> None:
         self.limits = limits
+        #: False: a request's tensors are checked against their frames, never made (the
+        #: daemon, which imports no torch, refuses the ops that carry them)
+        self.tensors = tensors
 
     # -------------------------------------------------------------- encoding
     def encode_request(self, request_id: int, op: str, body: Any) -> list[Frame]:
@@ -257,7 +260,7 @@ class Codec:
             raise admission.unreadable(frames, exc) from None
 
     def _request(self, raw: Any, data: Sequence[memoryview]) -> Request | DecodeError:
-        frames = Frames(data, self.limits)
+        frames = Frames(data, self.limits, self.tensors)
         start_reading(frames)
         try:
             env = _request.decode(raw)
@@ -275,7 +278,7 @@ class Codec:
         case); else each envelope on its own, each refusal in its place."""
         limits = self.limits
         admission.bundle_size(head, limits)  # too many: refused before anything is decoded
-        start_reading(Frames((), limits))  # a bundle carries no frames: inline tensors only
+        start_reading(Frames((), limits, self.tensors))  # a bundle's tensors: inline only
         try:
             envs = _request_bundle.decode(head)
         except _DECODE_ERRORS:
@@ -318,7 +321,7 @@ class Codec:
         if decoder is None:
             return DecodeError(f"unknown op {env.op!r} (known: {sorted(OPS)})", request_id=env.id)
         try:
-            _decode_body(decoder, env.body, Frames(data, self.limits), env.id)
+            _decode_body(decoder, env.body, Frames(data, self.limits, self.tensors), env.id)
         except DecodeError as body_exc:
             body_exc.op = env.op
             return body_exc

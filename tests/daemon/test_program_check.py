@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from daemons import write_config
+from daemons import finish, launch, write_config
 
 from graphlane.cli import main
 
@@ -49,3 +49,31 @@ def test_a_serving_daemon_has_no_torch_loaded(shared_daemon: Any) -> None:
     assert "libtorch" not in maps
     worker = d.worker(0)["pid"]
     assert "libtorch" in Path(f"/proc/{worker}/maps").read_text()
+
+
+def test_a_step_sent_to_the_daemon_itself_loads_no_torch_there(tmp_path: Path) -> None:
+    """A careless client sends a device op with tensors (one inline, one in a frame) to the
+    daemon's own socket: refused as an op of the workers' endpoints, its tensors checked
+    against their frames but never made, so the daemon still maps no torch."""
+    import torch
+    import zmq
+
+    from graphlane.protocol import ops, wire
+
+    d = launch(tmp_path, "careless", devices=1)
+    try:
+        codec = wire.Codec()
+        body = ops.Step("attention", 0, inputs={"small": torch.ones(4),
+                                                "large": torch.ones(4096)})  # fmt: skip
+        ctx = zmq.Context.instance()
+        with ctx.socket(zmq.DEALER) as sock:
+            sock.connect(d.endpoint)
+            sock.send_multipart(codec.encode_request(7, "step", body))
+            assert sock.poll(30_000), "no reply within 30 s"
+            (reply,) = codec.decode_replies(sock.recv_multipart(copy=False))
+        assert isinstance(reply, wire.Reply) and reply.error is not None
+        maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
+        assert "libtorch" not in maps
+        assert d.status()["workers"][0]["state"] == "ready"
+    finally:
+        finish(d)
