@@ -7,6 +7,10 @@ import zmq
 from graphlane.protocol import ops, wire
 
 SLOW_PATCH_US = 300_000.0  # each step's issue costs 300 ms of modelled host time
+#: each replayed task 20 ms: a step still runs for tens of ms after its issue ends, so the
+#: reply sent then cannot hold it on a busy host (with 0.1 ms, a loaded suite run saw step
+#: 1's replay end before the loop's look and its reply go with step 0's, rightly)
+TASK_US = 20_000.0
 PROGRAM = {"name": "attention", "layers": 1, "num_heads": 2, "num_kv_heads": 1,
            "head_dim": 8, "max_kv_len": 8, "buckets": [1]}  # fmt: skip
 
@@ -14,10 +18,10 @@ PROGRAM = {"name": "attention", "layers": 1, "num_heads": 2, "num_kv_heads": 1,
 def test_a_finished_steps_reply_does_not_wait_for_the_rest_of_its_bundle(start_daemon) -> None:
     """Three steps in one bundle, each taking 300 ms to issue (one patched layer): the
     first step's replay is done long before the second's issue ends, and its reply
-    goes out then, not with the second's or with the whole bundle's."""
+    goes out then, not with the second's (still replaying) or with the whole bundle's."""
     d = start_daemon(
         devices=1,
-        sim={"mode": "timed", "patch_us": SLOW_PATCH_US, "task_us": 100.0},
+        sim={"mode": "timed", "patch_us": SLOW_PATCH_US, "task_us": TASK_US},
         programs=[PROGRAM],
     )
     ctx = zmq.Context()
