@@ -113,7 +113,7 @@ class WorkerLoop:
         if connections is not None:  # its monitor: connections accepted and gone
             monitor = connections.monitor.FD  # read to its end each time (take_events)
             fds.append((monitor, wire.POLLIN))
-        events: Callable[[int], Any] = sock.get  # compiled getsockopt: no enum, no wrapper
+        events: Callable[[int], Any] = sock.get  # the compiled getsockopt (no Python wrapper)
         while not self.stopping:
             if self._woken:
                 self._take_wakeups()
