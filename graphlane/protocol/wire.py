@@ -501,18 +501,28 @@ _RCVMORE = int(zmq.RCVMORE)
 NOBLOCK = int(zmq.NOBLOCK)
 # A plain int: zmq's flags are enums, and an enum costs a call where it is combined.
 POLLIN = int(zmq.POLLIN)
+_send = zmq.backend.Socket.send  # the compiled method sugar's Socket.send ends in
+_COPY_THRESHOLD = zmq.COPY_THRESHOLD  # pyzmq copies a frame under it, whatever copy says
 
 
 def send_message(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
     """``frames`` as one message, as ``send_multipart`` sends them, without its
     per-call Python (flag enums, checks); ``flags`` applies to every part, and once
     the first part is taken the others are too (zmq delivers a message whole)."""
-    last = len(frames) - 1
-    if last:
-        more = flags | _SNDMORE
+    if type(sock) is not zmq.Socket:  # a subclass may send its own way (zmq.asyncio's)
+        last = len(frames) - 1
         for i in range(last):
-            sock.send(frames[i], more, copy=False)
-    sock.send(frames[last], flags, copy=False)
+            sock.send(frames[i], flags | _SNDMORE, copy=False)
+        sock.send(frames[last], flags, copy=False)
+        return
+    # A plain socket: pyzmq's compiled send itself (its Python wrapper only looks for
+    # draft options), copying small bytes at once (pyzmq copies a frame under its
+    # copy_threshold anyway, after making a memoryview of it) and handing larger
+    # frames and tensors' views over without a copy.
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        copy = type(frame) is bytes and len(frame) < _COPY_THRESHOLD
+        _send(sock, frame, flags | _SNDMORE if i < last else flags, copy)
 
 
 def recv_message(

@@ -470,12 +470,15 @@ class StepEngine:
         stream = self.capture_stream if on_s else self.copy_stream
         if not on_s and previous is not None:
             b.wait(stream, previous)
+        buffers = g.buffers
         with b.use_stream(stream):
-            for group in range(program.num_groups if inputs else 0):
-                for dst, src in program.input_writes(g.buffers, plan, group):
-                    b.copy_in(dst, src)
+            if inputs:
+                writes, copy_in = program.input_writes, b.copy_in
+                for group in range(program.num_groups):
+                    for dst, src in writes(buffers, plan, group):
+                        copy_in(dst, src)
             for feed in feeds or ():
-                g.buffers[feed.buffer][feed.index].copy_(feed.source)
+                buffers[feed.buffer][feed.index].copy_(feed.source)
         if on_s:
             return
         copied = b.new_event()
@@ -543,20 +546,23 @@ class StepEngine:
         b = self.backend
         U = self.update_stream
         patched = 0
+        # Run once per group of every step: what the loop reads is looked up once.
+        buffers, signatures, handles, events = g.buffers, g.signatures, g.handles, g.events
+        signature, call, patch = program.group_signature, program.group_call, b.patch
+        writes = program.input_writes if copy and plan.inputs else None
         with b.use_stream(U):
             for group in range(program.num_groups):
-                if copy and plan.inputs:
-                    for dst, src in program.input_writes(g.buffers, plan, group):
+                if writes is not None:
+                    for dst, src in writes(buffers, plan, group):
                         b.copy_in(dst, src)
-                sig = program.group_signature(plan, group)
-                if sig != g.signatures[group]:
-                    op, args, kwargs = program.group_call(g.buffers, plan, group)
-                    event = g.events[group] if release else None
-                    b.patch(U, g.handles[group], op, args, kwargs, event)
-                    g.signatures[group] = sig
+                sig = signature(plan, group)
+                if sig != signatures[group]:
+                    op, args, kwargs = call(buffers, plan, group)
+                    patch(U, handles[group], op, args, kwargs, events[group] if release else None)
+                    signatures[group] = sig
                     patched += 1
                 elif release:
-                    b.record(g.events[group], U)
+                    b.record(events[group], U)
         return patched
 
     # ------------------------------------------------------------ the engine's threads

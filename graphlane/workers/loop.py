@@ -97,36 +97,47 @@ class WorkerLoop:
 
     # ------------------------------------------------------------ the main thread
     def serve(self) -> None:
-        """Until ``stopping``: poll, answer, run what was posted, pump."""
+        """Until ``stopping``: receive, answer, run what was posted, pump; sleep in a poll
+        when nothing waits."""
         sock = self.sock
         wake = self._wake_r
-        # zmq_poll itself, not zmq.Poller (its Python), nor getsockopt(EVENTS) (an enum
-        # call per test): the socket's readiness is one C call either way.
-        both: list[Any] = [(sock, wire.POLLIN), (wake, wire.POLLIN)]
+        # The sleep is a poll(2) of raw descriptors (one system call; zmq_poll of the
+        # sockets themselves costs two more per socket and pass, each asking libzmq
+        # for ZMQ_EVENTS). A socket's ZMQ_FD is an edge: readable when libzmq has news
+        # for it, not while a message waits, and a send may take that news too. So the
+        # loop sleeps on it only right after the socket said that no message waits
+        # (ZMQ_EVENTS, which takes the news so far), with no send in between.
+        fds: list[Any] = [(sock.FD, wire.POLLIN), (wake, wire.POLLIN)]
         connections = self.connections
+        monitor = None
         if connections is not None:  # its monitor: connections accepted and gone
-            both.append((connections.monitor, wire.POLLIN))
+            monitor = connections.monitor.FD  # read to its end each time (take_events)
+            fds.append((monitor, wire.POLLIN))
+        events: Callable[[int], Any] = sock.get  # the compiled getsockopt (no Python wrapper)
         while not self.stopping:
-            readable = woken = False
-            for which, _ in zmq_poll(both, 1000):  # at once when anything waits
-                if which is sock:
-                    readable = True
-                elif which is wake:
-                    woken = True
-                else:
-                    connections.take_events()  # type: ignore[union-attr]
-            if woken or self._woken:
+            if self._woken:
                 self._take_wakeups()
-            if readable:
-                # One message per turn: the next turn's poll asks the socket and the
-                # wake-up pipe together (a readiness check costs libzmq a poll(2)
-                # whichever way it is asked, so a second one just for the socket
-                # would cost a lone request one more).
+            # One message per turn: posted commands and the pump run between messages.
+            if events(_EVENTS) & _POLLIN:
                 self._receive()
+            else:
+                self._sleep(fds, wake, monitor)
             self.pump()
             if self.unread.peers and self.unread.sweep():
                 self.freed.release()  # a connection's replies went: their memory too
             self.freed.poll()
+
+    def _sleep(self, fds: list[Any], wake: int, monitor: int | None) -> None:
+        """Wait (at most a second) for the socket, the wake-up pipe or the monitor."""
+        ready = zmq_poll(fds, 1000)
+        if not ready and self.connections is not None:
+            self.connections.take_events()  # a second of quiet: look anyway
+        for fd, _ in ready:
+            if fd == wake:
+                self._take_wakeups()
+            elif fd == monitor:
+                self.connections.take_events()  # type: ignore[union-attr]
+        # The socket's own descriptor: the next turn asks it what came.
 
     def _receive(self) -> None:
         sender = source = None
@@ -267,6 +278,8 @@ class WorkerLoop:
         os.close(self._wake_w)
 
 
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 _HOLD_S = 0.0005  # the longest a reply waits in the outbox for the others of its bundle
 _SNDMORE = int(zmq.SNDMORE)
 _TRACKED = 65536  # frames of at least this many bytes are tracked (pyzmq copies smaller ones)
