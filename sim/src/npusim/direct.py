@@ -155,8 +155,16 @@ class _Binding:
             f"{self.name}(): argument {name!r} must be {wants}, not {type(v).__name__}"
         )
 
-    def issue(self, func: Any, kwargs: dict[str, Any], started: float) -> None:
-        """Issue ``func(**kwargs)``, or refuse what does not bind."""
+    def issue(
+        self,
+        func: Any,
+        kwargs: dict[str, Any],
+        started: float,
+        stream: Any = None,
+        release: Any = None,
+    ) -> bool:
+        """Issue ``func(**kwargs)``, or refuse what does not bind; ``stream``, ``release``
+        and the result as :func:`call`'s."""
         layout = self._layout(tuple(kwargs))
         n_pos = len(self.defaults)
         cpu_pos = list(self.defaults)
@@ -206,13 +214,17 @@ class _Binding:
         # Keyword-only arguments in schema order, as the dispatcher passes them.
         cpu_kw = {name: checked[name] for name in layout.keyword}
         tensors.sort(key=_SCHEMA_ORDER)  # as the call flattens them
-        keys = [_tensor_key(t[2]) for t in tensors]
         check = self.check
-        if RUNTIME.config.perf:
-            pass  # performance mode checks nothing of a call that binds (sim/README.md)
+        # Performance mode checks nothing of a call that binds (sim/README.md), and takes
+        # no tensor's key before a patch needs it (:meth:`.OpCall.same_tensors`).
+        perf = RUNTIME.config.perf
+        keys = None if perf else [_tensor_key(t[2]) for t in tensors]
+        if perf:
+            pass
         elif isinstance(check, RememberedCheck):
             # What the check reads: every tensor's slot and layout (the key also holds
             # its address), every other value but the varying ones.
+            assert keys is not None
             key = ("direct", tuple((t[0], t[1]) for t in tensors), tuple(keys), tuple(values))
             check.check(key, [checked.get(n) for n in check.names], (), checked)
         else:
@@ -220,10 +232,12 @@ class _Binding:
             check(**checked)
         call = OpCall(func, tuple(cpu_pos), cpu_kw)
         call._keys = keys
-        first = tensors[0][3]
-        stream = current_stream(first.device.index or 0)
-        route(stream, call, func, started)
+        call._tensors = [t[2] for t in tensors]
+        if stream is None:
+            stream = current_stream(tensors[0][3].device.index or 0)
+        released = route(stream, call, func, started, release=release)
         note_uses(stream, (), kwargs)  # memory used on another stream than its own
+        return released
 
 
 def _not_npu(name: str, v: Any) -> Exception:
@@ -237,11 +251,20 @@ def _not_npu(name: str, v: Any) -> Exception:
 _BINDINGS: dict[Any, _Binding] = {}
 
 
-def call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float) -> None:
+def call(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    started: float,
+    stream: Any = None,
+    release: Any = None,
+) -> bool:
     """Issue ``func(*args, **kwargs)``, an op of the sim, bound here, never through the
     dispatcher (see the module docstring). ``started``: when the host began the call
-    (a timed patch is charged from there)."""
+    (a timed patch is charged from there); ``stream``: where (default: the current
+    stream of its first tensor's device); ``release``: an ExternalEvent that the patch
+    ending an update records (:func:`.routing.route`), True when it did."""
     binding = _BINDINGS.get(func)
     if binding is None:
         binding = _BINDINGS[func] = _Binding(func)
-    binding.issue(func, binding.by_name(args, kwargs), started)
+    return binding.issue(func, binding.by_name(args, kwargs), started, stream, release)

@@ -15,9 +15,9 @@ from typing import Any
 
 from . import direct
 from .errors import SimUsageError
+from .events import ExternalEvent
 from .ops import fused_infer_attention_score
 from .streams import Stream
-from .streams import stream as stream_ctx
 from .task_groups import (
     TaskGroupHandle,
     abandon_update,
@@ -37,14 +37,18 @@ def fused_update_out_graph(
             f"torch_npu._C._NPUTaskGroupHandle, got {type(handle).__name__}"
         )
     started = time.perf_counter()  # a timed patch's host cost runs from here
-    with stream_ctx(update_stream):
-        graph_task_update_begin(update_stream, handle)
-        try:
-            direct.call(_OUT, args, kwargs, started)
-        except BaseException:
-            abandon_update(update_stream)  # the op's error, not "ended after 0 tasks"
-            raise
-        graph_task_update_end(update_stream)
+    graph_task_update_begin(update_stream, handle)
+    try:
+        # On the update stream, as the binding's C++ issues it (not the current stream).
+        # The release goes with the patch, in its stream entry, when the event is the
+        # sim's ExternalEvent (the update's last patch records it).
+        ext = event if type(event) is ExternalEvent else None
+        released = direct.call(_OUT, args, kwargs, started, update_stream, ext)
+    except BaseException:
+        abandon_update(update_stream)  # the op's error, not "ended after 0 tasks"
+        raise
+    graph_task_update_end(update_stream)
+    if not released:
         event.record(update_stream)
     out = kwargs["out"]  # (keyword-only in the schema: the binding refused a call without)
     return out[0], out[1]

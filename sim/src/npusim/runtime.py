@@ -230,6 +230,20 @@ class Runtime:
             setattr(t, _CLOCK_ATTR, clock)  # what a join of this thread takes
         return h.actor, h.clock
 
+    def host_issue_join_locked(self, into: Clock) -> None:
+        """Join into ``into`` what :meth:`host_issue_clock` would return, without the
+        copy (work run at its issue: ``Stream.issue_locked``); ticks the host."""
+        h = self._host
+        try:
+            actor, clock = h.actor, h.clock
+        except AttributeError:
+            actor, clock = self.host_actor()
+        if h.seen != self.observed_version:
+            clock_join(clock, self.observed)
+            h.seen = self.observed_version
+        clock_join(into, clock)
+        clock[actor] += 1
+
     def host_issue_clock(self) -> Clock:
         """Clock carried by work the calling host thread issues now; ticks the host.
 
