@@ -165,7 +165,10 @@ class ExternalEvent:
 class ExtRecordWork:
     def __init__(self, event: ExternalEvent) -> None:
         self.event = event
-        self.label = f"record {event.name}"
+
+    @property
+    def label(self) -> str:
+        return f"record {self.event.name}"
 
     def launch_locked(self, launch: Launch, stream: Stream) -> None:
         self.event.add_pending_locked(stream)

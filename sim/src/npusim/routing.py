@@ -54,20 +54,33 @@ def route(
             else:
                 stream.issue_locked(access.AccessWork(call.label, call.execute, footprint))
             return False
-    # The host-side dispatch of an update (tiling on the real NPU) costs host time,
-    # from the start of its dispatch: the sim's own Python is inside it.
-    t0 = time.perf_counter() if started is None else started
-    if config.perf:
-        charge_split(host_clock(t0), config.patch_us, config.patch_gil_us, t0)
-    else:
-        host_clock(t0).charge(config.patch_us, t0)
-    with RUNTIME.cond:
-        _issue_patch_locked(stream, patch)
+    charge_and_issue(stream, patch, started)
     return patch.release is not None
 
 
-def _issue_patch_locked(stream: Stream, patch: PatchWork) -> None:
-    stream.issue_locked(patch)
+def charge_and_issue(stream: Stream, patch: PatchWork, started: float | None) -> None:
+    """Charge the host cost of a timed patch whose dispatch began at ``started``, then
+    issue it. The host-side dispatch of an update (tiling on the real NPU) costs host
+    time from the start of its dispatch: the sim's own Python is inside it."""
+    config = RUNTIME.config
+    if not config.timed or config.patch_us <= 0:
+        with RUNTIME.cond:
+            _issue_patch_locked(stream, patch)  # nothing to charge: issue it right away
+        return
+    t0 = time.perf_counter() if started is None else started
+    clock = host_clock(t0)
+    if config.perf:
+        charge_split(clock, config.patch_us, config.patch_gil_us, t0)
+    else:
+        clock.charge(config.patch_us, t0)
+    with RUNTIME.cond:
+        # Issued at the charge's end, in the model as in wall time (what model_now()
+        # would say here, without asking the clocks again).
+        _issue_patch_locked(stream, patch, clock.end)
+
+
+def _issue_patch_locked(stream: Stream, patch: PatchWork, model: float | None = None) -> None:
+    stream.issue_locked(patch, model)
     if patch.release is not None:
         RUNTIME.provider_added_locked(stream)
 

@@ -51,7 +51,8 @@ from .runtime import (
 class Work(Protocol):
     """Something a stream executes, eagerly or as a node of a replayed graph."""
 
-    label: str
+    @property
+    def label(self) -> str: ...
 
     def run(self, ex: Stream) -> None: ...
 
@@ -219,9 +220,12 @@ class Stream(torch.Stream):
         with RUNTIME.cond:
             self.issue_locked(work)
 
-    def issue_locked(self, work: Work) -> None:
+    def issue_locked(self, work: Work, model: float | None = None) -> None:
+        """Queue ``work`` (host side; caller holds ``cond``). ``model``: the issuing
+        host's time in the timed model when the caller knows it (default: ``model_now()``)."""
         config = RUNTIME.config
-        model = model_now() if config.timed else 0.0
+        if model is None:
+            model = model_now() if config.timed else 0.0
         if config.perf and not self._queue and RUNTIME.fault is None:
             run_now = getattr(work, "run_now_locked", None)
             if run_now is not None and self._ran_now_locked(work, run_now, model):

@@ -149,10 +149,13 @@ class PatchWork:
         self.task = task
         self.call = call
         self.footprint = footprint
-        self.label = f"patch of {call.label}"
         # The record of an ExternalEvent issued with the patch, run right after it in the
         # same entry (the fused update binding's release: :mod:`.fused`).
         self.release: Any = None
+
+    @property
+    def label(self) -> str:
+        return f"patch of {self.call.label}"
 
     def run(self, ex: Stream) -> None:
         ex.tick()
