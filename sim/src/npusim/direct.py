@@ -401,14 +401,18 @@ def _not_npu(name: str, v: Any) -> Exception:
 _BINDINGS: dict[Any, _Binding] = {}
 
 
-def bind_as_before(func: Any, kwargs: dict[str, Any]) -> OpCall | None:
-    """Performance mode: ``func(**kwargs)`` bound, when a call made as it (the same
-    names in the same order, of the same types) bound before; None otherwise (then
+def bind_as_before(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall | None:
+    """Performance mode: ``func(*args, **kwargs)`` bound, when a call made as it (the
+    same names in the same order, of the same types) bound before; None otherwise (then
     :func:`call` binds it, or refuses it)."""
     binding = _BINDINGS.get(func)
     if binding is None:
         return None
-    bound = binding._bind_as_before(func, tuple(kwargs), kwargs)
+    try:
+        named = binding.by_name(args, kwargs)
+    except TypeError:
+        return None  # :func:`call` refuses it, after what it checks first
+    bound = binding._bind_as_before(func, tuple(named), named)
     return None if bound is None else bound[0]
 
 

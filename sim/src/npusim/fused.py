@@ -65,16 +65,16 @@ def _updated_at_once(
     stream: Stream, handle: TaskGroupHandle, event: Any, args: tuple[Any, ...],
     kwargs: dict[str, Any], started: float,
 ) -> bool:  # fmt: skip
-    """Performance mode's fused update in the common case, in one step: a keyword call
-    made as one that bound before, over the tensors of the group's one task (the group
+    """Performance mode's fused update in the common case, in one step: a call made as
+    one that bound before, over the tensors of the group's one task (the group
     of one attention op), on a stream that is neither capturing nor updating, with a
     handle that is not stale and the sim's ExternalEvent. The patch and the release
     are one stream entry, as :func:`fused_update_out_graph`'s general path makes them;
     what is saved is the begin/end bookkeeping and its locks. False when it is not that
     case, having done nothing: the general path then does it (or refuses it)."""
-    if args or type(event) is not ExternalEvent:
+    if type(event) is not ExternalEvent:
         return False
-    call = direct.bind_as_before(_OUT, kwargs)
+    call = direct.bind_as_before(_OUT, args, kwargs)
     if call is None:
         return False
     group = handle.group
