@@ -162,6 +162,7 @@ class Stream(torch.Stream):
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
         self.resume_at: float | None = None  # when the last device wait was satisfied
+        self._host_joined: tuple[int, int] | None = None  # see Runtime.host_issue_join_locked
         # Timed mode: where this stream is in modelled time (see ``timed_now``).
         self.model_time = 0.0
         self._queue: deque[_Entry] = deque()
@@ -250,14 +251,18 @@ class Stream(torch.Stream):
         critical section and its share of the interpreter lock: device work that costs
         the host nothing, as on an NPU, where such an entry costs no host thread at all.
         Caller holds ``cond``."""
-        RUNTIME.host_issue_join_locked(self.clock)
+        RUNTIME.host_issue_join_locked(self.clock, self)
         if model > self.model_time:  # it could not start before its issue
             self.model_time = model
         self.resume_at = None
         if not run_now(self):
             return False
         entry = _Entry(work, {}, RUNTIME.epoch, model)
-        entry.done, entry.done_clock, entry.done_at = True, dict(self.clock), self.model_time
+        # The stream's clock itself, not a copy (a copy costs an entry per actor the
+        # process has seen): a host that synchronizes may take later ticks of this
+        # stream with it, which orders more, never less; performance mode checks no
+        # ordering.
+        entry.done, entry.done_clock, entry.done_at = True, self.clock, self.model_time
         self._last = entry
         return True
 
