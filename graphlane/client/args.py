@@ -163,6 +163,8 @@ def call_timeout(default: float, timeout: float | None) -> float:
 def deadline_ms(default: float, timeout: float | None) -> int:
     """The call's deadline for the worker: a step not yet issued by then is answered
     TIMEOUT without running (its caller has given up on it)."""
+    if timeout is None:  # the common case: the client's default, checked when it was set
+        return max(1, int(default * 1000))
     return max(1, int(call_timeout(default, timeout) * 1000))
 
 
@@ -189,6 +191,12 @@ def as_tensors(inputs: Mapping[str, Any] | None, what: str = "inputs") -> dict[s
     is an InvalidArgument naming ``what.NAME``."""
     if not inputs:
         return {}
+    if type(inputs) is dict:  # the common case: a dict of torch tensors, as they are
+        for v in inputs.values():
+            if type(v) is not torch.Tensor:
+                break
+        else:
+            return dict(inputs)
     if not isinstance(inputs, Mapping):
         raise InvalidArgument(
             f"{what} must be a mapping of input names to tensors, not {type(inputs).__name__}"
@@ -237,6 +245,8 @@ def _is_int(x: object) -> bool:
 
 def output_names(outputs: str | Sequence[str]) -> list[str]:
     """The outputs a step or replay names: a list of names, or one name as a string."""
+    if type(outputs) is list:  # the common case, before the abstract Sequence check
+        return list(outputs)
     if isinstance(outputs, str):
         return [outputs]
     if not isinstance(outputs, Sequence):

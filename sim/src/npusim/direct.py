@@ -113,6 +113,7 @@ class _Binding:
                 self.defaults.append(a.default_value if a.has_default_value() else None)
         # By the names of a call, in its order: what _layout says of them.
         self._layouts: dict[tuple[str, ...], _Layout] = {}
+        self._as_before: dict[tuple[str, ...], _AsBefore] = {}  # performance mode
 
     def by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by name: ``args`` in schema order, then ``kwargs``."""
@@ -155,9 +156,29 @@ class _Binding:
             f"{self.name}(): argument {name!r} must be {wants}, not {type(v).__name__}"
         )
 
-    def issue(self, func: Any, kwargs: dict[str, Any], started: float) -> None:
-        """Issue ``func(**kwargs)``, or refuse what does not bind."""
-        layout = self._layout(tuple(kwargs))
+    def issue(
+        self,
+        func: Any,
+        kwargs: dict[str, Any],
+        started: float,
+        stream: Any = None,
+        release: Any = None,
+    ) -> bool:
+        """Issue ``func(**kwargs)``, or refuse what does not bind; ``stream``, ``release``
+        and the result as :func:`call`'s."""
+        names = tuple(kwargs)
+        layout = self._layout(names)
+        if RUNTIME.config.perf:
+            bound = self._bind_as_before(func, names, kwargs)
+            if bound is None:
+                bound = self._bind_unchecked(func, layout, kwargs)
+                self._learn(names, layout, kwargs)
+            call, first = bound
+            if stream is None:
+                stream = current_stream(first.device.index or 0)
+            released = route(stream, call, func, started, release=release)
+            note_uses(stream, (), kwargs)  # memory used on another stream than its own
+            return released
         n_pos = len(self.defaults)
         cpu_pos = list(self.defaults)
         checked: dict[str, Any] = {}  # the given arguments, unwrapped, for the check
@@ -206,11 +227,9 @@ class _Binding:
         # Keyword-only arguments in schema order, as the dispatcher passes them.
         cpu_kw = {name: checked[name] for name in layout.keyword}
         tensors.sort(key=_SCHEMA_ORDER)  # as the call flattens them
-        keys = [_tensor_key(t[2]) for t in tensors]
         check = self.check
-        if RUNTIME.config.perf:
-            pass  # performance mode checks nothing of a call that binds (sim/README.md)
-        elif isinstance(check, RememberedCheck):
+        keys = [_tensor_key(t[2]) for t in tensors]
+        if isinstance(check, RememberedCheck):
             # What the check reads: every tensor's slot and layout (the key also holds
             # its address), every other value but the varying ones.
             key = ("direct", tuple((t[0], t[1]) for t in tensors), tuple(keys), tuple(values))
@@ -220,10 +239,155 @@ class _Binding:
             check(**checked)
         call = OpCall(func, tuple(cpu_pos), cpu_kw)
         call._keys = keys
-        first = tensors[0][3]
-        stream = current_stream(first.device.index or 0)
-        route(stream, call, func, started)
+        if stream is None:
+            stream = current_stream(tensors[0][3].device.index or 0)
+        released = route(stream, call, func, started, release=release)
         note_uses(stream, (), kwargs)  # memory used on another stream than its own
+        return released
+
+
+    def _learn(self, names: tuple[str, ...], layout: _Layout, kwargs: dict[str, Any]) -> None:
+        """Remember how a call that bound (performance mode) was made: its arguments'
+        types and where each goes, for :meth:`_bind_as_before`."""
+        values = tuple(kwargs.values())
+        tensors, int_lists, tensor_lists, floats, pos, kw = [], [], [], [], [], {}
+        specs = zip(layout.specs, values, strict=True)
+        for i, ((name, slot, kind, _, scalar), v) in enumerate(specs):
+            if v is None:
+                pass
+            elif kind == _TENSOR:
+                tensors.append(i)
+            elif kind == _INT_LIST:
+                int_lists.append(i)
+            elif kind == _TENSOR_LIST:
+                tensor_lists.append(i)
+            elif scalar is float and type(v) is int:
+                floats.append(i)
+            if slot < len(self.defaults):
+                pos.append((i, slot))
+            else:
+                kw[name] = i
+        if len(self._as_before) >= _LAYOUTS_MAX:
+            self._as_before.clear()
+        self._as_before[names] = _AsBefore(
+            tuple(map(type, values)), tuple(tensors), tuple(int_lists), tuple(tensor_lists),
+            tuple(floats), tuple(pos), tuple((n, kw[n]) for n in layout.keyword),
+        )  # fmt: skip
+
+    def _bind_as_before(
+        self, func: Any, names: tuple[str, ...], kwargs: dict[str, Any]
+    ) -> tuple[OpCall, NpuTensor] | None:
+        """Performance mode's binding of a call made as one that bound before (the same
+        names in the same order, each argument of the same type): what
+        :meth:`_bind_unchecked` makes of it, without walking every argument in Python
+        (list elements are still checked). None when it is not so made (or an element
+        is wrong): :meth:`_bind_unchecked` then binds it, or refuses it."""
+        before = self._as_before.get(names)
+        values = tuple(kwargs.values())
+        if before is None or tuple(map(type, values)) != before.types:
+            return None
+        cpu = list(values)
+        tensors = [values[i]._data for i in before.tensors]
+        for i, t in zip(before.tensors, tensors, strict=True):
+            cpu[i] = t
+        for i in before.int_lists:
+            v = values[i]
+            if not _INT.issuperset(map(type, v)):
+                return None
+            cpu[i] = list(v)  # the values of issue time, as the dispatcher's copy
+        for i in before.tensor_lists:
+            v = values[i]
+            if not _NPU.issuperset(map(type, v)):
+                return None
+            cpu[i] = [e._data for e in v]
+            tensors += cpu[i]
+        for i in before.floats:
+            cpu[i] = float(values[i])
+        if not tensors:
+            return None
+        cpu_pos = list(self.defaults)
+        for i, slot in before.pos:
+            cpu_pos[slot] = cpu[i]
+        call = OpCall(func, tuple(cpu_pos), {name: cpu[i] for name, i in before.kw})
+        call._tensors = tensors
+        first = values[before.tensors[0]] if before.tensors else values[before.tensor_lists[0]][0]
+        return call, first
+
+    def _bind_unchecked(
+        self, func: Any, layout: _Layout, kwargs: dict[str, Any]
+    ) -> tuple[OpCall, NpuTensor]:
+        """Performance mode's binding of a call: the same refusals of what does not bind,
+        no issue-time check and none of what it reads (sim/README.md), no tensor's key
+        (a patch matches by its tensor objects: :meth:`.OpCall.same_tensors`). The call
+        and its first npu tensor."""
+        cpu_pos = list(self.defaults)
+        n_pos = len(cpu_pos)
+        by_name: dict[str, Any] = {}
+        tensors: list[torch.Tensor] = []  # CPU views, in the order given
+        first: NpuTensor | None = None
+        for (name, slot, kind, optional, scalar), v in zip(
+            layout.specs, kwargs.values(), strict=True
+        ):
+            if v is None:
+                if not optional:
+                    raise self._mistyped(name, "given", v)
+                cpu: Any = None
+            elif kind == _TENSOR:
+                if type(v) is not NpuTensor:
+                    raise _not_npu(name, v)
+                cpu = v._data
+                tensors.append(cpu)
+                if first is None:
+                    first = v
+            elif kind == _SCALAR:
+                if type(v) is not scalar:
+                    if scalar is not float or type(v) is not int:
+                        raise self._mistyped(name, getattr(scalar, "__name__", "?"), v)
+                    v = float(v)
+                cpu = v
+            elif kind == _INT_LIST:
+                if type(v) not in (list, tuple) or not _INT.issuperset(map(type, v)):
+                    raise self._mistyped(name, "a list of int", v)
+                cpu = list(v)
+            else:  # _TENSOR_LIST
+                if type(v) not in (list, tuple):
+                    raise self._mistyped(name, "a list of tensors", v)
+                cpu = []
+                for e in v:
+                    if type(e) is not NpuTensor:
+                        raise _not_npu(name, e)
+                    cpu.append(e._data)
+                    if first is None:
+                        first = e
+                tensors += cpu
+            if slot < n_pos:
+                cpu_pos[slot] = cpu
+            else:
+                by_name[name] = cpu
+        if first is None:
+            raise SimUsageError(f"{self.name}: a call with no npu tensor has no stream")
+        # Keyword-only arguments in schema order, as the dispatcher passes them.
+        call = OpCall(func, tuple(cpu_pos), {name: by_name[name] for name in layout.keyword})
+        call._tensors = tensors
+        return call, first
+
+
+_INT = frozenset((int,))
+_NPU = frozenset((NpuTensor,))
+
+
+class _AsBefore(NamedTuple):
+    """How a call that bound was made (:meth:`_Binding._learn`): its arguments' types, the
+    positions of its npu tensors, int lists, tensor lists and ints given for floats, and
+    where each argument goes (positional slot, or keyword in schema order)."""
+
+    types: tuple[type, ...]
+    tensors: tuple[int, ...]
+    int_lists: tuple[int, ...]
+    tensor_lists: tuple[int, ...]
+    floats: tuple[int, ...]
+    pos: tuple[tuple[int, int], ...]
+    kw: tuple[tuple[str, int], ...]
 
 
 def _not_npu(name: str, v: Any) -> Exception:
@@ -237,11 +401,35 @@ def _not_npu(name: str, v: Any) -> Exception:
 _BINDINGS: dict[Any, _Binding] = {}
 
 
-def call(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], started: float) -> None:
+def bind_as_before(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> OpCall | None:
+    """Performance mode: ``func(*args, **kwargs)`` bound, when a call made as it (the
+    same names in the same order, of the same types) bound before; None otherwise (then
+    :func:`call` binds it, or refuses it)."""
+    binding = _BINDINGS.get(func)
+    if binding is None:
+        return None
+    try:
+        named = binding.by_name(args, kwargs)
+    except TypeError:
+        return None  # :func:`call` refuses it, after what it checks first
+    bound = binding._bind_as_before(func, tuple(named), named)
+    return None if bound is None else bound[0]
+
+
+def call(
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    started: float,
+    stream: Any = None,
+    release: Any = None,
+) -> bool:
     """Issue ``func(*args, **kwargs)``, an op of the sim, bound here, never through the
     dispatcher (see the module docstring). ``started``: when the host began the call
-    (a timed patch is charged from there)."""
+    (a timed patch is charged from there); ``stream``: where (default: the current
+    stream of its first tensor's device); ``release``: an ExternalEvent that the patch
+    ending an update records (:func:`.routing.route`), True when it did."""
     binding = _BINDINGS.get(func)
     if binding is None:
         binding = _BINDINGS[func] = _Binding(func)
-    binding.issue(func, binding.by_name(args, kwargs), started)
+    return binding.issue(func, binding.by_name(args, kwargs), started, stream, release)

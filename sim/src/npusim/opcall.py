@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -157,7 +158,7 @@ class OpCall:
     tensors handed to the host at issue time receive them.
     """
 
-    __slots__ = ("_keys", "args", "host", "kwargs", "label", "op", "outs")
+    __slots__ = ("_keys", "_tensors", "args", "host", "kwargs", "label", "op", "outs")
 
     def __init__(
         self,
@@ -175,6 +176,9 @@ class OpCall:
         self.host = host or set()
         self.label = str(getattr(op, "__name__", op))
         self._keys: list[tuple[Any, ...]] | None = None
+        # The device tensors' CPU views in the order of their keys, when the binding that
+        # made the call knew them (:mod:`.direct`): see :meth:`same_tensors`.
+        self._tensors: list[torch.Tensor] | None = None
 
     def execute(self) -> Any:
         op = self.op
@@ -216,6 +220,20 @@ class OpCall:
             keys = [_tensor_key(t) for t in (*tensors, *(self.outs or ()))]
             self._keys = keys
         return keys
+
+    def same_tensors(self, other: OpCall) -> bool:
+        """``other`` is this op over the very tensor objects of this call, in the same
+        order (both calls bound by :mod:`.direct`): their keys are equal unless a tensor's
+        metadata was changed in place between the two (``set_``, ``resize_``), which is
+        not checked. Performance mode's match of a patch (its checks are off)."""
+        mine, theirs = self._tensors, other._tensors
+        return (
+            other.op is self.op
+            and mine is not None
+            and theirs is not None
+            and len(mine) == len(theirs)
+            and all(map(operator.is_, mine, theirs))
+        )
 
     def mismatch(self, other: OpCall) -> str:
         """Why ``other`` cannot patch this captured call ('' when it can).

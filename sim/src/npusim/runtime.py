@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .errors import DeadlockError, SimError
 
@@ -227,8 +227,34 @@ class Runtime:
             clock: Clock = dict(getattr(t, _START_ATTR, None) or {})  # the starter's history
             clock[actor] = 1
             h.actor, h.clock, h.seen = actor, clock, -1
+            h.joins = 0  # how often the clock took in other clocks (host_issue_join_locked)
             setattr(t, _CLOCK_ATTR, clock)  # what a join of this thread takes
         return h.actor, h.clock
+
+    def host_issue_join_locked(self, into: Clock, holder: Any) -> None:
+        """Join into ``into`` (the clock of ``holder``, a stream) what
+        :meth:`host_issue_clock` would return, without the copy (work run at its issue:
+        ``Stream.issue_locked``); ticks the host. When the host's clock took no other
+        entries since ``holder`` last joined it, only the host's own entry can have
+        grown: one entry is joined, not every actor the process has seen (a long-lived
+        process has many)."""
+        h = self._host
+        try:
+            actor, clock = h.actor, h.clock
+        except AttributeError:
+            actor, clock = self.host_actor()
+        if h.seen != self.observed_version:
+            clock_join(clock, self.observed)
+            h.seen = self.observed_version
+            h.joins += 1
+        stamp = (actor, h.joins)
+        if holder._host_joined == stamp:
+            if into.get(actor, 0) < clock[actor]:
+                into[actor] = clock[actor]
+        else:
+            clock_join(into, clock)
+            holder._host_joined = stamp
+        clock[actor] += 1
 
     def host_issue_clock(self) -> Clock:
         """Clock carried by work the calling host thread issues now; ticks the host.
@@ -242,6 +268,7 @@ class Runtime:
         if h.seen != self.observed_version:
             clock_join(clock, self.observed)
             h.seen = self.observed_version
+            h.joins += 1
         snap = dict(clock)
         clock[actor] += 1
         return snap
@@ -256,6 +283,7 @@ class Runtime:
             self.observed_at = (at, time.perf_counter(), threading.get_ident(), time.thread_time())
         _, clock = self.host_actor()
         clock_join(clock, other)
+        self._host.joins += 1
         observed = self.observed
         for k, v in other.items():
             if observed.get(k, 0) < v:
@@ -266,6 +294,7 @@ class Runtime:
         """Program order between host threads (a thread join): no device observation."""
         _, clock = self.host_actor()
         clock_join(clock, other)
+        self._host.joins += 1
 
     # ------------------------------------------------------------ faults
     def raise_if_faulted(self) -> None:

@@ -51,7 +51,8 @@ from .runtime import (
 class Work(Protocol):
     """Something a stream executes, eagerly or as a node of a replayed graph."""
 
-    label: str
+    @property
+    def label(self) -> str: ...
 
     def run(self, ex: Stream) -> None: ...
 
@@ -161,6 +162,7 @@ class Stream(torch.Stream):
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
         self.resume_at: float | None = None  # when the last device wait was satisfied
+        self._host_joined: tuple[int, int] | None = None  # see Runtime.host_issue_join_locked
         # Timed mode: where this stream is in modelled time (see ``timed_now``).
         self.model_time = 0.0
         self._queue: deque[_Entry] = deque()
@@ -219,8 +221,16 @@ class Stream(torch.Stream):
         with RUNTIME.cond:
             self.issue_locked(work)
 
-    def issue_locked(self, work: Work) -> None:
-        model = model_now() if RUNTIME.config.timed else 0.0
+    def issue_locked(self, work: Work, model: float | None = None) -> None:
+        """Queue ``work`` (host side; caller holds ``cond``). ``model``: the issuing
+        host's time in the timed model when the caller knows it (default: ``model_now()``)."""
+        config = RUNTIME.config
+        if model is None:
+            model = model_now() if config.timed else 0.0
+        if config.perf and not self._queue and RUNTIME.fault is None:
+            run_now = getattr(work, "run_now_locked", None)
+            if run_now is not None and self._ran_now_locked(work, run_now, model):
+                return
         entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch, model)
         self._queue.append(entry)
         self._last = entry
@@ -231,6 +241,30 @@ class Stream(torch.Stream):
             self._thread.start()
         if self._idle:  # a busy executor takes the entry without being woken
             self._wake.notify()
+
+    def _ran_now_locked(self, work: Work, run_now: Callable[[Stream], bool], model: float) -> bool:
+        """Performance mode: run ``work`` at its issue, on the issuing thread, when this
+        stream has nothing queued or running (its thread is parked) and the work need not
+        wait (a patch, a record, a wait already released: ``run_now(self)``, False when it
+        must wait; it then changed nothing). The stream's state moves as its thread would
+        move it, at the same modelled time; what is saved is the thread's wake-up, its
+        critical section and its share of the interpreter lock: device work that costs
+        the host nothing, as on an NPU, where such an entry costs no host thread at all.
+        Caller holds ``cond``."""
+        RUNTIME.host_issue_join_locked(self.clock, self)
+        if model > self.model_time:  # it could not start before its issue
+            self.model_time = model
+        self.resume_at = None
+        if not run_now(self):
+            return False
+        entry = _Entry(work, {}, RUNTIME.epoch, model)
+        # The stream's clock itself, not a copy (a copy costs an entry per actor the
+        # process has seen): a host that synchronizes may take later ticks of this
+        # stream with it, which orders more, never less; performance mode checks no
+        # ordering.
+        entry.done, entry.done_clock, entry.done_at = True, self.clock, self.model_time
+        self._last = entry
+        return True
 
     # ------------------------------------------------------------ executor thread
     def tick(self) -> None:
@@ -649,6 +683,13 @@ class EventRecordWork:
         with RUNTIME.cond:
             self.event.complete_locked(seq, ex.clock, ex.timed_now())
 
+    def run_now_locked(self, ex: Stream) -> bool:
+        """Performance mode: the record at its issue (``Stream.issue_locked``)."""
+        assert self.seq is not None
+        ex.tick()
+        self.event.complete_locked(self.seq, ex.clock, ex.timed_now())
+        return True
+
 
 class _EventWait:
     def __init__(self, event: Event, seq: int) -> None:
@@ -678,8 +719,20 @@ class EventWaitWork:
         began = ex.timed_now()
         with RUNTIME.cond:
             ex.block_until(lambda: ev._done >= seq, _EventWait(ev, seq), ex.run_epoch)
-            clock = ev._clocks.get(seq)
-            if clock is not None:
-                clock_join(ex.clock, clock)
-            ex.resume(max(began, ev._times.get(seq, began)))
+            self._passed_locked(ex, began)
         ex.tick()
+
+    def _passed_locked(self, ex: Stream, began: float) -> None:
+        ev, seq = self.event, self.seq
+        clock = ev._clocks.get(seq)
+        if clock is not None:
+            clock_join(ex.clock, clock)
+        ex.resume(max(began, ev._times.get(seq, began)))
+
+    def run_now_locked(self, ex: Stream) -> bool:
+        """Performance mode: the wait at its issue when its record ran already."""
+        if self.event._done < self.seq:
+            return False
+        self._passed_locked(ex, ex.timed_now())
+        ex.tick()
+        return True
