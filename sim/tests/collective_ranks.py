@@ -184,7 +184,31 @@ def timed(rank: int, world: int) -> dict[str, Any]:
         npusim.configure(mode=old.mode, collective_us=old.collective_us)
 
 
+def timed_bytes(rank: int, world: int) -> dict[str, Any]:
+    """A replayed all_reduce costs its bytes over ``collective_gb_s`` on top of its latency:
+    1 MB at 0.02 GB/s, 2(N-1)/N of it sent per rank, is 50 ms at two ranks."""
+    old = npusim.configure()
+    npusim.configure(mode="timed", collective_us=0.0, collective_gb_s=0.02)
+    try:
+        x = torch.ones(250_000).npu()  # 1 MB of float32
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s):
+            with torch.npu.graph(g, stream=s):
+                dist.all_reduce(x)
+            begin, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+            begin.record()
+            g.replay()
+            end.record()
+        end.synchronize()
+        return {"elapsed_ms": begin.elapsed_time(end)}
+    finally:
+        npusim.configure(mode=old.mode, collective_us=old.collective_us,
+                         collective_gb_s=old.collective_gb_s)  # fmt: skip
+
+
 SCENARIOS = {
+    "timed_bytes": timed_bytes,
     "eager": eager,
     "pairs": pairs,
     "row_parallel": row_parallel,

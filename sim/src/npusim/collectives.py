@@ -84,6 +84,27 @@ def _from_bytes(raw: bytes, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).reshape(like.shape)
 
 
+# ======================================================================= the cost
+def collective_cost_us(kind: str, nbytes: int, ranks: int, latency_us: float, gb_s: float) -> float:
+    """Modelled device time of one collective (timed and perf modes): ``latency_us`` plus
+    the bytes each rank sends over a link of ``gb_s`` GB/s (0: no bandwidth term).
+
+    ``nbytes`` is the collective's full tensor: the all-reduce's tensor, the all-gather's
+    output, the reduce-scatter's input, the broadcast's tensor. A rank sends, as a ring
+    does (the bus bandwidth convention of nccl-tests and HCCL Test): 2(N-1)/N of it for an
+    all-reduce (a reduce-scatter, then an all-gather), (N-1)/N for an all-gather or a
+    reduce-scatter, all of it for a broadcast. A group of one moves nothing over a link.
+    """
+    if ranks <= 1 or gb_s <= 0:
+        return latency_us
+    factor = {
+        "all_reduce": 2.0 * (ranks - 1) / ranks,
+        "all_gather_into_tensor": (ranks - 1) / ranks,
+        "reduce_scatter_tensor": (ranks - 1) / ranks,
+    }.get(kind, 1.0)
+    return latency_us + factor * nbytes / (gb_s * 1e3)  # GB/s = 1e3 bytes per us
+
+
 # ======================================================================= the group
 class ProcessGroupHCCL(dist.ProcessGroup):
     """The sim's ``ProcessGroupHCCL``: collectives of npu tensors as device tasks on the
@@ -264,6 +285,8 @@ class _Spec:
         self.reduce, self.root = reduce, root
         # what every rank must agree on: the collective, its operation and the input
         self.signature = [kind, detail, str(inp.dtype), list(inp.shape)]
+        full = out if kind == "all_gather_into_tensor" else inp
+        self.nbytes = full.numel() * full.element_size()  # the full tensor (the cost's)
         items = [access.item(inp, inp is out, "tensor" if inp is out else "input")]
         if out is not inp:
             items.append(access.item(out, True, "output"))
@@ -322,7 +345,10 @@ class CollectiveTask:
         if with_data:
             spec.combine(inputs)
         if timed:
-            ex.cost.add_at(RUNTIME.config.collective_us, max(starts))
+            cfg = RUNTIME.config
+            cost = collective_cost_us(spec.kind, spec.nbytes, spec.group._size,
+                                      cfg.collective_us, cfg.collective_gb_s)  # fmt: skip
+            ex.cost.add_at(cost, max(starts))
             ex.settle()
 
 
