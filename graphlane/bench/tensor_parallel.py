@@ -116,9 +116,24 @@ class TpFigures:
             r[f"TP {tp}: tokens/s vs limit"] = t / self.limit_tokens_s[tp]
         return r
 
+    def excess_ms_per_collective(self) -> dict[str, float]:
+        """How much longer a lone step at TP N took than at TP 1, per collective of the
+        step (``2 * layers + 2``): the wall cost of the sim's rendezvous and of the
+        ranks' processes sharing the cores, beyond the modelled cost (which the update-bound
+        step hides)."""
+        if "1" not in self.lone_ms:
+            return {}
+        base = statistics.median(self.lone_ms["1"])
+        n = 2 * self.layers + 2
+        return {tp: (statistics.median(v) - base) / n for tp, v in self.lone_ms.items()
+                if tp != "1"}  # fmt: skip
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["ratios"] = {k: round(v, 3) for k, v in self.ratios().items()}
+        d["excess_ms_per_collective"] = {
+            k: round(v, 3) for k, v in self.excess_ms_per_collective().items()
+        }
         return d
 
 
@@ -182,6 +197,13 @@ def table(f: TpFigures) -> str:
             f"{tp:>3} {rng(f.tokens_s[tp], '.0f'):>15} {r[f'TP {tp}: tokens/s vs TP 1']:7.2f}x "
             f"{r[f'TP {tp}: tokens/s vs limit']:8.2f} {rng(f.lone_ms[tp], '.2f'):>13} "
             f"{r[f'TP {tp}: lone step vs TP 1']:7.2f}x"
+        )
+    excess = f.excess_ms_per_collective()
+    if excess:
+        lines.append(
+            "lone step beyond TP 1's, per collective (the sim's rendezvous and the ranks "
+            "sharing the cores, not the modelled cost): "
+            + ", ".join(f"TP {tp} {ms:.2f} ms" for tp, ms in excess.items())
         )
     return "\n".join(lines)
 

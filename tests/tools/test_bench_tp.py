@@ -35,6 +35,7 @@ def test_bench_tp_runs_daemons_at_tp_1_and_2_and_reports_consistent_keys() -> No
             assert f"TP {n}: {what}" in d["ratios"]
     assert d["ratios"]["TP 1: tokens/s vs TP 1"] == 1.0
     assert (d["collective_us"], d["collective_gb_s"]) == (tp.HCCL_LATENCY_US, tp.HCCS_LINK_GB_S)
+    assert set(d["excess_ms_per_collective"]) == {"2"}
     text = tp.table(f)
     assert "tokens/s ahead" in text and "lone step ms" in text and "load average" in text
 
