@@ -209,6 +209,12 @@ def _parser() -> argparse.ArgumentParser:
         help="only the field's costs on npusim's perf mode (issue 42: a scheduler's work, "
         "the vllm-ascend and threaded in-process loops, graphlane's own CPU; minutes)",
     )
+    b.add_argument(
+        "--tp",
+        action="store_true",
+        help="only tensor parallel on npusim's perf mode (issue 44: tokens/s decoding ahead "
+        "and a lone step's latency through a daemon at TP 1, 2 and 4, HCCL's cost modelled)",
+    )
 
     d = sub.add_parser(
         "demo",
@@ -320,17 +326,31 @@ def _main(argv: list[str] | None) -> int:
         import json
 
         from graphlane.bench.goals import exit_status, goals, machine
-        from graphlane.bench.suite import format_field, format_report, run_all, run_field
+        from graphlane.bench.suite import (
+            format_field,
+            format_report,
+            format_tp,
+            run_all,
+            run_field,
+            run_tp,
+        )
 
         before = machine()  # before bench's own processes load the cores
-        report = run_field(quick=args.quick) if args.field else run_all(quick=args.quick)
+        if args.tp:
+            report = run_tp(quick=args.quick)
+        elif args.field:
+            report = run_field(quick=args.quick)
+        else:
+            report = run_all(quick=args.quick)
         report = {**report, "machine": before}
         verdicts = goals(report)
         if args.json:
             report["goals"] = verdicts
-            for table in ("pipeline_table", "field_table"):
+            for table in ("pipeline_table", "field_table", "tp_table"):
                 report.pop(table, None)
             print(json.dumps(report, indent=2))
+        elif args.tp:
+            print(format_tp(report))
         else:
             print(format_field(report) if args.field else format_report(report))
         return exit_status(verdicts)

@@ -14,7 +14,10 @@
   (:mod:`.paged`);
 - the field's costs on npusim's performance mode (``--field`` runs it alone): decoding
   ahead through a daemon beside the vllm-ascend loop and a threaded loop, with a
-  scheduler's work of 0, 0.5 and 2 ms per step (:mod:`.field`).
+  scheduler's work of 0, 0.5 and 2 ms per step (:mod:`.field`);
+- tensor parallel on the same perf mode (``--tp`` runs it alone): tokens/s decoding
+  ahead and a lone step's latency through a daemon at TP 1, 2 and 4, each collective
+  costing HCCL's latency plus its bytes over an HCCS link (:mod:`.tensor_parallel`).
 
 The reliability figures (:mod:`.reliability`) are a run of their own:
 ``benchmarks/reliability.py``.
@@ -26,6 +29,7 @@ from typing import Any
 
 from . import control_plane, decode, field, paged, worker
 from . import pipeline as pipeline_bench
+from . import tensor_parallel as tp_bench
 from .goals import format_goals, progress
 
 
@@ -39,6 +43,23 @@ def run_field(quick: bool = False) -> dict[str, Any]:
         f = field.measure(steps=60 if quick else 120, reps=2 if quick else 3,
                           lone_steps=20 if quick else 40)  # fmt: skip
     return {"field": f.as_dict(), "field_table": field.table(f)}
+
+
+def run_tp(quick: bool = False) -> dict[str, Any]:
+    """Issue 44's measurement alone (``graphlane bench --tp``, a minute or two)."""
+    with progress(
+        f"tensor parallel on npusim's perf mode ({tp_bench.LAYERS} layers, 185/60 us, "
+        f"collectives {tp_bench.HCCL_LATENCY_US:g} us + bytes at {tp_bench.HCCS_LINK_GB_S:g} "
+        "GB/s): a daemon at TP 1, 2 and 4, decoding ahead and lone steps"
+    ):
+        f = tp_bench.measure(steps=40 if quick else 100, reps=1 if quick else 2,
+                             lone_steps=10 if quick else 20)  # fmt: skip
+    return {"tensor_parallel": f.as_dict(), "tp_table": tp_bench.table(f)}
+
+
+def format_tp(r: dict[str, Any]) -> str:
+    """``graphlane bench --tp``'s report: its table (it sets no goals)."""
+    return r["tp_table"]
 
 
 def run_all(quick: bool = False) -> dict[str, Any]:
@@ -65,6 +86,7 @@ def run_all(quick: bool = False) -> dict[str, Any]:
                for name, costs in decode.PROFILES.items()]  # fmt: skip
     return {
         **run_field(quick),
+        **run_tp(quick),
         "pipeline": [r.as_dict() for r in pipe],
         "decode": [r.as_dict() for r in dec],
         "decode_table": decode.table(dec),
@@ -134,8 +156,14 @@ def format_report(r: dict[str, Any]) -> str:
     if "paged" in r:
         lines += ["", *paged.format_paged(r["paged"])]
     if "decode_table" in r:
-        lines += ["", f"model decode (timed sim, {decode.LAYERS} layers, batch {decode.BATCH}, "
-                  f"{decode.WINDOW} steps in flight decoding ahead; tokens/s):", r["decode_table"]]
+        lines += [
+            "",
+            f"model decode (timed sim, {decode.LAYERS} layers, batch {decode.BATCH}, "
+            f"{decode.WINDOW} steps in flight decoding ahead; tokens/s):",
+            r["decode_table"],
+        ]
     if "field_table" in r:
         lines += ["", r["field_table"]]
+    if "tp_table" in r:
+        lines += ["", r["tp_table"]]
     return "\n".join([*lines, "", *format_goals(r)])

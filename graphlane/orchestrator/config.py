@@ -60,6 +60,8 @@ event_mode = "cann"                # or "enpu": an ExternalEvent wait issued bef
                                    #   or "legacy": older CANN, a wait leaves the flag set
                                    #   until reset
 device_memory = 68719476736        # bytes of each simulated device (default 64 GiB)
+collective_us = 0.0                # timed/perf: a "hccl" collective's latency
+collective_gb_s = 0.0              # timed/perf: its link GB/s (0: latency only)
 
 [faults]                           # for tests only: fail_start = true,
                                    #   hang_device_after = N, device_fault_after = N
@@ -119,6 +121,8 @@ class SimSettings:
     event_mode: str = "cann"  # "enpu": report a wait issued before its record; "legacy": a
     # wait leaves the flag set until reset (older CANN)
     device_memory: int = 64 << 30  # bytes of each simulated device (out of memory beyond)
+    collective_us: float = 0.0  # timed/perf: a tensor-parallel collective's latency
+    collective_gb_s: float = 0.0  # timed/perf: the link GB/s its bytes cross (0: none)
 
 
 @dataclass(frozen=True)
@@ -250,11 +254,11 @@ def _sim(raw: Any) -> SimSettings:
         raise ConfigError("sim", "must be a table")
     for k in raw:
         if k not in ("mode", "task_us", "patch_us", "patch_gil_us", "watchdog_s", "event_mode",
-                     "device_memory"):  # fmt: skip
+                     "device_memory", "collective_us", "collective_gb_s"):  # fmt: skip
             raise ConfigError(
                 f"sim.{k}",
                 "unknown key (known: mode, task_us, patch_us, patch_gil_us, watchdog_s, "
-                "event_mode, device_memory)",
+                "event_mode, device_memory, collective_us, collective_gb_s)",
             )
     mode = raw.get("mode", "compute")
     if mode not in ("compute", "timed", "perf"):
@@ -272,11 +276,13 @@ def _sim(raw: Any) -> SimSettings:
         watchdog_s=_number("sim.watchdog_s", raw.get("watchdog_s", 30.0), 0.001),
         event_mode=event_mode,
         device_memory=_bytes("sim.device_memory", raw.get("device_memory", 64 << 30)),
+        collective_us=_number("sim.collective_us", raw.get("collective_us", 0.0)),
+        collective_gb_s=_number("sim.collective_gb_s", raw.get("collective_gb_s", 0.0)),
     )
 
 
 def _cpu_affinity(key: str, v: Any) -> str | tuple[tuple[int, ...], ...]:
-    """"auto", "off", or a non-empty list of core lists, each core one this process may use."""
+    """ "auto", "off", or a non-empty list of core lists, each core one this process may use."""
     if v in ("auto", "off"):
         return str(v)
     if not isinstance(v, list) or not v or not all(isinstance(c, list) and c for c in v):

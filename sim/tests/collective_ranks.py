@@ -83,6 +83,50 @@ def row_parallel(rank: int, world: int) -> dict[str, Any]:
     return {"errors": errors, "collectives": profile.kernels.get("hccl all_reduce", 0)}
 
 
+class CountingStore:
+    """A c10d store that counts the calls made to it (and passes them on)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def store_calls(rank: int, world: int) -> dict[str, Any]:
+    """The group's store calls while a graph of ``k`` all_reduces replays, for k = 1 and 8:
+    the ranks' handoff of a collective goes over the group's link, not the store."""
+    pg = dist.distributed_c10d._get_default_group()  # the sim's ProcessGroupHCCL
+    calls = {}
+    for k in (1, 8):
+        x = torch.ones(4).npu()
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s), torch.npu.graph(g, stream=s):
+            for _ in range(k):
+                dist.all_reduce(x)
+        x.fill_(1.0)
+        counting = CountingStore(pg.store)
+        real, pg.store = pg.store, counting
+        try:
+            for _ in range(3):
+                g.replay()
+            torch.npu.synchronize()
+        finally:
+            pg.store = real
+        calls[str(k)] = counting.calls
+        calls[f"value{k}"] = x.cpu().tolist()[0]
+    return calls
+
+
 def async_wait(rank: int, world: int, wait: bool) -> dict[str, Any]:
     """An all_reduce issued on a side stream with async_op=True, then used on the default
     stream: ``work.wait()`` orders the use after it; without it the use races.
@@ -184,13 +228,38 @@ def timed(rank: int, world: int) -> dict[str, Any]:
         npusim.configure(mode=old.mode, collective_us=old.collective_us)
 
 
+def timed_bytes(rank: int, world: int) -> dict[str, Any]:
+    """A replayed all_reduce costs its bytes over ``collective_gb_s`` on top of its latency:
+    1 MB at 0.02 GB/s, 2(N-1)/N of it sent per rank, is 50 ms at two ranks."""
+    old = npusim.configure()
+    npusim.configure(mode="timed", collective_us=0.0, collective_gb_s=0.02)
+    try:
+        x = torch.ones(250_000).npu()  # 1 MB of float32
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s):
+            with torch.npu.graph(g, stream=s):
+                dist.all_reduce(x)
+            begin, end = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+            begin.record()
+            g.replay()
+            end.record()
+        end.synchronize()
+        return {"elapsed_ms": begin.elapsed_time(end)}
+    finally:
+        npusim.configure(mode=old.mode, collective_us=old.collective_us,
+                         collective_gb_s=old.collective_gb_s)  # fmt: skip
+
+
 SCENARIOS = {
+    "timed_bytes": timed_bytes,
     "eager": eager,
     "pairs": pairs,
     "row_parallel": row_parallel,
     "async_wait": lambda r, w: async_wait(r, w, True),
     "async_no_wait": lambda r, w: async_wait(r, w, False),
     "mismatch": mismatch,
+    "store_calls": store_calls,
     "timed": timed,
     "skip": skip,
     "race": lambda r, w: race(r, w, False),

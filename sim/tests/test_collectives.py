@@ -23,7 +23,7 @@ from npusim import SimUsageError, graph_profile, torch_npu
 RANKS = Path(__file__).with_name("collective_ranks.py")
 # The rank that skips a collective must be last: its group's ranks fall out of step.
 SCENARIOS = ["eager", "row_parallel", "async_wait", "async_no_wait", "race", "race_fenced",
-             "mismatch", "timed", "skip"]  # fmt: skip
+             "mismatch", "timed", "timed_bytes", "store_calls", "skip"]  # fmt: skip
 
 
 def run_ranks(
@@ -103,6 +103,15 @@ def test_async_work_wait_orders_the_current_stream_after_the_collective(two_rank
         assert "hccl all_reduce" in r["message"]
 
 
+def test_a_replayed_collectives_handoff_does_not_go_through_the_store(two_ranks: Any) -> None:
+    """The store serves the group's creation; a collective's data and rendezvous go over
+    the group's link, so replaying a graph of 8 collectives calls the store no more than a
+    graph of 1 does (three replays each), and the sums are still right."""
+    for r in two_ranks["store_calls"]:
+        assert r["1"] == r["8"] == 0, r
+        assert r["value1"] == 2.0**3 and r["value8"] == 2.0**24
+
+
 def test_a_rank_that_never_joins_is_a_deadlock_naming_it(two_ranks: Any) -> None:
     r0, r1 = two_ranks["skip"]
     assert r1 == {"rank": 1, "skipped": True}
@@ -123,6 +132,27 @@ def test_an_unfenced_write_racing_a_replayed_collective_is_reported(two_ranks: A
 def test_timed_mode_charges_each_collective_its_modelled_cost(two_ranks: Any) -> None:
     for r in two_ranks["timed"]:
         assert r["elapsed_ms"] >= 50.0, r  # collective_us = 50 ms, in modelled time
+
+
+def test_timed_mode_charges_a_collective_its_bytes_over_the_link_bandwidth(
+    two_ranks: Any,
+) -> None:
+    for r in two_ranks["timed_bytes"]:
+        # 1 MB, 2(2-1)/2 of it sent, at 0.02 GB/s: 50 ms of modelled time, no latency
+        assert r["elapsed_ms"] >= 50.0, r
+
+
+def test_a_collectives_cost_is_latency_plus_its_ring_bytes_over_the_bandwidth() -> None:
+    from npusim.collectives import collective_cost_us as cost
+
+    mb = 1_000_000
+    assert cost("all_reduce", mb, 2, 10.0, 0.0) == 10.0  # no bandwidth: latency only
+    assert cost("all_reduce", mb, 1, 10.0, 50.0) == 10.0  # one rank sends nothing
+    assert cost("all_reduce", mb, 2, 10.0, 50.0) == 10.0 + 20.0  # 2(N-1)/N = 1
+    assert cost("all_reduce", mb, 4, 10.0, 50.0) == 10.0 + 30.0  # 2(N-1)/N = 1.5
+    assert cost("all_gather_into_tensor", mb, 4, 0.0, 50.0) == 15.0  # (N-1)/N
+    assert cost("reduce_scatter_tensor", mb, 4, 0.0, 50.0) == 15.0
+    assert cost("broadcast", mb, 4, 0.0, 50.0) == 20.0
 
 
 def test_ranks_running_different_collectives_are_reported(two_ranks: Any) -> None:

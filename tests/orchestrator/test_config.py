@@ -209,6 +209,20 @@ def test_the_sim_section_reaches_the_simulators_own_config() -> None:
         from_mapping({"sim": {"event_mode": "ENPU!"}})
 
 
+def test_the_sim_section_sets_a_collectives_latency_and_link_bandwidth() -> None:
+    """A tensor-parallel benchmark models HCCL's cost: latency plus bytes over the link."""
+    from dataclasses import asdict
+
+    from npusim import SimConfig
+
+    sim = from_mapping({"sim": {"collective_us": 20, "collective_gb_s": 56}}).sim
+    assert (sim.collective_us, sim.collective_gb_s) == (20.0, 56.0)
+    assert SimConfig(**asdict(sim)).collective_gb_s == 56.0  # the worker's sim takes it
+    assert from_mapping({}).sim.collective_gb_s == 0.0
+    with pytest.raises(ConfigError, match="collective_gb_s"):
+        from_mapping({"sim": {"collective_gb_s": "fast"}})
+
+
 TINY_MODEL = {
     "model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 64,
     "num_hidden_layers": 1, "num_attention_heads": 4,

@@ -19,22 +19,30 @@ The device model (README, "Collectives"):
 - the task reads its input and writes its output as any device task does, so the memory
   race checks of :mod:`.access` see it.
 
-Transport: the c10d store the group was created with (torch's ``TCPStore`` or
-``FileStore``, under the group's prefix). Each rank posts its input under the collective's
-number and reads the others'; every rank reduces the same inputs in rank order, so every
-rank gets the same bits. The last reader deletes the collective's keys.
+Transport: a link per group between the ranks' processes, as the field's device-to-device
+link is (not the c10d store, whose few TCP round trips per collective would dwarf the
+modelled cost): each rank binds a ZeroMQ PULL socket on an abstract Unix socket named from
+a token rank 0 posts once in the group's store at creation, and pushes to every other
+rank. A collective is one message per rank to each other rank: its number, what it is,
+when it started and its input; a receiver thread per group files the messages by
+(number, rank) and wakes the rank's waiting task (no polling of a shared location: the
+ranks share the host's cores). Every rank reduces the same inputs in rank order, so every
+rank gets the same bits. The store is used at creation only.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+import zmq
 
 from . import access
 from .allocation import record_stream
@@ -84,6 +92,27 @@ def _from_bytes(raw: bytes, like: torch.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(like.dtype).reshape(like.shape)
 
 
+# ======================================================================= the cost
+def collective_cost_us(kind: str, nbytes: int, ranks: int, latency_us: float, gb_s: float) -> float:
+    """Modelled device time of one collective (timed and perf modes): ``latency_us`` plus
+    the bytes each rank sends over a link of ``gb_s`` GB/s (0: no bandwidth term).
+
+    ``nbytes`` is the collective's full tensor: the all-reduce's tensor, the all-gather's
+    output, the reduce-scatter's input, the broadcast's tensor. A rank sends, as a ring
+    does (the bus bandwidth convention of nccl-tests and HCCL Test): 2(N-1)/N of it for an
+    all-reduce (a reduce-scatter, then an all-gather), (N-1)/N for an all-gather or a
+    reduce-scatter, all of it for a broadcast. A group of one moves nothing over a link.
+    """
+    if ranks <= 1 or gb_s <= 0:
+        return latency_us
+    factor = {
+        "all_reduce": 2.0 * (ranks - 1) / ranks,
+        "all_gather_into_tensor": (ranks - 1) / ranks,
+        "reduce_scatter_tensor": (ranks - 1) / ranks,
+    }.get(kind, 1.0)
+    return latency_us + factor * nbytes / (gb_s * 1e3)  # GB/s = 1e3 bytes per us
+
+
 # ======================================================================= the group
 class ProcessGroupHCCL(dist.ProcessGroup):
     """The sim's ``ProcessGroupHCCL``: collectives of npu tensors as device tasks on the
@@ -105,6 +134,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         self.group_id = group_id
         self.global_ranks = list(global_ranks) if global_ranks else list(range(size))
         self.issued = 0  # collectives issued (eager calls, and launches of captured ones)
+        self.link = _Link(store, rank, size, group_id)
 
     # ------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -264,6 +294,8 @@ class _Spec:
         self.reduce, self.root = reduce, root
         # what every rank must agree on: the collective, its operation and the input
         self.signature = [kind, detail, str(inp.dtype), list(inp.shape)]
+        full = out if kind == "all_gather_into_tensor" else inp
+        self.nbytes = full.numel() * full.element_size()  # the full tensor (the cost's)
         items = [access.item(inp, inp is out, "tensor" if inp is out else "input")]
         if out is not inp:
             items.append(access.item(out, True, "output"))
@@ -322,73 +354,130 @@ class CollectiveTask:
         if with_data:
             spec.combine(inputs)
         if timed:
-            ex.cost.add_at(RUNTIME.config.collective_us, max(starts))
+            cfg = RUNTIME.config
+            cost = collective_cost_us(spec.kind, spec.nbytes, spec.group._size,
+                                      cfg.collective_us, cfg.collective_gb_s)  # fmt: skip
+            ex.cost.add_at(cost, max(starts))
             ex.settle()
 
 
-class _Meeting:
-    """The ranks' rendezvous for one collective, over the group's store."""
+class _Link:
+    """A group's transport between its ranks' processes (module docstring, "Transport")."""
 
-    POLL_MAX_S = 0.005
+    RECV_POLL_MS = 200  # how often the receiver thread looks whether it should stop
+
+    def __init__(self, store: Any, rank: int, size: int, group_id: str) -> None:
+        self.rank, self.size = rank, size
+        self.cond = threading.Condition()
+        self.inbox: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}
+        self.closed = False
+        if size <= 1:
+            return
+        # The n-th creation of a group under this store prefix: every rank adds one, so a
+        # group made again over the same store meets under a new key.
+        made = (int(store.add("npusim/link/joined", 1)) - 1) // size
+        key = f"npusim/link/{made}"
+        if rank == 0:
+            store.set(key, f"npusim-hccl-{uuid.uuid4().hex}")
+        name = store.get(key).decode()  # blocks until rank 0 posted it (the store's timeout)
+        self.context = zmq.Context()
+        self.pull = self.context.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, 0)
+        self.pull.bind(f"ipc://@{name}-{rank}")  # abstract: no file to clean up
+        self.push: dict[int, Any] = {}
+        for r in range(size):
+            if r != rank:
+                sock = self.context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 0)  # queued, never dropped, until the peer binds
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(f"ipc://@{name}-{r}")
+                self.push[r] = sock
+        self.send_lock = threading.Lock()  # streams of one group run on several threads
+        self.thread = threading.Thread(
+            target=self._receive, name=f"npusim hccl link {group_id}", daemon=True
+        )
+        self.thread.start()
+
+    def send(self, header: dict[str, Any], payload: bytes) -> None:
+        """``header`` (with the collective's "seq") and ``payload`` to every other rank."""
+        head = json.dumps(header).encode()
+        with self.send_lock:
+            for sock in self.push.values():
+                sock.send_multipart([head, payload], copy=False)
+
+    def _receive(self) -> None:
+        while not self.closed:
+            if not self.pull.poll(self.RECV_POLL_MS):
+                continue
+            head, payload = self.pull.recv_multipart()
+            header = json.loads(head)
+            with self.cond:
+                self.inbox[(int(header["seq"]), int(header["rank"]))] = (header, payload)
+                self.cond.notify_all()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.size > 1:
+            self.thread.join()
+            for sock in [*self.push.values(), self.pull]:
+                sock.close(linger=0)
+            self.context.term()
+
+
+class _Meeting:
+    """The ranks' rendezvous for one collective, over the group's link."""
+
+    WAKE_S = 0.05  # how often a waiting task looks for a fault, a reset or the watchdog
 
     def __init__(self, spec: _Spec, seq: int, what: str, ex: Stream) -> None:
         self.spec, self.what, self.ex = spec, what, ex
         self.group = spec.group
-        self.base = f"npusim/{seq}"
-
-    def key(self, rank: int) -> str:
-        return f"{self.base}/{rank}"
+        self.seq = seq
 
     def meet(self, with_data: bool, started: float) -> tuple[list[torch.Tensor], list[float]]:
         group, spec = self.group, self.spec
         me = group._rank
-        header = {"signature": spec.signature, "start": started}
         sends = with_data and (spec.root is None or spec.root == me)
         payload = _to_bytes(spec.inp) if sends else b""
-        store = group.store
-        store.set(self.key(me), json.dumps(header).encode() + b"\n" + payload)
+        link = group.link
         others = [r for r in range(group._size) if r != me]
-        self._wait_for([self.key(r) for r in others])
+        if others:
+            header = {"seq": self.seq, "rank": me, "signature": spec.signature, "start": started}
+            link.send(header, payload)
+        received = self._wait_for(others)
         inputs: list[torch.Tensor] = []
         starts = [started]
         for r in range(group._size):
             if r == me:
                 inputs.append(spec.inp)
                 continue
-            raw = store.get(self.key(r))
-            head, _, body = raw.partition(b"\n")
-            theirs = json.loads(head)
+            theirs, body = received[r]
             if theirs["signature"] != spec.signature:
                 self._mismatch(r, theirs["signature"])
             starts.append(float(theirs["start"]))
             inputs.append(_from_bytes(body, spec.inp) if body else spec.inp)
-        if store.add(f"{self.base}/read", 1) == group._size:  # the last reader cleans up
-            for r in range(group._size):
-                store.delete_key(self.key(r))
-            store.delete_key(f"{self.base}/read")
         return inputs, starts
 
-    def _wait_for(self, keys: list[str]) -> None:
-        """Poll the store until every key is there; a fault or reset drops the task, the
-        watchdog reports the ranks that never came."""
-        if not keys:
-            return
-        store, ex = self.group.store, self.ex
+    def _wait_for(self, ranks: list[int]) -> dict[int, tuple[dict[str, Any], bytes]]:
+        """Wait (woken by the link's receiver) until every rank's message is in; a fault or
+        reset drops the task, the watchdog reports the ranks that never came."""
+        if not ranks:
+            return {}
+        link, ex, seq = self.group.link, self.ex, self.seq
         since = time.monotonic()
-        pause = 5e-5
-        while not store.check(keys):
-            if RUNTIME.fault is not None or RUNTIME.epoch != ex.run_epoch or RUNTIME.closing:
-                raise Dropped
-            if RUNTIME.watchdog_expired(since):
-                missing = [k for k in keys if not store.check([k])]
-                if missing:
-                    self._never_joined(missing)
-                break
-            time.sleep(pause)
-            pause = min(pause * 2, self.POLL_MAX_S)
+        with link.cond:
+            while True:
+                missing = [r for r in ranks if (seq, r) not in link.inbox]
+                if not missing:
+                    return {r: link.inbox.pop((seq, r)) for r in ranks}
+                if RUNTIME.fault is not None or RUNTIME.epoch != ex.run_epoch or RUNTIME.closing:
+                    raise Dropped
+                if RUNTIME.watchdog_expired(since):
+                    break
+                link.cond.wait(self.WAKE_S)
+        self._never_joined(missing)
 
-    def _never_joined(self, missing: list[str]) -> None:
-        ranks = [int(k.rsplit("/", 1)[1]) for k in missing]
+    def _never_joined(self, ranks: list[int]) -> NoReturn:
         names = ", ".join(f"rank {r} (global rank {self.group.global_ranks[r]})" for r in ranks)
         with RUNTIME.cond:
             RUNTIME.report(
@@ -401,7 +490,7 @@ class _Meeting:
             )
         raise Dropped
 
-    def _mismatch(self, rank: int, theirs: list[Any]) -> None:
+    def _mismatch(self, rank: int, theirs: list[Any]) -> NoReturn:
         kind, detail, dtype, shape = theirs
         mine = self.spec.signature
         with RUNTIME.cond:

@@ -131,8 +131,12 @@ class SimConfig:
         HazardError).
     device_memory: bytes of each simulated device (``mem_get_info``'s total; an
         allocation that does not fit raises ``torch.OutOfMemoryError``).
-    collective_us: timed mode: device time of one collective of the "hccl" backend
-        (:mod:`.collectives`), from when the last rank of the group started it.
+    collective_us: timed mode: the fixed device time of one collective of the "hccl"
+        backend (:mod:`.collectives`: its latency), from when the last rank of the
+        group started it.
+    collective_gb_s: timed mode: the link bandwidth in GB/s a collective's bytes cross
+        at, on top of ``collective_us`` (0: no bandwidth term, the cost is
+        ``collective_us`` whatever the size); :func:`.collectives.collective_cost_us`.
     """
 
     mode: str = "compute"
@@ -143,13 +147,15 @@ class SimConfig:
     event_mode: str = "cann"
     device_memory: int = 64 << 30
     collective_us: float = 0.0
+    collective_gb_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(
                 f"sim mode must be 'compute', 'timed' or 'perf', not {self.mode!r}"
             )
-        for name in ("task_us", "patch_us", "patch_gil_us", "collective_us"):
+        for name in ("task_us", "patch_us", "patch_gil_us", "collective_us",
+                     "collective_gb_s"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"sim {name} must be >= 0")
         if self.watchdog_s <= 0:
@@ -482,10 +488,11 @@ def configure(
     event_mode: str | None = None,
     device_memory: int | None = None,
     collective_us: float | None = None,
+    collective_gb_s: float | None = None,
 ) -> SimConfig:
-    """Change the device's cost model (``collective_us``: a collective's device time in
-    timed mode), watchdog or ExternalEvent mode; returns the
-    config now in force."""
+    """Change the device's cost model (``collective_us`` and ``collective_gb_s``: a
+    collective's latency and link bandwidth in timed mode), watchdog or ExternalEvent
+    mode; returns the config now in force."""
     old = RUNTIME.config
     new = SimConfig(
         mode=old.mode if mode is None else mode,
@@ -496,6 +503,7 @@ def configure(
         event_mode=old.event_mode if event_mode is None else event_mode,
         device_memory=old.device_memory if device_memory is None else device_memory,
         collective_us=old.collective_us if collective_us is None else collective_us,
+        collective_gb_s=old.collective_gb_s if collective_gb_s is None else collective_gb_s,
     )
     RUNTIME.config = new
     return new
