@@ -201,12 +201,12 @@ class FieldModel:
 
     def run_threaded(self, steps: int, sched_ms: float) -> float:
         """The same with the updates on a thread of their own: steps/s."""
-        jobs: queue.Queue[Any] = queue.Queue(maxsize=1)
+        launches: queue.Queue[Any] = queue.Queue(maxsize=1)
 
         def updater() -> None:
             self.backend.enter_thread()  # the device is per host thread, as in torch_npu
-            while (job := jobs.get()) is not None:
-                self.update(*job)
+            while (launched := launches.get()) is not None:
+                self.update(*launched)
 
         thread = threading.Thread(target=updater, name="field-updates", daemon=True)
         thread.start()
@@ -215,16 +215,16 @@ class FieldModel:
         try:
             for i in range(steps):
                 scheduler_work(sched_ms)
-                job = self.launch(i)
-                jobs.put(job)
-                pending.append(job[0]["done"])
+                launched = self.launch(i)
+                launches.put(launched)
+                pending.append(launched[0]["done"])
                 if len(pending) > 1:
                     pending.popleft().synchronize()
             while pending:
                 pending.popleft().synchronize()
             return steps / (time.perf_counter() - t0)
         finally:
-            jobs.put(None)
+            launches.put(None)
             thread.join()
 
 

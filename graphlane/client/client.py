@@ -667,7 +667,7 @@ def _no_host() -> Host:
     raise RuntimeError("the client is not connected: use 'async with Client(...)' or connect()")
 
 
-def _reply(host: str, device: int, done: ops.StepDone) -> StepReply:
+def _reply(host: str, device: int, done: ops.DeviceResult) -> StepReply:
     return StepReply(
         done.outputs,
         done.bucket,

@@ -262,6 +262,7 @@ from graphlane.protocol.errors import (
 )
 from graphlane.protocol.ops import (
     OPS,
+    DeviceResult,
     Drain,
     Hello,
     KvRead,
@@ -272,7 +273,6 @@ from graphlane.protocol.ops import (
     Shutdown,
     Status,
     Step,
-    StepDone,
     Update,
 )
 from graphlane.protocol.tensors import INLINE_TENSOR_BYTES, TENSOR_KEY, tensor_ref
@@ -312,6 +312,7 @@ __all__ = [
     "Busy",
     "Codec",
     "DecodeError",
+    "DeviceResult",
     "Drain",
     "ErrorCode",
     "Forbidden",
@@ -336,7 +337,6 @@ __all__ = [
     "StateLost",
     "Status",
     "Step",
-    "StepDone",
     "Timeout",
     "TooLarge",
     "Unauthorized",

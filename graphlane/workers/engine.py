@@ -175,7 +175,7 @@ class StepEngine:
         self._started = False
         self._thread: threading.Thread | None = None
         self._updater: threading.Thread | None = None
-        self.steps_done = 0
+        self.jobs_done = 0
         self._count_lock = threading.Lock()
 
     # ------------------------------------------------------------ lifecycle
@@ -345,107 +345,107 @@ class StepEngine:
         gives it back. Without a permit, :meth:`issue` must not be called."""
         return self._permits.acquire(blocking)
 
-    def issue(self, step: Job) -> None:
+    def issue(self, job: Job) -> None:
         """Issue one step's device work on a permit the caller holds. Only one thread
         issues. ``on_done(step)`` runs once: here if the work failed to issue, or the
         engine is serial (it waits here for the step); else in the update thread or
         the completion thread (see the module doc)."""
         if self._failure is not None:
-            self._abandon(step, EngineError(f"engine failed: {self._failure}"))
+            self._abandon(job, EngineError(f"engine failed: {self._failure}"))
             return
-        program = self.programs[step.plan.program]
-        if step.kind is JobKind.STEP:
+        program = self.programs[job.plan.program]
+        if job.kind is JobKind.STEP:
             try:  # copies from earlier steps' outputs (decoding ahead), if it has any;
                 # device work the program issues for them goes on S, before the step's
                 with self.backend.use_stream(self.capture_stream):
-                    step.feeds = program.feeds(step.plan, step.owner)
+                    job.feeds = program.feeds(job.plan, job.owner)
             except Exception as exc:  # nothing of it was issued: its refusal alone
-                self._abandon(step, exc)
+                self._abandon(job, exc)
                 return
         try:
-            fence = self._issue(step)
-            if step.kind is JobKind.STEP or step.kind is JobKind.STATE:
+            wait_event = self._issue(job)
+            if job.kind is JobKind.STEP or job.kind is JobKind.STATE:
                 # on S, behind the step's replay: what the hook issues reads its outputs
                 with self.backend.use_stream(self.capture_stream):
-                    program.issued(step.plan, step.graph, step.done, step.owner)
+                    program.issued(job.plan, job.graph, job.done, job.owner)
             # Alone in the engine (the update thread is idle): U's work is issued here.
-            inline = fence is not _S_ONLY and (self._u_inline or self._permits.alone())
+            inline = wait_event is not _S_ONLY and (self._u_inline or self._permits.alone())
             if inline:
-                self._on_update_stream(step, fence)
+                self._on_update_stream(job, wait_event)
         except BaseException as exc:  # a device fault or a misuse: fail loudly
             self._fail(exc)
-            self._abandon(step, exc)
+            self._abandon(job, exc)
             return
         if not self.pipeline:  # serial: the issuer waits for the step (a host barrier)
-            self._complete(step)
-        elif inline or fence is _S_ONLY:
-            self._hand_over(step)
+            self._complete(job)
+        elif inline or wait_event is _S_ONLY:
+            self._hand_over(job)
         else:
-            self._updates.put((step, fence))
+            self._updates.put((job, wait_event))
 
-    def _abandon(self, step: Job, error: BaseException) -> None:
+    def _abandon(self, job: Job, error: BaseException) -> None:
         self._permits.release()
-        step.error = error
-        step.results = None
-        self.on_done(step)
+        job.error = error
+        job.results = None
+        self.on_done(job)
 
     def _next_graph(self, ring_key: tuple[str, int]) -> CapturedGraph:
         i = self._next.get(ring_key, 0)
         self._next[ring_key] = (i + 1) % self.depth
         return self._rings[ring_key][i]
 
-    def _issue(self, step: Job) -> Any:
-        """Issue ``step``'s work on S; return the event its work on U waits for first
+    def _issue(self, job: Job) -> Any:
+        """Issue ``job``'s work on S; return the event its work on U waits for first
         (None: nothing to wait for), or ``_S_ONLY`` if it has no work on U."""
-        plan = step.plan
+        plan = job.plan
         program = self.programs[plan.program]
-        if step.kind is JobKind.STATE:
-            self._issue_state(program, step)
+        if job.kind is JobKind.STATE:
+            self._issue_state(program, job)
             return _S_ONLY
         ring_key = (plan.program, plan.bucket)
-        if step.kind is JobKind.UPDATE:  # its work is all on U
+        if job.kind is JobKind.UPDATE:  # its work is all on U
             g = self._staged.get(ring_key) or self._next_graph(ring_key)
             self._staged[ring_key] = g
-            step.graph = g
+            job.graph = g
             return g.last_done
         staged = self._staged.pop(ring_key, None) if self._staged else None
         g = staged if staged is not None else self._next_graph(ring_key)
-        step.graph = g
+        job.graph = g
         previous = g.last_done  # the previous replay of g; U waits for it
         if staged is not None and plan.inputs and self.pipeline:
             # An update wrote g's inputs on U, and its work may still be queued there:
             # this step's inputs go on U too, behind it (C would race it). (Serial, the
             # host saw the update finish.)
-            step.inputs_on_u = True
-        if step.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
+            job.inputs_on_u = True
+        if job.kind is JobKind.STEP and not self.pipeline:  # patches, then the replay
             t0 = time.perf_counter()
-            if step.feeds:  # the inputs and the feeds on S, before the replay
-                self._copy_inputs(program, g, plan, previous, step.feeds)
-            copy = not step.feeds
-            step.patched = self._patch_groups(program, g, plan, release=True, copy=copy)
-            step.replay_at = time.perf_counter()
-            step.dispatch_s = step.replay_at - t0
-            self._replay(program, g, step)
-            self._collect(program, g, step)
+            if job.feeds:  # the inputs and the feeds on S, before the replay
+                self._copy_inputs(program, g, plan, previous, job.feeds)
+            copy = not job.feeds
+            job.patched = self._patch_groups(program, g, plan, release=True, copy=copy)
+            job.replay_at = time.perf_counter()
+            job.dispatch_s = job.replay_at - t0
+            self._replay(program, g, job)
+            self._collect(program, g, job)
             return _S_ONLY
-        if (plan.inputs and not step.inputs_on_u) or step.feeds:
-            self._copy_inputs(program, g, plan, previous, step.feeds, inputs=not step.inputs_on_u)
+        if (plan.inputs and not job.inputs_on_u) or job.feeds:
+            self._copy_inputs(program, g, plan, previous, job.feeds, inputs=not job.inputs_on_u)
         if self.records_first:  # ENPU: every record before the replay that waits on it
-            self._on_update_stream(step, previous)
+            self._on_update_stream(job, previous)
         # Pipelined, the replay goes first: it waits for layer 0's release. The output
         # copy is queued behind the replay on S, so queueing it before the patches
         # costs the device nothing.
-        step.replay_at = time.perf_counter()
-        self._replay(program, g, step)
-        self._collect(program, g, step)
+        job.replay_at = time.perf_counter()
+        self._replay(program, g, job)
+        self._collect(program, g, job)
         return _S_ONLY if self.records_first else previous
 
-    def _replay(self, program: GraphProgram, g: CapturedGraph, step: Job) -> None:
+    def _replay(self, program: GraphProgram, g: CapturedGraph, job: Job) -> None:
         """Replay g on S, then the tails this step needs (stream order fences them)."""
         b = self.backend
         b.replay(g.graph, self.capture_stream)
         if g.tails:
-            for name in program.tails_for(step.plan, step.outputs):
+            for name in program.tails_for(job.plan, job.outputs):
                 b.replay(g.tails[name], self.capture_stream)
 
     def _copy_inputs(
@@ -485,57 +485,57 @@ class StepEngine:
         b.record(copied, stream)
         b.wait(self.capture_stream, copied)
 
-    def _on_update_stream(self, step: Job, previous: Any) -> None:
-        """``step``'s work on U: wait for ``previous`` (the previous replay of its graph
+    def _on_update_stream(self, job: Job, previous: Any) -> None:
+        """``job``'s work on U: wait for ``previous`` (the previous replay of its graph
         instance), then patch (a step or an update) or release (a replay)."""
         b = self.backend
         U = self.update_stream
-        g = step.graph
+        g = job.graph
         assert g is not None
         if previous is not None:
             b.wait(U, previous)
-        if step.kind is JobKind.REPLAY:
+        if job.kind is JobKind.REPLAY:
             with b.use_stream(U):
                 for event in g.events:
                     b.record(event, U)
             return
-        release = step.kind is JobKind.STEP  # a step's inputs are on C already, unless
-        copy = not release or step.inputs_on_u  # they follow an update's, on U
+        release = job.kind is JobKind.STEP  # a step's inputs are on C already, unless
+        copy = not release or job.inputs_on_u  # they follow an update's, on U
         t0 = time.perf_counter()
-        program = self.programs[step.plan.program]
-        step.patched = self._patch_groups(program, g, step.plan, release, copy=copy)
-        step.dispatch_s = time.perf_counter() - t0
+        program = self.programs[job.plan.program]
+        job.patched = self._patch_groups(program, g, job.plan, release, copy=copy)
+        job.dispatch_s = time.perf_counter() - t0
         if not release:  # an update: staged, done when its patches are
-            step.results = {}
-            step.done = b.new_event()
-            b.record(step.done, U)
+            job.results = {}
+            job.done = b.new_event()
+            b.record(job.done, U)
 
-    def _issue_state(self, program: GraphProgram, step: Job) -> None:
+    def _issue_state(self, program: GraphProgram, job: Job) -> None:
         """A device-state operation, on the capture stream S: every replay reads and
         writes the state on S, so stream order fences it against replays issued before
         and after it (no graph instance or update-stream fence is involved)."""
         b = self.backend
         S = self.capture_stream
         with b.use_stream(S):
-            views = program.run_state(b, step.plan)
-            step.results = {
+            views = program.run_state(b, job.plan)
+            job.results = {
                 n: v if v.is_cpu else v.to("cpu", non_blocking=True) for n, v in views.items()
             }
-        step.done = b.new_event()
-        b.record(step.done, S)
+        job.done = b.new_event()
+        b.record(job.done, S)
 
-    def _collect(self, program: GraphProgram, g: CapturedGraph, step: Job) -> None:
+    def _collect(self, program: GraphProgram, g: CapturedGraph, job: Job) -> None:
         """Queue the outputs' copy to the host behind the replay, and the step's done event."""
         b = self.backend
         S = self.capture_stream
         with b.use_stream(S):
-            views = program.output_views(g.buffers, step.plan, list(step.outputs))
+            views = program.output_views(g.buffers, job.plan, list(job.outputs))
             # A view on the host already (the null device) is its own copy, as .to() says.
-            step.results = {
+            job.results = {
                 n: v if v.is_cpu else v.to("cpu", non_blocking=True) for n, v in views.items()
             }
-        step.done = g.last_done = b.new_event()
-        b.record(step.done, S)
+        job.done = g.last_done = b.new_event()
+        b.record(job.done, S)
 
     def _patch_groups(
         self, program: GraphProgram, g: CapturedGraph, plan: StepPlan, release: bool, copy: bool
@@ -572,28 +572,28 @@ class StepEngine:
             item = self._updates.get()
             if item is _STOP:
                 return
-            step, previous = item
+            job, previous = item
             if self._failure is not None:  # its replay waits for releases that never come
-                self._abandon(step, EngineError(f"engine failed: {self._failure}"))
+                self._abandon(job, EngineError(f"engine failed: {self._failure}"))
                 continue
             try:
-                self._on_update_stream(step, previous)
+                self._on_update_stream(job, previous)
             except BaseException as exc:  # a device fault or a misuse: fail loudly
                 self._fail(exc)
-                self._abandon(step, exc)
+                self._abandon(job, exc)
                 continue
-            self._hand_over(step)
+            self._hand_over(job)
 
-    def _hand_over(self, step: Job) -> None:
-        """Complete ``step`` here if its device work is over, else in the completion thread."""
+    def _hand_over(self, job: Job) -> None:
+        """Complete ``job`` here if its device work is over, else in the completion thread."""
         try:
-            finished = step.done.query()
+            finished = job.done.query()
         except BaseException:  # a fault: synchronize() in _complete reports it
             finished = True
         if finished:
-            self._complete(step)
+            self._complete(job)
         else:
-            self._completions.put(step)
+            self._completions.put(job)
 
     def _completion_loop(self) -> None:
         self.backend.enter_thread()  # it synchronizes the device's events
@@ -603,21 +603,21 @@ class StepEngine:
                 return
             self._complete(item)
 
-    def _complete(self, step: Job) -> None:
+    def _complete(self, job: Job) -> None:
         try:
-            step.done.synchronize()
+            job.done.synchronize()
         except BaseException as exc:
             self._fail(exc)
             self._permits.release()
-            step.error = exc
-            step.results = None
-            self.on_done(step)
+            job.error = exc
+            job.results = None
+            self.on_done(job)
             return
         self._permits.release()
-        step.done_at = time.perf_counter()
+        job.done_at = time.perf_counter()
         with self._count_lock:  # completions run in any of the engine's threads
-            self.steps_done += 1
-        self.on_done(step)
+            self.jobs_done += 1
+        self.on_done(job)
 
     def _fail(self, exc: BaseException) -> None:
         if self._failure is None:

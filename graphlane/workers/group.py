@@ -130,8 +130,8 @@ class GroupLeader(_GroupWorker):
                             _rank(ident), exc)  # fmt: skip
 
     # ------------------------------------------------------------ the forwarding points
-    def _step(self, body: Any, op: str, owner: Any = None) -> Job:
-        job = super()._step(body, op, owner)
+    def _job_of(self, body: Any, op: str, owner: Any = None) -> Job:
+        job = super()._job_of(body, op, owner)
         self._seq += 1
         self._planned[job] = self._seq
         header = msgspec.msgpack.encode([self._seq, _owner(owner)])
@@ -217,7 +217,7 @@ class GroupFollower(_GroupWorker):
             self.loop.stopping = True
 
     def _plan_forwarded(self, seq: int, req: wire.Request, owner: Any) -> None:
-        job = self._step(req.body, req.op, owner)
+        job = self._job_of(req.body, req.op, owner)
         job.owner = owner
         job.request_id = seq
         job.received = time.perf_counter()

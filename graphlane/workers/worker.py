@@ -269,7 +269,7 @@ class Worker:
             "state": "draining" if self.draining else "ready",
             "inflight": self.inflight,
             "queued": len(self._waiting),
-            "steps": self.engine.steps_done,
+            "steps": self.engine.jobs_done,
             "failure": str(self.engine.failure) if self.engine.failure else None,
             "counters": dict(self.responder.counters),
             "fenced": len(self._fences),  # connections refused until they send resume
@@ -409,22 +409,22 @@ class Worker:
             and not self.owners.note(owner, ident, origin.source)
         ):
             raise BadRequest("this connection has closed: its sequences are released")
-        step = self._step(body, req.op, owner)
-        step.ident, step.request_id, step.bundled = ident, req.id, origin.bundled
-        step.source = origin.source
-        step.owner = owner
-        step.received = received = origin.received
-        step.changes_state = req.op in _CHANGES_STATE and self._stateful
+        job = self._job_of(body, req.op, owner)
+        job.ident, job.request_id, job.bundled = ident, req.id, origin.bundled
+        job.source = origin.source
+        job.owner = owner
+        job.received = received = origin.received
+        job.changes_state = req.op in _CHANGES_STATE and self._stateful
         if body.timeout_ms is not None:
-            step.deadline = received + body.timeout_ms / 1000
+            job.deadline = received + body.timeout_ms / 1000
         if self._waiting or not self.engine.reserve(blocking=False):
             if len(self._waiting) >= self.spec.max_queued:
                 raise Busy(f"{self.spec.max_queued} requests are queued already")
-            self._open[step] = None
-            self._waiting.append(step)
+            self._open[job] = None
+            self._waiting.append(job)
             return
-        self._open[step] = None
-        self._issue(step)
+        self._open[job] = None
+        self._issue(job)
 
     def _sequence_change(self, op: str, body: Any, origin: Origin) -> dict[str, Any]:
         """append_blocks, free: the worker's record of the sender's sequences changes now
@@ -484,9 +484,9 @@ class Worker:
             waiting.clear()
             waiting.extend(kept)
             refusal = self._refusal(*fence)
-            for step in behind:
-                self._open.pop(step, None)
-                self.responder.fail(step.ident, step.request_id, refusal, step.bundled)
+            for job in behind:
+                self._open.pop(job, None)
+                self.responder.fail(job.ident, job.request_id, refusal, job.bundled)
 
     def _peer_gone(self, ident: bytes) -> None:
         """Connection ``ident`` closed: what the worker keeps for it goes too (so it
@@ -508,8 +508,8 @@ class Worker:
             kept = [s for s in self._waiting if s.owner != owner]
             self._waiting.clear()
             self._waiting.extend(kept)
-            for step in mine:
-                self._open.pop(step, None)
+            for job in mine:
+                self._open.pop(job, None)
         if released:
             log.info("a client went: its %d sequences are released", released)
 
@@ -543,7 +543,7 @@ class Worker:
                 f"and name generation {self.spec.generation}"
             )
 
-    def _step(self, body: Any, op: str, owner: Any = None) -> Job:
+    def _job_of(self, body: Any, op: str, owner: Any = None) -> Job:
         """The step a device request's body asks for, validated (BAD_REQUEST if not)."""
         try:
             if type(body) is ops.Step:  # the common case first
@@ -582,59 +582,59 @@ class Worker:
             self.owners.release_due()
         waiting = self._waiting
         while waiting:
-            step = waiting[0]
-            if step.deadline is not None and time.perf_counter() > step.deadline:
+            job = waiting[0]
+            if job.deadline is not None and time.perf_counter() > job.deadline:
                 waiting.popleft()
-                self._open.pop(step, None)
-                late = Timeout(f"{step.kind.value} waited past its deadline; it was not run")
-                self.responder.fail(step.ident, step.request_id, late, step.bundled)
-                if step.changes_state and self._keeps_state(step.plan.program):
-                    self._fence(step.ident, step.source, step.request_id, "TIMEOUT")
+                self._open.pop(job, None)
+                late = Timeout(f"{job.kind.value} waited past its deadline; it was not run")
+                self.responder.fail(job.ident, job.request_id, late, job.bundled)
+                if job.changes_state and self._keeps_state(job.plan.program):
+                    self._fence(job.ident, job.source, job.request_id, "TIMEOUT")
                 continue
             if not self.engine.reserve(blocking=False):
                 return
             self._issue(waiting.popleft())
 
-    def _issue(self, step: Job) -> None:
+    def _issue(self, job: Job) -> None:
         """Issue an accepted step on the device (a group's leader forwards it first)."""
-        self.engine.issue(step)
+        self.engine.issue(job)
 
-    def _on_done(self, step: Job) -> None:
+    def _on_done(self, job: Job) -> None:
         """The engine's completion callback (see StepEngine.issue)."""
         if threading.get_ident() == self._main:  # completed on the spot, during its issue
-            self._finish(step)
+            self._finish(job)
         else:  # from the completion thread
-            self.loop.post(functools.partial(self._finish, step))
+            self.loop.post(functools.partial(self._finish, job))
 
-    def _finish(self, step: Job) -> None:
-        self._open.pop(step, None)
+    def _finish(self, job: Job) -> None:
+        self._open.pop(job, None)
         self._progress_at = now = time.perf_counter()
-        if step.results is None:
-            error = as_error(step.error or InternalError("step ended without results"))
-            self.responder.fail(step.ident, step.request_id, error, step.bundled)
-            if step.changes_state and self._keeps_state(step.plan.program):
-                self._fence(step.ident, step.source, step.request_id, str(error.code))
+        if job.results is None:
+            error = as_error(job.error or InternalError("step ended without results"))
+            self.responder.fail(job.ident, job.request_id, error, job.bundled)
+            if job.changes_state and self._keeps_state(job.plan.program):
+                self._fence(job.ident, job.source, job.request_id, str(error.code))
         else:
-            held = now - step.received
+            held = now - job.received
             self.metrics.observe_done(
-                step.plan.program,
-                step.kind._value_,
+                job.plan.program,
+                job.kind._value_,
                 held,
-                step.dispatch_s,
-                step.replay_at,
-                step.done_at,
+                job.dispatch_s,
+                job.replay_at,
+                job.done_at,
             )
             # A device-state operation runs on no graph instance: bucket and instance 0.
-            key = step.graph.key if step.graph is not None else _NO_GRAPH
-            done = ops.StepDone(
-                step.results,
+            key = job.graph.key if job.graph is not None else _NO_GRAPH
+            done = ops.DeviceResult(
+                job.results,
                 key.bucket,
                 key.instance,
-                step.patched,
+                job.patched,
                 held * 1e6,  # the time it held the request, decode to reply, device work in
                 self.spec.generation,
             )
-            self.responder.reply(step.ident, step.request_id, done, step.bundled)
+            self.responder.reply(job.ident, job.request_id, done, job.bundled)
         if self.engine.failure is not None and not self.loop.stopping:
             # A device fault: this process cannot serve again. Answer what waits,
             # then exit; the orchestrator restarts the worker, which captures afresh.

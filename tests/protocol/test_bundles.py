@@ -176,7 +176,7 @@ def test_empty_or_unreadable_bundles_are_refused_unread(frame: bytes) -> None:
 
 def test_replies_bundle_as_requests_do() -> None:
     out = torch.arange(6, dtype=torch.float16).reshape(2, 3)
-    done = encode_reply(1, ops.StepDone({"out": out}, bucket=2, instance=1))
+    done = encode_reply(1, ops.DeviceResult({"out": out}, bucket=2, instance=1))
     error = encode_error(2, Busy("full"))
     assert len(done) == 1 and len(error) == 1  # small tensors travel inline
     broken = msgpack.packb({"v": 1, "id": 3, "ok": True, "body": {}, "x": 0})

@@ -221,7 +221,7 @@ def valid_messages() -> list[list[bytes]]:
         },
         ["out", "lse"],
     )
-    done = ops.StepDone({"out": torch.randn(20, 20)}, 4, 1, 2, 12.5)
+    done = ops.DeviceResult({"out": torch.randn(20, 20)}, 4, 1, 2, 12.5)
     messages: list[Sequence[bytes | memoryview]] = [
         encode_request(12345, "step", step),
         encode_reply(12345, done),

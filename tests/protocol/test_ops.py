@@ -203,7 +203,7 @@ def test_ops_and_their_types() -> None:
     for name, op in OPS.items():
         assert op.name == name
         device_work = op.device and name not in answered_at_once
-        assert op.reply is (ops.StepDone if device_work else ops.Info)
+        assert op.reply is (ops.DeviceResult if device_work else ops.Info)
 
 
 def test_unset_optional_fields_are_left_out_of_the_wire() -> None:
@@ -382,7 +382,7 @@ def reply_of(frames: list[Any]) -> Reply:
 
 def test_step_done_round_trip() -> None:
     out, lse = torch.randn(8, 32, 1, 128).half(), torch.zeros(8)
-    frames = encode_reply(9, ops.StepDone({"out": out, "lse": lse}, 8, 2, 4, 812.5))
+    frames = encode_reply(9, ops.DeviceResult({"out": out, "lse": lse}, 8, 2, 4, 812.5))
     assert len(frames) == 2  # out as a frame, lse inline
     reply = reply_of(frames)
     done = reply.body(OPS["step"])
@@ -392,7 +392,7 @@ def test_step_done_round_trip() -> None:
 
 
 def test_step_done_defaults_and_fields_a_newer_server_adds() -> None:
-    done = reply_of(encode_reply(1, ops.StepDone())).body(OPS["update"])
+    done = reply_of(encode_reply(1, ops.DeviceResult())).body(OPS["update"])
     assert (done.outputs, done.bucket, done.instance, done.patched) == ({}, 0, 0, 0)
     newer = {"v": 1, "id": 1, "ok": True, "body": {"instance": 1, "queue_us": 3.5}}
     assert reply_of([msgpack.packb(newer)]).body(OPS["step"]).instance == 1

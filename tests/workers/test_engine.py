@@ -291,7 +291,7 @@ def test_where_steps_are_answered_and_the_in_flight_bound() -> None:
             backend.opened.set()
             wait_for(lambda: len(it.finished) == 5, 30, "the first step")
             assert it.finished[4] == (first, "graphlane-completion")
-            assert it.engine.steps_done == 5
+            assert it.engine.jobs_done == 5
         finally:
             backend.opened.set()
 

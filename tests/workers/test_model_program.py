@@ -384,7 +384,7 @@ def _step_frames(program: ModelProgram, context: int) -> tuple[int, int]:
         (s,) = eng.wait([eng.step(2, lengths, inputs=inputs, program="model",
                                   params=params, outputs=("tokens",))], 60)  # fmt: skip
         assert s.results is not None and set(s.results) == {"tokens"}
-        reply = ops.StepDone(outputs=dict(s.results), bucket=2, generation=1)
+        reply = ops.DeviceResult(outputs=dict(s.results), bucket=2, generation=1)
         return request, sum(len(f) for f in codec.encode_reply(7, reply))
 
 

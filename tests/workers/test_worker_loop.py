@@ -38,8 +38,8 @@ def _request(request_id: int, **fields: Any) -> list[bytes | memoryview]:
     return wire.encode_request(request_id, "step", body)
 
 
-def _step_done(reply: wire.Reply) -> ops.StepDone:
-    done: ops.StepDone = reply.body(ops.OPS["step"])
+def _step_done(reply: wire.Reply) -> ops.DeviceResult:
+    done: ops.DeviceResult = reply.body(ops.OPS["step"])
     return done
 
 

@@ -14,7 +14,7 @@ from graphlane.protocol.ops.control import Drain, Hello, Info, Shutdown, Status
 from graphlane.protocol.ops.kv import KvRead, KvWrite, Resume
 from graphlane.protocol.ops.prefill import Prefill
 from graphlane.protocol.ops.sequences import AddSequence, AppendBlocks, Decode, Free
-from graphlane.protocol.ops.steps import MAX_OUTPUTS, Replay, Step, StepDone, Update
+from graphlane.protocol.ops.steps import MAX_OUTPUTS, DeviceResult, Replay, Step, Update
 
 __all__ = [
     "MAX_OUTPUTS",
@@ -22,6 +22,7 @@ __all__ = [
     "AddSequence",
     "AppendBlocks",
     "Decode",
+    "DeviceResult",
     "Drain",
     "Free",
     "Hello",
@@ -35,7 +36,6 @@ __all__ = [
     "Shutdown",
     "Status",
     "Step",
-    "StepDone",
     "Update",
 ]
 
@@ -55,15 +55,15 @@ OPS: dict[str, Op] = {
         Op("status", Status, Info, device=False),
         Op("drain", Drain, Info, device=False),
         Op("shutdown", Shutdown, Info, device=False),
-        Op("step", Step, StepDone, device=True),
-        Op("update", Update, StepDone, device=True),
-        Op("replay", Replay, StepDone, device=True),
-        Op("kv_write", KvWrite, StepDone, device=True),
-        Op("kv_read", KvRead, StepDone, device=True),
-        Op("prefill", Prefill, StepDone, device=True),
+        Op("step", Step, DeviceResult, device=True),
+        Op("update", Update, DeviceResult, device=True),
+        Op("replay", Replay, DeviceResult, device=True),
+        Op("kv_write", KvWrite, DeviceResult, device=True),
+        Op("kv_read", KvRead, DeviceResult, device=True),
+        Op("prefill", Prefill, DeviceResult, device=True),
         Op("resume", Resume, Info, device=True),
-        Op("add", AddSequence, StepDone, device=True),
-        Op("decode", Decode, StepDone, device=True),
+        Op("add", AddSequence, DeviceResult, device=True),
+        Op("decode", Decode, DeviceResult, device=True),
         Op("append_blocks", AppendBlocks, Info, device=True),
         Op("free", Free, Info, device=True),
     )

@@ -10,7 +10,7 @@ slot ``s`` is position ``s % block_size`` of block ``s // block_size``; the prog
 
 Both name the worker ``generation`` they expect (hello reports it per worker; a
 mismatch is STATE_LOST: the worker restarted and the cache is gone). The reply is a
-:class:`~graphlane.protocol.ops.steps.StepDone`: ``outputs`` empty for ``kv_write``,
+:class:`~graphlane.protocol.ops.steps.DeviceResult`: ``outputs`` empty for ``kv_write``,
 ``key``/``value`` for ``kv_read``; ``generation`` the worker's.
 """
 

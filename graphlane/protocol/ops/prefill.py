@@ -8,7 +8,7 @@ in the cache already: a scheduler that chunks prompts itself sends the rest with
 later ``start``); ``block_table`` int32 [max_blocks_per_seq] names the sequence's
 blocks; ``params`` its sampling settings, one value each (``temperature``, ``top_k``,
 ``top_p``, ``seed``; default greedy). The reply is a
-:class:`~graphlane.protocol.ops.steps.StepDone` whose ``outputs`` hold ``tokens`` [1]
+:class:`~graphlane.protocol.ops.steps.DeviceResult` whose ``outputs`` hold ``tokens`` [1]
 (the first sampled token) and whichever of ``logprobs``, ``logprob_ids``, ``logits``
 ``outputs`` names. ``generation`` as for ``kv_write`` (STATE_LOST after a restart).
 """

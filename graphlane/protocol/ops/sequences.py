@@ -8,7 +8,7 @@ not grow with the context or the table width); ``append_blocks`` gives a sequenc
 blocks (also a field of ``decode``); ``free`` forgets sequences. A sequence is the
 client's that added it (its CURVE key, else its connection): no other client can name
 it. docs/models.md, "Sequences", has the rules. ``add`` and ``decode`` answer a
-:class:`~graphlane.protocol.ops.steps.StepDone` (``tokens`` [1] / [rows] sampled);
+:class:`~graphlane.protocol.ops.steps.DeviceResult` (``tokens`` [1] / [rows] sampled);
 ``append_blocks`` and ``free`` answer at once, in order with the requests before them.
 """
 

@@ -75,7 +75,7 @@ class Replay(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True
     generation: Count | None = None
 
 
-class StepDone(Struct, frozen=True, omit_defaults=True):
+class DeviceResult(Struct, frozen=True, omit_defaults=True):
     """The reply body of step, update, replay, kv_write and kv_read. Fields a newer server adds are
     skipped, not refused (reply bodies may grow: see the package docstring)."""
 
