@@ -465,6 +465,11 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     refused("add", {"sequence": 1, "tokens": torch.arange(3), "blocks": [1]}, "a", "sequence")
     refused("add", {"sequence": 2, "tokens": torch.arange(3), "blocks": [6]}, "a", "blocks")
     refused("add", {"sequence": 2, "tokens": torch.arange(3), "blocks": [1, 2, 3]}, "a", "blocks")
+    # a prompt longer than its blocks, or than any sequence: named as the add's own fields
+    refused("add", {"sequence": 2, "tokens": torch.arange(200), "blocks": [1]}, "a",
+            "blocks: a prompt of 200 tokens needs 2 blocks")  # fmt: skip
+    refused("add", {"sequence": 2, "tokens": torch.arange(300) % 200, "blocks": [1, 2]}, "a",
+            "tokens: a prompt of 300 tokens is longer than 256")  # fmt: skip
     refused("decode", {"sequences": [1]}, "b", "sequences[0]")  # another client's id
     refused("decode", {"sequences": [1, 1]}, "a", "sequences")
     refused("decode", {"sequences": [1], "new_blocks": {3: [1]}}, "a", "new_blocks.3")

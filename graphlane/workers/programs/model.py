@@ -754,6 +754,7 @@ class ModelProgram(GraphProgram):
             raise StepError("sequence", f"sequence {sid} is added already: free it first")
         self._check_room(len(mine))
         self._check_blocks(blocks, "blocks")
+        self._check_prompt(fields["tokens"], len(blocks))
         prefill = {
             "tokens": fields["tokens"],
             "block_table": self._table(blocks, "blocks"),
@@ -770,6 +771,18 @@ class ModelProgram(GraphProgram):
         self._sequences.setdefault(owner, {})[sid] = seq
         return StepPlan(plan.program, plan.batch, plan.bucket, {**plan.values, "added": seq},
                         plan.inputs)  # fmt: skip
+
+    def _check_prompt(self, tokens: Any, blocks: int) -> None:
+        """An add's prompt fits the most a sequence holds and the blocks it is given:
+        StepError naming the add's own field (its prefill names a ``block_table``)."""
+        n = tokens.numel() if isinstance(tokens, torch.Tensor) and tokens.dim() == 1 else 0
+        if n > self.max_len:
+            raise StepError("tokens", f"a prompt of {n} tokens is longer than {self.max_len}, "
+                            "the most (max_blocks_per_seq * block_size)")  # fmt: skip
+        bs = self.config.block_size
+        if n > blocks * bs:
+            raise StepError("blocks", f"a prompt of {n} tokens needs {-(-n // bs)} blocks of "
+                            f"{bs} tokens, {blocks} given")  # fmt: skip
 
     def _check_room(self, mine: int) -> None:
         """Refuse an add past the caps: StepError (BAD_REQUEST) for this client's own,
