@@ -536,6 +536,13 @@ def test_added_sequences_are_capped_per_client_and_in_all_and_go_with_their_clie
     assert program.plan_sequences("decode", {"sequences": [1]}, "b").values["lengths"][0] == 4
     assert program.release("a") == 2 and program.release("a") == 0
     assert program.sequence_counts()["blocks_free"] == 5
+    # a client that freed every sequence it added, still connected, holds none: not counted
+    monkeypatch.setattr(model_module, "CLIENTS", 10)  # (none forgotten for d's arrival)
+    before = program.sequence_counts()["clients"]
+    add("d", 1, block=0)
+    assert program.sequence_counts()["clients"] == before + 1
+    assert program.sequence_change("free", {"sequences": [1]}, "d") == {"freed": [1]}
+    assert program.sequence_counts()["clients"] == before
     add("c", 1, block=4)  # room again
     with pytest.raises(StepError, match="not one this client added"):
         program.plan_sequences("decode", {"sequences": [1]}, "a")

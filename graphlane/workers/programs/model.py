@@ -813,8 +813,10 @@ class ModelProgram(GraphProgram):
         for mine in self._sequences.values():
             for seq in mine.values():
                 held.update(seq.blocks)
+        with_some = {o for o, m in self._sequences.items() if m}  # (one that freed all: none)
+        with_some.update(o for o, sampled in self._clients.items() if sampled)
         return {
-            "clients": len(self._sequences.keys() | self._clients.keys()),
+            "clients": len(with_some),
             "sequences": sum(map(len, self._sequences.values())),
             "blocks_held": len(held),
             "blocks_free": self.config.num_blocks - len(held),
