@@ -108,6 +108,13 @@ def plan_groups(
         )
     have = host_npus(backend, dev)
     where = "the simulated NPU has" if backend == "sim" else f"this host has ({dev}/davinci*)"
+    if have == 0:  # a machine without NPUs (no /dev/davinci*): nothing to fit a group to
+        raise GroupError(
+            "tensor_parallel",
+            f"this host has no NPU ({dev}/davinci* absent), so no group of {size} fits: "
+            "check and serve this config on the Ascend host that runs it "
+            "(backend 'sim' serves groups here)",
+        )
     if have is not None and size > have:  # first: no device count would serve it
         raise GroupError(
             "tensor_parallel",

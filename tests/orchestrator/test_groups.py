@@ -64,6 +64,9 @@ def test_a_group_larger_than_the_hosts_npus_is_refused(tmp_path: Path) -> None:
         plan_groups((0, 1, 2, 3), 4, "npu", tmp_path)
     assert "larger than the 2 NPU(s) this host has" in str(err.value)
     assert host_npus("npu", tmp_path / "absent") == 0
+    with pytest.raises(GroupError) as err:  # no NPU here: say so, not "at most 0"
+        plan_groups((0, 1), 2, "npu", tmp_path / "absent")
+    assert err.value.key == "tensor_parallel" and "has no NPU" in str(err.value)
 
 
 def test_programs_must_agree_and_the_null_backend_has_no_collectives() -> None:
