@@ -472,6 +472,9 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
             "tokens: a prompt of 300 tokens is longer than 256")  # fmt: skip
     refused("decode", {"sequences": [1]}, "b", "sequences[0]")  # another client's id
     refused("decode", {"sequences": [1, 1]}, "a", "sequences")
+    largest = program.buckets[-1]
+    refused("decode", {"sequences": list(range(largest + 1))}, "a",
+            f"sequences: {largest + 1} sequences, more than the largest")  # fmt: skip
     refused("decode", {"sequences": [1], "new_blocks": {3: [1]}}, "a", "new_blocks.3")
     plan = program.plan_sequences("decode", {"sequences": [1]}, "a")  # token 128: block 0
     # its row's token and block table come from the persistent batch: none on the host

@@ -828,6 +828,10 @@ class ModelProgram(GraphProgram):
         persistent batch that its block-table rows and tokens are gathered by (feeds)."""
         sids, new = fields["sequences"], fields.get("new_blocks")
         batch = len(sids)
+        top = self.buckets[-1]
+        if batch > top:  # (bucket_for would name "batch", no field of decode)
+            raise StepError("sequences", f"{batch} sequences, more than the largest captured "
+                            f"bucket {top}: decode at most that many per step")  # fmt: skip
         bucket = self.bucket_for(batch)
         mine = self._sequences.get(owner) or {}
         rows = [mine.get(sid) for sid in sids]
