@@ -12,6 +12,9 @@ A caller's mistake is answered at the call, in one line naming the argument:
   numpy integers and floats Python numbers and numpy arrays in ``params`` lists;
   numpy arrays in ``inputs`` are viewed as tensors (:func:`as_tensors`); anything
   else as an input (a list of floats: its dtype would be a guess) is refused naming it;
+* sequence ids and block numbers (``add_sequence``, ``decode``, ``append_blocks``,
+  ``free_sequences``) are ints (numpy integers too) in their range: a float, a string
+  or a bool is refused naming the argument, never rounded (:func:`as_ids`);
 * KV cache ``slots`` are what a scheduler has at hand: a list of ints, or a 1-D
   integer tensor or numpy array (:func:`as_slots`);
 * ``outputs`` defaults to every output of the program as ``hello`` describes it; a
@@ -36,6 +39,8 @@ __all__ = [
     "BatchParams",
     "InvalidArgument",
     "ProgramOutputs",
+    "as_id",
+    "as_ids",
     "as_params",
     "as_slots",
     "as_tensor",
@@ -237,6 +242,26 @@ def as_slots(slots: Any, what: str = "slots") -> torch.Tensor:
     if t.dim() != 1:
         raise InvalidArgument(f"{what}: must be 1-D [n], not of shape {list(t.shape)}")
     return t if t.dtype in (torch.int64, torch.int32) else t.to(torch.int64)
+
+
+def as_ids(values: Any, what: str, most: int | None = None) -> list[int]:
+    """Sequence ids or block numbers (a list, tuple or range of ints >= 0, at most
+    ``most``) as a list of ints; InvalidArgument naming ``what`` otherwise: ``int()``
+    would turn 1.7 into sequence 1 and "3" into sequence 3."""
+    if not isinstance(values, (list, tuple, range)):
+        raise InvalidArgument(f"{what}: must be a list of ints, not {type(values).__name__}")
+    return [as_id(v, f"{what}[{i}]", most) for i, v in enumerate(values)]
+
+
+def as_id(value: Any, what: str, most: int | None = None) -> int:
+    """One sequence id or block number: an int >= 0 (at most ``most``)."""
+    if not _is_int(value):
+        raise InvalidArgument(f"{what}: must be an int, not {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < 0 or (most is not None and v > most):
+        within = f"in 0..{most}" if most is not None else ">= 0"
+        raise InvalidArgument(f"{what}: must be {within}, not {v}")
+    return v
 
 
 def _is_int(x: object) -> bool:

@@ -58,9 +58,13 @@ from graphlane.protocol.errors import (
     UnknownDevice,
     WorkerLost,
 )
+from graphlane.protocol.ops.sequences import MAX_SEQUENCE_ID
 from graphlane.protocol.security import ClientKeys
 
 from .args import (
+    InvalidArgument,
+    as_id,
+    as_ids,
     as_params,
     as_slots,
     as_tensor,
@@ -542,10 +546,11 @@ class Client:
         settings ``params`` (temperature, top_k, top_p, seed); ``outputs["tokens"]`` [1]
         is its first sampled token. See docs/models.md, "Sequences"."""
         tokens_t = as_slots(tokens, "tokens")
+        sid, table = as_id(sequence, "sequence", MAX_SEQUENCE_ID), as_ids(blocks, "blocks")
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
         body = ops.AddSequence(
-            program, local, sequence, tokens_t, [int(b) for b in blocks],
+            program, local, sid, tokens_t, table,
             as_params(params or {}), output_names(outputs), host.generation_for(local, None),
             deadline_ms(self.timeout, timeout),
         )  # fmt: skip
@@ -565,11 +570,20 @@ class Client:
         """One token more for each of ``sequences`` (rows in this order), each fed the
         token it sampled last, on the device: it may be sent before the reply of the
         previous decode. ``new_blocks``: blocks appended to some of them first."""
+        sids = as_ids(sequences, "sequences", MAX_SEQUENCE_ID)
+        if not isinstance(new_blocks, Mapping | None):
+            raise InvalidArgument(
+                f"new_blocks: must be a mapping of sequence ids to blocks, not "
+                f"{type(new_blocks).__name__}"
+            )
+        more = {
+            as_id(k, "new_blocks", MAX_SEQUENCE_ID): as_ids(v, f"new_blocks[{k!r}]")
+            for k, v in (new_blocks or {}).items()
+        }
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
-        more = {int(k): [int(b) for b in v] for k, v in (new_blocks or {}).items()}
         body = ops.Decode(
-            program, local, [int(s) for s in sequences], more, output_names(outputs),
+            program, local, sids, more, output_names(outputs),
             host.generation_for(local, None), deadline_ms(self.timeout, timeout),
         )  # fmt: skip
         done = await self._on_device(ch, "decode", body, timeout)
@@ -580,9 +594,10 @@ class Client:
         *, timeout: float | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Append ``blocks`` to ``sequence``'s blocks (before the decodes sent after it)."""
+        sid, more = as_id(sequence, "sequence", MAX_SEQUENCE_ID), as_ids(blocks, "blocks")
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
-        body = ops.AppendBlocks(program, local, sequence, [int(b) for b in blocks],
+        body = ops.AppendBlocks(program, local, sid, more,
                                 host.generation_for(local, None))  # fmt: skip
         return dict(await self._on_device(ch, "append_blocks", body, timeout))
 
@@ -592,9 +607,10 @@ class Client:
     ) -> dict[str, Any]:  # fmt: skip
         """Forget ``sequences`` on the worker (their blocks are this client's to reuse);
         ``freed``: those it had."""
+        sids = as_ids(sequences, "sequences", MAX_SEQUENCE_ID)
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
-        body = ops.Free(program, local, [int(s) for s in sequences],
+        body = ops.Free(program, local, sids,
                         host.generation_for(local, None))  # fmt: skip
         return dict(await self._on_device(ch, "free", body, timeout))
 

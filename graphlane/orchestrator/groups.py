@@ -106,21 +106,28 @@ def plan_groups(
             "backend 'null' has no device and no collectives: a group needs backend 'sim' "
             "or 'npu' (or set tensor_parallel = 1)",
         )
+    have = host_npus(backend, dev)
+    where = "the simulated NPU has" if backend == "sim" else f"this host has ({dev}/davinci*)"
+    if have == 0:  # a machine without NPUs (no /dev/davinci*): nothing to fit a group to
+        raise GroupError(
+            "tensor_parallel",
+            f"this host has no NPU ({dev}/davinci* absent), so no group of {size} fits: "
+            "check and serve this config on the Ascend host that runs it "
+            "(backend 'sim' serves groups here)",
+        )
+    if have is not None and size > have:  # first: no device count would serve it
+        raise GroupError(
+            "tensor_parallel",
+            f"a group of {size} devices is larger than the {have} NPU(s) {where}: "
+            f"set tensor_parallel to at most {have}",
+        )
     if len(devices) % size:
         raise GroupError(
             "devices",
             f"{len(devices)} device(s) cannot form groups of tensor_parallel = {size}: serve "
             f"a multiple of {size} devices (each group is {size} consecutive devices)",
         )
-    have = host_npus(backend, dev)
     if have is not None:
-        where = "the simulated NPU has" if backend == "sim" else f"this host has ({dev}/davinci*)"
-        if size > have:
-            raise GroupError(
-                "tensor_parallel",
-                f"a group of {size} devices is larger than the {have} NPU(s) {where}: "
-                f"set tensor_parallel to at most {have}",
-            )
         missing = [d for d in devices if d >= have]
         if missing:
             raise GroupError(

@@ -10,6 +10,8 @@ ZeroMQ channel of its own, what it does with each request:
     P seq owner REQUEST   the leader planned a device request (a step, add, decode,
                           prefill, update, replay, kv op): plan it the same way
     C owner REQUEST       the leader applied a sequence change (append_blocks, free)
+    X owner               the leader released a client that went (its last connection
+                          closed, its grace passed): release it too
     I seq                 the leader issued plan ``seq`` to its device: issue it too
     E                     the leader stops: finish what is issued, then exit
 
@@ -53,6 +55,7 @@ from graphlane.workers.worker import Worker, worker_main
 log = logging.getLogger("graphlane.worker")
 
 _PLAN, _CHANGE, _ISSUE, _END, _READY = b"P", b"C", b"I", b"E", b"R"
+_RELEASE = b"X"
 
 
 def group_main(spec: WorkerSpec, conn: Connection) -> None:
@@ -145,6 +148,13 @@ class GroupLeader(_GroupWorker):
         self._send(_CHANGE, header, *self.codec.encode_request(0, op, body))
         return answer
 
+    def _release(self, owner: Any) -> None:
+        # Only the leader sees the clients' connections: without this a follower would
+        # keep every gone client's sequences, and past max_sequences refuse (BUSY) an add
+        # the leader accepted, and leave the group.
+        super()._release(owner)
+        self._send(_RELEASE, msgspec.msgpack.encode(_owner(owner)))
+
     def _issue(self, step: Job) -> None:
         seq = self._planned.pop(step, None)
         planned = self._planned
@@ -204,6 +214,10 @@ class GroupFollower(_GroupWorker):
                     fields = {f: getattr(req.body, f) for f in req.body.__struct_fields__}
                     program = self.engine.programs[req.body.program]
                     program.sequence_change(req.op, fields, owner)
+            elif kind == _RELEASE:
+                owner = msgspec.msgpack.decode(frames[1].bytes)
+                for program in self._sequence_programs:
+                    program.release(owner)
             elif kind == _END:
                 self._stop_when_idle = True
                 self._maybe_stop()

@@ -42,6 +42,7 @@ import torch
 import zmq
 
 from graphlane.logs import setup_logging
+from graphlane.program_config import ProgramConfigError
 from graphlane.protocol import ops, pipe, security, wire
 from graphlane.protocol.errors import (
     BadRequest,
@@ -89,10 +90,12 @@ def worker_main(
     except BaseException as exc:  # report the failure through the handshake, then exit
         try:
             failed = start_failure(exc)
+            mistake = isinstance(exc, ProgramConfigError)  # the config's: its line says all
             log.error(
-                "worker cannot start (%s)",
+                "worker cannot start (%s)%s",
                 "permanent: not restarted" if failed.permanent else "transient: restarted",
-                exc_info=exc,
+                f": {exc}" if mistake else "",
+                exc_info=None if mistake else exc,
             )
             pipe.send(conn, failed)
         finally:

@@ -35,11 +35,32 @@ def test_a_program_the_worker_cannot_build_is_relayed_in_one_line(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    failed = [line for line in log_path.read_text().splitlines() if "every worker failed" in line]
+    text = log_path.read_text()
+    failed = [line for line in text.splitlines() if "every worker failed" in line]
     assert failed and "programs.attention.layers: must be a positive integer" in failed[-1]
+    assert "Traceback" not in text  # a mistake in the config is its line, not a bug's trace
     assert main(["config", "check", str(cfg)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and "programs.attention.layers" in err[0]
+
+
+def test_a_group_whose_model_directory_is_missing_exits_in_one_line(tmp_path: Path) -> None:
+    # Every rank of a tensor-parallel group fails to load the program: serve exits 1 at
+    # once (no rank waits for the others' rendezvous), naming the key, with no traceback.
+    cfg = write_config(
+        tmp_path / "nomodel.toml",
+        {"listen": f"ipc://{tmp_path}/nomodel/daemon.sock", "devices": 2,
+         "programs": [{"name": "model", "model": str(tmp_path / "absent"),
+                       "tensor_parallel": 2}]},
+    )  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "graphlane", "serve", "--config", str(cfg)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    assert "every worker failed" in lines[-1] and "programs.model.model" in lines[-1], lines[-1]
+    assert "Traceback" not in run.stderr
 
 
 def test_a_serving_daemon_has_no_torch_loaded(shared_daemon: Any) -> None:

@@ -101,3 +101,29 @@ def test_a_keys_sequences_outlive_a_quick_reconnect_and_go_after_the_grace(
         assert held["blocks_free"] == MODEL["num_blocks"]
 
     asyncio.run(main())
+
+
+def test_a_groups_followers_release_a_gone_clients_sequences_too(start_daemon: Any) -> None:
+    """Only a group's leader sees its clients' connections: it forwards their release,
+    so a follower keeps no gone client's sequences. Else, past max_sequences, a follower
+    refuses an add the leader took (its record full of the gone ones) and the group
+    restarts, every client's sequences lost."""
+    caps = {"max_sequences": 3, "max_sequences_per_client": 3, "tensor_parallel": 2}
+    d: RunningDaemon = start_daemon(devices=2, programs=[{**MODEL, **caps}])
+
+    async def main() -> None:
+        async with Client(d.endpoint, timeout=30) as b:
+            for round_ in range(2):  # twice the cap, added by clients that go
+                a = Client(d.endpoint, timeout=30)
+                await a.connect()
+                for sid in range(3):
+                    await a.add_sequence("model", 0, sid, PROMPT, [sid])
+                await a.close()
+                await _until(d.endpoint, lambda h, r=round_: h["released"] == 3 * (r + 1))
+            for sid in range(3):
+                await b.add_sequence("model", 0, sid, PROMPT, [sid])
+            assert len((await b.decode("model", 0, [0])).outputs["tokens"]) == 1
+            st = await b.status()
+            assert [w["restarts"] for w in st["workers"]] == [0, 0], st["workers"]
+
+    asyncio.run(main())

@@ -49,6 +49,9 @@ def test_a_group_larger_than_the_hosts_npus_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:  # the sim has 8
         from_mapping({"devices": 16, "programs": [{**TP, "tensor_parallel": 16}]})
     assert err.value.key == "tensor_parallel" and "8 NPU(s)" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # no count of devices would do: say the group's
+        from_mapping({"devices": 4, "programs": [{**TP, "tensor_parallel": 16}]})
+    assert err.value.key == "tensor_parallel" and "at most 8" in str(err.value)
     with pytest.raises(ConfigError) as err:  # devices 8, 9 do not exist on the sim
         from_mapping({"devices": [6, 7, 8, 9], "programs": [{**TP, "tensor_parallel": 2}]})
     assert err.value.key == "devices" and "[8, 9]" in str(err.value)
@@ -61,6 +64,9 @@ def test_a_group_larger_than_the_hosts_npus_is_refused(tmp_path: Path) -> None:
         plan_groups((0, 1, 2, 3), 4, "npu", tmp_path)
     assert "larger than the 2 NPU(s) this host has" in str(err.value)
     assert host_npus("npu", tmp_path / "absent") == 0
+    with pytest.raises(GroupError) as err:  # no NPU here: say so, not "at most 0"
+        plan_groups((0, 1), 2, "npu", tmp_path / "absent")
+    assert err.value.key == "tensor_parallel" and "has no NPU" in str(err.value)
 
 
 def test_programs_must_agree_and_the_null_backend_has_no_collectives() -> None:

@@ -465,8 +465,16 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     refused("add", {"sequence": 1, "tokens": torch.arange(3), "blocks": [1]}, "a", "sequence")
     refused("add", {"sequence": 2, "tokens": torch.arange(3), "blocks": [6]}, "a", "blocks")
     refused("add", {"sequence": 2, "tokens": torch.arange(3), "blocks": [1, 2, 3]}, "a", "blocks")
+    # a prompt longer than its blocks, or than any sequence: named as the add's own fields
+    refused("add", {"sequence": 2, "tokens": torch.arange(200), "blocks": [1]}, "a",
+            "blocks: a prompt of 200 tokens needs 2 blocks")  # fmt: skip
+    refused("add", {"sequence": 2, "tokens": torch.arange(300) % 200, "blocks": [1, 2]}, "a",
+            "tokens: a prompt of 300 tokens is longer than 256")  # fmt: skip
     refused("decode", {"sequences": [1]}, "b", "sequences[0]")  # another client's id
     refused("decode", {"sequences": [1, 1]}, "a", "sequences")
+    largest = program.buckets[-1]
+    refused("decode", {"sequences": list(range(largest + 1))}, "a",
+            f"sequences: {largest + 1} sequences, more than the largest")  # fmt: skip
     refused("decode", {"sequences": [1], "new_blocks": {3: [1]}}, "a", "new_blocks.3")
     plan = program.plan_sequences("decode", {"sequences": [1]}, "a")  # token 128: block 0
     # its row's token and block table come from the persistent batch: none on the host
@@ -531,6 +539,13 @@ def test_added_sequences_are_capped_per_client_and_in_all_and_go_with_their_clie
     assert program.plan_sequences("decode", {"sequences": [1]}, "b").values["lengths"][0] == 4
     assert program.release("a") == 2 and program.release("a") == 0
     assert program.sequence_counts()["blocks_free"] == 5
+    # a client that freed every sequence it added, still connected, holds none: not counted
+    monkeypatch.setattr(model_module, "CLIENTS", 10)  # (none forgotten for d's arrival)
+    before = program.sequence_counts()["clients"]
+    add("d", 1, block=0)
+    assert program.sequence_counts()["clients"] == before + 1
+    assert program.sequence_change("free", {"sequences": [1]}, "d") == {"freed": [1]}
+    assert program.sequence_counts()["clients"] == before
     add("c", 1, block=4)  # room again
     with pytest.raises(StepError, match="not one this client added"):
         program.plan_sequences("decode", {"sequences": [1]}, "a")

@@ -22,7 +22,8 @@ from graphlane.protocol.bounds import MAX_ITEMS, Count, Name
 from graphlane.protocol.ops.steps import Deadline, Outputs, Params
 from graphlane.protocol.tensors import Tensor, take_tensor
 
-SequenceId = Annotated[int, Meta(ge=0, le=2**62)]
+MAX_SEQUENCE_ID = 2**62  # the largest id a client may give a sequence
+SequenceId = Annotated[int, Meta(ge=0, le=MAX_SEQUENCE_ID)]
 Sequences = Annotated[list[SequenceId], Meta(min_length=1, max_length=MAX_ITEMS)]
 Blocks = Annotated[list[Count], Meta(max_length=MAX_ITEMS)]
 NewBlocks = Annotated[dict[SequenceId, Blocks], Meta(max_length=MAX_ITEMS)]
@@ -76,4 +77,4 @@ class Free(Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     generation: Count | None = None
 
 
-__all__ = ["AddSequence", "AppendBlocks", "Decode", "Free"]
+__all__ = ["MAX_SEQUENCE_ID", "AddSequence", "AppendBlocks", "Decode", "Free"]

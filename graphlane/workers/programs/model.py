@@ -754,6 +754,7 @@ class ModelProgram(GraphProgram):
             raise StepError("sequence", f"sequence {sid} is added already: free it first")
         self._check_room(len(mine))
         self._check_blocks(blocks, "blocks")
+        self._check_prompt(fields["tokens"], len(blocks))
         prefill = {
             "tokens": fields["tokens"],
             "block_table": self._table(blocks, "blocks"),
@@ -770,6 +771,18 @@ class ModelProgram(GraphProgram):
         self._sequences.setdefault(owner, {})[sid] = seq
         return StepPlan(plan.program, plan.batch, plan.bucket, {**plan.values, "added": seq},
                         plan.inputs)  # fmt: skip
+
+    def _check_prompt(self, tokens: Any, blocks: int) -> None:
+        """An add's prompt fits the most a sequence holds and the blocks it is given:
+        StepError naming the add's own field (its prefill names a ``block_table``)."""
+        n = tokens.numel() if isinstance(tokens, torch.Tensor) and tokens.dim() == 1 else 0
+        if n > self.max_len:
+            raise StepError("tokens", f"a prompt of {n} tokens is longer than {self.max_len}, "
+                            "the most (max_blocks_per_seq * block_size)")  # fmt: skip
+        bs = self.config.block_size
+        if n > blocks * bs:
+            raise StepError("blocks", f"a prompt of {n} tokens needs {-(-n // bs)} blocks of "
+                            f"{bs} tokens, {blocks} given")  # fmt: skip
 
     def _check_room(self, mine: int) -> None:
         """Refuse an add past the caps: StepError (BAD_REQUEST) for this client's own,
@@ -800,8 +813,10 @@ class ModelProgram(GraphProgram):
         for mine in self._sequences.values():
             for seq in mine.values():
                 held.update(seq.blocks)
+        with_some = {o for o, m in self._sequences.items() if m}  # (one that freed all: none)
+        with_some.update(o for o, sampled in self._clients.items() if sampled)
         return {
-            "clients": len(self._sequences.keys() | self._clients.keys()),
+            "clients": len(with_some),
             "sequences": sum(map(len, self._sequences.values())),
             "blocks_held": len(held),
             "blocks_free": self.config.num_blocks - len(held),
@@ -813,6 +828,10 @@ class ModelProgram(GraphProgram):
         persistent batch that its block-table rows and tokens are gathered by (feeds)."""
         sids, new = fields["sequences"], fields.get("new_blocks")
         batch = len(sids)
+        top = self.buckets[-1]
+        if batch > top:  # (bucket_for would name "batch", no field of decode)
+            raise StepError("sequences", f"{batch} sequences, more than the largest captured "
+                            f"bucket {top}: decode at most that many per step")  # fmt: skip
         bucket = self.bucket_for(batch)
         mine = self._sequences.get(owner) or {}
         rows = [mine.get(sid) for sid in sids]
