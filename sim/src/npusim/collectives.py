@@ -24,10 +24,10 @@ link is (not the c10d store, whose few TCP round trips per collective would dwar
 modelled cost): each rank binds a ZeroMQ PULL socket on an abstract Unix socket named from
 a token rank 0 posts once in the group's store at creation, and pushes to every other
 rank. A collective is one message per rank to each other rank: its number, what it is,
-when it started and its input; a receiver thread per group files the messages by
-(number, rank) and wakes the rank's waiting task (no polling of a shared location: the
-ranks share the host's cores). Every rank reduces the same inputs in rank order, so every
-rank gets the same bits. The store is used at creation only.
+when it started and its input. The waiting task reads its socket itself, blocked in
+the socket's poll (no spinning on a shared location: the ranks share the host's cores),
+and files the messages by (number, rank). Every rank reduces the same inputs in rank
+order, so every rank gets the same bits. The store is used at creation only.
 """
 
 from __future__ import annotations
@@ -364,13 +364,10 @@ class CollectiveTask:
 class _Link:
     """A group's transport between its ranks' processes (module docstring, "Transport")."""
 
-    RECV_POLL_MS = 200  # how often the receiver thread looks whether it should stop
-
     def __init__(self, store: Any, rank: int, size: int, group_id: str) -> None:
         self.rank, self.size = rank, size
         self.cond = threading.Condition()
         self.inbox: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}
-        self.closed = False
         if size <= 1:
             return
         # The n-th creation of a group under this store prefix: every rank adds one, so a
@@ -393,10 +390,7 @@ class _Link:
                 sock.connect(f"ipc://@{name}-{r}")
                 self.push[r] = sock
         self.send_lock = threading.Lock()  # streams of one group run on several threads
-        self.thread = threading.Thread(
-            target=self._receive, name=f"npusim hccl link {group_id}", daemon=True
-        )
-        self.thread.start()
+        self.reading = False  # a waiting task is reading the PULL socket
 
     def send(self, header: dict[str, Any], payload: bytes) -> None:
         """``header`` (with the collective's "seq") and ``payload`` to every other rank."""
@@ -405,23 +399,32 @@ class _Link:
             for sock in self.push.values():
                 sock.send_multipart([head, payload], copy=False)
 
-    def _receive(self) -> None:
-        while not self.closed:
-            if not self.pull.poll(self.RECV_POLL_MS):
-                continue
-            head, payload = self.pull.recv_multipart()
-            header = json.loads(head)
-            with self.cond:
-                self.inbox[(int(header["seq"]), int(header["rank"]))] = (header, payload)
-                self.cond.notify_all()
+    def receive_locked(self, wait_s: float) -> None:
+        """File what arrives within ``wait_s`` in the inbox. Caller holds ``cond``.
 
-    def close(self) -> None:
-        self.closed = True
-        if self.size > 1:
-            self.thread.join()
-            for sock in [*self.push.values(), self.pull]:
-                sock.close(linger=0)
-            self.context.term()
+        The waiting task reads the socket itself (one wake-up, not a receiver thread's
+        and then its own); when several of the rank's streams wait, one reads and the
+        others wait on ``cond`` for what it files."""
+        if self.reading:
+            self.cond.wait(wait_s)
+            return
+        self.reading = True
+        got: list[tuple[dict[str, Any], bytes]] = []
+        self.cond.release()
+        try:
+            if self.pull.poll(int(wait_s * 1000)):
+                while True:
+                    try:
+                        head, payload = self.pull.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    got.append((json.loads(head), payload))
+        finally:
+            self.cond.acquire()
+            self.reading = False
+            for header, payload in got:
+                self.inbox[(int(header["seq"]), int(header["rank"]))] = (header, payload)
+            self.cond.notify_all()
 
 
 class _Meeting:
@@ -459,7 +462,7 @@ class _Meeting:
         return inputs, starts
 
     def _wait_for(self, ranks: list[int]) -> dict[int, tuple[dict[str, Any], bytes]]:
-        """Wait (woken by the link's receiver) until every rank's message is in; a fault or
+        """Wait (reading the link) until every rank's message is in; a fault or
         reset drops the task, the watchdog reports the ranks that never came."""
         if not ranks:
             return {}
@@ -474,7 +477,7 @@ class _Meeting:
                     raise Dropped
                 if RUNTIME.watchdog_expired(since):
                     break
-                link.cond.wait(self.WAKE_S)
+                link.receive_locked(self.WAKE_S)
         self._never_joined(missing)
 
     def _never_joined(self, ranks: list[int]) -> NoReturn:
