@@ -393,3 +393,37 @@ def test_an_eager_copy_and_a_replay_launch_cost_a_few_plain_host_copies(
     assert torch.count_nonzero(xs[0].cpu()) == 0  # replays are modelled, not computed
     assert per_copy < 20 * base, f"an eager copy costs {per_copy / base:.1f} plain copies"
     assert per_launch < 40 * base, f"a replay's launch costs {per_launch / base:.1f} plain copies"
+
+
+def test_a_copy_behind_queued_replays_runs_at_issue_and_behind_eager_work_in_order(
+    restore_config: None,
+) -> None:
+    """Performance mode: a replay computes nothing, so a copy queued behind only
+    replays and records runs at its issue (the stream's thread does not run it: the
+    destination holds it before the replay's wait is released); behind an eager op,
+    which does write memory, it still runs in stream order."""
+    ev = torch.npu.ExternalEvent()  # type: ignore[attr-defined]
+    s = torch.npu.Stream()  # type: ignore[attr-defined]
+    g = torch.npu.NPUGraph()
+    x = torch.zeros(4).npu()
+    with torch.npu.graph(g, stream=s):
+        ev.wait(s)
+        ev.reset(s)
+        x.add_(1)
+    torch.npu.synchronize()
+    configure(mode="perf", task_us=1.0)
+    dev = torch.zeros(4, dtype=torch.int64, device="npu")
+    src = torch.arange(4)
+    with torch.npu.stream(s):  # type: ignore[attr-defined]
+        g.replay()  # blocked on ev until the host records it
+        dev.copy_(src, non_blocking=True)
+        early = dev._data.clone()  # type: ignore[attr-defined]  # the device memory itself
+        back = dev.to("cpu", non_blocking=True)
+    ev.record(torch.npu.Stream())  # type: ignore[attr-defined]  # the release
+    torch.npu.synchronize()
+    assert torch.equal(early, src) and torch.equal(back, src)
+    with torch.npu.stream(s):  # type: ignore[attr-defined]
+        dev.mul_(10)  # eager: queued (s is idle, but an op is never run at issue)
+        later = dev.to("cpu", non_blocking=True)
+    torch.npu.synchronize()
+    assert torch.equal(later, src * 10)
