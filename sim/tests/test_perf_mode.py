@@ -344,21 +344,24 @@ def test_a_20_layer_loop_runs_at_its_modelled_rate_relative_to_the_same_run(
     )
 
 
-def test_an_eager_copy_and_a_replay_launch_cost_a_few_plain_host_copies(
+def test_an_eager_copy_costs_a_few_plain_host_copies_and_a_launch_no_walk_of_memory(
     restore_config: None,
 ) -> None:
     """On an NPU an eager input copy (``aclrtMemcpyAsync``) and a replay's launch are C
     calls of a few microseconds with the interpreter lock released. In performance mode
-    the sim's CPU for them, every thread of the process counted (the stream's thread
-    runs the copy), stays a small multiple of what this run measures for a plain torch
-    copy between host tensors of the same size (the least of 3 reps each: a ratio, not a
-    wall time). Before its fast path an eager copy cost 30-35 plain copies."""
+    the sim's CPU per eager copy, every thread of the process counted (the stream's
+    thread may run it), stays a small multiple of what this run measures for a plain
+    torch copy between host tensors of the same size (the least of 3 reps each: a ratio,
+    not a wall time; 30-35 before its fast path), and a replay's launch costs the
+    issuing thread about as much for a graph holding 200 tensors as for one holding one
+    (before, the launch walked every tensor the graph holds: 1.6-2x)."""
     configure(mode="compute")
-    xs = [torch.zeros(4).npu() for _ in range(200)]  # a graph holding many tensors
-    g = torch.npu.NPUGraph()
-    with torch.npu.graph(g):
-        for x in xs:
-            x.add_(1)
+    xs = [torch.zeros(4).npu() for _ in range(200)]
+    graphs = {1: torch.npu.NPUGraph(), 200: torch.npu.NPUGraph()}
+    for n, g in graphs.items():
+        with torch.npu.graph(g):
+            for x in xs[:n]:
+                x.add_(1)
     torch.npu.synchronize()
     configure(mode="perf", task_us=1.0)
     dev = torch.zeros(64, dtype=torch.int64, device="npu")
@@ -377,7 +380,7 @@ def test_an_eager_copy_and_a_replay_launch_cost_a_few_plain_host_copies(
         torch.npu.synchronize()
         return (time.process_time() - t0) / n
 
-    def launch(n: int = 50) -> float:
+    def launch(g: torch.npu.NPUGraph, n: int = 30) -> float:  # type: ignore[name-defined]
         spent = 0.0
         for _ in range(n):
             t0 = time.thread_time()
@@ -388,11 +391,15 @@ def test_an_eager_copy_and_a_replay_launch_cost_a_few_plain_host_copies(
 
     base = min(plain() for _ in range(3))
     per_copy = min(copy() for _ in range(3))
-    per_launch = min(launch() for _ in range(3))
+    per_launch: dict[int, float] = {1: float("inf"), 200: float("inf")}
+    for _ in range(4):  # interleaved: a busy spell of the machine falls on both
+        for n, g in graphs.items():
+            per_launch[n] = min(per_launch[n], launch(g))
     assert torch.equal(dev.cpu(), src)
     assert torch.count_nonzero(xs[0].cpu()) == 0  # replays are modelled, not computed
     assert per_copy < 20 * base, f"an eager copy costs {per_copy / base:.1f} plain copies"
-    assert per_launch < 40 * base, f"a replay's launch costs {per_launch / base:.1f} plain copies"
+    ratio = per_launch[200] / per_launch[1]
+    assert ratio < 1.3, f"a launch: 200-tensor graph {ratio:.2f}x a 1-tensor one"
 
 
 def test_a_copy_behind_queued_replays_runs_at_issue_and_behind_eager_work_in_order(
