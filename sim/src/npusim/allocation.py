@@ -54,8 +54,9 @@ def storage_of(alloc: Allocation) -> torch.UntypedStorage:
 def note_uses(stream: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Work just queued on ``stream`` uses these tensors: remember uses on a stream other
     than the allocation's (a free does not wait for them), and check the first use of
-    memory reused while such a use was unordered with it."""
-    if stream.capturing is not None or stream.updating is not None:
+    memory reused while such a use was unordered with it. Performance mode checks no
+    use after free: it remembers nothing."""
+    if stream.capturing is not None or stream.updating is not None or RUNTIME.config.perf:
         return
     for v in (*args, *kwargs.values()):
         if isinstance(v, (list, tuple)):
@@ -222,9 +223,12 @@ def task_patched(graph: Any, node: Any, call: Any, moved: bool) -> None:
 
 
 def replay_issued_locked(graph: Any, stream: Any) -> None:
-    """A replay of ``graph`` was just queued on ``stream``. Caller holds RUNTIME.cond."""
+    """A replay of ``graph`` was just queued on ``stream``: remember its uses of memory
+    for the use-after-free checks, and check its memory was not freed and reused.
+    Performance mode checks neither (a walk of every tensor the graph holds per
+    replay, about 100 us for a 20-layer model). Caller holds RUNTIME.cond."""
     refs = getattr(graph, "_mem_refs", None)
-    if not refs:
+    if not refs or RUNTIME.config.perf:
         return
     entry = stream._last
     own = getattr(graph, "_mempool", None)

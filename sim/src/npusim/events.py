@@ -163,6 +163,8 @@ class ExternalEvent:
 
 
 class ExtRecordWork:
+    inert = True  # reads and writes no memory (Stream.issue_locked)
+
     def __init__(self, event: ExternalEvent) -> None:
         self.event = event
 

@@ -98,6 +98,8 @@ class Launch:
 
 
 class ReplayWork:
+    inert = True  # in performance mode (the only mode that asks) it computes nothing
+
     def __init__(
         self, graph: NPUGraph, launch: Launch, nodes: list[Any] | None = None, where: str = ""
     ) -> None:

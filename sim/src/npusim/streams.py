@@ -227,9 +227,18 @@ class Stream(torch.Stream):
         config = RUNTIME.config
         if model is None:
             model = model_now() if config.timed else 0.0
-        if config.perf and not self._queue and RUNTIME.fault is None:
-            run_now = getattr(work, "run_now_locked", None)
-            if run_now is not None and self._ran_now_locked(work, run_now, model):
+        if config.perf and RUNTIME.fault is None:
+            if not self._queue:
+                run_now = getattr(work, "run_now_locked", None)
+                if run_now is not None and self._ran_now_locked(work, run_now, model):
+                    return
+            elif (run_early := getattr(work, "run_early", None)) is not None and all(
+                getattr(e.work, "inert", False) for e in self._queue
+            ):
+                # Performance mode: what is queued reads and writes no memory (a replay
+                # is modelled time, a record a flag), so a copy run now, off the
+                # stream's thread, leaves memory as the stream would leave it
+                run_early()
                 return
         entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch, model)
         self._queue.append(entry)
@@ -667,6 +676,8 @@ class Event:
 
 class EventRecordWork:
     """Record of an Event: eager (``seq`` given) or a graph node (seq per launch)."""
+
+    inert = True  # reads and writes no memory (Stream.issue_locked)
 
     def __init__(self, event: Event, seq: int | None) -> None:
         self.event = event
