@@ -26,6 +26,7 @@ class Issuer:
         self, backend: DeviceBackend, programs: Sequence[GraphProgram], **options: Any
     ) -> None:
         self.finished: list[tuple[Job, str]] = []  # (step, the thread that answered it)
+        self.backend = backend
         self.engine = StepEngine(backend, programs, on_done=self._on_done, **options)
 
     def _on_done(self, step: Job) -> None:
@@ -37,6 +38,13 @@ class Issuer:
 
     def __exit__(self, *exc: Any) -> None:
         self.engine.close()
+        # What a finished step's hook queued behind its done event (a decode's scatter of
+        # its tokens into the persistent batch) may still run: the program's memory is
+        # freed when this test lets it go, and a next engine in this process may take it
+        # (a worker process exits instead). Not after a failure (a faulted engine's device
+        # raises its fault again).
+        if exc == (None, None, None) and self.engine.failure is None:
+            self.backend.synchronize()
 
     def plan(
         self,
