@@ -230,17 +230,22 @@ class FieldModel:
 
 # ------------------------------------------------------------ through a daemon
 async def _prefill(c: Client, prompts: list[list[int]]) -> None:
-    """Each prompt prefilled naming its row as its sequence: step 0's rows of -1 take
-    the prefill's tokens (this bench's steps are the generic ones, token -1)."""
+    """Each prompt added as sequence r (its row's blocks), freed first if a run before
+    added it: what a scheduler on the typed sequence operations sends (docs/models.md,
+    "Sequences"); the steps then name the sequences alone."""
+    rows = list(range(len(prompts)))
+    await c.free_sequences("model", 0, rows)
     for r, prompt in enumerate(prompts):
-        await c.prefill("model", 0, torch.tensor(prompt), TABLE[r], params={"sequence_id": r})
+        await c.add_sequence("model", 0, r, torch.tensor(prompt), TABLE[r].tolist())
 
 
 async def daemon_ahead(c: Client, steps: int, sched_ms: float, window: int = WINDOW,
                        token: int = -1) -> float:  # fmt: skip
     """The scheduler decoding ahead through the daemon: before each step its work, then
-    the step sent with every row's token ``token`` (-1: the one its sequence sampled in its
-    previous step, fed on the device), ``window`` steps in flight: steps/s."""
+    ``window`` steps in flight: steps/s. ``token`` -1: a ``decode`` of the sequences
+    :func:`_prefill` added (each fed on the device the token it sampled last); else the
+    generic step with every row's token ``token`` and its block table (a device that
+    keeps no KV cache)."""
     rows = list(range(BATCH))
     feed = {"tokens": torch.full((BATCH,), token, dtype=torch.int64), "block_table": TABLE}
     sent: collections.deque[asyncio.Task[Any]] = collections.deque()
@@ -249,10 +254,12 @@ async def daemon_ahead(c: Client, steps: int, sched_ms: float, window: int = WIN
         scheduler_work(sched_ms)
         while len(sent) >= window:
             await sent.popleft()
-        params: dict[str, Any] = {"actual_seq_lengths_kv": decode._lengths(i)}
         if token < 0:
-            params["sequence_id"] = rows
-        sent.append(asyncio.create_task(c.step("model", 0, params, feed, outputs=["tokens"])))
+            call = c.decode("model", 0, rows)
+        else:
+            params = {"actual_seq_lengths_kv": decode._lengths(i)}
+            call = c.step("model", 0, params, feed, outputs=["tokens"])
+        sent.append(asyncio.create_task(call))
         await asyncio.sleep(0)  # tasks start in order: requests go in order
     while sent:
         await sent.popleft()
@@ -263,11 +270,9 @@ async def daemon_lone(c: Client, steps: int) -> list[float]:
     """Each step waited for before the next: wall seconds each."""
     out = []
     rows = list(range(BATCH))
-    feed = {"tokens": torch.full((BATCH,), -1, dtype=torch.int64), "block_table": TABLE}
-    for i in range(steps):
+    for _ in range(steps):
         t0 = time.perf_counter()
-        await c.step("model", 0, {"actual_seq_lengths_kv": decode._lengths(i),
-                                  "sequence_id": rows}, feed, outputs=["tokens"])  # fmt: skip
+        await c.decode("model", 0, rows)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -425,10 +430,9 @@ def own_cpu(
     """The worker's and the client's own CPU per decode step, in microseconds, one figure
     per rep: the same program and the same requests decoding ahead, through a daemon on
     the ``null`` backend (no device: what is left is graphlane's socket, decode, plan,
-    issue, completion and reply, and the client's send and receive). The null device
-    keeps no KV cache, so the rows carry their tokens (no prefill, no device feed); the
-    request is otherwise the same. The worker's is the CPU of all its threads
-    (``/proc``), the client's this process's."""
+    issue, completion and reply, and the client's send and receive): the sequences
+    added, then decoded ahead by name, as the perf-mode daemon runs them. The worker's
+    is the CPU of all its threads (``/proc``), the client's this process's."""
     daemon = BenchDaemon(program_table(layers), backend="null")
     try:
         return asyncio.run(_own_cpu(daemon.endpoint, steps, reps))
@@ -440,9 +444,11 @@ async def _own_cpu(endpoint: str, steps: int, reps: int) -> tuple[list[float], l
     worker, client = [], []
     async with Client(endpoint, timeout=120) as c:
         pid = (await c.status())["workers"][0]["pid"]
+        prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
         for rep in range(reps + 1):  # the first warms up
+            await _prefill(c, prompts)
             w0, c0 = process_cpu_s(pid), time.process_time()
-            await daemon_ahead(c, steps, 0.0, token=1)
+            await daemon_ahead(c, steps, 0.0)
             w1, c1 = process_cpu_s(pid), time.process_time()
             if rep:
                 worker.append(1e6 * (w1 - w0) / steps)

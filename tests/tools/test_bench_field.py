@@ -85,3 +85,27 @@ def test_a_report_without_the_field_part_has_no_field_goals() -> None:
 def test_bench_runs_the_field_part_alone_with_a_flag() -> None:
     args = _parser().parse_args(["bench", "--field", "--quick"])
     assert args.field and args.quick
+
+
+def test_the_daemons_way_decodes_added_sequences_as_a_scheduler_does() -> None:
+    """The daemon's figures are of the path the reference scheduler runs: the sequences
+    added, then decoded by name (no token -1, no block table in the request)."""
+    import asyncio
+
+    from graphlane.bench.daemon import BenchDaemon
+    from graphlane.client import Client
+
+    daemon = BenchDaemon(field.program_table(2), backend="null")
+
+    async def main() -> dict:
+        async with Client(daemon.endpoint, timeout=60) as c:
+            await field._prefill(c, [[1 + r] * 8 for r in range(field.BATCH)])
+            assert await field.daemon_ahead(c, 6, 0.0) > 0
+            assert len(await field.daemon_lone(c, 2)) == 2
+            return await c.worker_status(0)
+
+    try:
+        status = asyncio.run(main())
+    finally:
+        daemon.close()
+    assert status["sequences"]["model"]["sequences"] == field.BATCH
