@@ -237,13 +237,9 @@ class Runtime:
             setattr(t, _CLOCK_ATTR, clock)  # what a join of this thread takes
         return h.actor, h.clock
 
-    def host_issue_join_locked(self, into: Clock, holder: Any) -> None:
-        """Join into ``into`` (the clock of ``holder``, a stream) what
-        :meth:`host_issue_clock` would return, without the copy (work run at its issue:
-        ``Stream.issue_locked``); ticks the host. When the host's clock took no other
-        entries since ``holder`` last joined it, only the host's own entry can have
-        grown: one entry is joined, not every actor the process has seen (a long-lived
-        process has many)."""
+    def _host_caught_up(self) -> tuple[Any, Any, Clock]:
+        """The calling host thread's record, actor and clock, the clock having joined
+        what any host observed since it last looked (``h.joins`` counts those joins)."""
         h = self._host
         try:
             actor, clock = h.actor, h.clock
@@ -253,6 +249,16 @@ class Runtime:
             clock_join(clock, self.observed)
             h.seen = self.observed_version
             h.joins += 1
+        return h, actor, clock
+
+    def host_issue_join_locked(self, into: Clock, holder: Any) -> None:
+        """Join into ``into`` (the clock of ``holder``, a stream) what
+        :meth:`host_issue_clock` would return, without the copy (work run at its issue:
+        ``Stream.issue_locked``); ticks the host. When the host's clock took no other
+        entries since ``holder`` last joined it, only the host's own entry can have
+        grown: one entry is joined, not every actor the process has seen (a long-lived
+        process has many)."""
+        h, actor, clock = self._host_caught_up()
         stamp = (actor, h.joins)
         if holder._host_joined == stamp:
             if into.get(actor, 0) < clock[actor]:
@@ -266,15 +272,7 @@ class Runtime:
         """Clock carried by work the calling host thread issues now; ticks the host.
 
         Caller holds ``cond``: the issue joins what any host observed before it."""
-        h = self._host
-        try:
-            actor, clock = h.actor, h.clock
-        except AttributeError:
-            actor, clock = self.host_actor()
-        if h.seen != self.observed_version:
-            clock_join(clock, self.observed)
-            h.seen = self.observed_version
-            h.joins += 1
+        _, actor, clock = self._host_caught_up()
         snap = dict(clock)
         clock[actor] += 1
         return snap
