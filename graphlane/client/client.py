@@ -401,12 +401,7 @@ class Client:
             host.generation_for(local, program),
         )
         try:
-            done = await ch.call(
-                next(self._ids),
-                _STEP,
-                body,
-                self.timeout if timeout is None else call_timeout(self.timeout, timeout),
-            )
+            done = await self._call(ch, "step", body, timeout)
         except GraphlaneError as exc:
             self._after_failure(ch, body, exc)
             raise
@@ -647,8 +642,6 @@ class Client:
                 raise Timeout(f"workers not ready within {timeout:g} s")
             await asyncio.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
-
-_STEP = ops.OPS["step"]
 
 #: Failures after which a worker refuses nothing (a lost generation or connection is a
 #: fence of its own; a refused key gets no service at all).

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import zmq
@@ -68,9 +68,6 @@ from graphlane.workers.owners import SequenceOwners
 from graphlane.workers.programs import StepError
 from graphlane.workers.programs.base import GraphKey, GraphProgram
 from graphlane.workers.spec import WorkerSpec
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("graphlane.worker")
 

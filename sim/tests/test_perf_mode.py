@@ -251,7 +251,6 @@ def _thread_cpu_s(thread: object) -> float:
         return 0.0
 
 
-@pytest.mark.skipif(not hasattr(time, "thread_time"), reason="needs per-thread CPU time")
 def test_the_sims_own_cpu_per_update_fits_inside_the_modelled_lock_share(
     restore_config: None,
 ) -> None:

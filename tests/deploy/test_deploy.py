@@ -612,12 +612,7 @@ def test_tensor_parallel_config_makes_two_groups_of_four_on_an_8_npu_host(tmp_pa
     (program,) = raw["programs"]
     del program["model"]
     program["random"] = TINY_LLAMA
-    try:
-        conf = cfg.from_mapping({**raw, "backend": "sim", "programs": [program]})
-    except cfg.ConfigError as exc:
-        if exc.key == "programs.model.tensor_parallel":  # the model program's key: issue 44
-            pytest.skip(f"the model program does not read tensor_parallel yet: {exc}")
-        raise
+    conf = cfg.from_mapping({**raw, "backend": "sim", "programs": [program]})
     assert (conf.tensor_parallel, conf.devices) == (4, tuple(range(8)))
     # A capture waits for the group's HCCL connection (HCCL_CONNECT_TIMEOUT + 20 s).
     env = parse_env_file(ENV_FILE.read_text())

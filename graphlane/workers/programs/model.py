@@ -736,11 +736,10 @@ class ModelProgram(GraphProgram):
             return self._plan_add(fields, owner)
         return self._plan_decode(fields, owner)
 
-    def _table(self, blocks: list[int], where: str) -> torch.Tensor:
+    def _table(self, blocks: list[int]) -> torch.Tensor:
+        """A block-table row of ``blocks`` (checked: :meth:`_check_blocks`), the scratch
+        block past them."""
         c = self.config
-        if len(blocks) > c.max_blocks_per_seq:
-            raise StepError(where, f"{len(blocks)} blocks, more than max_blocks_per_seq "
-                            f"{c.max_blocks_per_seq}")  # fmt: skip
         pad = [c.num_blocks] * (c.max_blocks_per_seq - len(blocks))
         return torch.tensor(blocks + pad, dtype=torch.int32)
 
@@ -757,7 +756,7 @@ class ModelProgram(GraphProgram):
         self._check_prompt(fields["tokens"], len(blocks))
         prefill = {
             "tokens": fields["tokens"],
-            "block_table": self._table(blocks, "blocks"),
+            "block_table": self._table(blocks),
             "params": {**params, SEQUENCE: sid},
             "outputs": fields.get("outputs") or ["tokens"],
         }
@@ -1015,7 +1014,6 @@ class ModelProgram(GraphProgram):
         if graph is not None and "decoded" in values:
             tokens = graph.buffers["tokens"][: plan.batch]
             self._batch.commit(values["decoded"], values["lengths"], tokens)
-            self._client(owner)
             return
         named = values.get("sequences") if graph is not None else values.get("sequence")
         if named is None:
