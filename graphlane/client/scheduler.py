@@ -147,6 +147,7 @@ class GenerationLoop:
         self.queue: deque[Request] = deque()
         self.live: list[Request] = []
         self.admitted: list[Request] = []
+        self._admitted_ids: set[int] = set()
         self.free = list(range(shape.num_blocks))
         self.inflight: list[asyncio.Task[None]] = []
         self._frees: list[asyncio.Future[None]] = []  # free calls, ended by run()
@@ -197,6 +198,9 @@ class GenerationLoop:
                     await self.hold()
                 if not rows and not self.queue:
                     if self.closed:
+                        await self._drain()  # a lost worker's reply may yet come back
+                        if self.state_lost or self.queue:
+                            continue
                         break
                     self._wake.clear()
                     waits = [*self.inflight, asyncio.ensure_future(self._wake.wait())]
@@ -228,10 +232,18 @@ class GenerationLoop:
             self.queue.popleft()
             r.blocks = [self.free.pop() for _ in range(need)]
             self.live.append(r)
-            self.admitted.append(r)
-            r.asked = 1
-            call = self.client.add_sequence(self.program, self.device, r.rid, r.prompt, r.blocks)
-            self._start("prefill", call, [r])
+            if id(r) not in self._admitted_ids:  # not one resumed after a lost worker
+                self._admitted_ids.add(id(r))
+                self.admitted.append(r)
+            self._prefill(r, r.received)
+
+    def _prefill(self, r: Request, got: int) -> None:
+        """Add ``r``'s sequence: its prompt and the ``got`` tokens it has so far (none
+        on its first admission; after a lost worker, those that came back)."""
+        r.asked = got + 1
+        context = [*r.prompt, *(int(t) for t in r.tokens[:got] if t is not None)]
+        call = self.client.add_sequence(self.program, self.device, r.rid, context, r.blocks)
+        self._start("prefill", call, [r])
 
     async def _send_step(self, rows: list[Request]) -> None:
         while len(self.inflight) >= self.window:
@@ -328,7 +340,13 @@ class GenerationLoop:
         if self.stopped:
             return
         self.state_lost = False
-        for r in self.live:
+        # Requests that left with their last decode in flight (asked every token, one
+        # never came back) go back to the front of the queue: their blocks went to
+        # others, so they are admitted again as room allows.
+        live = set(map(id, self.live))
+        orphans = [r for r in self.admitted
+                   if id(r) not in live and r.failed is None and not r.done]  # fmt: skip
+        for r in [*self.live, *orphans]:
             if r.failed is not None:
                 continue
             got = next((i for i, t in enumerate(r.tokens) if t is None), r.new)
@@ -340,11 +358,10 @@ class GenerationLoop:
             # Forget it first where the worker still has it (only the connection was
             # lost): an id is added once. The free goes out before the add.
             self._frees.append(asyncio.ensure_future(self._free(r.rid)))
-            r.asked = got + 1
-            context = [*r.prompt, *(int(t) for t in r.tokens[:got] if t is not None)]
-            call = self.client.add_sequence(self.program, self.device, r.rid, context, r.blocks)
-            self._start("prefill", call, [r])
             self.reprefilled += 1
+            if id(r) in live:
+                self._prefill(r, got)
+        self.queue.extendleft(reversed([r for r in orphans if not r.done]))
 
 
 __all__ = ["GenerationLoop", "ModelShape", "Observer", "Request"]
