@@ -135,7 +135,7 @@ def test_a_loss_on_a_requests_last_decode_after_it_left_the_batch_resumes_it() -
     """Request 0 asked its last token (it left the batch, its blocks went to others) and
     the worker died under that decode: it is prefilled again, not cut."""
     reqs = requests(6, 5)
-    last = {}
+    last: dict[int, int] = {}
 
     def when(w: FakeWorker, kind: str, rids: list[int]) -> bool:
         if kind == "decode" and 0 in rids:
