@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from npusim import SimConfig, configure, torch_npu
+from npusim import HazardError, SimConfig, configure, fault, torch_npu
 
 
 @pytest.fixture
@@ -189,6 +189,36 @@ def test_cpu_per_replay_does_not_grow_with_what_the_process_made_before(
         f"CPU per replay after the history: {after / before:.2f}x before ({before:.2f} and "
         f"{after:.2f} hand-offs)"
     )
+
+
+def test_after_perf_mode_the_checks_take_what_it_ordered_and_report_what_it_did_not(
+    restore_config: None,
+) -> None:
+    """Performance mode keeps no clocks; leaving it, the host has observed what the device
+    finished, so a write its synchronize ordered is no race afterwards (without that, the
+    checking mode would report one), and a race after the switch is reported as ever."""
+    a, b = torch.npu.Stream(), torch.npu.Stream()  # type: ignore[attr-defined]
+    x = torch.zeros(8).npu()
+    torch.npu.synchronize()
+    with torch.npu.stream(a):  # type: ignore[attr-defined]
+        x.fill_(1.0)  # compute mode: its write is recorded when it runs
+    deadline = time.monotonic() + 30
+    while not bool(x._data[0] == 1.0):  # type: ignore[attr-defined]  # ran, unobserved
+        assert time.monotonic() < deadline, "the write did not run"
+        time.sleep(0.001)
+    configure(mode="perf", task_us=1.0)
+    torch.npu.synchronize()  # orders it before what follows
+    configure(mode="compute")
+    with torch.npu.stream(b):  # type: ignore[attr-defined]
+        x.fill_(2.0)
+    torch.npu.synchronize()
+    assert fault() is None and x.cpu().eq(2.0).all()
+    with pytest.raises(HazardError, match="race on npu memory"):
+        with torch.npu.stream(a):  # type: ignore[attr-defined]
+            x.fill_(3.0)
+        with torch.npu.stream(b):  # type: ignore[attr-defined]
+            x.fill_(4.0)  # not ordered after a's write
+        torch.npu.synchronize()
 
 
 def test_a_replay_is_its_tasks_modelled_time(restore_config: None) -> None:
