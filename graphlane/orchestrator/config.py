@@ -83,15 +83,23 @@ tensor_parallel = 2                # a model's: groups of N consecutive devices 
 ```
 
 Other programs take the keys their own factory reads (docs/programs.md).
+
+An error names the setting to change: a key of the file as written (``sim.task_us``), a
+program's key as ``programs.NAME.KEY`` (the ``[[programs]]`` table whose ``name`` is
+NAME; ``programs[i].name`` when that name is missing or repeats), and a value given by a
+``serve`` flag as the flag (``--devices``).
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from .groups import program_key
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7450"
 
@@ -102,6 +110,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -338,7 +347,8 @@ def _programs(raw: Any) -> tuple[tuple[dict[str, Any], ...], dict[str, tuple[str
         seen.add(p["name"])
         if "clients" in p:
             p = dict(p)
-            clients[p["name"]] = _key_names(f"programs[{i}].clients", p.pop("clients"))
+            key = program_key(i, p, "clients")
+            clients[p["name"]] = _key_names(key, p.pop("clients"))
         out.append(dict(p))
     return tuple(out), clients
 
@@ -440,11 +450,12 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
             f"gives cores for {len(cfg.cpu_affinity)} device(s), but {len(cfg.devices)} are "
             "served: one list of cores per device",
         )
-    from .groups import GroupError, plan_groups, tensor_parallel
+    from .groups import GroupError, plan_groups, size_key, tensor_parallel
 
     try:
         size = tensor_parallel(cfg.programs)
-        plan_groups(cfg.devices, size, cfg.backend)  # not a multiple, not on this host
+        # not a multiple, not on this host
+        plan_groups(cfg.devices, size, cfg.backend, key=size_key(cfg.programs))
     except GroupError as exc:
         raise ConfigError(exc.key, exc.message) from None
     cfg = replace(cfg, tensor_parallel=size)
@@ -466,7 +477,7 @@ def _check_roles(cfg: ServeConfig, raw: Mapping[str, Any]) -> None:
     named = [("admin_keys", cfg.admin_keys or ())]
     for i, p in enumerate(raw.get("programs") or ()):
         if isinstance(p, Mapping) and p.get("name") in cfg.program_clients:
-            named.append((f"programs[{i}].clients", cfg.program_clients[p["name"]]))
+            named.append((program_key(i, p, "clients"), cfg.program_clients[p["name"]]))
     if cfg.admin_keys is None and not cfg.program_clients:
         return
     if cfg.auth_dir is None:
@@ -513,8 +524,16 @@ def _check_port_span(cfg: ServeConfig) -> None:
         )
 
 
+def flag_name(key: str) -> str:
+    """The ``serve`` flag that sets file key ``key`` (``cpu_affinity``: ``--cpu-affinity``)."""
+    return "--" + key.replace("_", "-")
+
+
 def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> ServeConfig:
-    """The file (if any), then ``overrides`` (CLI flags, already named as file keys)."""
+    """The file (if any), then ``overrides`` (CLI flags, already named as file keys).
+
+    A setting that came from a flag is named as that flag in a ConfigError (a user who
+    typed ``--devices 0,x`` looks for ``--devices``, not for a file key)."""
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -523,7 +542,15 @@ def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = N
             raise ConfigError("--config", f"{path} does not exist") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from None
+    flagged = set()
     for k, v in (overrides or {}).items():
         if v is not None:
             raw[k] = v
-    return from_mapping(raw)
+            flagged.add(k)
+    try:
+        return from_mapping(raw)
+    except ConfigError as exc:
+        root = re.split(r"[.\[]", exc.key, maxsplit=1)[0]
+        if root not in flagged:
+            raise
+        raise ConfigError(flag_name(root), exc.message) from None

@@ -37,6 +37,22 @@ SIM_DEVICES = 8
 _DAVINCI = re.compile(r"davinci(\d+)")
 
 
+def program_key(i: int, program: Mapping[str, Any], key: str) -> str:
+    """How an error names ``key`` of the ``i``-th ``[[programs]]`` table: as its worker
+    names it, ``programs.NAME.KEY`` (the table whose ``name`` is NAME), or
+    ``programs[i].KEY`` when the table has no name to go by."""
+    name = program.get("name")
+    return f"programs.{name}.{key}" if isinstance(name, str) and name else f"programs[{i}].{key}"
+
+
+def size_key(programs: Iterable[Mapping[str, Any]]) -> str:
+    """The setting that sets the group size: the first program's ``tensor_parallel``."""
+    for i, p in enumerate(programs):
+        if "tensor_parallel" in p:
+            return program_key(i, p, "tensor_parallel")
+    return "tensor_parallel"
+
+
 def tensor_parallel(programs: Iterable[Mapping[str, Any]]) -> int:
     """The group size the programs' tables ask for (1: no groups). Every table that names
     ``tensor_parallel`` must name the same N: one worker process per rank serves all the
@@ -46,7 +62,7 @@ def tensor_parallel(programs: Iterable[Mapping[str, Any]]) -> int:
         if "tensor_parallel" not in p:
             continue
         n = p["tensor_parallel"]
-        key = f"programs[{i}].tensor_parallel"
+        key = program_key(i, p, "tensor_parallel")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise GroupError(key, f"must be an integer >= 1 (devices per group), not {n!r}")
         sizes.setdefault(n, key)
@@ -94,15 +110,20 @@ class DeviceGroups:
 
 
 def plan_groups(
-    devices: Sequence[int], size: int, backend: str, dev: Path = Path("/dev")
+    devices: Sequence[int],
+    size: int,
+    backend: str,
+    dev: Path = Path("/dev"),
+    key: str = "tensor_parallel",
 ) -> DeviceGroups:
     """``devices`` in groups of ``size`` consecutive devices, each checked against the
-    host's NPUs (GroupError naming the setting to change)."""
+    host's NPUs (GroupError naming the setting to change: ``key`` is the one that set
+    ``size``, :func:`size_key`)."""
     if size == 1:
         return DeviceGroups(1, tuple((d,) for d in devices))
     if backend == "null":
         raise GroupError(
-            "tensor_parallel",
+            key,
             "backend 'null' has no device and no collectives: a group needs backend 'sim' "
             "or 'npu' (or set tensor_parallel = 1)",
         )
@@ -110,14 +131,14 @@ def plan_groups(
     where = "the simulated NPU has" if backend == "sim" else f"this host has ({dev}/davinci*)"
     if have == 0:  # a machine without NPUs (no /dev/davinci*): nothing to fit a group to
         raise GroupError(
-            "tensor_parallel",
+            key,
             f"this host has no NPU ({dev}/davinci* absent), so no group of {size} fits: "
             "check and serve this config on the Ascend host that runs it "
             "(backend 'sim' serves groups here)",
         )
     if have is not None and size > have:  # first: no device count would serve it
         raise GroupError(
-            "tensor_parallel",
+            key,
             f"a group of {size} devices is larger than the {have} NPU(s) {where}: "
             f"set tensor_parallel to at most {have}",
         )
@@ -151,5 +172,7 @@ __all__ = [
     "group_devices",
     "host_npus",
     "plan_groups",
+    "program_key",
+    "size_key",
     "tensor_parallel",
 ]

@@ -76,6 +76,29 @@ def test_a_worker_endpoint_given_for_the_daemon_s_is_named_as_such(
     asyncio.run(client())
 
 
+# ---------------------------------------------------------------------------- serve's flags
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--devices", "0,x"], "--devices"),
+        (["--devices", "-2"], "--devices"),
+        (["--listen", "tcp://127.0.0.1"], "--listen"),
+        (["--metrics-port", "70000"], "--metrics-port"),
+        (["--auth-dir", "/nonexistent"], "--auth-dir"),
+    ],
+)
+def test_serve_names_a_bad_flag_as_the_flag(
+    args: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag's bad value is named as the flag typed (``--devices``), not as the file key
+    it sets (``devices``): one line, exit 2, nothing started."""
+    from graphlane.cli import main
+
+    assert main(["serve", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"configuration error: {named}: " in err, err
+
+
 # ---------------------------------------------------------------------------- client arguments
 def _paged_step() -> dict[str, Any]:
     """A one-row paged decode step (its KV slot 2, in blocks 0 and 1)."""

@@ -79,7 +79,7 @@ def test_errors_name_the_key(raw: dict, key: str) -> None:
 @pytest.mark.parametrize(
     ("program", "key"),
     [({"name": "attention", "layers": 0}, "programs.attention.layers"),
-     ({"name": "nope"}, "programs.kind")],
+     ({"name": "nope"}, "programs.nope.name")],
 )  # fmt: skip
 def test_a_programs_own_keys_are_checked_by_the_program_not_by_the_daemons_config(
     program: dict, key: str
@@ -92,6 +92,85 @@ def test_a_programs_own_keys_are_checked_by_the_program_not_by_the_daemons_confi
     with pytest.raises(ConfigError) as err:
         check_programs(conf)
     assert err.value.key == key
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"devices": "0,x"}, "--devices"),
+        ({"devices": "0,-1"}, "--devices"),
+        ({"listen": "tcp://127.0.0.1"}, "--listen"),
+        ({"metrics_port": 70000}, "--metrics-port"),
+        ({"auth_dir": "/nonexistent"}, "--auth-dir"),
+        ({"backend": "gpu"}, "--backend"),
+    ],
+)
+def test_a_setting_from_a_flag_is_named_as_the_flag(
+    tmp_path: Path, flags: dict, named: str
+) -> None:
+    """``serve --devices 0,x`` names ``--devices``, the flag typed, not the file key;
+    the same value in the file names the key."""
+    with pytest.raises(ConfigError) as err:
+        load(None, flags)
+    assert err.value.key == named and str(err.value).startswith(f"{named}: ")
+    f = tmp_path / "c.toml"
+    ((key, value),) = flags.items()
+    f.write_text(f"{key} = {value!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError) as err:
+        load(f)
+    assert err.value.key.split("[")[0] == key
+
+
+def test_a_flag_only_a_files_setting_contradicts_is_named_as_the_flag(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text('devices = 4\n[[programs]]\nname = "attention"\ntensor_parallel = 2\n')
+    with pytest.raises(ConfigError) as err:
+        load(f, {"devices": "3"})
+    assert err.value.key == "--devices" and "multiple of 2" in str(err.value)
+    f.write_text(f.read_text().replace("devices = 4", "devices = 3"))
+    with pytest.raises(ConfigError) as err:  # the file's own count: its key
+        load(f, {"devices": None})
+    assert err.value.key == "devices"
+
+
+TINY_MODEL = {"name": "model", "block_size": 128, "random": {
+    "model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("program", "key", "bound"),
+    [
+        ({**TINY_MODEL, "max_sequences": 8, "max_sequences_per_client": 9},
+         "max_sequences_per_client", "max_sequences"),
+        ({**TINY_MODEL, "max_sequences_per_client": 4097}, "max_sequences_per_client",
+         "max_sequences"),  # above the other's default
+    ],
+)  # fmt: skip
+def test_a_cap_above_the_cap_that_bounds_it_is_refused_naming_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], program: dict, key: str, bound: str
+) -> None:
+    """A client's sequences above the worker's could never be reached: config check
+    refuses it in one line naming both keys."""
+    from graphlane.cli import main
+    from graphlane.cli_support import check_programs
+
+    name = program["name"]
+    with pytest.raises(ConfigError) as err:
+        check_programs(from_mapping({"programs": [program]}))
+    assert err.value.key == f"programs.{name}.{key}"
+    assert f"programs.{name}.{bound}" in str(err.value)
+    f = tmp_path / "c.toml"
+    lines = [f"{k} = {v!r}" for k, v in program.items() if k != "random"]
+    lines += [f"{k} = {v!r}" for k, v in program.get("random", {}).items()]
+    if "random" in program:
+        lines.insert(len(program) - 1, "[programs.random]")
+    f.write_text("[[programs]]\n" + "\n".join(lines).replace("'", '"') + "\n")
+    assert main(["config", "check", str(f)]) == 2
+    err_lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and f"programs.{name}.{bound}" in err_lines[0], err_lines
+    fixed = {**program, bound: program[key]}
+    check_programs(from_mapping({"programs": [fixed]}))  # equal: taken
 
 
 def test_open_bind_is_allowed_when_insecure_is_explicit() -> None:
@@ -168,8 +247,8 @@ def test_roles_name_client_keys_and_clients_stay_out_of_the_program(tmp_path: Pa
         ({"admin_keys": "ops"}, "admin_keys", "client key names"),
         ({"programs": [{"name": "attention"},
                        {"name": "paged_attention", "clients": ["ops", "nobody"]}]},
-         "programs[1].clients", "nobody"),
-        ({"programs": [{"name": "attention", "clients": [1]}]}, "programs[0].clients",
+         "programs.paged_attention.clients", "nobody"),
+        ({"programs": [{"name": "attention", "clients": [1]}]}, "programs.attention.clients",
          "client key names"),
     ],
 )  # fmt: skip
@@ -185,7 +264,7 @@ def test_roles_naming_no_client_key_are_errors_naming_the_setting(
     ("raw", "key"),
     [
         ({"admin_keys": ["ops"]}, "admin_keys"),
-        ({"programs": [{"name": "attention", "clients": ["ops"]}]}, "programs[0].clients"),
+        ({"programs": [{"name": "attention", "clients": ["ops"]}]}, "programs.attention.clients"),
     ],
 )
 def test_roles_without_authentication_are_an_error(tmp_path: Path, raw: dict, key: str) -> None:

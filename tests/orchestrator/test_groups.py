@@ -21,6 +21,7 @@ from graphlane.orchestrator.groups import (
 
 WORKERS_TESTS = str(Path(__file__).parents[1] / "workers")  # allreduce_program
 TP = {"name": "allreduce_program:AllReduceAttention", "layers": 1, "dtype": "float32"}
+TP_KEY = f"programs.{TP['name']}.tensor_parallel"  # the key in the table of that name
 
 
 @pytest.fixture(autouse=True)
@@ -48,10 +49,10 @@ def test_a_device_count_that_is_not_a_multiple_of_the_group_is_refused() -> None
 def test_a_group_larger_than_the_hosts_npus_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:  # the sim has 8
         from_mapping({"devices": 16, "programs": [{**TP, "tensor_parallel": 16}]})
-    assert err.value.key == "tensor_parallel" and "8 NPU(s)" in str(err.value)
+    assert err.value.key == TP_KEY and "8 NPU(s)" in str(err.value)
     with pytest.raises(ConfigError) as err:  # no count of devices would do: say the group's
         from_mapping({"devices": 4, "programs": [{**TP, "tensor_parallel": 16}]})
-    assert err.value.key == "tensor_parallel" and "at most 8" in str(err.value)
+    assert err.value.key == TP_KEY and "at most 8" in str(err.value)
     with pytest.raises(ConfigError) as err:  # devices 8, 9 do not exist on the sim
         from_mapping({"devices": [6, 7, 8, 9], "programs": [{**TP, "tensor_parallel": 2}]})
     assert err.value.key == "devices" and "[8, 9]" in str(err.value)
@@ -79,6 +80,32 @@ def test_programs_must_agree_and_the_null_backend_has_no_collectives() -> None:
     with pytest.raises(GroupError) as err:
         plan_groups((0, 1), 2, "null")
     assert "no collectives" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("n", "devices", "says"),
+    [
+        (0, 2, "integer >= 1"),  # the daemon refuses it
+        (16, 4, "at most 8"),  # the daemon: no group of 16 on the sim's 8 NPUs
+        (3, 3, "divide num_attention_heads 8"),  # the daemon takes it, the worker does not
+    ],
+)
+def test_the_daemon_and_the_worker_name_a_programs_tensor_parallel_alike(
+    n: int, devices: int, says: str
+) -> None:
+    """Whichever process refuses a program's ``tensor_parallel``, the line names it as the
+    worker does, ``programs.NAME.tensor_parallel``: the key in the [[programs]] table
+    named NAME (the daemon said ``programs[0].tensor_parallel`` or a bare
+    ``tensor_parallel``, a top-level key the file refuses)."""
+    from graphlane.cli_support import check_programs
+
+    model = {"name": "model", "block_size": 128, "tensor_parallel": n, "random": {
+        "model_type": "llama", "vocab_size": 200, "hidden_size": 128,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 8,
+        "num_key_value_heads": 2}}  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        check_programs(from_mapping({"devices": devices, "programs": [model]}))
+    assert err.value.key == "programs.model.tensor_parallel" and says in str(err.value)
 
 
 def test_the_sims_device_count_is_npusims() -> None:

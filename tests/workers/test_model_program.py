@@ -6,8 +6,10 @@ test_model_serving.py."""
 
 from __future__ import annotations
 
+import ast
 import copy
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -491,6 +493,34 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     assert program.sequence_change("free", {"sequences": [1, 7]}, "b") == {"freed": [1]}
     refused("decode", {"sequences": [1]}, "b", "sequences[0]")
     assert program.plan_sequences("decode", {"sequences": [1]}, "a").values["lengths"][0] == 130
+
+
+def test_an_adds_parameter_error_lists_exactly_the_parameters_an_add_takes() -> None:
+    """An add names its sequence in its field ``sequence``: its refusal of an unknown
+    parameter lists what it takes (no ``sequence_id``, which its prefill takes), and it
+    takes every parameter it lists."""
+    arch = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2}  # fmt: skip
+    program = ModelProgram(ModelConfig(random=arch, **SERVING))
+
+    def add(sid: int, params: dict[str, Any]) -> None:
+        program.plan_sequences("add", {"sequence": sid, "tokens": torch.arange(3),
+                                       "blocks": [sid], "params": params}, "a")  # fmt: skip
+
+    listed: list[list[str]] = []
+    messages = []
+    for key in ("sequence_id", "temprature"):
+        with pytest.raises(StepError) as err:
+            add(0, {key: 1})
+        assert err.value.field == f"params.{key}"
+        messages.append(str(err.value))
+        listed.append(ast.literal_eval(re.search(r"known: (\[[^]]*\])", messages[-1])[1]))
+    assert listed[0] == listed[1] and "sequence_id" not in listed[0]
+    assert "its field sequence" in messages[0]  # where the sequence's id goes
+    value = {"temperature": 0.5, "top_k": 3, "top_p": 0.9, "seed": 7}
+    for sid, key in enumerate(listed[0]):
+        add(sid, {key: value[key]})  # each one listed is taken
 
 
 def test_added_sequences_are_capped_per_client_and_in_all_and_go_with_their_client(

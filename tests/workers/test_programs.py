@@ -81,7 +81,7 @@ def test_a_plugin_that_fails_to_import_fails_alone(installed_prefill: None) -> N
     assert {"attention", "broken", "prefill"} <= set(available_programs())
     with pytest.raises(ProgramConfigError, match=r"'broken'.*no such kernel") as err:
         load_program("broken", {})
-    assert err.value.key == "programs.kind"
+    assert err.value.key == "programs.broken.name"  # the key written: name = "broken"
     assert isinstance(load_program("attention", {"layers": 1}), AttentionProgram)
 
 

@@ -63,7 +63,7 @@ def _factory(kind: str) -> ProgramFactory | None:
             factory: ProgramFactory = ep.load()
         except Exception as exc:
             raise ProgramConfigError(
-                "programs.kind", f"program {kind!r} ({ep.value}) failed to import: {exc}"
+                f"programs.{kind}.name", f"program {kind!r} ({ep.value}) failed to import: {exc}"
             ) from exc
         return factory
     return None
@@ -74,11 +74,11 @@ def load_program(kind: str, config: Mapping[str, Any]) -> GraphProgram:
     factory = _factory(kind)
     if factory is None:
         raise ProgramConfigError(
-            "programs.kind", f"unknown program {kind!r} (available: {available_programs()})"
+            f"programs.{kind}.name", f"unknown program {kind!r} (available: {available_programs()})"
         )
     program = factory(config)
     if not isinstance(program, GraphProgram):
-        raise ProgramConfigError("programs.kind", f"{kind!r} did not build a GraphProgram")
+        raise ProgramConfigError(f"programs.{kind}.name", f"{kind!r} did not build a GraphProgram")
     return program
 
 

@@ -100,6 +100,30 @@ def check_attention_config(config: Any, ints: Iterable[str], where: str) -> None
         raise ProgramConfigError(f"{where}.buckets", "batch sizes must be distinct")
     if config.dtype not in COMPUTE_DTYPES:
         raise ProgramConfigError(f"{where}.dtype", f"must be one of {sorted(COMPUTE_DTYPES)}")
+    check_caps(config, where)
+
+
+#: Caps of a program's config that bound one another: (the smaller, the larger, why).
+#: A config that sets the smaller above the larger is refused: the first could never be
+#: reached, so a user who raised it would be bounded by the other without being told.
+#: (A block table wider than the cache, max_blocks_per_seq > num_blocks, is no such pair:
+#: the table's width is a captured shape, and a scheduler bounds a sequence by both.)
+CAPS = (
+    ("max_sequences_per_client", "max_sequences",
+     "one client's sequences count against the worker's total"),
+)  # fmt: skip
+
+
+def check_caps(config: Any, where: str) -> None:
+    """ProgramConfigError naming both keys when a cap of :data:`CAPS` that ``config`` has
+    is larger than the cap that bounds it."""
+    for small, large, why in CAPS:
+        a, b = getattr(config, small, None), getattr(config, large, None)
+        if isinstance(a, int) and isinstance(b, int) and a > b:
+            raise ProgramConfigError(
+                f"{where}.{small}",
+                f"{a} is more than {where}.{large} = {b} ({why}): lower it, or raise {large}",
+            )
 
 
 @dataclass(frozen=True)

@@ -19,19 +19,19 @@ from .base import GraphProgram, ProgramConfigError
 def factory_by_path(kind: str) -> Callable[[Mapping[str, Any]], GraphProgram]:
     module_name, _, attr = kind.partition(":")
     if not module_name or not attr:
-        raise ProgramConfigError("programs.name", f"{kind!r}: expected module:attr")
+        raise ProgramConfigError(f"programs.{kind}.name", f"{kind!r}: expected module:attr")
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:
         raise ProgramConfigError(
-            "programs.name", f"{kind!r}: module {module_name!r} failed to import: {exc}"
+            f"programs.{kind}.name", f"{kind!r}: module {module_name!r} failed to import: {exc}"
         ) from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise ProgramConfigError(
-                "programs.name", f"{kind!r}: {module_name} has no attribute {attr!r}"
+                f"programs.{kind}.name", f"{kind!r}: {module_name} has no attribute {attr!r}"
             ) from None
     if isinstance(obj, type) and issubclass(obj, GraphProgram):
         cls = obj
@@ -39,5 +39,5 @@ def factory_by_path(kind: str) -> Callable[[Mapping[str, Any]], GraphProgram]:
             return cls.from_config
         return lambda raw: cls()
     if not callable(obj):
-        raise ProgramConfigError("programs.name", f"{kind!r} is not callable")
+        raise ProgramConfigError(f"programs.{kind}.name", f"{kind!r} is not callable")
     return obj

@@ -99,6 +99,7 @@ from .base import (
     ProgramConfigError,
     StepError,
     StepPlan,
+    check_caps,
     config_values,
 )
 from .batch import PADDING, PersistentBatch, Sequence
@@ -177,6 +178,7 @@ class ModelConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ProgramConfigError(f"{where}.{key}", f"must be a positive integer, not {v!r}")
+        check_caps(self, where)
         if self.logprobs > spec.vocab_size:
             raise ProgramConfigError(
                 f"{where}.logprobs", f"must be <= vocab_size {spec.vocab_size}"
@@ -746,8 +748,11 @@ class ModelProgram(GraphProgram):
     def _plan_add(self, fields: Mapping[str, Any], owner: Any) -> StepPlan:
         sid, blocks = fields["sequence"], list(fields["blocks"])
         params = dict(fields.get("params") or {})
-        if SEQUENCE in params:
-            raise StepError(f"params.{SEQUENCE}", "an add names its sequence in sequence")
+        for key in params:  # (its prefill's check would list sequence_id, refused here)
+            if key not in PARAMS:
+                where = " (an add names its sequence in its field sequence)"
+                raise StepError(f"params.{key}", f"unknown parameter (known: {sorted(PARAMS)})"
+                                + (where if key == SEQUENCE else ""))  # fmt: skip
         mine = self._sequences.get(owner, {})
         if sid in mine:
             raise StepError("sequence", f"sequence {sid} is added already: free it first")

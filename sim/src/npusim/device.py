@@ -65,7 +65,10 @@ def synchronize(device: Any = None) -> None:
     idx = device_index(device)
     with RUNTIME.cond:
         RUNTIME.raise_if_faulted()
-        streams = [s for s in RUNTIME.streams if s.device_index == idx]
+        # The streams whose last entry no host observed: the rest's observations are in
+        # what every host takes in (a long-lived process made many streams).
+        streams = [s for s in RUNTIME.unobserved if s.device_index == idx]
+        RUNTIME.host_catch_up_locked()
     for s in streams:
         s.synchronize()
 

@@ -147,7 +147,8 @@ class ExternalEvent:
 
     def consumed_locked(self, ex: Stream, launch: Launch | None) -> None:
         """The record that set the flag is consumed on ``ex`` (its next may follow)."""
-        self._consume_clock = dict(ex.clock)
+        # (performance mode keeps no clocks, and checks no record against this one)
+        self._consume_clock = ex.clock if RUNTIME.config.perf else dict(ex.clock)
         where = ex.name if launch is None else f"{ex.name} in a replay of {launch.graph_name}"
         self._consumed_by = where
 
@@ -219,8 +220,8 @@ class ExtRecordWork:
             return
         ev.flag = True
         ev._set_at = ex.timed_now()
-        # Performance mode checks no ordering: the stream's clock itself (later ticks
-        # of it order more, never less), not a copy of every actor's entry.
+        # Performance mode keeps no clocks (runtime doc): the stream's clock itself (later
+        # ticks of it order more, never less), not a copy of every actor's entry.
         ev._record_clock = ex.clock if RUNTIME.config.perf else dict(ex.clock)
         ev._record_by = (ex, launch)  # formatted only for a report
         RUNTIME.wake_locked()
@@ -297,7 +298,8 @@ class ExtWaitWork:
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
             ex.resume(max(began, ev._set_at))  # when the device could go on
-            clock_join(ex.clock, ev._record_clock)
+            if not RUNTIME.config.perf:  # (no clocks: runtime doc)
+                clock_join(ex.clock, ev._record_clock)
             ex.tick()
             if RUNTIME.config.event_mode != "legacy":  # older CANN: only reset clears it
                 ev.flag = False

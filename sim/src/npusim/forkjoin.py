@@ -128,6 +128,7 @@ def _join(origin: CaptureOrigin, s: Stream) -> Capture:
     member = origin.member(s, branch.nodes)
     origin.members.append(member)
     s.capturing = member
+    RUNTIME.unobserved.add(s)  # a device synchronize refuses it while it captures
     return member
 
 

@@ -364,6 +364,7 @@ class NPUGraph:
             self.rng.begin()
             self._pool = capture_begin(self, pool, s)  # allocations come from its pool
             s.capturing = self.capturing = CaptureState(self, s, capture_error_mode)
+            RUNTIME.unobserved.add(s)  # a device synchronize refuses it while it captures
             capture_rules.LIVE.append(s.capturing)
 
     def capture_end(self) -> None:

@@ -28,6 +28,12 @@ unordered with it on every run.
 
 Hazards are decided by comparing clocks, never by timing, so a missing
 fence is reported on every run, whatever the interleaving was.
+
+Performance mode checks no ordering, so it keeps no clocks: an issue, a record, a wait
+and a host's observation move none (each would cost an entry per actor the process has
+seen, a long-lived process's history). Leaving it, the host observes what the device
+finished meanwhile (:meth:`Runtime.observe_finished_locked`), as a device synchronize at
+the switch would: a checking mode then reports no race on work performance mode ordered.
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class Queue(Protocol):
     def device_index(self) -> int: ...
 
     def synchronize(self) -> None: ...
+
+    def finished_clock_locked(self) -> Clock | None:
+        """The clock of the stream's last entry when it finished, else None."""
 
     def drop_pending_locked(self) -> None: ...
 
@@ -208,6 +217,13 @@ class Runtime:
         self.config = SimConfig.from_env()
         self.fault: SimError | None = None
         self.streams: list[Queue] = []
+        # Streams whose last entry no host observed yet, or that began a capture since (a
+        # device synchronize visits these alone: the others' observations are in
+        # ``observed``), and streams that
+        # blocked since the deadlock analysis last looked (it drops those no longer
+        # blocked): neither grows with the streams the process made before.
+        self.unobserved: set[Queue] = set()
+        self.blocked: set[Queue] = set()
         self.device_count = 8
         self._host = threading.local()
         # What host threads observed complete (see the module doc), and a counter
@@ -233,13 +249,12 @@ class Runtime:
             clock: Clock = dict(getattr(t, _START_ATTR, None) or {})  # the starter's history
             clock[actor] = 1
             h.actor, h.clock, h.seen = actor, clock, -1
-            h.joins = 0  # how often the clock took in other clocks (host_issue_join_locked)
             setattr(t, _CLOCK_ATTR, clock)  # what a join of this thread takes
         return h.actor, h.clock
 
     def _host_caught_up(self) -> tuple[Any, Any, Clock]:
         """The calling host thread's record, actor and clock, the clock having joined
-        what any host observed since it last looked (``h.joins`` counts those joins)."""
+        what any host observed since it last looked."""
         h = self._host
         try:
             actor, clock = h.actor, h.clock
@@ -248,25 +263,7 @@ class Runtime:
         if h.seen != self.observed_version:
             clock_join(clock, self.observed)
             h.seen = self.observed_version
-            h.joins += 1
         return h, actor, clock
-
-    def host_issue_join_locked(self, into: Clock, holder: Any) -> None:
-        """Join into ``into`` (the clock of ``holder``, a stream) what
-        :meth:`host_issue_clock` would return, without the copy (work run at its issue:
-        ``Stream.issue_locked``); ticks the host. When the host's clock took no other
-        entries since ``holder`` last joined it, only the host's own entry can have
-        grown: one entry is joined, not every actor the process has seen (a long-lived
-        process has many)."""
-        h, actor, clock = self._host_caught_up()
-        stamp = (actor, h.joins)
-        if holder._host_joined == stamp:
-            if into.get(actor, 0) < clock[actor]:
-                into[actor] = clock[actor]
-        else:
-            clock_join(into, clock)
-            holder._host_joined = stamp
-        clock[actor] += 1
 
     def host_issue_clock(self) -> Clock:
         """Clock carried by work the calling host thread issues now; ticks the host.
@@ -285,20 +282,34 @@ class Runtime:
         and in timed mode happen no earlier than ``at`` (:func:`host_clock`)."""
         if at is not None and at > self.observed_at[0] and self.config.timed:
             self.observed_at = (at, time.perf_counter(), threading.get_ident(), time.thread_time())
+        if self.config.perf:  # no clocks (module doc)
+            return
         _, clock = self.host_actor()
         clock_join(clock, other)
-        self._host.joins += 1
         observed = self.observed
         for k, v in other.items():
             if observed.get(k, 0) < v:
                 observed[k] = v
                 self.observed_version += 1
 
+    def host_catch_up_locked(self) -> None:
+        """The calling host thread takes in what any host observed (a device synchronize:
+        the streams another thread observed already). Caller holds ``cond``."""
+        if not self.config.perf:
+            self._host_caught_up()
+
+    def observe_finished_locked(self) -> None:
+        """The host observes the last finished entry of every stream (leaving performance
+        mode, which kept no clocks: module doc). Caller holds ``cond``."""
+        for s in self.streams:
+            done = s.finished_clock_locked()
+            if done is not None:
+                self.host_join(done)
+
     def host_merge(self, other: Clock) -> None:
         """Program order between host threads (a thread join): no device observation."""
         _, clock = self.host_actor()
         clock_join(clock, other)
-        self._host.joins += 1
 
     # ------------------------------------------------------------ faults
     def raise_if_faulted(self) -> None:
@@ -366,22 +377,19 @@ class Runtime:
         records are queued behind their own blocked waits). Called when a
         stream blocks and when a record is issued (which adds a provider).
         """
-        blocked = {s: s.blocked for s in self.streams if s.blocked is not None}
+        blocked = {s: s.blocked for s in self.blocked if s.blocked is not None}
+        self.blocked = set(blocked)
         if not blocked:
             return
-        # Live: running or idle; blocked but already satisfied (about to wake up); or
-        # blocked with nothing queued to release it, which a host thread may still do
-        # (the watchdog covers those).
-        live: set[Queue] = {
-            s
-            for s in self.streams
-            if s.blocked is None or s.blocked.ready() or not s.blocked.providers()
-        }
+        # Live: running or idle (not blocked); blocked but already satisfied (about to
+        # wake up); or blocked with nothing queued to release it, which a host thread may
+        # still do (the watchdog covers those).
+        live: set[Queue] = {s for s, w in blocked.items() if w.ready() or not w.providers()}
         changed = True
         while changed:
             changed = False
             for s, wait in blocked.items():
-                if s not in live and any(p in live for p in wait.providers()):
+                if s not in live and any(p in live or p not in blocked for p in wait.providers()):
                     live.add(s)
                     changed = True
         stuck = [s for s, w in blocked.items() if s not in live and w.providers()]
@@ -503,6 +511,10 @@ def configure(
         collective_us=old.collective_us if collective_us is None else collective_us,
         collective_gb_s=old.collective_gb_s if collective_gb_s is None else collective_gb_s,
     )
+    if old.perf and not new.perf:
+        with RUNTIME.cond:
+            RUNTIME.config = new
+            RUNTIME.observe_finished_locked()  # performance mode kept no clocks
     RUNTIME.config = new
     return new
 

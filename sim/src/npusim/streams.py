@@ -100,6 +100,10 @@ class Dropped(Exception):
     """Raised inside a stream thread when its work is abandoned (fault or reset)."""
 
 
+#: The clock of an entry issued in performance mode, which keeps no clocks (never written).
+_NO_CLOCK: Clock = {}
+
+
 class _Entry:
     __slots__ = ("clock", "done", "done_at", "done_clock", "epoch", "model", "work")
 
@@ -162,7 +166,6 @@ class Stream(torch.Stream):
         self.clock: Clock = {self.actor: 0}
         self.cost = CostClock()
         self.resume_at: float | None = None  # when the last device wait was satisfied
-        self._host_joined: tuple[int, int] | None = None  # see Runtime.host_issue_join_locked
         # Timed mode: where this stream is in modelled time (see ``timed_now``).
         self.model_time = 0.0
         self._queue: deque[_Entry] = deque()
@@ -240,9 +243,11 @@ class Stream(torch.Stream):
                 # stream's thread, leaves memory as the stream would leave it
                 run_early()
                 return
-        entry = _Entry(work, RUNTIME.host_issue_clock(), RUNTIME.epoch, model)
+        clock = _NO_CLOCK if config.perf else RUNTIME.host_issue_clock()  # (runtime doc)
+        entry = _Entry(work, clock, RUNTIME.epoch, model)
         self._queue.append(entry)
         self._last = entry
+        RUNTIME.unobserved.add(self)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._device_thread, name=f"sim-{self.name}", daemon=True
@@ -260,19 +265,18 @@ class Stream(torch.Stream):
         critical section and its share of the interpreter lock: device work that costs
         the host nothing, as on an NPU, where such an entry costs no host thread at all.
         Caller holds ``cond``."""
-        RUNTIME.host_issue_join_locked(self.clock, self)
         if model > self.model_time:  # it could not start before its issue
             self.model_time = model
         self.resume_at = None
         if not run_now(self):
             return False
-        entry = _Entry(work, {}, RUNTIME.epoch, model)
-        # The stream's clock itself, not a copy (a copy costs an entry per actor the
-        # process has seen): a host that synchronizes may take later ticks of this
-        # stream with it, which orders more, never less; performance mode checks no
-        # ordering.
+        entry = _Entry(work, _NO_CLOCK, RUNTIME.epoch, model)
+        # The stream's clock itself, not a copy: performance mode keeps no clocks (the
+        # runtime's doc); leaving it, a host that observes this entry takes later ticks
+        # of the stream too, which orders more, never less.
         entry.done, entry.done_clock, entry.done_at = True, self.clock, self.model_time
         self._last = entry
+        RUNTIME.unobserved.add(self)
         return True
 
     # ------------------------------------------------------------ executor thread
@@ -365,7 +369,8 @@ class Stream(torch.Stream):
     def _finish_locked(self, entry: _Entry) -> None:
         self.blocked = None
         entry.done = True
-        entry.done_clock = dict(self.clock)
+        # (performance mode: the clock itself, as _ran_now_locked's)
+        entry.done_clock = self.clock if RUNTIME.config.perf else dict(self.clock)
         entry.done_at = self.model_time
         if self._queue and self._queue[0] is entry:
             self._queue.popleft()
@@ -385,6 +390,7 @@ class Stream(torch.Stream):
                 raise Dropped
             if self.blocked is None:
                 self.blocked = wait
+                RUNTIME.blocked.add(self)
                 RUNTIME.check_deadlock()
                 continue
             if not wait.providers() and RUNTIME.watchdog_expired(since):
@@ -411,9 +417,10 @@ class Stream(torch.Stream):
                 )
             target = self._last
             if target is None:
+                RUNTIME.unobserved.discard(self)
                 return
             RUNTIME.wait_until(lambda: target.done, f"{self.name} to finish")
-            RUNTIME.host_join(target.done_clock, target.done_at)
+            self._observed_locked(target)
 
     def query(self) -> bool:
         with RUNTIME.cond:
@@ -422,8 +429,18 @@ class Stream(torch.Stream):
             if target is None:
                 return True
             if target.done:
-                RUNTIME.host_join(target.done_clock, target.done_at)
+                self._observed_locked(target)
             return target.done
+
+    def _observed_locked(self, target: _Entry) -> None:
+        """The host saw ``target``, an entry of this stream, finished."""
+        RUNTIME.host_join(target.done_clock, target.done_at)
+        if target is self._last:
+            RUNTIME.unobserved.discard(self)
+
+    def finished_clock_locked(self) -> Clock | None:
+        last = self._last
+        return last.done_clock if last is not None and last.done else None
 
     # ------------------------------------------------------------ reset support
     def drop_pending_locked(self) -> None:
@@ -663,7 +680,7 @@ class Event:
 
     # -------------------------------------------------------------- device side
     def complete_locked(self, seq: int, clock: Clock, at: float | None = None) -> None:
-        self._clocks[seq] = dict(clock)
+        self._clocks[seq] = clock if RUNTIME.config.perf else dict(clock)  # (runtime doc)
         self._times[seq] = time.perf_counter() if at is None else at
         self._providers.pop(seq, None)
         if seq > self._done:
@@ -736,7 +753,7 @@ class EventWaitWork:
     def _passed_locked(self, ex: Stream, began: float) -> None:
         ev, seq = self.event, self.seq
         clock = ev._clocks.get(seq)
-        if clock is not None:
+        if clock is not None and not RUNTIME.config.perf:  # (no clocks: runtime doc)
             clock_join(ex.clock, clock)
         ex.resume(max(began, ev._times.get(seq, began)))
 
