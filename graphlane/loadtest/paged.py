@@ -1,32 +1,47 @@
-"""The load test's workload of a program with a paged KV cache on the device (hello's
-``state.kind == "paged_kv"``, e.g. the built-in ``paged_attention``): a scheduler's own
-side of it, per device. A block allocator, the host copy of every live sequence's KV
-(written to the device with ``kv_write``), the inputs of a continuously batched decode
-step (the per-row ``slot_mapping`` and ``block_table`` come from the allocator: they
-address the device state), and the reference output of a step computed from the host
-copy with ``torch.nn.functional.scaled_dot_product_attention`` (GQA by repeating the KV
-heads; no code of graphlane's programs or of the sim).
+"""Sequences of a program with a paged KV cache on the device (hello's ``state.kind ==
+"paged_kv"``, e.g. ``paged_attention``), driven as a scheduler's decode loop: one
+:class:`PagedLoop` per device, in the shape of the reference scheduler
+(:mod:`graphlane.client.scheduler`) on this program's own operations.
 
-Its shapes come from the program's hello entry alone. Everything here is host code: the
-continuous-batching loop (:mod:`.batching`) sends what it builds and decides what to do
-with the answers.
+A sequence arriving (:func:`.run.arrive`) waits in its device's queue until the batch
+(the largest bucket) and the block allocator have room for its whole life; its prompt's
+KV is then written (``kv_write``) from a host copy. Each step carries one new token of
+every live sequence (its ``slot_mapping`` and ``block_table`` from the allocator), one
+step in flight per device; finished sequences leave and their blocks are reused. A
+``verify`` share of the steps is checked against SDPA over the host copy. After
+STATE_LOST the loop adopts the new generation and writes every live sequence again;
+a reply is checked only when all its rows were written in the generation that
+answered. Other retryable errors hold the device back and the step is rebuilt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+import asyncio
+import contextlib
+import itertools
+import random
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from graphlane.client import Client, StepReply
+from graphlane.protocol import ops
+from graphlane.protocol.errors import GraphlaneError
+from graphlane.protocol.wire import encode_request
 
-from .workload import Call, close_to
+from .availability import DeviceBackoff
+from .config import DECODE_TOKENS
+from .run import TOLERANCE, Call, Run, arrive, close_to, finish, send
 
 #: What the load test fills of a paged program's step (and its kv_write).
 PAGED_INPUTS = ("query", "key", "value", "slot_mapping", "block_table")
+_INTS = ("layers", "num_heads", "num_kv_heads", "head_dim", "block_size", "num_blocks",
+         "max_blocks_per_seq")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,73 +61,39 @@ class PagedShape:
     @classmethod
     def from_description(cls, described: Mapping[str, Any]) -> PagedShape:
         """From a program's ``hello`` entry; ValueError when it is not a paged program."""
-        state = described.get("state") or {}
-        cfg = described.get("config") or {}
+        state, cfg = described.get("state") or {}, described.get("config") or {}
         if state.get("kind") != "paged_kv":
             raise ValueError("the program keeps no paged KV cache (its hello has no state)")
-        missing_inputs = [n for n in PAGED_INPUTS if n not in (described.get("inputs") or {})]
-        if missing_inputs or "kv_write" not in (state.get("ops") or {}):
-            raise ValueError(
-                "a paged KV program's steps take inputs " + ", ".join(PAGED_INPUTS)
-                + " and its state op kv_write; this one lacks "
-                + ", ".join([*missing_inputs, *(["kv_write"] if "kv_write" not in
-                                                 (state.get("ops") or {}) else [])])
-            )  # fmt: skip
+        lacks = [n for n in PAGED_INPUTS if n not in (described.get("inputs") or {})]
+        lacks += [] if "kv_write" in (state.get("ops") or {}) else ["kv_write"]
+        if lacks:
+            raise ValueError(f"a paged KV program's steps take inputs {', '.join(PAGED_INPUTS)}"
+                             f" and its state op kv_write; this one lacks {', '.join(lacks)}")
         if "out" not in described.get("outputs", ()):
             raise ValueError("a paged KV program's steps give output out; this one does not")
-        ints = ("layers", "num_heads", "num_kv_heads", "head_dim", "block_size",
-                "num_blocks", "max_blocks_per_seq")  # fmt: skip
-        missing = [k for k in (*ints, "dtype") if k not in cfg]
+        missing = [k for k in (*_INTS, "dtype") if k not in cfg]
         if missing:
             raise ValueError(f"the program's hello config lacks {', '.join(missing)}")
-        return cls(
-            **{k: int(cfg[k]) for k in ints},
-            buckets=tuple(int(b) for b in described.get("buckets", cfg.get("buckets", ()))),
-            dtype=str(cfg["dtype"]),
-        )
+        buckets = tuple(int(b) for b in described.get("buckets", cfg.get("buckets", ())))
+        return cls(**{k: int(cfg[k]) for k in _INTS}, buckets=buckets, dtype=str(cfg["dtype"]))
 
     @property
     def max_len(self) -> int:
         return self.block_size * self.max_blocks_per_seq
-
-    def describe(self) -> dict[str, Any]:
-        return {**asdict(self), "buckets": list(self.buckets)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
         dtype: torch.dtype = getattr(torch, self.dtype)
         return dtype
 
-    def bucket_for(self, batch: int) -> int:
-        return min(b for b in self.buckets if b >= batch)
-
-
-class BlockAllocator:
-    """The scheduler's free list of cache blocks. A block handed out again after it
-    was freed counts as reused."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.free = list(range(num_blocks))[::-1]
-        self.ever_used: set[int] = set()
-        self.reused = 0
-
-    def take(self, n: int) -> list[int] | None:
-        """``n`` blocks, or None (nothing taken) when fewer are free."""
-        if n > len(self.free):
-            return None
-        blocks = [self.free.pop() for _ in range(n)]
-        self.reused += sum(b in self.ever_used for b in blocks)
-        self.ever_used.update(blocks)
-        return blocks
-
-    def give_back(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
+    def describe(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in (*_INTS, "dtype")}, "buckets": list(self.buckets)}
 
 
 @dataclass
 class Sequence:
-    """A live sequence: its blocks (enough for its whole life, taken at admission), the
-    host copy of its KV and how much of it the device's cache holds (``length``)."""
+    """A live sequence: its blocks (for its whole life), the host copy of its KV, how
+    much of it the device's cache holds (``length``) and in which worker generation."""
 
     sid: int
     blocks: list[int]
@@ -120,121 +101,190 @@ class Sequence:
     values: torch.Tensor
     length: int  # tokens in the cache (prompt + decoded)
     remaining: int  # tokens still to decode
-    generation: int | None = None  # the worker generation its KV was written in
+    ended: asyncio.Future[None]
+    generation: int | None = None
 
     def slots(self, block_size: int, start: int, stop: int) -> torch.Tensor:
         pos = torch.arange(start, stop)
-        blocks = torch.tensor(self.blocks, dtype=torch.int64)
-        return blocks[pos // block_size] * block_size + pos % block_size
+        return torch.tensor(self.blocks)[pos // block_size] * block_size + pos % block_size
 
 
 @dataclass
-class PagedScheduler:
-    """Sequences, blocks and host KV of one device (a :class:`.workload.SequenceWorkload`)."""
+class Figures:
+    """What the loops of a run count, for the report."""
 
-    shape: PagedShape
-    gen: torch.Generator
-    allocator: BlockAllocator = field(init=False)
-    seqs: dict[int, Sequence] = field(default_factory=dict)
-    output = "out"
-    prefill_bytes: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
+    request_bytes: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.allocator = BlockAllocator(self.shape.num_blocks)
 
-    @property
-    def max_batch(self) -> int:
-        return max(self.shape.buckets)
+class PagedLoop:
+    """One device's scheduler (see the module docstring)."""
 
-    @property
-    def max_len(self) -> int:
-        return self.shape.max_len
+    def __init__(self, run: Run, device: int, shape: PagedShape, backoff: DeviceBackoff,
+                 figures: Figures) -> None:  # fmt: skip
+        self.run, self.device, self.shape, self.backoff = run, device, shape, backoff
+        self.figures, self.counts = figures, figures.counts
+        seed = run.config.seed * 1000 + device
+        self.rng, self.gen = random.Random(seed), torch.Generator().manual_seed(seed)
+        self.queue: deque[tuple[int, int, int, asyncio.Future[None]]] = deque()
+        self.live: dict[int, Sequence] = {}
+        self.free = list(range(shape.num_blocks))[::-1]
+        self.used: set[int] = set()
+        self.wake = asyncio.Event()
+        self.lost = False
 
-    def bucket_for(self, batch: int) -> int:
-        return self.shape.bucket_for(batch)
+    def arrive(self, sid: int, prompt: int, decode: int) -> asyncio.Future[None]:
+        """Queue a sequence; the future is done when it ended (finished or cut)."""
+        ended = asyncio.get_running_loop().create_future()
+        self.queue.append((sid, prompt, decode, ended))
+        self.counts["arrived"] += 1
+        self.wake.set()
+        return ended
 
     def _random(self, *shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen).to(self.shape.torch_dtype)
 
-    def admit(self, sid: int, prompt: int, decode: int) -> Sequence | None:
-        """A new sequence of ``prompt`` random tokens that will decode ``decode`` more,
-        with its blocks; None when the cache has too few free blocks for it now."""
+    async def _admit(self) -> None:
         s = self.shape
-        total = prompt + decode
-        blocks = self.allocator.take(-(-total // s.block_size))
-        if blocks is None:
-            return None
-        kv = (s.layers, total, s.num_kv_heads, s.head_dim)
-        seq = Sequence(sid, blocks, self._random(*kv), self._random(*kv), prompt, decode)
-        self.seqs[sid] = seq
-        return seq
+        while self.queue and len(self.live) < max(s.buckets):
+            sid, prompt, decode, ended = self.queue[0]
+            need = -(-(prompt + decode) // s.block_size)
+            if need > len(self.free):
+                return  # wait for blocks
+            self.queue.popleft()
+            blocks = [self.free.pop() for _ in range(need)]
+            self.counts["blocks_reused"] += sum(b in self.used for b in blocks)
+            self.used.update(blocks)
+            kv = (s.layers, prompt + decode, s.num_kv_heads, s.head_dim)
+            seq = Sequence(sid, blocks, self._random(*kv), self._random(*kv), prompt, decode,
+                           ended)  # fmt: skip
+            self.live[sid] = seq
+            self.counts["admitted"] += 1
+            await self._write(seq)
 
-    async def write(self, client: Client, program: str, device: int, sid: int) -> int:
-        """``kv_write`` everything the cache should hold of sequence ``sid``."""
-        seq = self.seqs[sid]
+    async def _recorded(self, call: Awaitable[Any]) -> Any:
+        """Await a call; its error (but STATE_LOST, which is recovered from) is recorded."""
+        try:
+            return await call
+        except GraphlaneError as exc:
+            if exc.code != "STATE_LOST":
+                self.run.rec.error(str(exc.code), time.monotonic(), device=self.device,
+                                   retryable=exc.retryable, message=exc.message)  # fmt: skip
+            raise
+
+    async def _write(self, seq: Sequence) -> None:
+        """``kv_write`` what the cache should hold of ``seq``."""
         n = seq.length
         slots = seq.slots(self.shape.block_size, 0, n)
         key, value = seq.keys[:, :n].contiguous(), seq.values[:, :n].contiguous()
-        reply = await client.kv_write(program, device, slots, key, value)
+        reply = await self._recorded(
+            self.run.client.kv_write(self.run.config.program, self.device, slots, key, value))
         seq.generation = reply.generation
-        self.prefill_bytes += key.nbytes + value.nbytes + slots.nbytes
-        return reply.generation
+        self.counts["prefill_bytes"] += key.nbytes + value.nbytes + slots.nbytes
 
-    def generation_of(self, sid: int) -> int | None:
-        return self.seqs[sid].generation
+    async def _recover(self) -> None:
+        """STATE_LOST: adopt the new generation, write every live sequence again."""
+        self.counts["state_lost"] += 1
+        while self.run.sending():
+            try:
+                await self._recorded(self.run.client.reset_state(self.device))
+                for seq in self.live.values():
+                    seq.generation = None
+                for seq in list(self.live.values()):
+                    await self._write(seq)
+                    self.counts["reprefilled"] += 1
+                self.lost = False
+                return
+            except GraphlaneError as exc:
+                if exc.code == "STATE_LOST":  # restarted again meanwhile
+                    self.counts["state_lost"] += 1
+                elif not exc.retryable:
+                    raise
+                else:
+                    await self._hold()
 
-    def forget_state(self) -> None:
-        for seq in self.seqs.values():
-            seq.generation = None
+    async def _hold(self) -> None:
+        now = time.monotonic()
+        self.backoff.failure(self.device, now)
+        await self.run.pause(self.backoff.until[self.device] - now)
 
-    def end(self, sid: int) -> None:
-        self.allocator.give_back(self.seqs.pop(sid).blocks)
+    async def loop(self) -> None:
+        with contextlib.suppress(GraphlaneError):  # a non-retryable error: already counted
+            while self.run.sending():
+                try:
+                    if self.lost:
+                        await self._recover()
+                        continue
+                    await self._admit()
+                    if self.live:
+                        await self._step()
+                        continue
+                    self.wake.clear()
+                    await self.run.until(self.wake.wait(), 0.1)
+                except GraphlaneError as exc:  # recorded where it happened
+                    if exc.code == "STATE_LOST":
+                        self.lost = True
+                    elif not exc.retryable:
+                        raise
+                    else:
+                        await self._hold()  # the step is rebuilt after the pause
+        self.counts["cut"] += len(self.live)  # still decoding at the end
+        for seq in list(self.live.values()):
+            self._end(seq)
 
-    def step(self, sids: list[int], device: int, check: bool) -> Call:
-        """The next token of every sequence in ``sids`` (its K/V is in the host copy
-        already; :meth:`advance` commits it once the step succeeded)."""
-        s = self.shape
-        b = len(sids)
-        table = torch.zeros(b, s.max_blocks_per_seq, dtype=torch.int32)
-        slots, lengths, new_k, new_v = [], [], [], []
-        for i, sid in enumerate(sids):
-            seq = self.seqs[sid]
-            pos = seq.length
-            table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
-            slots.append(int(seq.slots(s.block_size, pos, pos + 1)[0]))
-            lengths.append(pos + 1)
-            new_k.append(seq.keys[:, pos])
-            new_v.append(seq.values[:, pos])
-        inputs = {
-            "query": self._random(b, s.num_heads, s.head_dim),
-            "key": torch.stack(new_k, dim=1),
-            "value": torch.stack(new_v, dim=1),
-            "slot_mapping": torch.tensor(slots, dtype=torch.int64),
-            "block_table": table,
-        }
-        params = {"actual_seq_lengths_kv": lengths}
-        expected = self.expected(sids, inputs["query"], lengths) if check else None
-        return Call(device, b, params, inputs, expected, tuple(sids))
+    def _end(self, seq: Sequence) -> None:
+        del self.live[seq.sid]
+        self.free.extend(seq.blocks)
+        if not seq.ended.done():
+            seq.ended.set_result(None)
 
-    def advance(self, call: Call) -> list[int]:
-        """Commit a succeeded step's tokens; the sequences it finished."""
-        done = []
-        for sid in call.rows:
-            seq = self.seqs[sid]
+    async def _step(self) -> None:
+        run, s, c = self.run, self.shape, self.counts
+        seqs = [self.live[sid] for sid in sorted(self.live)]
+        call = self._call(seqs, self.rng.random() < run.verify)
+        body = ops.Step(run.config.program, self.device, call.params, call.inputs, ["out"],
+                        call.batch, int(run.config.timeout_s * 1000),
+                        run.client.generation(self.device))  # fmt: skip
+        self.figures.request_bytes.append(
+            sum(len(memoryview(f)) for f in encode_request(1, "step", body)))
+        reply = await send(run, call, "out", time.monotonic(), reraise=True)
+        assert reply is not None
+        self.backoff.success(self.device)
+        c.update(steps=1, tokens=call.batch, batch_sum=call.batch,
+                 bucket_sum=min(b for b in s.buckets if b >= call.batch))  # fmt: skip
+        # Only numbers computed on state written in the answering generation count.
+        if call.expected is not None and all(q.generation == reply.generation for q in seqs):
+            error = close_to(reply.outputs["out"], call.expected, s.torch_dtype)
+            run.rec.verification(call, error, reply.generation)
+        for seq in seqs:
             seq.length += 1
             seq.remaining -= 1
             if seq.remaining <= 0:
-                done.append(sid)
-        return done
+                self._end(seq)
+                c["finished"] += 1
 
-    def check(self, call: Call, reply: StepReply) -> float | None:
-        assert call.expected is not None
-        return close_to(reply.outputs[self.output], call.expected, self.shape.torch_dtype)
+    def _call(self, seqs: list[Sequence], check: bool) -> Call:
+        """The next token of every sequence in ``seqs`` (its K/V is in the host copy
+        already; committed once the step succeeded)."""
+        s = self.shape
+        table = torch.zeros(len(seqs), s.max_blocks_per_seq, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            table[i, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        lengths = [seq.length + 1 for seq in seqs]
+        inputs = {
+            "query": self._random(len(seqs), s.num_heads, s.head_dim),
+            "key": torch.stack([seq.keys[:, seq.length] for seq in seqs], dim=1),
+            "value": torch.stack([seq.values[:, seq.length] for seq in seqs], dim=1),
+            "slot_mapping": torch.cat([q.slots(s.block_size, q.length, q.length + 1)
+                                       for q in seqs]),
+            "block_table": table,
+        }
+        expected = self.expected(seqs, inputs["query"], lengths) if check else None
+        rows = tuple(seq.sid for seq in seqs)
+        return Call(self.device, len(seqs), {"actual_seq_lengths_kv": lengths}, inputs,
+                    expected, rows)  # fmt: skip
 
-    def stats(self) -> dict[str, Any]:
-        return {"blocks_reused": self.allocator.reused, "prefill_bytes": self.prefill_bytes}
-
-    def expected(self, sids: list[int], query: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def expected(self, seqs: list[Sequence], query: torch.Tensor, lengths: list[int]) -> Any:
         """The last layer's output of a step from the host copy: layer l+1 attends from
         layer l's output, rounded to the cache dtype as the device keeps it."""
         s = self.shape
@@ -242,11 +292,53 @@ class PagedScheduler:
         x = query
         for layer in range(s.layers):
             rows = []
-            for i, (sid, n) in enumerate(zip(sids, lengths, strict=True)):
-                seq = self.seqs[sid]
-                k = seq.keys[layer, :n].transpose(0, 1).float().repeat_interleave(group, 0)
-                v = seq.values[layer, :n].transpose(0, 1).float().repeat_interleave(group, 0)
-                q = x[i].float().unsqueeze(1)  # [num_heads, 1, head_dim]
-                rows.append(F.scaled_dot_product_attention(q, k, v).squeeze(1))
+            for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+                k, v = (t[layer, :n].transpose(0, 1).float().repeat_interleave(group, 0)
+                        for t in (seq.keys, seq.values))  # fmt: skip
+                rows.append(F.scaled_dot_product_attention(x[i].float().unsqueeze(1), k, v)
+                            .squeeze(1))  # fmt: skip
             x = torch.stack(rows).to(s.torch_dtype)
         return x
+
+
+async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...]) -> None:
+    """Sequences arrive (:func:`.run.arrive`) in turn on the devices' loops until the
+    run's end; fills ``run.extra`` (see docs/loadtest.md)."""
+    cfg, figures = run.config, Figures()
+    backoff = DeviceBackoff(random.Random(cfg.seed ^ 0xB0FF))
+    loops = [PagedLoop(run, d, shape, backoff, figures) for d in sorted(devices)]
+    run.loops = loops
+    sids = itertools.count()
+
+    def one(_: float) -> asyncio.Future[None]:
+        sid = next(sids)
+        lp = loops[sid % len(loops)]
+        decode = lp.rng.randint(*(cfg.decode_tokens or DECODE_TOKENS))
+        lo, hi = cfg.prompt_lens or (1, max(1, shape.max_len // 2))
+        prompt = max(1, min(lp.rng.randint(lo, hi), shape.max_len - decode))
+        return lp.arrive(sid, prompt, min(decode, shape.max_len - prompt))
+
+    tasks = {run.spawn(lp.loop()) for lp in loops}
+    await arrive(run, one)
+    run.end_sending()
+    for lp in loops:
+        lp.wake.set()
+    await finish(run, tasks)
+    c, rb = figures.counts, figures.request_bytes
+    run.extra.update({
+        "tokens": c["tokens"],
+        "mean_batch": round(c["batch_sum"] / c["steps"], 3) if c["steps"] else 0.0,
+        "occupancy": round(c["batch_sum"] / c["bucket_sum"], 3) if c["bucket_sum"] else 0.0,
+        "request_bytes": {"mean": round(statistics.fmean(rb), 1) if rb else None,
+                          "min": min(rb, default=None), "max": max(rb, default=None)},
+        "sequences": {**{k: c[k] for k in ("arrived", "admitted", "finished", "reprefilled",
+                                            "cut")},
+                      "never_admitted": sum(len(lp.queue) for lp in loops)},
+        "state_lost": c["state_lost"],
+        "blocks_reused": c["blocks_reused"],
+        "prefill_bytes": c["prefill_bytes"],
+    })  # fmt: skip
+
+
+def tolerance(shape: PagedShape) -> float:
+    return TOLERANCE.get(shape.torch_dtype, 1e-2)

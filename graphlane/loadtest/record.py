@@ -12,10 +12,24 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hdrh.histogram import HdrHistogram
 
 from .availability import Availability
-from .workload import Call
+
+
+@dataclass(frozen=True)
+class Call:
+    """One step the load test sends; ``expected``: what its output is checked against
+    (None: not checked); ``rows``: the sequences of its rows (a program with state)."""
+
+    device: int
+    batch: int
+    params: dict[str, Any]
+    inputs: dict[str, torch.Tensor]
+    expected: torch.Tensor | None = None
+    rows: tuple[int, ...] = field(default=())
+
 
 #: Latency samples kept (reservoir) for the latency-over-time plot.
 MAX_SAMPLES = 2000
