@@ -1,7 +1,7 @@
-"""The command line of ``graphlane loadtest``: its flags, the summary table and :func:`main`.
-
-See :mod:`graphlane.loadtest`.
-"""
+"""The command line of ``graphlane loadtest``: its flags, the summary and :func:`main`.
+The run itself (the client, torch, rich) is imported when a run starts: graphlane's
+command line builds this parser for every command, ``serve`` included (which imports
+no torch)."""
 
 from __future__ import annotations
 
@@ -20,56 +20,42 @@ from graphlane.protocol.errors import GraphlaneError, Timeout
 from .availability import MAX_UNAVAILABLE
 from .config import DECODE_TOKENS, SHAPE_KEYS, VERIFY, LoadConfig
 
-# The run itself (the client, torch, rich) is imported when a run starts: graphlane's
-# command line builds this parser for every command, `serve` included (whose process
-# imports no torch).
 
-
-# ---------------------------------------------------------------------------- command line
-def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
-    def parse(text: str) -> tuple[int, ...]:
+def _typed(flag: str, convert: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+            return convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated integers, not {text!r}"
-            ) from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{flag} needs at least one value")
-        return values
+            raise argparse.ArgumentTypeError(f"{flag} takes {what}, not {text!r}") from None
 
     return parse
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    if not values:
+        raise ValueError(text)
+    return values
+
+
+def _number(flag: str) -> Callable[[str], float]:
+    return _typed(flag, float, "a number")
+
+
+def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
+    return _typed(flag, _ints, "comma-separated integers")
 
 
 def parse_shape(text: str) -> dict[str, Any]:
     """``layers=2,num_heads=4,dtype=float16`` -> a shape mapping (integers except dtype)."""
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
+        key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or key not in SHAPE_KEYS:
             raise argparse.ArgumentTypeError(
-                f"--shape takes KEY=VALUE pairs with KEY in {', '.join(SHAPE_KEYS)}, not {item!r}"
-            )
-        if key == "dtype":
-            out[key] = value.strip()
-            continue
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--shape {key} must be an integer") from None
+                f"--shape takes KEY=VALUE pairs with KEY in {', '.join(SHAPE_KEYS)}, not {item!r}")
+        out[key] = value if key == "dtype" else _typed(f"--shape {key}", int, "an integer")(value)
     return out
-
-
-def _number(flag: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, not {text!r}") from None
-        return v
-
-    return parse
 
 
 _DESCRIPTION = """\
@@ -174,31 +160,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The LoadConfig of parsed ``loadtest`` arguments (ValueError names the flag)."""
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    for pair, single in (("prompt_lens", "prompt_len"), ("decode_tokens", "output_len")):
+        if getattr(args, pair) is not None and getattr(args, single) is not None:
+            flags = f"--{pair.replace('_', '-')} and --{single.replace('_', '-')}"
+            raise ValueError(f"{flags} say the same: give one")
+    a = args
     return LoadConfig(
-        endpoint=args.connect,
-        duration_s=args.duration,
-        concurrency=args.concurrency,
-        rate=args.rate,
-        program=args.program,
-        devices=args.devices,
-        batch_sizes=args.batch_sizes,
-        verify=args.verify,
-        report_dir=args.report,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        progress=progress,
-        shape=args.shape or {},
-        max_outstanding=args.max_outstanding,
-        max_unavailable=args.max_unavailable,
-        server_key=args.server_key,
-        client_key=args.client_key,
-        prompt_lens=_lengths("--prompt-len", args.prompt_len, args.range_ratio)
-        or _pair("--prompt-lens", args.prompt_lens),
-        decode_tokens=_lengths("--output-len", args.output_len, args.range_ratio)
-        or _pair("--decode-tokens", args.decode_tokens),
-        num_prompts=args.num_prompts,
-    )
+        endpoint=a.connect, duration_s=a.duration, concurrency=a.concurrency, rate=a.rate,
+        program=a.program, devices=a.devices, batch_sizes=a.batch_sizes, verify=a.verify,
+        report_dir=a.report, seed=a.seed, timeout_s=a.timeout, shape=a.shape or {},
+        progress=a.progress if a.progress is not None else sys.stderr.isatty(),
+        max_outstanding=a.max_outstanding, max_unavailable=a.max_unavailable,
+        server_key=a.server_key, client_key=a.client_key, num_prompts=a.num_prompts,
+        prompt_lens=_lengths("--prompt-len", a.prompt_len, a.range_ratio) or a.prompt_lens,
+        decode_tokens=_lengths("--output-len", a.output_len, a.range_ratio) or a.decode_tokens,
+    )  # fmt: skip
 
 
 def _lengths(flag: str, n: int | None, ratio: float) -> tuple[int, int] | None:
@@ -210,14 +186,6 @@ def _lengths(flag: str, n: int | None, ratio: float) -> tuple[int, int] | None:
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"--range-ratio must lie in [0, 1), not {ratio:g}")
     return max(1, int(n * (1 - ratio))), max(1, int(n * (1 + ratio)))
-
-
-def _pair(flag: str, values: tuple[int, ...] | None) -> tuple[int, int] | None:
-    if values is None:
-        return None
-    if len(values) != 2:
-        raise ValueError(f"{flag} takes two integers LO,HI")
-    return values[0], values[1]
 
 
 def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
@@ -254,10 +222,6 @@ class NoAnswer(Exception):
 def main(args: argparse.Namespace) -> int:
     """Run ``graphlane loadtest`` from parsed arguments; returns the exit status."""
     try:
-        for pair, single in (("prompt_lens", "prompt_len"), ("decode_tokens", "output_len")):
-            if getattr(args, pair) is not None and getattr(args, single) is not None:
-                flags = f"--{pair.replace('_', '-')} and --{single.replace('_', '-')}"
-                raise ValueError(f"{flags} say the same: give one")
         config = config_from_args(args)
         if not args.connect_timeout > 0:
             raise ValueError("--connect-timeout must be a positive number of seconds")
@@ -275,22 +239,19 @@ def _main(args: argparse.Namespace, config: LoadConfig) -> int:
     from .report import serving_text
     from .run import LoadTestError
 
+    def fail(message: str, code: int = 2) -> int:
+        print(f"graphlane loadtest: {message}", file=sys.stderr)
+        return code
+
     try:
         asyncio.run(_first_hello(config, args.connect_timeout))
-    except NoAnswer as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return EXIT_NO_ANSWER
-    except InvalidEndpoint as exc:  # malformed, or a worker's endpoint
-        print(f"graphlane loadtest: --connect: {exc.message}", file=sys.stderr)
-        return 2
-    except (ValueError, GraphlaneError) as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return 2
-    try:
         report, interrupted = asyncio.run(_run_interruptible(config))
+    except NoAnswer as exc:
+        return fail(str(exc), EXIT_NO_ANSWER)
+    except InvalidEndpoint as exc:  # malformed, or a worker's endpoint
+        return fail(f"--connect: {exc.message}")
     except (ValueError, LoadTestError, GraphlaneError) as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     print_summary(report)
     if report.get("serving") is not None:
         print(serving_text(report))
@@ -304,16 +265,15 @@ async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
     """The daemon's hello, or NoAnswer naming the endpoint, the wait and its flag."""
     from graphlane.client import Client
 
-    client = Client(
-        config.endpoint, timeout=wait_s,
-        server_key=config.server_key, client_key=config.client_key,
-    )  # fmt: skip
+    client = Client(config.endpoint, timeout=wait_s, server_key=config.server_key,
+                    client_key=config.client_key)  # fmt: skip
     # Ctrl-C cancels the wait through the loop (its wake-up pipe), not as an exception
     # raised wherever the interpreter happens to be: one that landed while the client
     # was connecting was once lost, and the command waited out --connect-timeout.
     loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    assert me is not None
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
-        loop.add_signal_handler(signal.SIGINT, me.cancel if me is not None else _no_op)
+        loop.add_signal_handler(signal.SIGINT, me.cancel)
     try:
         return await client.connect()
     except Timeout:
@@ -325,10 +285,6 @@ async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         await client.close()
-
-
-def _no_op() -> None:
-    pass
 
 
 def _announce(run: Any, plan: Any) -> None:

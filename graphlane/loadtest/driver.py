@@ -75,26 +75,17 @@ def _refuse(config: LoadConfig, info: Mapping[str, Any], why: str) -> LoadTestEr
 
 def _not_for(load: str, config: LoadConfig) -> None:
     """Refuse the settings the other shape of load reads (named by their flags)."""
-    flags: dict[str, Any] = {
-        "--prompt-lens": config.prompt_lens,
-        "--decode-tokens": config.decode_tokens,
-        "--num-prompts": config.num_prompts,
-    }
-    if load == "sequences":
-        flags = {
-            "--batch-sizes": config.batch_sizes,
-            "--shape": config.shape or None,
-            "--max-outstanding": config.max_outstanding,
-        }
+    c = config
+    flags = ({"--batch-sizes": c.batch_sizes, "--shape": c.shape or None,
+              "--max-outstanding": c.max_outstanding} if load == "sequences" else
+             {"--prompt-lens": c.prompt_lens, "--decode-tokens": c.decode_tokens,
+              "--num-prompts": c.num_prompts})  # fmt: skip
     given = [flag for flag, value in flags.items() if value is not None]
+    why = ("a program without device state gets independent calls, not sequences"
+           if load == "calls" else f"{c.program!r} keeps device state: its batches are its "
+           "live sequences and its shapes come from the daemon")  # fmt: skip
     if given:
-        why = (
-            "a program without device state gets independent calls, not sequences"
-            if load == "calls"
-            else f"{config.program!r} keeps device state: its batches are its live "
-            "sequences and its shapes come from the daemon"
-        )
-        raise ValueError(f"{', '.join(given)}: not for --program {config.program} ({why})")
+        raise ValueError(f"{', '.join(given)}: not for --program {c.program} ({why})")
 
 
 class Plan:
