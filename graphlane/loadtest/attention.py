@@ -72,10 +72,10 @@ def attention_shape(
 
 
 def reference(
-    shape: AttentionShape, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    shape: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     lengths: Sequence[int],
 ) -> torch.Tensor:  # fmt: skip
-    """Eager attention of the program, layer l+1 attending from layer l's output: SDPA
+    """Eager attention of ``shape.layers`` layers, l+1 attending from l's output: SDPA
     over BNSD, query [B, N, 1, D], key/value [layers, B, Nkv, S, D], scale 1/sqrt(D), GQA,
     keys at positions >= lengths[b] left out; each layer computed in float32 and stored
     in the query's dtype (as the device buffer holds it); a row with no key is zeros."""

@@ -8,7 +8,7 @@ A sequence arriving (:func:`.run.arrive`) waits in its device's queue until the 
 KV is then written (``kv_write``) from a host copy. Each step carries one new token of
 every live sequence (its ``slot_mapping`` and ``block_table`` from the allocator), one
 step in flight per device; finished sequences leave and their blocks are reused. A
-``verify`` share of the steps is checked against SDPA over the host copy. After
+``verify`` share of the steps is checked against eager attention over the host copy. After
 STATE_LOST the loop adopts the new generation and writes every live sequence again;
 a reply is checked only when all its rows were written in the generation that
 answered. Other retryable errors hold the device back and the step is rebuilt.
@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from graphlane.protocol import ops
 from graphlane.protocol.errors import GraphlaneError
 from graphlane.protocol.wire import encode_request
 
+from .attention import reference
 from .availability import DeviceBackoff
 from .config import DECODE_TOKENS
 from .run import TOLERANCE, Call, Run, arrive, close_to, finish, send
@@ -285,20 +285,15 @@ class PagedLoop:
                     expected, rows)  # fmt: skip
 
     def expected(self, seqs: list[Sequence], query: torch.Tensor, lengths: list[int]) -> Any:
-        """The last layer's output of a step from the host copy: layer l+1 attends from
-        layer l's output, rounded to the cache dtype as the device keeps it."""
+        """The step's output from the host copy: the eager attention of independent calls
+        (:func:`.attention.reference`) over each row's KV, padded to the longest row."""
         s = self.shape
-        group = s.num_heads // s.num_kv_heads
-        x = query
-        for layer in range(s.layers):
-            rows = []
-            for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
-                k, v = (t[layer, :n].transpose(0, 1).float().repeat_interleave(group, 0)
-                        for t in (seq.keys, seq.values))  # fmt: skip
-                rows.append(F.scaled_dot_product_attention(x[i].float().unsqueeze(1), k, v)
-                            .squeeze(1))  # fmt: skip
-            x = torch.stack(rows).to(s.torch_dtype)
-        return x
+        kv = torch.zeros(2, s.layers, len(seqs), s.num_kv_heads, max(lengths), s.head_dim,
+                         dtype=s.torch_dtype)  # fmt: skip
+        for i, (seq, n) in enumerate(zip(seqs, lengths, strict=True)):
+            kv[0, :, i, :, :n] = seq.keys[:, :n].transpose(1, 2)
+            kv[1, :, i, :, :n] = seq.values[:, :n].transpose(1, 2)
+        return reference(s, query[:, :, None], kv[0], kv[1], lengths)[:, :, 0]
 
 
 async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...]) -> None:
