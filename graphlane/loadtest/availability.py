@@ -6,7 +6,9 @@ the server was unavailable (:class:`Availability`, judged per window of the time
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 #: First backoff after a retryable error, seconds.
 BACKOFF_FIRST_S = 0.01
@@ -55,6 +57,12 @@ class DeviceBackoff:
     def failure(self, device: int, now: float) -> None:
         b = self.backoffs.setdefault(device, Backoff(self.rng))
         self.until[device] = max(self.until.get(device, 0.0), now + b.next_delay())
+
+    async def hold(self, device: int, pause: Callable[[float], Awaitable[None]]) -> None:
+        """A failure on ``device``: ``pause`` until it is released."""
+        now = time.monotonic()
+        self.failure(device, now)
+        await pause(self.until[device] - now)
 
     def held(self, device: int, now: float) -> bool:
         return self.until.get(device, 0.0) > now

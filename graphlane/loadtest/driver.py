@@ -21,12 +21,12 @@ from . import attention
 from .attention import ATTENTION_SHAPE, AttentionWorkload, attention_shape, not_attention
 from .config import LoadConfig
 from .generation import check_reference
-from .paged import PagedShape, drive_sequences, tolerance
+from .paged import PagedShape, drive_sequences
 from .progress import Progress
 from .record import Recorder, window_for
 from .report import build_report
 from .report_files import write_report
-from .run import LoadTestError, Run
+from .run import TOLERANCE, LoadTestError, Run
 from .serving import Serving
 
 #: What the load test drives, for the message refusing another program.
@@ -133,7 +133,7 @@ class Plan:
             if not (config.prompt_lens or (1, 1))[1] < self.paged.max_len:
                 raise ValueError(f"--prompt-lens must lie in 1..{self.paged.max_len - 1} "
                                  "(max_blocks_per_seq * block_size - 1)")  # fmt: skip
-            self.tolerance = tolerance(self.paged)
+            self.tolerance = TOLERANCE.get(self.paged.torch_dtype, 1e-2)
             shape = self.paged.describe()
             self.resolved.update(shape=shape, buckets=shape["buckets"])
         else:
@@ -211,7 +211,7 @@ async def run_load(
             stop=stop or asyncio.Event(), tasks=spawned, verify=plan.verify,
         )  # fmt: skip
         if config.progress:
-            progress = Progress(config, rec, run.phase)
+            progress = Progress(run)
             spawned.add(asyncio.create_task(progress.tick()))
         if started is not None:
             started(run, plan)

@@ -1,18 +1,8 @@
 """Sequences of a program with a paged KV cache on the device (hello's ``state.kind ==
 "paged_kv"``, e.g. ``paged_attention``), driven as a scheduler's decode loop: one
 :class:`PagedLoop` per device, in the shape of the reference scheduler
-(:mod:`graphlane.client.scheduler`) on this program's own operations.
-
-A sequence arriving (:func:`.run.arrive`) waits in its device's queue until the batch
-(the largest bucket) and the block allocator have room for its whole life; its prompt's
-KV is then written (``kv_write``) from a host copy. Each step carries one new token of
-every live sequence (its ``slot_mapping`` and ``block_table`` from the allocator), one
-step in flight per device; finished sequences leave and their blocks are reused. A
-``verify`` share of the steps is checked against eager attention over the host copy. After
-STATE_LOST the loop adopts the new generation and writes every live sequence again;
-a reply is checked only when all its rows were written in the generation that
-answered. Other retryable errors hold the device back and the step is rebuilt.
-"""
+(:mod:`graphlane.client.scheduler`) on this program's own operations (``kv_write`` and
+steps). What it does: docs/loadtest.md."""
 
 from __future__ import annotations
 
@@ -24,7 +14,7 @@ import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +26,7 @@ from graphlane.protocol.wire import encode_request
 from .attention import reference
 from .availability import DeviceBackoff
 from .config import DECODE_TOKENS
-from .run import TOLERANCE, Call, Run, arrive, close_to, finish, send
+from .run import Call, Run, arrive, close_to, finish, send
 
 #: What the load test fills of a paged program's step (and its kv_write).
 PAGED_INPUTS = ("query", "key", "value", "slot_mapping", "block_table")
@@ -109,21 +99,13 @@ class Sequence:
         return torch.tensor(self.blocks)[pos // block_size] * block_size + pos % block_size
 
 
-@dataclass
-class Figures:
-    """What the loops of a run count, for the report."""
-
-    counts: Counter[str] = field(default_factory=Counter)
-    request_bytes: list[int] = field(default_factory=list)
-
-
 class PagedLoop:
     """One device's scheduler (see the module docstring)."""
 
     def __init__(self, run: Run, device: int, shape: PagedShape, backoff: DeviceBackoff,
-                 figures: Figures) -> None:  # fmt: skip
+                 counts: Counter[str], request_bytes: list[int]) -> None:  # fmt: skip
         self.run, self.device, self.shape, self.backoff = run, device, shape, backoff
-        self.figures, self.counts = figures, figures.counts
+        self.counts, self.request_bytes = counts, request_bytes
         seed = run.config.seed * 1000 + device
         self.rng, self.gen = random.Random(seed), torch.Generator().manual_seed(seed)
         self.queue: deque[tuple[int, int, int, asyncio.Future[None]]] = deque()
@@ -168,8 +150,7 @@ class PagedLoop:
             return await call
         except GraphlaneError as exc:
             if exc.code != "STATE_LOST":
-                self.run.rec.error(str(exc.code), time.monotonic(), device=self.device,
-                                   retryable=exc.retryable, message=exc.message)  # fmt: skip
+                self.run.rec.failed(exc, self.device)
             raise
 
     async def _write(self, seq: Sequence) -> None:
@@ -204,9 +185,7 @@ class PagedLoop:
                     await self._hold()
 
     async def _hold(self) -> None:
-        now = time.monotonic()
-        self.backoff.failure(self.device, now)
-        await self.run.pause(self.backoff.until[self.device] - now)
+        await self.backoff.hold(self.device, self.run.pause)
 
     async def loop(self) -> None:
         with contextlib.suppress(GraphlaneError):  # a non-retryable error: already counted
@@ -245,7 +224,7 @@ class PagedLoop:
         body = ops.Step(run.config.program, self.device, call.params, call.inputs, ["out"],
                         call.batch, int(run.config.timeout_s * 1000),
                         run.client.generation(self.device))  # fmt: skip
-        self.figures.request_bytes.append(
+        self.request_bytes.append(
             sum(len(memoryview(f)) for f in encode_request(1, "step", body)))
         reply = await send(run, call, "out", time.monotonic(), reraise=True)
         assert reply is not None
@@ -299,9 +278,9 @@ class PagedLoop:
 async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...]) -> None:
     """Sequences arrive (:func:`.run.arrive`) in turn on the devices' loops until the
     run's end; fills ``run.extra`` (see docs/loadtest.md)."""
-    cfg, figures = run.config, Figures()
+    cfg, c, rb = run.config, Counter[str](), list[int]()
     backoff = DeviceBackoff(random.Random(cfg.seed ^ 0xB0FF))
-    loops = [PagedLoop(run, d, shape, backoff, figures) for d in sorted(devices)]
+    loops = [PagedLoop(run, d, shape, backoff, c, rb) for d in sorted(devices)]
     run.loops = loops
     sids = itertools.count()
 
@@ -319,7 +298,6 @@ async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...])
     for lp in loops:
         lp.wake.set()
     await finish(run, tasks)
-    c, rb = figures.counts, figures.request_bytes
     run.extra.update({
         "tokens": c["tokens"],
         "mean_batch": round(c["batch_sum"] / c["steps"], 3) if c["steps"] else 0.0,
@@ -333,7 +311,3 @@ async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...])
         "blocks_reused": c["blocks_reused"],
         "prefill_bytes": c["prefill_bytes"],
     })  # fmt: skip
-
-
-def tolerance(shape: PagedShape) -> float:
-    return TOLERANCE.get(shape.torch_dtype, 1e-2)

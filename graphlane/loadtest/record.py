@@ -4,12 +4,15 @@ the time series (:class:`Recorder`), and :class:`Call`, what it records a step o
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from hdrh.histogram import HdrHistogram
+
+from graphlane.protocol.errors import GraphlaneError
 
 from .availability import Availability
 
@@ -155,6 +158,15 @@ class Recorder:
         self._window(done).errors += 1
         if device is not None:
             self.devices[device].errors[code] += 1
+
+    def failed(self, exc: Exception, device: int | None) -> None:
+        """A call to ``device`` failed: counted by its wire code (or its class name)."""
+        if isinstance(exc, GraphlaneError):
+            self.error(str(exc.code), time.monotonic(), device=device, retryable=exc.retryable,
+                       message=exc.message)  # fmt: skip
+        else:
+            self.error(type(exc).__name__, time.monotonic(), device=device, retryable=False,
+                       message=str(exc))  # fmt: skip
 
     def lag(self, seconds: float) -> None:
         _record(self.send_lag, max(0.0, seconds))

@@ -154,19 +154,15 @@ async def send(
             run.config.program, call.device, call.params, call.inputs, (output,),
             batch=call.batch, timeout=run.config.timeout_s,
         )  # fmt: skip
-    except GraphlaneError as exc:
-        if not (reraise and exc.code == "STATE_LOST"):
-            rec.error(str(exc.code), time.monotonic(), device=call.device,
-                      retryable=exc.retryable, message=exc.message)  # fmt: skip
-        if reraise:
-            raise
-        return None
     except asyncio.CancelledError:
         deadline(rec, call.device)
         raise
     except Exception as exc:
-        rec.error(type(exc).__name__, time.monotonic(), device=call.device,
-                  retryable=False, message=str(exc))  # fmt: skip
+        lost = isinstance(exc, GraphlaneError) and exc.code == "STATE_LOST"
+        if not (reraise and lost):
+            rec.failed(exc, call.device)
+        if reraise and isinstance(exc, GraphlaneError):
+            raise
         return None
     finally:
         rec.in_flight -= 1

@@ -9,6 +9,7 @@ See docs/models.md, "Measuring it".
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 import random
@@ -56,8 +57,7 @@ class DeviceObserver:
 
     def failed(self, kind: str, rows: list[Request], exc: GraphlaneError) -> None:
         self.rec.in_flight -= kind == "step"
-        self.rec.error(str(exc.code), time.monotonic(), device=self.device,
-                       retryable=exc.retryable, message=exc.message)  # fmt: skip
+        self.rec.failed(exc, self.device)
 
     def cancelled(self, kind: str, rows: list[Request]) -> None:
         self.rec.in_flight -= kind == "step"
@@ -78,7 +78,8 @@ class Serving:
         self.backoff = DeviceBackoff(random.Random(run.config.seed ^ 0xB0FF))
         self.loops = {
             d: GenerationLoop(run.client, run.config.program, d, shape, window=WINDOW,
-                              observer=DeviceObserver(self, d), hold=self._holder(d))
+                              observer=DeviceObserver(self, d),
+                              hold=functools.partial(self.backoff.hold, d, run.pause))
             for d in devices
         }  # fmt: skip
         run.loops = list(self.loops.values())
@@ -87,14 +88,6 @@ class Serving:
         self.prefills = self.tokens = 0
         self.start = 0.0
         self._turn = itertools.cycle(self.loops.values())
-
-    def _holder(self, device: int) -> Any:
-        async def hold() -> None:
-            now = time.monotonic()
-            self.backoff.failure(device, now)
-            await self.run.pause(self.backoff.until[device] - now)
-
-        return hold
 
     def lengths(self) -> tuple[int, int]:
         """A prompt length and a number of tokens to generate that fit a sequence."""
@@ -194,7 +187,9 @@ class Serving:
 
 
 def serving_metrics(requests: list[Request], start: float) -> dict[str, Any]:
-    """vLLM's serving metrics over the completed requests (see the module docstring)."""
+    """vLLM's serving metrics over the completed requests: throughputs over the time from
+    the first arrival to the last token; TTFT from the arrival (queueing counts), TPOT
+    excluding the first token, ITL every gap between two tokens, E2EL."""
     done = [r for r in requests if r.done]
     times = [[t for t in r.times if t is not None] for r in done]
     ttft = [t[0] - r.arrived for r, t in zip(done, times, strict=True)]
@@ -220,37 +215,26 @@ def serving_metrics(requests: list[Request], start: float) -> dict[str, Any]:
         "tpot_ms": stats_ms(tpot),
         "itl_ms": stats_ms(itl),
         "e2el_ms": stats_ms(e2el),
-        "samples": {
+        "samples": {  # for the plots: every request's, a random share of the gaps
             "arrival_s": [round(r.arrived - start, 4) for r in done][:MAX_SAMPLES],
-            "ttft_ms": [round(1000 * v, 3) for v in ttft][:MAX_SAMPLES],
-            "e2el_ms": [round(1000 * v, 3) for v in e2el][:MAX_SAMPLES],
-            "itl_ms": [round(1000 * v, 3) for v in
-                       (rng.sample(itl, MAX_SAMPLES) if len(itl) > MAX_SAMPLES else itl)],
+            **{k: [round(1000 * x, 3) for x in v][:MAX_SAMPLES]
+               for k, v in (("ttft_ms", ttft), ("e2el_ms", e2el),
+                            ("itl_ms", rng.sample(itl, min(len(itl), MAX_SAMPLES))))},
         },
     }
 
 
 def stats_ms(values: list[float]) -> dict[str, float | None]:
     """mean, median, std, p90, p99, min, max of ``values`` (seconds) in ms."""
+    keys = ("mean", "median", "std", "p90", "p99", "min", "max")
     if not values:
-        return {k: None for k in ("mean", "median", "std", "p90", "p99", "min", "max")}
+        return dict.fromkeys(keys)
     v = sorted(values)
 
     def pct(p: float) -> float:  # numpy's default: linear between the closest ranks
         k = (len(v) - 1) * p / 100
         f = math.floor(k)
-        c = min(f + 1, len(v) - 1)
-        return v[f] + (v[c] - v[f]) * (k - f)
+        return v[f] + (v[min(f + 1, len(v) - 1)] - v[f]) * (k - f)
 
-    def ms(x: float) -> float:
-        return round(1000 * x, 3)
-
-    return {
-        "mean": ms(statistics.fmean(v)),
-        "median": ms(pct(50)),
-        "std": ms(statistics.pstdev(v)),
-        "p90": ms(pct(90)),
-        "p99": ms(pct(99)),
-        "min": ms(v[0]),
-        "max": ms(v[-1]),
-    }
+    got = (statistics.fmean(v), pct(50), statistics.pstdev(v), pct(90), pct(99), v[0], v[-1])
+    return {k: round(1000 * x, 3) for k, x in zip(keys, got, strict=True)}
