@@ -1,13 +1,11 @@
 """How the load test treats a server that is not there (docs/loadtest.md): backoff per
-device after an error (:class:`DeviceBackoff`), and the share of the run during which
-the server was unavailable (:class:`Availability`, judged per window of the time series).
-"""
+device after an error (:class:`DeviceBackoff`); what makes it unavailable
+(:data:`UNAVAILABLE`, judged per window by :meth:`.record.Recorder.unavailable_s`)."""
 
 from __future__ import annotations
 
 import random
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 #: First backoff after a retryable error, seconds.
@@ -74,38 +72,3 @@ class DeviceBackoff:
         untils = [self.until.get(d, 0.0) for d in devices]
         first = min(untils)
         return first if first > now else None
-
-
-class Availability:
-    """Successes and unavailability errors per window, from ``start`` (monotonic s): a
-    window is unavailable when calls ended in it, none succeeded and one got an
-    :data:`UNAVAILABLE` code, or when none ended in it right after such a window."""
-
-    def __init__(self, start: float, window_s: float) -> None:
-        self.start, self.window_s = start, window_s
-        self.ok_in: Counter[int] = Counter()
-        self.down_in: Counter[int] = Counter()
-
-    def _index(self, t: float) -> int:
-        return max(0, int((t - self.start) / self.window_s))
-
-    def ok(self, t: float) -> None:
-        self.ok_in[self._index(t)] += 1
-
-    def error(self, code: str, t: float) -> None:
-        if code in UNAVAILABLE:
-            self.down_in[self._index(t)] += 1
-
-    def total(self, until: float) -> float:
-        """Unavailable seconds from the start up to ``until`` (the end of sending)."""
-        span = max(0.0, until - self.start)
-        down = False
-        seconds = 0.0
-        for i in range(int(span / self.window_s) + 1):
-            if self.ok_in.get(i):
-                down = False
-            elif self.down_in.get(i):
-                down = True
-            if down:
-                seconds += max(0.0, min(self.window_s, span - i * self.window_s))
-        return seconds

@@ -14,7 +14,7 @@ from hdrh.histogram import HdrHistogram
 
 from graphlane.protocol.errors import GraphlaneError
 
-from .availability import Availability
+from .availability import UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class _Window:
     hist: Any = field(default_factory=lambda: _hist(2))
     steps: int = 0
     errors: int = 0
+    down: int = 0  # errors that say the server did not serve (UNAVAILABLE)
     devices: Counter[int] = field(default_factory=Counter)
 
 
@@ -99,7 +100,6 @@ class Recorder:
         self.samples: list[tuple[float, float]] = []
         self._seen = 0
         self._rng = random.Random(seed ^ 0x5EED)
-        self.availability = Availability(start, window_s)
 
     def _window(self, t: float) -> _Window:
         return self.windows[max(0, int((t - self.start) / self.window_s))]
@@ -107,7 +107,6 @@ class Recorder:
     def ok(self, call: Call, scheduled: float, done: float) -> None:
         latency = done - scheduled
         self.steps += 1
-        self.availability.ok(done)
         w, d = self._window(done), self.devices[call.device]
         w.steps += 1
         w.devices[call.device] += 1
@@ -150,7 +149,7 @@ class Recorder:
         self, code: str, done: float, *, device: int | None, retryable: bool, message: str = ""
     ) -> None:
         self.errors[code] += 1
-        self.availability.error(code, done)
+        self._window(done).down += code in UNAVAILABLE
         if not retryable:
             self.non_retryable += 1
         if code not in self.error_examples and len(self.error_examples) < 20:
@@ -174,6 +173,16 @@ class Recorder:
     @property
     def errors_total(self) -> int:
         return sum(self.errors.values())
+
+    def unavailable_s(self, until: float) -> float:
+        """Seconds the server was unavailable from the start up to ``until``: windows in
+        which calls ended, none succeeded and one said so, and the silent ones after."""
+        span, down, seconds = max(0.0, until - self.start), False, 0.0
+        for i in range(int(span / self.window_s) + 1):
+            w = self.windows.get(i) or _Window()
+            down = False if w.steps else (True if w.down else down)
+            seconds += max(0.0, min(self.window_s, span - i * self.window_s)) if down else 0.0
+        return seconds
 
     def timeseries(self, end: float) -> dict[str, Any]:
         """Per window up to ``end``: steps, errors, their rates, latency percentiles; a

@@ -32,7 +32,7 @@ def build_report(
     asked for)."""
     elapsed = max(end - start, 1e-9)
     sending_s = max((end if sent_until is None else sent_until) - start, 1e-9)
-    unavailable_s = rec.availability.total(start + sending_s)
+    unavailable_s = rec.unavailable_s(start + sending_s)
     calls_open = config.mode == "open" and load == "calls"
     settings = config.to_dict()
     share = float(resolved.get("verify", config.verify_share(load)))

@@ -214,9 +214,19 @@ def _e(value: Any) -> str:
     return html.escape(str(value))
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "\n".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
+def _table(first: str, rows: Mapping[str, Mapping[str, Any]]) -> str:
+    """A table of ``rows`` (name -> their figures), ms rounded, counts by code joined."""
+    keys = list(next(iter(rows.values()), {}))
+    head = "".join(f"<th>{_e(h)}</th>" for h in [first, *keys])
+
+    def cell(v: Any) -> str:
+        if isinstance(v, Mapping):
+            return ", ".join(f"{k}: {n}" for k, n in v.items()) or "none"
+        return _ms(v) if isinstance(v, float) or v is None else str(v)
+
+    body = "\n".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in
+                                       [name, *map(cell, r.values())]) + "</tr>"
+                     for name, r in rows.items())  # fmt: skip
     return f"<table><tr>{head}</tr>\n{body}</table>"
 
 
@@ -234,18 +244,13 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
     summary = "\n".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     images = "\n".join(f'<h2>{_e(title)}</h2>\n<img src="{_e(name)}" alt="{_e(title)}">'
                        for name, title in plots.items())  # fmt: skip
-    per_device = _table(
-        ["device", "steps", "p50 ms", "p99 ms", "errors", "verified", "wrong"],
-        [[d, s["steps"], _ms(s["p50_ms"]), _ms(s["p99_ms"]),
-          ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none", s["verified"],
-          s["verify_failures"]] for d, s in report.get("per_device", {}).items()],
-    )  # fmt: skip
-    per_batch = _table(["batch size", "steps", "p50 ms", "p99 ms"],
-                       [[b, s["steps"], _ms(s["p50_ms"]), _ms(s["p99_ms"])]
-                        for b, s in report.get("per_batch", {}).items()])  # fmt: skip
     examples = report.get("error_examples", {})
-    listed = [[k, n, examples.get(k, "")] for k, n in errors.items()]
-    error_table = "<h2>Errors</h2>\n" + _table(["code", "count", "example message"], listed)
+    tables = [("Per device", "device", report.get("per_device", {})),
+              ("Per batch size", "batch size", report.get("per_batch", {})),
+              ("Errors", "code", {k: {"count": n, "example message": examples.get(k, "")}
+                                  for k, n in errors.items()})]  # fmt: skip
+    tables_html = "\n".join(f"<h2>{t}</h2>\n{_table(first, rows)}"
+                            for t, first, rows in tables if rows)  # fmt: skip
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <title>graphlane loadtest: {_e(load_text(report))}</title><style>{_CSS}</style></head>
@@ -257,11 +262,7 @@ def render_html(report: Mapping[str, Any], plots: Mapping[str, str]) -> str:
 {summary}
 </table>
 {images}
-<h2>Per device</h2>
-{per_device}
-<h2>Per batch size</h2>
-{per_batch}
-{error_table if errors else ""}
+{tables_html}
 <details><summary>Configuration</summary>
 <pre>{_e(json.dumps(report.get("config", {}), indent=2, sort_keys=True))}</pre></details>
 <p class="sub">Data: <a href="report.json">report.json</a></p>

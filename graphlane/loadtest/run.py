@@ -6,7 +6,6 @@ and requests; :func:`send`, the one place a step is sent, timed and counted;
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import random
 import time
@@ -183,27 +182,16 @@ async def finish(run: Run, tasks: set[asyncio.Future[Any]]) -> None:
     run.end_sending()
     assert run.sent_until is not None
     deadline_ = run.sent_until + run.config.timeout_s
-    pending = set(tasks)
-    stopped = asyncio.ensure_future(run.stop.wait())
-    try:
-        while pending:
-            now = time.monotonic()
-            if run.stop.is_set():
-                deadline_ = min(deadline_, now + STOP_DRAIN_S)
-            if now >= deadline_:
-                break
-            wake = pending if stopped.done() else pending | {stopped}
-            done, _ = await asyncio.wait(wake, timeout=deadline_ - now,
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            pending -= done
-    finally:
-        stopped.cancel()
-    for t in pending:
-        t.cancel()
-    for t in pending:
-        with contextlib.suppress(asyncio.CancelledError):
-            await t
+    tasks = set(tasks)
+    if tasks:
+        await run.until(asyncio.wait(tasks), deadline_ - time.monotonic())
+    pending = {t for t in tasks if not t.done()}
+    left = min(deadline_ - time.monotonic(), STOP_DRAIN_S)
+    if pending and run.stop.is_set() and left > 0:
+        await asyncio.wait(pending, timeout=left)
     for t in tasks:
-        error = None if t.cancelled() or not t.done() else t.exception()
-        if error is not None and not isinstance(error, asyncio.CancelledError):
-            raise error
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
