@@ -5,6 +5,7 @@ checked where it is made (the settings one shape of load does not read are refus
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -152,6 +153,14 @@ class LoadConfig:
             AttentionShape.from_mapping(dict(self.shape), "--shape")
         except TypeError as exc:
             raise ValueError(f"--shape: {exc}") from None
+
+    def draw_lengths(self, rng: random.Random, longest: int) -> tuple[int, int]:
+        """A prompt length in ``prompt_lens`` (default 1..half ``longest``) and tokens to
+        decode in ``decode_tokens``, cut to fit a sequence of ``longest`` tokens."""
+        lo, hi = self.prompt_lens or (1, max(1, longest // 2))
+        new = rng.randint(*(self.decode_tokens or DECODE_TOKENS))
+        prompt = max(1, min(rng.randint(lo, hi), longest - new))
+        return prompt, max(1, min(new, longest - prompt))
 
     def verify_share(self, load: str) -> float:
         """The share of steps checked for ``load`` ("calls" or "sequences")."""

@@ -25,8 +25,7 @@ from graphlane.protocol.wire import encode_request
 
 from .attention import reference
 from .availability import DeviceBackoff
-from .config import DECODE_TOKENS
-from .run import Call, Run, arrive, close_to, finish, send
+from .run import Call, Run, arrive, batch_figures, close_to, finish, send
 
 #: What the load test fills of a paged program's step (and its kv_write).
 PAGED_INPUTS = ("query", "key", "value", "slot_mapping", "block_table")
@@ -102,10 +101,13 @@ class Sequence:
 class PagedLoop:
     """One device's scheduler (see the module docstring)."""
 
-    def __init__(self, run: Run, device: int, shape: PagedShape, backoff: DeviceBackoff,
-                 counts: Counter[str], request_bytes: list[int]) -> None:  # fmt: skip
+    def __init__(self, run: Run, device: int, shape: PagedShape, backoff: DeviceBackoff) -> None:
         self.run, self.device, self.shape, self.backoff = run, device, shape, backoff
-        self.counts, self.request_bytes = counts, request_bytes
+        self.counts: Counter[str] = Counter()  # figures of its own (blocks reused, bytes)
+        self.request_bytes: list[int] = []
+        # as the reference scheduler's loop counts (run.batch_figures)
+        self.admitted: list[int] = []
+        self.steps = self.batch_sum = self.bucket_sum = self.reprefilled = self.state_losses = 0
         seed = run.config.seed * 1000 + device
         self.rng, self.gen = random.Random(seed), torch.Generator().manual_seed(seed)
         self.queue: deque[tuple[int, int, int, asyncio.Future[None]]] = deque()
@@ -119,7 +121,6 @@ class PagedLoop:
         """Queue a sequence; the future is done when it ended (finished or cut)."""
         ended = asyncio.get_running_loop().create_future()
         self.queue.append((sid, prompt, decode, ended))
-        self.counts["arrived"] += 1
         self.wake.set()
         return ended
 
@@ -141,7 +142,7 @@ class PagedLoop:
             seq = Sequence(sid, blocks, self._random(*kv), self._random(*kv), prompt, decode,
                            ended)  # fmt: skip
             self.live[sid] = seq
-            self.counts["admitted"] += 1
+            self.admitted.append(sid)
             await self._write(seq)
 
     async def _recorded(self, call: Awaitable[Any]) -> Any:
@@ -165,7 +166,7 @@ class PagedLoop:
 
     async def _recover(self) -> None:
         """STATE_LOST: adopt the new generation, write every live sequence again."""
-        self.counts["state_lost"] += 1
+        self.state_losses += 1
         while self.run.sending():
             try:
                 await self._recorded(self.run.client.reset_state(self.device))
@@ -173,12 +174,12 @@ class PagedLoop:
                     seq.generation = None
                 for seq in list(self.live.values()):
                     await self._write(seq)
-                    self.counts["reprefilled"] += 1
+                    self.reprefilled += 1
                 self.lost = False
                 return
             except GraphlaneError as exc:
                 if exc.code == "STATE_LOST":  # restarted again meanwhile
-                    self.counts["state_lost"] += 1
+                    self.state_losses += 1
                 elif not exc.retryable:
                     raise
                 else:
@@ -218,7 +219,7 @@ class PagedLoop:
             seq.ended.set_result(None)
 
     async def _step(self) -> None:
-        run, s, c = self.run, self.shape, self.counts
+        run, s = self.run, self.shape
         seqs = [self.live[sid] for sid in sorted(self.live)]
         call = self._call(seqs, self.rng.random() < run.verify)
         body = ops.Step(run.config.program, self.device, call.params, call.inputs, ["out"],
@@ -229,8 +230,9 @@ class PagedLoop:
         reply = await send(run, call, "out", time.monotonic(), reraise=True)
         assert reply is not None
         self.backoff.success(self.device)
-        c.update(steps=1, tokens=call.batch, batch_sum=call.batch,
-                 bucket_sum=min(b for b in s.buckets if b >= call.batch))  # fmt: skip
+        self.steps += 1
+        self.batch_sum += call.batch
+        self.bucket_sum += min(b for b in s.buckets if b >= call.batch)
         # Only numbers computed on state written in the answering generation count.
         if call.expected is not None and all(q.generation == reply.generation for q in seqs):
             error = close_to(reply.outputs["out"], call.expected, s.torch_dtype)
@@ -240,7 +242,7 @@ class PagedLoop:
             seq.remaining -= 1
             if seq.remaining <= 0:
                 self._end(seq)
-                c["finished"] += 1
+                self.counts["finished"] += 1
 
     def _call(self, seqs: list[Sequence], check: bool) -> Call:
         """The next token of every sequence in ``seqs`` (its K/V is in the host copy
@@ -278,19 +280,14 @@ class PagedLoop:
 async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...]) -> None:
     """Sequences arrive (:func:`.run.arrive`) in turn on the devices' loops until the
     run's end; fills ``run.extra`` (see docs/loadtest.md)."""
-    cfg, c, rb = run.config, Counter[str](), list[int]()
-    backoff = DeviceBackoff(random.Random(cfg.seed ^ 0xB0FF))
-    loops = [PagedLoop(run, d, shape, backoff, c, rb) for d in sorted(devices)]
-    run.loops = loops
+    backoff = DeviceBackoff(random.Random(run.config.seed ^ 0xB0FF))
+    loops = run.loops = [PagedLoop(run, d, shape, backoff) for d in sorted(devices)]
     sids = itertools.count()
 
     def one(_: float) -> asyncio.Future[None]:
         sid = next(sids)
         lp = loops[sid % len(loops)]
-        decode = lp.rng.randint(*(cfg.decode_tokens or DECODE_TOKENS))
-        lo, hi = cfg.prompt_lens or (1, max(1, shape.max_len // 2))
-        prompt = max(1, min(lp.rng.randint(lo, hi), shape.max_len - decode))
-        return lp.arrive(sid, prompt, min(decode, shape.max_len - prompt))
+        return lp.arrive(sid, *run.config.draw_lengths(lp.rng, shape.max_len))
 
     tasks = {run.spawn(lp.loop()) for lp in loops}
     await arrive(run, one)
@@ -298,16 +295,10 @@ async def drive_sequences(run: Run, shape: PagedShape, devices: tuple[int, ...])
     for lp in loops:
         lp.wake.set()
     await finish(run, tasks)
-    run.extra.update({
-        "tokens": c["tokens"],
-        "mean_batch": round(c["batch_sum"] / c["steps"], 3) if c["steps"] else 0.0,
-        "occupancy": round(c["batch_sum"] / c["bucket_sum"], 3) if c["bucket_sum"] else 0.0,
-        "request_bytes": {"mean": round(statistics.fmean(rb), 1) if rb else None,
-                          "min": min(rb, default=None), "max": max(rb, default=None)},
-        "sequences": {**{k: c[k] for k in ("arrived", "admitted", "finished", "reprefilled",
-                                            "cut")},
-                      "never_admitted": sum(len(lp.queue) for lp in loops)},
-        "state_lost": c["state_lost"],
-        "blocks_reused": c["blocks_reused"],
-        "prefill_bytes": c["prefill_bytes"],
-    })  # fmt: skip
+    c = sum((lp.counts for lp in loops), Counter[str]())
+    rb = [n for lp in loops for n in lp.request_bytes]
+    run.extra.update(batch_figures(loops, sum(lp.batch_sum for lp in loops), next(sids),
+                                   c["finished"], c["cut"]))  # fmt: skip
+    run.extra.update(blocks_reused=c["blocks_reused"], prefill_bytes=c["prefill_bytes"],
+                     request_bytes={"mean": round(statistics.fmean(rb), 1) if rb else None,
+                                    "min": min(rb, default=None), "max": max(rb, default=None)})

@@ -195,3 +195,20 @@ async def finish(run: Run, tasks: set[asyncio.Future[Any]]) -> None:
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
+
+
+def batch_figures(loops: list[Any], tokens: int, arrived: int, finished: int,
+                  cut: int) -> dict[str, Any]:  # fmt: skip
+    """The report's figures of continuously batched device loops (the reference
+    scheduler's, :mod:`.paged`'s): both count steps, batches and sequences alike."""
+    steps, batch, bucket = (sum(getattr(lp, k) for lp in loops)
+                            for k in ("steps", "batch_sum", "bucket_sum"))  # fmt: skip
+    return {
+        "tokens": tokens,
+        "mean_batch": round(batch / steps, 3) if steps else 0.0,
+        "occupancy": round(batch / bucket, 3) if bucket else 0.0,
+        "sequences": {"arrived": arrived, "admitted": sum(len(lp.admitted) for lp in loops),
+                      "finished": finished, "reprefilled": sum(lp.reprefilled for lp in loops),
+                      "cut": cut, "never_admitted": sum(len(lp.queue) for lp in loops)},
+        "state_lost": sum(lp.state_losses for lp in loops),
+    }

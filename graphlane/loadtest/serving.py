@@ -22,9 +22,8 @@ from graphlane.client.scheduler import GenerationLoop, ModelShape, Request
 from graphlane.protocol.errors import GraphlaneError
 
 from .availability import DeviceBackoff
-from .config import DECODE_TOKENS
 from .generation import DIFFER, TIE, Judge, reference_model
-from .run import Call, Run, arrive, deadline, finish
+from .run import Call, Run, arrive, batch_figures, deadline, finish
 
 #: Requests in flight per device (prefills and steps): step N+1 and N+2 go out before
 #: step N's reply is back.
@@ -89,18 +88,10 @@ class Serving:
         self.start = 0.0
         self._turn = itertools.cycle(self.loops.values())
 
-    def lengths(self) -> tuple[int, int]:
-        """A prompt length and a number of tokens to generate that fit a sequence."""
-        cfg, rng = self.run.config, self.rng
-        longest = min(self.shape.max_len, self.shape.block_size * self.shape.num_blocks)
-        lo, hi = cfg.prompt_lens or (1, max(1, longest // 2))
-        new = rng.randint(*(cfg.decode_tokens or DECODE_TOKENS))
-        prompt = max(1, min(rng.randint(lo, hi), longest - new))
-        return prompt, max(1, min(new, longest - prompt))
-
     def one(self, arrived: float) -> asyncio.Future[None]:
         """A request arrives; the future is done when it got its last token or failed."""
-        prompt, new = self.lengths()
+        longest = min(self.shape.max_len, self.shape.block_size * self.shape.num_blocks)
+        prompt, new = self.run.config.draw_lengths(self.rng, longest)
         tokens = [self.rng.randrange(self.shape.vocab_size) for _ in range(prompt)]
         r = Request(len(self.requests), tokens, new, arrived=arrived)
         self.requests.append(r)
@@ -142,27 +133,12 @@ class Serving:
                 f"[bold]{self.tokens / elapsed:.1f}[/]  {median}  {itl}")  # fmt: skip
 
     def figures(self) -> dict[str, Any]:
-        loops = list(self.loops.values())
-        steps, batch_sum, bucket_sum = (sum(getattr(lp, k) for lp in loops)
-                                        for k in ("steps", "batch_sum", "bucket_sum"))  # fmt: skip
-        return {
-            "tokens": self.tokens,
-            "mean_batch": round(batch_sum / steps, 3) if steps else 0.0,
-            "occupancy": round(batch_sum / bucket_sum, 3) if bucket_sum else 0.0,
-            "request_bytes": {"mean": None, "min": None, "max": None},
-            "sequences": {
-                "arrived": len(self.requests),
-                "admitted": sum(len(lp.admitted) for lp in loops),
-                "finished": sum(r.done for r in self.requests),
-                "failed": sum(r.failed is not None for r in self.requests),
-                "reprefilled": sum(lp.reprefilled for lp in loops),
-                "cut": sum(r.cut for r in self.requests),
-                "never_admitted": sum(len(lp.queue) for lp in loops),
-            },
-            "state_lost": sum(lp.state_losses for lp in loops),
-            "prefills": self.prefills,
-            "serving": serving_metrics(self.requests, self.start),
-        }
+        r = self.requests
+        out = batch_figures(list(self.loops.values()), self.tokens, len(r),
+                            sum(q.done for q in r), sum(q.cut for q in r))  # fmt: skip
+        out["sequences"]["failed"] = sum(q.failed is not None for q in r)
+        return {**out, "request_bytes": {"mean": None, "min": None, "max": None},
+                "prefills": self.prefills, "serving": serving_metrics(r, self.start)}
 
     async def check(self, described: Mapping[str, Any], share: float) -> None:
         """Check a ``share`` of the completed requests against transformers (in a thread:
