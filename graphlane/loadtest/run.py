@@ -100,7 +100,7 @@ class Run:
 
 
 async def arrive(
-    run: Run, one: Callable[[float], Awaitable[None]], *, cap: int | None = None,
+    run: Run, one: Callable[[float], Awaitable[Any]], *, cap: int | None = None,
     limit: int | None = None,
 ) -> set[asyncio.Future[Any]]:  # fmt: skip
     """Call ``one(arrival time)`` per arrival until sending ends (or ``limit`` arrived) and
