@@ -1,12 +1,7 @@
 """Independent calls of a stateless attention-shaped program (e.g. ``attention``): what
 they carry, the eager attention a checked one is compared with (:func:`reference`,
-written with torch, not taken from the simulator), and how they are driven.
-
-An unchecked call sends random lengths and a query from a small pool made before the
-run (the worker computes on whatever key/value its buffers hold); a checked one (a
-``verify`` share) sends query, key and value, made before the run with their reference
-output, so the client does no attention math while it measures. See docs/loadtest.md.
-"""
+written with torch, not taken from the simulator), and how they are driven (checked
+cases are made before the run: the client does no attention math while it measures)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """:func:`run_load`: connect, pick the shape of load from the program's ``hello`` entry
-(:class:`Plan`), drive it, report. A program without device state gets independent
-calls (:mod:`.attention`, if it is attention-shaped); one with a paged KV cache gets
-sequences (:mod:`.paged`); a model (a state op ``prefill``) gets requests
-(:mod:`.serving`). Any other program is refused with what its entry describes.
-"""
+(:class:`Plan`: calls, :mod:`.attention`; sequences, :mod:`.paged`; requests,
+:mod:`.serving`; any other program is refused with what its entry says), drive, report."""
 
 from __future__ import annotations
 
@@ -73,6 +70,14 @@ def _refuse(config: LoadConfig, info: Mapping[str, Any], why: str) -> LoadTestEr
     )
 
 
+def _described(shape: Any, config: LoadConfig, info: Mapping[str, Any]) -> Any:
+    """``shape.from_description(info)``, or the refusal naming why it is not one."""
+    try:
+        return shape.from_description(info)
+    except ValueError as exc:
+        raise _refuse(config, info, str(exc)) from None
+
+
 def _not_for(load: str, config: LoadConfig) -> None:
     """Refuse the settings the other shape of load reads (named by their flags)."""
     c = config
@@ -104,10 +109,7 @@ class Plan:
         _not_for(self.load, config)
         self.resolved: dict[str, Any] = {"devices": list(devices)}
         if "prefill" in (info.get("state_ops") or ()):
-            try:
-                self.model = ModelShape.from_description(info)
-            except ValueError as exc:
-                raise _refuse(config, info, str(exc)) from None
+            self.model = _described(ModelShape, config, info)
             _check_lengths(config, self.model)
             try:
                 check_reference(info)  # a check that cannot run is known now
@@ -124,10 +126,7 @@ class Plan:
             kind = (info.get("state") or {}).get("kind")
             if kind != "paged_kv":
                 raise _refuse(config, info, f"its device state is of kind {kind!r}")
-            try:
-                self.paged = PagedShape.from_description(info)
-            except ValueError as exc:
-                raise _refuse(config, info, str(exc)) from None
+            self.paged = _described(PagedShape, config, info)
             if config.num_prompts is not None:
                 raise ValueError("--num-prompts: only for a model program (its requests)")
             if not (config.prompt_lens or (1, 1))[1] < self.paged.max_len:
@@ -181,13 +180,9 @@ async def run_load(
     stop: asyncio.Event | None = None,
     started: Callable[[Run, Plan], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the load test; returns the report (also written to ``config.report_dir`` if set).
-
-    Bounded: after the setup (hello, and for independent calls one probe per device,
-    each within ``timeout_s``), it sends for ``duration_s`` (or until ``stop`` is set)
-    and then waits at most ``timeout_s`` for the calls in flight. ``started`` is called
-    with the run and its plan when sending begins (to watch a run from outside).
-    """
+    """Run the load test (bounded: docs/loadtest.md, "The end of a run"); returns the
+    report, also written to ``config.report_dir`` if set. ``started`` is called with the
+    run and its plan when sending begins (to watch a run from outside)."""
     started_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     client = Client(
         config.endpoint, timeout=config.timeout_s, name="graphlane-loadtest",

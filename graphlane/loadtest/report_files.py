@@ -1,8 +1,6 @@
 """The files of a report (:func:`write_report`): ``report.json``, PNG plots drawn on
-matplotlib's Agg canvas (no display, no pyplot state), and ``report.html``, a page with
-no outside resources: the verdict and :func:`.report.summary_rows` first, then the plots
-(by relative path), the per-device and per-batch tables, the errors and the config.
-"""
+matplotlib's Agg canvas (no display, no pyplot state), and ``report.html``: the verdict
+and :func:`.report.summary_rows`, the plots (by relative path), the tables, the config."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Requests to a model program (hello's entry has the state op ``prefill``), served by
-the reference scheduler (:mod:`graphlane.client.scheduler`, one loop per device, the
-requests going to the devices in turn) and measured as vLLM's ``benchmark_serving``
-measures a server: :func:`serving_metrics`. A ``verify`` share of the completed requests
-is checked, after the clock stopped, against transformers (:mod:`.generation`).
-See docs/models.md, "Measuring it".
-"""
+"""Requests to a model program, served by the reference scheduler
+(:mod:`graphlane.client.scheduler`) and measured as vLLM's ``benchmark_serving``
+measures a server (docs/models.md, "Measuring it")."""
 
 from __future__ import annotations
 
