@@ -8,7 +8,7 @@ its workers are ready, and drives every device for half the duration each:
    lengths; a share of the steps carry their own query/key/value and their
    outputs are checked against eager attention);
 2. the continuous-batching decode loop of ``paged_attention``
-   (:mod:`graphlane.loadtest.batching`):
+   (:mod:`graphlane.loadtest.paged`):
    sequences prefilled through ``kv_write``, continuously batched decode steps,
    blocks reused, a share of the steps checked against
    ``scaled_dot_product_attention`` over the demo's own copy of the KV.

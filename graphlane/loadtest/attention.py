@@ -1,42 +1,29 @@
-"""The load test's workload of a stateless attention-shaped program (the built-in
-``attention``): what its calls carry, resolved against the program's ``hello`` entry, its
-verified cases and the eager attention they are checked against (:func:`reference`,
-written here with torch, not taken from the simulator).
-
-* an **unchecked** call sends random lengths and a query taken from a small pool made
-  before the run, like a decode step whose KV cache stays on the device: the worker
-  computes on whatever key/value its buffers hold;
-* a **checked** call (a ``verify`` share of them) sends query, key and value for every
-  row, so its output depends on nothing the daemon kept, and is compared with
-  :func:`reference`. The cases (lengths, inputs and their reference output) are made
-  before the run, a few per batch size, and taken in turn per (device, batch size), so
-  consecutive checked calls on one graph differ; the client does no attention math
-  while it measures.
-
-Shapes: the program's ``hello`` entry gives its buckets, task groups (= layers) and, for
-the built-in programs, every setting (``config``). A program that does not describe its
-settings takes them from ``--shape`` (defaults: :class:`AttentionShape`'s, those of the
-program's own config).
-"""
+"""Independent calls of a stateless attention-shaped program (e.g. ``attention``): what
+they carry, the eager attention a checked one is compared with (:func:`reference`,
+written with torch, not taken from the simulator), and how they are driven (checked
+cases are made before the run: the client does no attention math while it measures)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .config import SHAPE_KEYS, AttentionShape
-from .workload import TOLERANCE, Call, LoadTestError, close_to
+from graphlane.client import Client
+from graphlane.protocol.errors import GraphlaneError
 
-#: Verified cases made per batch size before the run.
-VERIFY_POOL = 4
-#: Unverified queries made per batch size before the run.
-QUERY_POOL = 4
+from .availability import DeviceBackoff
+from .config import SHAPE_KEYS, AttentionShape, LoadConfig
+from .run import TOLERANCE, Call, LoadTestError, Run, arrive, close_to, finish, send
+
+#: Checked cases and unchecked queries made per batch size before the run.
+POOL = 4
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: What an attention-shaped program takes and gives, as the load test fills it.
 ATTENTION_SHAPE = "step parameter actual_seq_lengths_kv, inputs query, key and value, output out"
@@ -45,17 +32,16 @@ ATTENTION_SHAPE = "step parameter actual_seq_lengths_kv, inputs query, key and v
 def not_attention(info: Mapping[str, Any]) -> str | None:
     """Why a program's hello entry is not attention-shaped, or None."""
     differs = []
-    params = info.get("parameters")
+    params, inputs = info.get("parameters"), info.get("inputs")
     if isinstance(params, Mapping) and "actual_seq_lengths_kv" not in params:
         differs.append("no parameter actual_seq_lengths_kv")
-    inputs = info.get("inputs")
-    if isinstance(inputs, Mapping):
-        missing = [n for n in ("query", "key", "value") if n not in inputs]
-        if missing:
-            differs.append(f"no input {', '.join(missing)}")
+    missing = [n for n in ("query", "key", "value") if isinstance(inputs, Mapping)
+               and n not in inputs]  # fmt: skip
+    if missing:
+        differs.append(f"no input {', '.join(missing)}")
     if "out" not in info.get("outputs", ["out"]):
         differs.append("no output out")
-    return "; ".join(differs) if differs else None
+    return "; ".join(differs) or None
 
 
 def attention_shape(
@@ -66,76 +52,38 @@ def attention_shape(
     groups = int(info.get("groups", 0)) or None
     shape = dict(given)
     described = info.get("config")
-    if isinstance(described, Mapping):  # the daemon says its shapes: --shape is not needed
-        for key in SHAPE_KEYS:
-            if key not in described:
-                continue
+    for key in SHAPE_KEYS:
+        if isinstance(described, Mapping) and key in described:
             if key in shape and shape[key] != described[key]:
                 raise ValueError(
                     f"--shape: {key}={shape[key]} but {program!r} on the daemon has "
                     f"{key}={described[key]} (leave --shape out: the daemon describes it)"
                 )
             shape[key] = described[key]
-    if "layers" in shape and groups is not None and shape["layers"] != groups:
-        raise ValueError(
-            f"--shape: layers={shape['layers']} but {program!r} on the daemon has "
-            f"{groups} layers (task groups)"
-        )
-    if groups is not None:
-        shape.setdefault("layers", groups)
+    if groups is not None and shape.setdefault("layers", groups) != groups:
+        raise ValueError(f"--shape: layers={shape['layers']} but {program!r} on the daemon "
+                         f"has {groups} layers (task groups)")  # fmt: skip
     return AttentionShape.from_mapping(shape, "--shape"), isinstance(described, Mapping)
 
 
 def reference(
-    shape: AttentionShape,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    shape: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     lengths: Sequence[int],
-) -> torch.Tensor:
-    """Eager attention of the program: layer l+1 attends from layer l's output.
-
-    Written here, independently of the device's kernel, so that verification checks
-    the device rather than agreeing with it: torch's scaled_dot_product_attention
-    over the program's layout (see graphlane.workers.programs.attention): BNSD, query
-    [B, N, 1, D], key/value [layers, B, Nkv, S, D], scale 1/sqrt(D), GQA (query head h
-    uses key/value head h // (N / Nkv)), keys at positions >= actual_seq_lengths_kv[b]
-    left out of the softmax. The program does not ask for softmax_lse.
-    """
+) -> torch.Tensor:  # fmt: skip
+    """Eager attention of ``shape.layers`` layers, l+1 attending from l's output: SDPA
+    over BNSD, query [B, N, 1, D], key/value [layers, B, Nkv, S, D], scale 1/sqrt(D), GQA,
+    keys at positions >= lengths[b] left out; each layer computed in float32 and stored
+    in the query's dtype (as the device buffer holds it); a row with no key is zeros."""
     x = query
-    for layer in range(shape.layers):
-        x = _attention_layer(x, key[layer], value[layer], lengths)
-    return x
-
-
-def _attention_layer(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lengths: Sequence[int]
-) -> torch.Tensor:
-    """One BNSD layer, computed in float32 and stored in the query's dtype (as the
-    next layer reads it from the device buffer)."""
-    heads, kv_heads, seq = query.shape[1], key.shape[1], key.shape[2]
-    k = key.float().repeat_interleave(heads // kv_heads, dim=1)  # GQA: one copy per head
-    v = value.float().repeat_interleave(heads // kv_heads, dim=1)
+    heads, kv_heads, seq = query.shape[1], key.shape[2], key.shape[3]
     valid = torch.arange(seq)[None, :] < torch.tensor(list(lengths))[:, None]  # [B, S]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.float(),
-        k,
-        v,
-        attn_mask=valid[:, None, None, :],  # True: attend
-        scale=1.0 / math.sqrt(query.shape[-1]),
-    )
-    # A row with no key to attend to is zeros (the op's rule), not SDPA's NaN.
-    out = out.masked_fill(~valid.any(dim=1)[:, None, None, None], 0.0)
-    return out.to(query.dtype)
-
-
-@dataclass(frozen=True)
-class Case:
-    """A checked call's lengths and inputs, and the output eager attention gives."""
-
-    lengths: list[int]
-    inputs: dict[str, torch.Tensor]
-    expected: torch.Tensor
+    for layer in range(shape.layers):
+        k, v = (t[layer].float().repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            x.float(), k, v, attn_mask=valid[:, None, None, :], scale=1 / math.sqrt(x.shape[-1])
+        )
+        x = out.masked_fill(~valid.any(dim=1)[:, None, None, None], 0.0).to(query.dtype)
+    return x
 
 
 class AttentionWorkload:
@@ -144,92 +92,52 @@ class AttentionWorkload:
     output = "out"
 
     def __init__(
-        self,
-        shape: AttentionShape,
-        devices: tuple[int, ...],
-        batch_sizes: tuple[int, ...],
-        buckets: tuple[int, ...],
-        *,
-        seed: int = 0,
-        verify: float = 0.0,
-        described: bool = False,
-    ) -> None:
+        self, shape: AttentionShape, devices: tuple[int, ...], batch_sizes: tuple[int, ...],
+        buckets: tuple[int, ...], *, seed: int = 0, verify: float = 0.0, described: bool = False,
+    ) -> None:  # fmt: skip
         self.shape, self.devices, self.batch_sizes, self.buckets = (
-            shape, devices, batch_sizes, buckets,
-        )  # fmt: skip
-        #: the daemon described the program's shapes (hello's "config"): --shape is not needed
-        self.described = described
+            shape, devices, batch_sizes, buckets)  # fmt: skip
+        self.described = described  # hello gave the shapes: --shape is not needed
         self.verify = verify
         self.dtype = _DTYPES[shape.dtype]
         gen = torch.Generator().manual_seed(seed)
-        s = shape
-        self.queries: dict[int, list[torch.Tensor]] = {
-            b: [self._randn((b, s.num_heads, 1, s.head_dim), gen) for _ in range(QUERY_POOL)]
-            for b in batch_sizes
-        }
-        cases_per_batch = VERIFY_POOL if verify > 0 else 0
-        self.cases: dict[int, list[Case]] = {
-            b: [self.make_case(b, gen) for _ in range(cases_per_batch)] for b in batch_sizes
-        }
+        q = (shape.num_heads, 1, shape.head_dim)
+        self.queries = {b: [self._randn((b, *q), gen) for _ in range(POOL)] for b in batch_sizes}
+        n = POOL if verify > 0 else 0
+        self.cases = {b: [self.make_case(b, gen) for _ in range(n)] for b in batch_sizes}
         self._probe = self.make_case(min(batch_sizes), torch.Generator().manual_seed(seed + 7))
         self._turn: Counter[tuple[int, int]] = Counter()
-
-    @classmethod
-    def from_hello(
-        cls,
-        program: str,
-        info: Mapping[str, Any],
-        devices: tuple[int, ...],
-        batch_sizes: tuple[int, ...],
-        buckets: tuple[int, ...],
-        *,
-        shape: Mapping[str, Any],
-        seed: int,
-        verify: float,
-    ) -> AttentionWorkload:
-        problem = not_attention(info)
-        if problem is not None:
-            raise LoadTestError(problem)
-        attention, described = attention_shape(program, info, shape)
-        return cls(attention, devices, batch_sizes, buckets, seed=seed, verify=verify,
-                   described=described)  # fmt: skip
 
     def _randn(self, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float32).to(self.dtype)
 
-    def make_case(self, batch: int, gen: torch.Generator) -> Case:
+    def make_case(self, batch: int, gen: torch.Generator) -> Call:
+        """A checked call of ``batch`` rows on device 0 (its device is set when sent)."""
         s = self.shape
         lengths = torch.randint(1, s.max_kv_len + 1, (batch,), generator=gen).tolist()
         kv = (s.layers, batch, s.num_kv_heads, s.max_kv_len, s.head_dim)
-        inputs = {
-            "query": self._randn((batch, s.num_heads, 1, s.head_dim), gen),
-            "key": self._randn(kv, gen),
-            "value": self._randn(kv, gen),
-        }
-        expected = reference(s, inputs["query"], inputs["key"], inputs["value"], lengths)
-        return Case(lengths, inputs, expected)
-
-    @staticmethod
-    def _call(device: int, batch: int, case: Case) -> Call:
-        params = {"actual_seq_lengths_kv": case.lengths}
-        return Call(device, batch, params, case.inputs, case.expected)
+        q, k, v = (self._randn(x, gen) for x in ((batch, s.num_heads, 1, s.head_dim), kv, kv))
+        inputs = {"query": q, "key": k, "value": v}
+        expected = reference(s, q, k, v, lengths)
+        return Call(0, batch, {"actual_seq_lengths_kv": lengths}, inputs, expected)
 
     def checked(self, device: int, batch: int) -> Call:
+        """The next checked case of (device, batch): consecutive ones on a graph differ."""
         turn = self._turn[device, batch]
         self._turn[device, batch] += 1
-        return self._call(device, batch, self.cases[batch][turn % len(self.cases[batch])])
+        case = self.cases[batch][turn % len(self.cases[batch])]
+        return Call(device, batch, case.params, case.inputs, case.expected)
 
     def probe(self, device: int) -> Call:
-        return self._call(device, len(self._probe.lengths), self._probe)
+        p = self._probe
+        return Call(device, p.batch, p.params, p.inputs, p.expected)
 
     def draw(self, rng: random.Random) -> Call:
-        device = rng.choice(self.devices)
-        batch = rng.choice(self.batch_sizes)
+        device, batch = rng.choice(self.devices), rng.choice(self.batch_sizes)
         if self.verify > 0 and rng.random() < self.verify:
             return self.checked(device, batch)
-        top = self.shape.max_kv_len
-        lengths = [rng.randint(1, top) for _ in range(batch)]
-        query = self.queries[batch][rng.randrange(QUERY_POOL)]
+        lengths = [rng.randint(1, self.shape.max_kv_len) for _ in range(batch)]
+        query = self.queries[batch][rng.randrange(POOL)]
         return Call(device, batch, {"actual_seq_lengths_kv": lengths}, {"query": query})
 
     def check(self, call: Call, out: torch.Tensor) -> float | None:
@@ -237,8 +145,74 @@ class AttentionWorkload:
         return close_to(out, call.expected, self.dtype)
 
     def describe(self) -> dict[str, Any]:
-        return {
-            "shape": {k: getattr(self.shape, k) for k in SHAPE_KEYS},
-            "shape_from": "hello" if self.described else "--shape",
-            "tolerance": TOLERANCE.get(self.dtype, 1e-2),
-        }
+        return {"shape": {k: getattr(self.shape, k) for k in SHAPE_KEYS},
+                "shape_from": "hello" if self.described else "--shape",
+                "tolerance": TOLERANCE.get(self.dtype, 1e-2)}  # fmt: skip
+
+
+async def drive_calls(run: Run, work: AttentionWorkload) -> None:
+    """Independent calls until the run's end (:func:`.run.arrive`). In the closed loop a
+    device that just failed is held back (:mod:`.availability`): a call drawn for it is
+    drawn again, and a caller waits only when every device is held."""
+    closed = run.config.mode == "closed"
+    backoff = DeviceBackoff(random.Random(run.config.seed ^ 0xB0FF))
+    draws = random.Random(run.config.seed * 1_000_003 + 1)
+
+    async def one(scheduled: float) -> None:
+        call = work.draw(draws)
+        while closed and backoff.held(call.device, now := time.monotonic()):
+            release = backoff.all_held(work.devices, now)
+            if release is not None:
+                await run.pause(min(release, run.stop_at) - now)
+                if not run.sending():
+                    return
+            call = work.draw(draws)
+        reply = await send(run, call, work.output, scheduled if not closed else time.monotonic())
+        if closed:
+            (backoff.failure(call.device, time.monotonic()) if reply is None
+             else backoff.success(call.device))  # fmt: skip
+        if reply is not None and call.expected is not None:
+            out = reply.outputs.get(work.output)
+            run.rec.verification(call, None if out is None else work.check(call, out),
+                                 reply.generation)  # fmt: skip
+
+    cap = run.config.outstanding_cap() if not closed else None
+    await finish(run, await arrive(run, one, cap=cap))
+
+
+async def preflight(
+    client: Client, config: LoadConfig, work: AttentionWorkload, spawned: set[asyncio.Future[Any]]
+) -> dict[str, str]:
+    """One checked call per device, unmeasured: checks the shapes, opens the connections.
+    Every probe ends (each within timeout_s) before a failure is raised."""
+    shape = work.describe()["shape"]
+
+    async def probe(device: int) -> str:
+        call = work.probe(device)
+        assert call.expected is not None
+        try:
+            reply = await client.step(config.program, device, call.params, call.inputs,
+                                      (work.output,), batch=call.batch, timeout=config.timeout_s)
+        except GraphlaneError as exc:
+            if exc.code not in ("BAD_REQUEST", "UNKNOWN_PROGRAM", "UNKNOWN_DEVICE"):
+                return str(exc.code)  # retryable or internal: the run will measure it
+            hint = "" if work.described else (
+                ". Give the daemon's program shape with --shape (e.g. --shape "
+                "num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256).")  # fmt: skip
+            raise LoadTestError(f"device {device} refused a step of {config.program!r} built "
+                                f"with the shape {shape}: {exc}{hint}") from None
+        out = reply.outputs.get(work.output)
+        if out is None or tuple(out.shape) != tuple(call.expected.shape):
+            raise LoadTestError(
+                f"device {device} answered {work.output!r} of shape "
+                f"{None if out is None else list(out.shape)}, expected "
+                f"{list(call.expected.shape)} from the shape {shape}")  # fmt: skip
+        return "ok" if work.check(call, out) is not None else "wrong output"
+
+    tasks = [asyncio.create_task(probe(d)) for d in work.devices]
+    spawned.update(tasks)
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return {str(d): str(r) for d, r in zip(work.devices, results, strict=True)}

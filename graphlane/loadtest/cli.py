@@ -1,7 +1,7 @@
-"""The command line of ``graphlane loadtest``: its flags, the summary table and :func:`main`.
-
-See :mod:`graphlane.loadtest`.
-"""
+"""The command line of ``graphlane loadtest``: its flags, the summary and :func:`main`.
+The run itself (the client, torch, rich) is imported when a run starts: graphlane's
+command line builds this parser for every command, ``serve`` included (which imports
+no torch)."""
 
 from __future__ import annotations
 
@@ -20,353 +20,161 @@ from graphlane.protocol.errors import GraphlaneError, Timeout
 from .availability import MAX_UNAVAILABLE
 from .config import DECODE_TOKENS, SHAPE_KEYS, VERIFY, LoadConfig
 
-# The run itself (the client, torch, rich) is imported when a run starts: graphlane's
-# command line builds this parser for every command, `serve` included (whose process
-# imports no torch).
 
-
-# ---------------------------------------------------------------------------- command line
-def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
-    def parse(text: str) -> tuple[int, ...]:
+def _typed(flag: str, convert: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+            return convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{flag} takes comma-separated integers, not {text!r}"
-            ) from None
-        if not values:
-            raise argparse.ArgumentTypeError(f"{flag} needs at least one value")
-        return values
+            raise argparse.ArgumentTypeError(f"{flag} takes {what}, not {text!r}") from None
 
     return parse
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    values = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    if not values:
+        raise ValueError(text)
+    return values
+
+
+def _number(flag: str) -> Callable[[str], float]:
+    return _typed(flag, float, "a number")
+
+
+def _int_list(flag: str) -> Callable[[str], tuple[int, ...]]:
+    return _typed(flag, _ints, "comma-separated integers")
 
 
 def parse_shape(text: str) -> dict[str, Any]:
     """``layers=2,num_heads=4,dtype=float16`` -> a shape mapping (integers except dtype)."""
     out: dict[str, Any] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
-        key, sep, value = item.partition("=")
-        key = key.strip()
+        key, sep, value = (x.strip() for x in item.partition("="))
         if not sep or key not in SHAPE_KEYS:
             raise argparse.ArgumentTypeError(
-                f"--shape takes KEY=VALUE pairs with KEY in {', '.join(SHAPE_KEYS)}, not {item!r}"
-            )
-        if key == "dtype":
-            out[key] = value.strip()
-            continue
-        try:
-            out[key] = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--shape {key} must be an integer") from None
+                f"--shape takes KEY=VALUE pairs with KEY in {', '.join(SHAPE_KEYS)}, not {item!r}")
+        out[key] = value if key == "dtype" else _typed(f"--shape {key}", int, "an integer")(value)
     return out
-
-
-def _number(flag: str) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes a number, not {text!r}") from None
-        return v
-
-    return parse
 
 
 _DESCRIPTION = """\
 Drive a program of a running graphlane daemon for --duration seconds, as its
-hello entry describes it, and measure it. Shows live progress, prints a summary
-and writes DIR/report.json and DIR/report.html (with PNG plots).
+hello entry describes it, and measure it: live progress, a summary, and
+DIR/report.json and DIR/report.html with PNG plots (docs/loadtest.md).
 
 Programs it can drive (--program): attention-shaped ones (step parameter
-actual_seq_lengths_kv, inputs query/key/value, output out; e.g. attention), and
-ones with a paged KV cache (e.g. paged_attention).
-
-A program without device state (e.g. attention) gets independent calls:
-  closed loop (--concurrency C): C calls in flight, each caller sending its next
-      call when the previous one is answered;
-  open loop (--rate R): Poisson arrivals at R calls/s, latency measured from each
-      arrival's scheduled time, so a stalled server shows as latency, not as
-      fewer arrivals.
-  With --verify F, a share F of the calls carry their own query/key/value and
-  their output is checked against eager attention; the others send lengths and
-  a query only. --batch-sizes and --shape apply.
-
-A program that keeps a paged KV cache on the device (its hello entry says so, e.g.
-paged_attention) gets a scheduler's decode loop instead, with its shapes from
-hello: sequences arrive (--concurrency C: C live sequences, a new one when one
-ends; --rate R: R sequence arrivals/s), get blocks from a client-side allocator,
-have a random prompt (--prompt-lens) written into their slots with kv_write, and
-decode --decode-tokens tokens in continuously batched steps (one step in flight
-per device; arrivals join, finished sequences leave and their blocks are reused).
-A --verify share of the steps (default 0.2) is checked against
-scaled_dot_product_attention over the client's own copy of the KV. After a
-worker restart (STATE_LOST) the live sequences are written again; nothing
-computed on an emptied cache counts as verified. The report adds tokens/s, batch
-occupancy (mean batch / bucket), request bytes per step and the sequences.
-
-A model program (a state op prefill, e.g. model) is served as a serving
-benchmark does it, with vLLM's figures: requests arrive (--request-rate R:
-Poisson at R/s, inf: every one of --num-prompts at once; --concurrency C: C at
-a time) with random prompts (--prompt-len/--output-len with --range-ratio, or
---prompt-lens/--decode-tokens), go to the devices in turn and are generated by
-a continuous-batching loop decoding ahead (prefill, then steps whose rows feed
-each sequence's previous token on the device, rows joining and leaving). It
-reports request and token throughput and TTFT, TPOT (excluding the first token)
-and ITL (every gap between two tokens): mean, median and p99, and a --verify
-share of the requests (default 0.2) is checked against transformers' greedy
-generate: in float32 every token must be equal; in bfloat16 or float16 a first
-different token where transformers' own logits are a near tie (docs/models.md,
-Precision) counts as a tie, not a failure; a wrong token fails the run. When the
-check cannot run here (the model directory is not on this machine, or
-transformers is missing), the run says so at its start and in the report
-(verify_skipped). After a worker restart (STATE_LOST, WORKER_LOST) each live
-request is prefilled again with its prompt and the tokens it got so far, and
-goes on decoding: no request fails for it (the report counts them as
-reprefilled).
-
-Errors are counted by code, never retried as the same call. After an error on a
-device, that device is held back: a random pause in [d/2, d], d doubling per
-consecutive error from 10 ms up to 1 s, reset by a success; callers draw other
-devices meanwhile and wait only when every device is held.
-
-Any other program is refused with what its hello entry describes: the load test
-cannot know what values another program's inputs and parameters take; drive it
-with graphlane.Client."""
+actual_seq_lengths_kv, inputs query/key/value, output out; e.g. attention) get
+independent calls; one with a paged KV cache (e.g. paged_attention) gets a
+decode loop of sequences, continuously batched; a model (e.g. model) gets
+requests, measured as vLLM's benchmark_serving does (TTFT, TPOT, ITL). Load:
+--concurrency C (closed loop: C calls, live sequences or requests) or --rate R
+(open loop: Poisson arrivals at R/s). A --verify share is checked against a
+reference computed here; a model's tokens against transformers' greedy
+generate, where in bfloat16 or float16 a near tie is not a failure (said in
+verify_skipped when the check cannot run here). After a worker restart
+(STATE_LOST, WORKER_LOST) each live request is prefilled again and goes on
+(a paged sequence is written again). Errors are counted by code; a device
+that failed is held back (backoff 10 ms doubling to 1 s)."""
 
 _EPILOG = """\
 exit status:
-  0  steps succeeded, no verified output was wrong, every error was retryable
-     (BUSY, TIMEOUT, WORKER_LOST, SHUTTING_DOWN, CLIENT_OVERLOAD, CLIENT_DEADLINE)
+  0  steps succeeded, no checked output was wrong, every error was retryable
      and the server was unavailable for at most --max-unavailable of the time;
-  1  a verification failed, an error was not retryable, no step succeeded, or
-     the server was unavailable for more than --max-unavailable of the sending
-     time: a window of the time series (~1/120 of the run, >= 0.25 s) is
-     unavailable when no step succeeded in it and calls got WORKER_LOST,
-     SHUTTING_DOWN, TIMEOUT or CLIENT_DEADLINE (or none ended, right after such
-     a window);
-  2  invalid flags (also a flag the program's shape of load does not read), or
-     a run that could not start (the program is not served or not one loadtest
-     can drive, its shapes differ, --connect is no daemon's);
-  3  nothing answered at --connect within --connect-timeout (no daemon there,
-     or one with other CurveZMQ keys);
-  130  Ctrl-C: one line, "interrupted". After the run started, the first Ctrl-C
-     ends the run within a second, whatever --duration and --timeout say:
-     arrivals stop, calls in flight get at most 0.5 s more and are then
-     abandoned (CLIENT_DEADLINE), a model's tokens are not checked; it prints
-     the summary, writes the report of what ran (sending_s: the time it sent)
-     and exits 130; a second one aborts at once.
+  1  a check failed, an error was not retryable, no step succeeded, or the
+     server was unavailable for more than --max-unavailable;
+  2  invalid flags, or a run that could not start (program not served or not
+     one loadtest can drive, shapes differ, --connect is no daemon's);
+  3  nothing answered at --connect within --connect-timeout;
+  130  Ctrl-C: the first ends the run within a second (summary and report of
+     what ran), a second one aborts.
 
 examples:
   graphlane loadtest --connect tcp://127.0.0.1:7450 --program model --request-rate 20 \\
-      --num-prompts 200 --prompt-len 64 --output-len 32 --range-ratio 0.5 \\
-      --duration 60 --report out-model/
+      --num-prompts 200 --prompt-len 64 --output-len 32 --duration 60 --report out-model/
   graphlane loadtest --connect tcp://127.0.0.1:7450 --rate 200 --duration 30 \\
-      --verify 0.05 --report out/
-  graphlane loadtest --connect tcp://127.0.0.1:7450 --program paged_attention \\
-      --concurrency 16 --duration 30 --report out-paged/"""
+      --verify 0.05 --report out/"""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``loadtest`` subcommand to an ``add_subparsers()`` object."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "loadtest",
-        help="drive a running daemon with steps and report latency and throughput",
-        description=_DESCRIPTION,
-        epilog=_EPILOG,
+        "loadtest", help="drive a running daemon with steps and report latency and throughput",
+        description=_DESCRIPTION, epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument(
-        "--connect",
-        metavar="ENDPOINT",
-        default=DEFAULT_LISTEN,
-        help=f"the daemon's endpoint, tcp://HOST:PORT or ipc://PATH (default {DEFAULT_LISTEN})",
-    )
+    )  # fmt: skip
+    add = p.add_argument
+    add("--connect", metavar="ENDPOINT", default=DEFAULT_LISTEN,
+        help=f"the daemon's endpoint, tcp://HOST:PORT or ipc://PATH (default {DEFAULT_LISTEN})")
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument(
-        "--concurrency",
-        type=int,
-        metavar="C",
-        help="closed loop: keep C calls in flight, each caller sending its next call when "
-        "the previous one is answered (a program with device state: C live sequences)",
-    )
-    mode.add_argument(
-        "--rate",
-        "--request-rate",
-        dest="rate",
-        type=_number("--rate"),
-        metavar="R",
-        help="open loop: Poisson arrivals at R calls/s, whatever the server does (a program "
-        "with device state: R sequence arrivals/s; a model: R requests/s, or inf: every "
-        "one of --num-prompts at once)",
-    )
-    p.add_argument(
-        "--duration",
-        type=_number("--duration"),
-        required=True,
-        metavar="SECONDS",
-        help="how long to send steps; calls in flight then get at most --timeout more",
-    )
-    p.add_argument(
-        "--program",
-        default="attention",
-        metavar="NAME",
-        help="program to drive (default attention): a stateless attention-shaped one, or "
-        "one with a paged KV cache (e.g. paged_attention: the decode loop above); "
-        "loadtest refuses others, see above",
-    )
-    p.add_argument(
-        "--devices",
-        type=_int_list("--devices"),
-        metavar="LIST",
-        help="device ids to send to, e.g. 0,1 (default: every device the daemon serves)",
-    )
-    p.add_argument(
-        "--batch-sizes",
-        type=_int_list("--batch-sizes"),
-        metavar="LIST",
-        help="independent calls: batch sizes to draw from uniformly, e.g. 1,3,8 (default: "
-        "the program's buckets)",
-    )
-    p.add_argument(
-        "--verify",
-        type=_number("--verify"),
-        default=None,
-        metavar="FRACTION",
-        help="fraction of steps (0..1) checked against a reference computed here (default "
-        f"{VERIFY['calls']:g} for independent calls, {VERIFY['sequences']:g} for sequences)",
-    )
-    p.add_argument(
-        "--prompt-lens",
-        type=_int_list("--prompt-lens"),
-        metavar="LO,HI",
-        help="sequences: prompt lengths drawn uniformly in LO..HI "
-        "(default 1..half the longest sequence)",
-    )
-    p.add_argument(
-        "--decode-tokens",
-        type=_int_list("--decode-tokens"),
-        metavar="LO,HI",
-        help="sequences: tokens each sequence decodes, drawn uniformly in LO..HI "
-        f"(default {DECODE_TOKENS[0]},{DECODE_TOKENS[1]})",
-    )
-    p.add_argument(
-        "--num-prompts",
-        type=int,
-        metavar="N",
-        help="a model: send N requests, then end when they are answered (needed with "
-        "--rate inf; --duration still bounds the arrivals)",
-    )
-    p.add_argument(
-        "--prompt-len",
-        type=int,
-        metavar="N",
-        help="a model, as vLLM's random dataset: prompt lengths in "
-        "N*(1-RATIO)..N*(1+RATIO) (sets --prompt-lens)",
-    )
-    p.add_argument(
-        "--output-len",
-        type=int,
-        metavar="N",
-        help="as --prompt-len, for the tokens each request generates (sets --decode-tokens)",
-    )
-    p.add_argument(
-        "--range-ratio",
-        type=_number("--range-ratio"),
-        default=0.0,
-        metavar="RATIO",
-        help="the spread of --prompt-len and --output-len, in [0, 1) (default 0: fixed)",
-    )
-    p.add_argument(
-        "--report",
-        metavar="DIR",
-        required=True,
-        help="directory for report.json, report.html and its PNG plots (created if needed)",
-    )
-    p.add_argument(
-        "--shape",
-        type=parse_shape,
-        default={},
-        metavar="KEY=VALUE,...",
-        help="independent calls: the shapes of an attention-shaped program whose hello "
-        "entry has no "
-        "'config' (the daemon's built-in programs describe themselves): keys "
-        + ", ".join(SHAPE_KEYS)
-        + " (defaults num_heads=8,num_kv_heads=2,head_dim=64,max_kv_len=256,dtype=float16; "
-        "layers from the daemon)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=_number("--timeout"),
-        default=30.0,
-        metavar="SECONDS",
-        help="deadline of each call, and the most the run waits after --duration (default 30)",
-    )
-    p.add_argument(
-        "--connect-timeout",
-        type=_number("--connect-timeout"),
-        default=10.0,
-        metavar="SECONDS",
-        help="how long to wait for the daemon's first answer; then exit 3 (default 10)",
-    )
-    p.add_argument(
-        "--max-outstanding",
-        type=int,
-        metavar="N",
-        help="open loop of calls: most calls in flight; arrivals over it count as "
-        "CLIENT_OVERLOAD "
-        "(default 10 x rate, within 100..10000)",
-    )
-    p.add_argument("--server-key", metavar="FILE", help="CurveZMQ: the daemon's server.key")
-    p.add_argument(
-        "--client-key", metavar="FILE", help="CurveZMQ: this client's NAME.key_secret"
-    )
-    p.add_argument(
-        "--max-unavailable",
-        type=_number("--max-unavailable"),
-        default=MAX_UNAVAILABLE,
-        metavar="FRACTION",
-        help="fail the run when the server was unavailable for more than this fraction of "
-        f"the sending time (default {MAX_UNAVAILABLE:g})",
-    )
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of arrivals, draws and inputs (default 0)"
-    )
-    p.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="live progress on stderr (default: when stderr is a terminal)",
-    )
+    mode.add_argument("--concurrency", type=int, metavar="C",
+                      help="closed loop: C calls in flight (live sequences, requests at a time)")
+    mode.add_argument("--rate", "--request-rate", dest="rate", type=_number("--rate"),
+                      metavar="R", help="open loop: Poisson arrivals at R/s whatever the "
+                      "server does (a model: inf sends every one of --num-prompts at once)")
+    add("--duration", type=_number("--duration"), required=True, metavar="SECONDS",
+        help="how long to send; calls in flight then get at most --timeout more")
+    add("--program", default="attention", metavar="NAME",
+        help="program to drive (default attention; see above)")
+    add("--devices", type=_int_list("--devices"), metavar="LIST",
+        help="device ids to send to, e.g. 0,1 (default: every device the daemon serves)")
+    add("--batch-sizes", type=_int_list("--batch-sizes"), metavar="LIST",
+        help="independent calls: batch sizes drawn uniformly (default: the buckets)")
+    add("--verify", type=_number("--verify"), metavar="FRACTION",
+        help=f"share of steps (0..1) checked (default {VERIFY['calls']:g} for independent "
+        f"calls, {VERIFY['sequences']:g} for sequences and requests)")
+    add("--prompt-lens", type=_int_list("--prompt-lens"), metavar="LO,HI",
+        help="sequences, requests: prompt lengths drawn in LO..HI (default 1..half the longest)")
+    add("--decode-tokens", type=_int_list("--decode-tokens"), metavar="LO,HI",
+        help="sequences, requests: tokens to decode, drawn in LO..HI "
+        f"(default {DECODE_TOKENS[0]},{DECODE_TOKENS[1]})")
+    add("--num-prompts", type=int, metavar="N",
+        help="a model: send N requests, end when they are answered (--duration still bounds)")
+    add("--prompt-len", type=int, metavar="N", help="a model, as vLLM's random dataset: "
+        "prompt lengths in N*(1-RATIO)..N*(1+RATIO) (sets --prompt-lens)")
+    add("--output-len", type=int, metavar="N",
+        help="as --prompt-len, for the tokens a request generates (sets --decode-tokens)")
+    add("--range-ratio", type=_number("--range-ratio"), default=0.0, metavar="RATIO",
+        help="the spread of --prompt-len and --output-len, in [0, 1) (default 0)")
+    add("--report", metavar="DIR", required=True,
+        help="directory for report.json, report.html and its plots (created if needed)")
+    add("--shape", type=parse_shape, default={}, metavar="KEY=VALUE,...",
+        help="independent calls: the shape of a program whose hello has no 'config': keys "
+        f"{', '.join(SHAPE_KEYS)} (defaults those of the attention program)")
+    add("--timeout", type=_number("--timeout"), default=30.0, metavar="SECONDS",
+        help="deadline of each call, and the most the run waits after --duration (default 30)")
+    add("--connect-timeout", type=_number("--connect-timeout"), default=10.0, metavar="SECONDS",
+        help="how long to wait for the daemon's first answer; then exit 3 (default 10)")
+    add("--max-outstanding", type=int, metavar="N", help="open loop of calls: most calls in "
+        "flight; more arrivals count as CLIENT_OVERLOAD (default 10 x rate, 100..10000)")
+    add("--server-key", metavar="FILE", help="CurveZMQ: the daemon's server.key")
+    add("--client-key", metavar="FILE", help="CurveZMQ: this client's NAME.key_secret")
+    add("--max-unavailable", type=_number("--max-unavailable"), default=MAX_UNAVAILABLE,
+        metavar="FRACTION", help="fail when the server was unavailable for more than this "
+        f"share of the sending time (default {MAX_UNAVAILABLE:g})")
+    add("--seed", type=int, default=0, help="seed of arrivals, draws and inputs (default 0)")
+    add("--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="live progress on stderr (default: when stderr is a terminal)")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
     """The LoadConfig of parsed ``loadtest`` arguments (ValueError names the flag)."""
-    progress = args.progress if args.progress is not None else sys.stderr.isatty()
+    for pair, single in (("prompt_lens", "prompt_len"), ("decode_tokens", "output_len")):
+        if getattr(args, pair) is not None and getattr(args, single) is not None:
+            flags = f"--{pair.replace('_', '-')} and --{single.replace('_', '-')}"
+            raise ValueError(f"{flags} say the same: give one")
+    a = args
     return LoadConfig(
-        endpoint=args.connect,
-        duration_s=args.duration,
-        concurrency=args.concurrency,
-        rate=args.rate,
-        program=args.program,
-        devices=args.devices,
-        batch_sizes=args.batch_sizes,
-        verify=args.verify,
-        report_dir=args.report,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        progress=progress,
-        shape=args.shape or {},
-        max_outstanding=args.max_outstanding,
-        max_unavailable=args.max_unavailable,
-        server_key=args.server_key,
-        client_key=args.client_key,
-        prompt_lens=_lengths("--prompt-len", args.prompt_len, args.range_ratio)
-        or _pair("--prompt-lens", args.prompt_lens),
-        decode_tokens=_lengths("--output-len", args.output_len, args.range_ratio)
-        or _pair("--decode-tokens", args.decode_tokens),
-        num_prompts=args.num_prompts,
-    )
+        endpoint=a.connect, duration_s=a.duration, concurrency=a.concurrency, rate=a.rate,
+        program=a.program, devices=a.devices, batch_sizes=a.batch_sizes, verify=a.verify,
+        report_dir=a.report, seed=a.seed, timeout_s=a.timeout, shape=a.shape or {},
+        progress=a.progress if a.progress is not None else sys.stderr.isatty(),
+        max_outstanding=a.max_outstanding, max_unavailable=a.max_unavailable,
+        server_key=a.server_key, client_key=a.client_key, num_prompts=a.num_prompts,
+        prompt_lens=_lengths("--prompt-len", a.prompt_len, a.range_ratio) or a.prompt_lens,
+        decode_tokens=_lengths("--output-len", a.output_len, a.range_ratio) or a.decode_tokens,
+    )  # fmt: skip
 
 
 def _lengths(flag: str, n: int | None, ratio: float) -> tuple[int, int] | None:
@@ -380,92 +188,25 @@ def _lengths(flag: str, n: int | None, ratio: float) -> tuple[int, int] | None:
     return max(1, int(n * (1 - ratio))), max(1, int(n * (1 + ratio)))
 
 
-def _pair(flag: str, values: tuple[int, ...] | None) -> tuple[int, int] | None:
-    if values is None:
-        return None
-    if len(values) != 2:
-        raise ValueError(f"{flag} takes two integers LO,HI")
-    return values[0], values[1]
-
-
 def print_summary(report: Mapping[str, Any], console: Any = None) -> None:
-    """A rich table of the run's results."""
+    """A table of the run's results (:func:`.report.summary_rows`)."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
-    from .report import load_text, verify_text
+    from .report import load_text, summary_rows
 
-    console = console or Console()
-    lat = report["latency_ms"]
-    cfg = report["config"]
     t = Table(title=f"graphlane loadtest: {load_text(report)}", show_header=False,
               title_justify="left")  # fmt: skip
     t.add_column(style="bold")
     t.add_column()
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
-    t.add_row("endpoint", str(cfg["endpoint"]))
-    t.add_row("program / devices", f"{cfg['program']} on {cfg['devices']}")
-    sending = (
-        f"interrupted after {report['sending_s']:.2f} s of {report['duration_s']:g} s"
-        if report.get("interrupted")
-        else f"sending for {report['duration_s']:g} s"
-    )
-    t.add_row("elapsed", f"{report['elapsed_s']:.2f} s ({sending})")
-    t.add_row("steps", f"{report['steps']} of {report['sent']} sent")
-    t.add_row("throughput", f"{report['throughput']:.1f} steps/s")
-    t.add_row(
-        f"latency ms ({report['latency_basis']})",
-        "  ".join(f"{k} {ms(lat[k])}" for k in ("p50", "p90", "p99", "p99.9", "max")),
-    )
-    if "send_lag_ms" in report:
-        lag = report["send_lag_ms"]
-        t.add_row("send lag ms", f"p50 {ms(lag['p50'])}  p99 {ms(lag['p99'])}")
-    if report.get("load") == "sequences":
-        seqs, rb = report["sequences"], report["request_bytes"]
-        t.add_row("tokens", f"{report['tokens']} ({report['tokens_per_s']:.1f}/s)")
-        t.add_row("batch occupancy", f"{report['occupancy']:.2f} (mean batch "
-                  f"{report['mean_batch']})")  # fmt: skip
-        t.add_row(
-            "sequences",
-            f"{seqs['arrived']} arrived, {seqs['admitted']} admitted, {seqs['finished']} "
-            f"finished, {seqs['cut']} cut at the end, {seqs['never_admitted']} still queued, "
-            f"{seqs['reprefilled']} written again",
-        )
-        if rb["mean"] is not None:
-            t.add_row("request bytes/step", f"mean {rb['mean']:.0f}  min {rb['min']}  "
-                      f"max {rb['max']}")  # fmt: skip
-        if "blocks_reused" in report:
-            t.add_row("blocks reused", str(report["blocks_reused"]))
-        if report.get("serving") is not None:
-            s = report["serving"]
-            t.add_row("requests", f"{s['completed']} completed, {s['failed']} failed, "
-                      f"{s['cut']} cut, in {s['duration_s']:.2f} s")  # fmt: skip
-            t.add_row("request throughput", f"{s['request_throughput']:.2f} req/s, output "
-                      f"{s['output_throughput']:.1f} tok/s, total "
-                      f"{s['total_token_throughput']:.1f} tok/s")  # fmt: skip
-            for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
-                m = s[key]
-                t.add_row(f"{name} ms", "  ".join(f"{k} {ms(m[k])}"
-                                                  for k in ("mean", "median", "p99")))
-        t.add_row("state lost", str(report["state_lost"]))
-    errors = ", ".join(f"{k}: {v}" for k, v in report["errors"].items()) or "none"
-    t.add_row("errors", f"[red]{errors}[/]" if report["errors"] else errors)
-    checked = verify_text(report)
-    if checked is not None:
-        checked = escape(checked)  # a reason may hold brackets (graphlane[test])
-        t.add_row("verified", f"[red]{checked}[/]" if report["verify_failures"] else checked)
-    verdict = report["verdict"]
-    t.add_row(
-        "result",
-        "[green]ok[/]" if verdict["ok"] else "[red]FAILED[/]: " + "; ".join(verdict["reasons"]),
-    )
+    bad = {"errors": bool(report["errors"]), "verified": bool(report["verify_failures"]),
+           "result": not report["verdict"]["ok"]}  # fmt: skip
+    for name, text in summary_rows(report):
+        t.add_row(name, Text(text, style="red" if bad.get(name) else ""))
     if "files" in report:
         t.add_row("report", f"{report['files']['html']}\n{report['files']['json']}")
-    console.print(t)
+    (console or Console()).print(t)
 
 
 #: Exit status when nothing answered at --connect within --connect-timeout.
@@ -481,10 +222,6 @@ class NoAnswer(Exception):
 def main(args: argparse.Namespace) -> int:
     """Run ``graphlane loadtest`` from parsed arguments; returns the exit status."""
     try:
-        for pair, single in (("prompt_lens", "prompt_len"), ("decode_tokens", "output_len")):
-            if getattr(args, pair) is not None and getattr(args, single) is not None:
-                flags = f"--{pair.replace('_', '-')} and --{single.replace('_', '-')}"
-                raise ValueError(f"{flags} say the same: give one")
         config = config_from_args(args)
         if not args.connect_timeout > 0:
             raise ValueError("--connect-timeout must be a positive number of seconds")
@@ -499,25 +236,22 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, config: LoadConfig) -> int:
-    from .serving import serving_text
-    from .workload import LoadTestError
+    from .report import serving_text
+    from .run import LoadTestError
+
+    def fail(message: str, code: int = 2) -> int:
+        print(f"graphlane loadtest: {message}", file=sys.stderr)
+        return code
 
     try:
         asyncio.run(_first_hello(config, args.connect_timeout))
-    except NoAnswer as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return EXIT_NO_ANSWER
-    except InvalidEndpoint as exc:  # malformed, or a worker's endpoint
-        print(f"graphlane loadtest: --connect: {exc.message}", file=sys.stderr)
-        return 2
-    except (ValueError, GraphlaneError) as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return 2
-    try:
         report, interrupted = asyncio.run(_run_interruptible(config))
+    except NoAnswer as exc:
+        return fail(str(exc), EXIT_NO_ANSWER)
+    except InvalidEndpoint as exc:  # malformed, or a worker's endpoint
+        return fail(f"--connect: {exc.message}")
     except (ValueError, LoadTestError, GraphlaneError) as exc:
-        print(f"graphlane loadtest: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     print_summary(report)
     if report.get("serving") is not None:
         print(serving_text(report))
@@ -531,16 +265,15 @@ async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
     """The daemon's hello, or NoAnswer naming the endpoint, the wait and its flag."""
     from graphlane.client import Client
 
-    client = Client(
-        config.endpoint, timeout=wait_s,
-        server_key=config.server_key, client_key=config.client_key,
-    )  # fmt: skip
+    client = Client(config.endpoint, timeout=wait_s, server_key=config.server_key,
+                    client_key=config.client_key)  # fmt: skip
     # Ctrl-C cancels the wait through the loop (its wake-up pipe), not as an exception
     # raised wherever the interpreter happens to be: one that landed while the client
     # was connecting was once lost, and the command waited out --connect-timeout.
     loop, me = asyncio.get_running_loop(), asyncio.current_task()
+    assert me is not None
     with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # main thread only
-        loop.add_signal_handler(signal.SIGINT, me.cancel if me is not None else _no_op)
+        loop.add_signal_handler(signal.SIGINT, me.cancel)
     try:
         return await client.connect()
     except Timeout:
@@ -552,10 +285,6 @@ async def _first_hello(config: LoadConfig, wait_s: float) -> dict[str, Any]:
     finally:
         loop.remove_signal_handler(signal.SIGINT)
         await client.close()
-
-
-def _no_op() -> None:
-    pass
 
 
 def _announce(run: Any, plan: Any) -> None:

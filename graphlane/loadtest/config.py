@@ -1,14 +1,11 @@
-"""The configuration of ``graphlane loadtest``: :class:`LoadConfig`, checked where it is
-made. One config for every program; the settings that only one shape of load reads
-(``batch_sizes`` and ``shape`` for independent calls, ``prompt_lens`` and
-``decode_tokens`` for sequences) are refused by :mod:`.driver` for the other.
-
-See :mod:`graphlane.loadtest`.
-"""
+"""The configuration of ``graphlane loadtest``: :class:`LoadConfig`, one for every program,
+checked where it is made (the settings one shape of load does not read are refused by
+:mod:`.driver`)."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -39,11 +36,9 @@ class AttentionShape:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], where: str = "--shape") -> AttentionShape:
-        """The shape ``raw`` gives over the defaults; ValueError naming the key."""
+        """The shape ``raw`` (keys of :data:`SHAPE_KEYS`) gives over the defaults;
+        ValueError naming the key."""
         known = [f.name for f in fields(cls)]
-        for key in raw:
-            if key not in known:
-                raise ValueError(f"{where}.{key}: unknown key (known: {', '.join(known)})")
         shape = cls(**{**raw, "buckets": tuple(raw.get("buckets", cls.buckets))})
         for key in known[:5]:
             v = getattr(shape, key)
@@ -66,20 +61,9 @@ VERIFY = {"calls": 0.0, "sequences": 0.2}
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """One load test. Exactly one of ``concurrency`` (closed loop) and ``rate`` (open loop):
-    calls in flight and call arrivals/s for a stateless program, live sequences and
-    sequence arrivals/s for one with device state.
-
-    ``verify``: the share of steps checked (None: :data:`VERIFY` by the shape of load).
-    ``shape`` overrides AttentionShape's defaults for the keys in :data:`SHAPE_KEYS`
-    where the daemon's ``hello`` does not describe them. ``max_outstanding`` caps the
-    open loop's calls in flight (None: 10 s worth of arrivals, clamped to 100..10,000).
-    ``prompt_lens`` (None: 1..half the longest sequence) and ``decode_tokens`` (None:
-    :data:`DECODE_TOKENS`) are the ranges a sequence's lengths are drawn from (for a
-    model program: its prompt and its output tokens). ``num_prompts`` (a model program
-    only): requests to send, the run ending when they are answered; with it, ``rate``
-    may be ``inf`` (every request at once). Invalid values raise ValueError naming the
-    command-line flag.
+    """One load test; each field is a flag of ``graphlane loadtest`` (see its ``--help``).
+    ``verify`` None: :data:`VERIFY` by the shape of load; ``max_outstanding`` None: 10 s
+    of arrivals, clamped to 100..10,000. Invalid values raise ValueError naming the flag.
     """
 
     endpoint: str
@@ -117,68 +101,61 @@ class LoadConfig:
         return "closed" if self.concurrency is not None else "open"
 
     def validate(self) -> None:
-        if not self.endpoint:
-            raise ValueError("--connect must name an endpoint (tcp://HOST:PORT or ipc://PATH)")
-        if (self.concurrency is None) == (self.rate is None):
-            raise ValueError(
-                "give exactly one of --concurrency (closed loop) or --rate (open loop)"
-            )
-        if self.concurrency is not None and (not _is_int(self.concurrency) or self.concurrency < 1):
-            raise ValueError(f"--concurrency must be an integer >= 1, not {self.concurrency!r}")
-        if self.rate is not None and not (
-            isinstance(self.rate, (int, float)) and not isinstance(self.rate, bool)
-            and 0 < self.rate <= math.inf
-        ):  # fmt: skip
-            raise ValueError(f"--rate must be > 0 (steps per second), not {self.rate!r}")
-        if self.rate == math.inf and self.num_prompts is None:
-            raise ValueError("--rate inf (every request at once) needs --num-prompts N")
-        if self.num_prompts is not None and (not _is_int(self.num_prompts) or self.num_prompts < 1):
-            raise ValueError(f"--num-prompts must be an integer >= 1, not {self.num_prompts!r}")
-        if not (_is_real(self.duration_s) and 0 < self.duration_s < math.inf):
-            raise ValueError(f"--duration must be > 0 seconds, not {self.duration_s!r}")
-        if not (_is_real(self.timeout_s) and 0 < self.timeout_s < math.inf):
-            raise ValueError(f"--timeout must be > 0 seconds, not {self.timeout_s!r}")
-        if self.verify is not None and not (_is_real(self.verify) and 0.0 <= self.verify <= 1.0):
-            raise ValueError(f"--verify must be a fraction in [0, 1], not {self.verify!r}")
-        if not (_is_real(self.max_unavailable) and 0.0 <= self.max_unavailable <= 1.0):
-            raise ValueError(
-                f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}"
-            )
-        if (self.server_key is None) != (self.client_key is None):
-            raise ValueError(key_flags_problem(self.server_key, self.client_key))
-        if not isinstance(self.program, str) or not self.program:
-            raise ValueError("--program must name a program")
-        if not _is_int(self.seed):
-            raise ValueError(f"--seed must be an integer, not {self.seed!r}")
+        def need(ok: object, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.endpoint, "--connect must name an endpoint (tcp://HOST:PORT or ipc://PATH)")
+        need((self.concurrency is None) != (self.rate is None),
+             "give exactly one of --concurrency (closed loop) or --rate (open loop)")
+        need(self.concurrency is None or _at_least(self.concurrency, 1),
+             f"--concurrency must be an integer >= 1, not {self.concurrency!r}")
+        need(self.rate is None or (isinstance(self.rate, (int, float))
+                                   and not isinstance(self.rate, bool) and self.rate > 0),
+             f"--rate must be > 0 (steps per second), not {self.rate!r}")  # fmt: skip
+        need(self.rate != math.inf or self.num_prompts is not None,
+             "--rate inf (every request at once) needs --num-prompts N")
+        need(self.num_prompts is None or _at_least(self.num_prompts, 1),
+             f"--num-prompts must be an integer >= 1, not {self.num_prompts!r}")
+        for flag, v, hi in (("--duration", self.duration_s, math.inf),
+                            ("--timeout", self.timeout_s, math.inf)):  # fmt: skip
+            need(_is_real(v) and 0 < v < hi, f"{flag} must be > 0 seconds, not {v!r}")
+        need(self.verify is None or _fraction(self.verify),
+             f"--verify must be a fraction in [0, 1], not {self.verify!r}")
+        need(_fraction(self.max_unavailable),
+             f"--max-unavailable must be a fraction in [0, 1], not {self.max_unavailable!r}")
+        need((self.server_key is None) == (self.client_key is None),
+             key_flags_problem(self.server_key, self.client_key) or "")
+        need(isinstance(self.program, str) and self.program, "--program must name a program")
+        need(_is_int(self.seed), f"--seed must be an integer, not {self.seed!r}")
         if self.devices is not None:
-            if not self.devices:
-                raise ValueError("--devices must list at least one device")
-            if any(not _is_int(d) or d < 0 for d in self.devices):
-                raise ValueError(f"--devices must be device ids >= 0, not {list(self.devices)}")
-            if len(set(self.devices)) != len(self.devices):
-                raise ValueError(f"--devices lists a device twice: {list(self.devices)}")
+            need(self.devices, "--devices must list at least one device")
+            need(all(_at_least(d, 0) for d in self.devices),
+                 f"--devices must be device ids >= 0, not {list(self.devices)}")
+            need(len(set(self.devices)) == len(self.devices),
+                 f"--devices lists a device twice: {list(self.devices)}")
         if self.batch_sizes is not None:
-            if not self.batch_sizes:
-                raise ValueError("--batch-sizes must list at least one batch size")
-            if any(not _is_int(b) or b < 1 for b in self.batch_sizes):
-                raise ValueError(f"--batch-sizes must be >= 1, not {list(self.batch_sizes)}")
-        if self.max_outstanding is not None and (
-            not _is_int(self.max_outstanding) or self.max_outstanding < 1
-        ):
-            raise ValueError(f"--max-outstanding must be >= 1, not {self.max_outstanding!r}")
+            need(self.batch_sizes, "--batch-sizes must list at least one batch size")
+            need(all(_at_least(b, 1) for b in self.batch_sizes),
+                 f"--batch-sizes must be >= 1, not {list(self.batch_sizes)}")
+        need(self.max_outstanding is None or _at_least(self.max_outstanding, 1),
+             f"--max-outstanding must be >= 1, not {self.max_outstanding!r}")
         for flag, pair in (("--prompt-lens", self.prompt_lens),
                            ("--decode-tokens", self.decode_tokens)):  # fmt: skip
-            if pair is not None and not (
-                len(pair) == 2 and all(_is_int(v) for v in pair) and 1 <= pair[0] <= pair[1]
-            ):
-                raise ValueError(f"{flag} takes two integers LO,HI with 1 <= LO <= HI")
+            need(pair is None or (len(pair) == 2 and all(_is_int(v) for v in pair)
+                                  and 1 <= pair[0] <= pair[1]),
+                 f"{flag} takes two integers LO,HI with 1 <= LO <= HI")  # fmt: skip
         unknown = sorted(set(self.shape) - set(SHAPE_KEYS))
-        if unknown:
-            raise ValueError(f"--shape: unknown key(s) {unknown} (known: {', '.join(SHAPE_KEYS)})")
-        try:
-            AttentionShape.from_mapping(dict(self.shape), "--shape")
-        except TypeError as exc:
-            raise ValueError(f"--shape: {exc}") from None
+        need(not unknown, f"--shape: unknown key(s) {unknown} (known: {', '.join(SHAPE_KEYS)})")
+        AttentionShape.from_mapping(dict(self.shape), "--shape")
+
+    def draw_lengths(self, rng: random.Random, longest: int) -> tuple[int, int]:
+        """A prompt length in ``prompt_lens`` (default 1..half ``longest``) and tokens to
+        decode in ``decode_tokens``, cut to fit a sequence of ``longest`` tokens."""
+        lo, hi = self.prompt_lens or (1, max(1, longest // 2))
+        new = rng.randint(*(self.decode_tokens or DECODE_TOKENS))
+        prompt = max(1, min(rng.randint(lo, hi), longest - new))
+        return prompt, max(1, min(new, longest - prompt))
 
     def verify_share(self, load: str) -> float:
         """The share of steps checked for ``load`` ("calls" or "sequences")."""
@@ -204,6 +181,14 @@ class LoadConfig:
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _fraction(v: object) -> bool:
+    return _is_real(v) and 0.0 <= v <= 1.0  # type: ignore[operator]
+
+
+def _at_least(v: object, low: int) -> bool:
+    return _is_int(v) and v >= low  # type: ignore[operator]
 
 
 def _is_real(v: object) -> bool:

@@ -1,11 +1,7 @@
-"""The served model in transformers, for checking the tokens a ``model`` program gives:
-:func:`reference_model` builds it from the program's ``hello`` entry (seeded random
-weights, or the model directory when it is on this machine), :func:`greedy` gives its
-greedy tokens and :class:`Judge` says whether served tokens are transformers' (exactly,
-or up to a near tie of a half-precision dtype: docs/models.md, "Precision"). The
-scheduler that the load test and the demo run is the client's
-(:mod:`graphlane.client.scheduler`).
-"""
+"""The served model in transformers, for checking a ``model`` program's tokens (the load
+test's and the demo's): :func:`reference_model` builds it from the program's ``hello``
+entry, :class:`Judge` says whether served tokens are its greedy ones (exactly, or up to
+a near tie of a half-precision dtype: docs/models.md, "Precision")."""
 
 from __future__ import annotations
 
@@ -38,8 +34,7 @@ def reference_model(described: Mapping[str, Any]) -> Any:
         names = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[spec.model_type]
         keys = {k: v for k, v in raw.items() if k != "model_type"}
         hf_config = getattr(transformers, f"{names}Config")(
-            **keys, bos_token_id=None, eos_token_id=None, pad_token_id=None
-        )
+            **keys, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
         model = getattr(transformers, f"{names}ForCausalLM")(hf_config)
         model.load_state_dict(random_weights(spec, int(cfg["seed"]), float(cfg["init_std"]),
                                              torch.float32))  # fmt: skip
@@ -54,9 +49,8 @@ def check_reference(described: Mapping[str, Any]) -> None:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise ValueError(
-            "checking tokens needs transformers (pip install 'graphlane[test]')"
-        ) from None
+        raise ValueError("checking tokens needs transformers (pip install "
+                         "'graphlane[test]')") from None  # fmt: skip
     cfg = described.get("config", described)
     if cfg.get("model"):
         path = Path(str(cfg["model"]))
@@ -64,14 +58,6 @@ def check_reference(described: Mapping[str, Any]) -> None:
             raise ValueError(f"the model directory {path} is not on this machine")
     elif not cfg.get("random") or "init_std" not in cfg:
         raise ValueError("the daemon's hello does not describe its random weights")
-
-
-def greedy(model: Any, prompt: list[int], new: int) -> list[int]:
-    """transformers' eager greedy ``generate``: the ``new`` tokens after ``prompt``."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new,
-                             do_sample=False)  # fmt: skip
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 def tie_allowance(dtype: torch.dtype) -> float:
@@ -134,5 +120,5 @@ class Judge:
         return (TIE if int(exact.argmax()) == ours[first] else DIFFER), first
 
 
-__all__ = ["DIFFER", "EXACT", "TIE", "Judge", "check_reference", "greedy", "reference_model",
+__all__ = ["DIFFER", "EXACT", "TIE", "Judge", "check_reference", "reference_model",
            "tie_allowance"]

@@ -1,21 +1,34 @@
-"""The recording of ``graphlane loadtest``: counts, HDR histograms and the time series of
-a run.
-
-Every shape of load records here (independent calls and continuously batched
-sequences alike), so every run has the same report. See :mod:`graphlane.loadtest`.
-"""
+"""The recording of a run, the same for every shape of load: counts, HDR histograms and
+the time series (:class:`Recorder`), and :class:`Call`, what it records a step of."""
 
 from __future__ import annotations
 
 import random
-from collections import Counter
+import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hdrh.histogram import HdrHistogram
 
-from .availability import Availability
-from .workload import Call
+from graphlane.protocol.errors import GraphlaneError
+
+from .availability import UNAVAILABLE
+
+
+@dataclass(frozen=True)
+class Call:
+    """One step the load test sends; ``expected``: what its output is checked against
+    (None: not checked); ``rows``: the sequences of its rows (a program with state)."""
+
+    device: int
+    batch: int
+    params: dict[str, Any]
+    inputs: dict[str, torch.Tensor]
+    expected: torch.Tensor | None = None
+    rows: tuple[int, ...] = field(default=())
+
 
 #: Latency samples kept (reservoir) for the latency-over-time plot.
 MAX_SAMPLES = 2000
@@ -41,17 +54,12 @@ def _ms(us: float) -> float:
 
 
 def summary(hist: Any) -> dict[str, Any]:
+    """count, min, mean, the :data:`PERCENTILES` and max of a histogram, in ms."""
     n = hist.get_total_count()
-    out: dict[str, Any] = {"count": n}
-    if not n:
-        out.update({k: None for k in ("min", "mean", *(p for p, _ in PERCENTILES), "max")})
-        return out
-    out["min"] = _ms(hist.get_min_value())
-    out["mean"] = _ms(hist.get_mean_value())
-    for name, p in PERCENTILES:
-        out[name] = _ms(hist.get_value_at_percentile(p))
-    out["max"] = _ms(hist.get_max_value())
-    return out
+    values = [hist.get_min_value(), hist.get_mean_value(),
+              *(hist.get_value_at_percentile(p) for _, p in PERCENTILES), hist.get_max_value()]
+    keys = ("min", "mean", *(name for name, _ in PERCENTILES), "max")
+    return {"count": n, **{k: _ms(v) if n else None for k, v in zip(keys, values, strict=True)}}
 
 
 @dataclass
@@ -59,6 +67,7 @@ class _Window:
     hist: Any = field(default_factory=lambda: _hist(2))
     steps: int = 0
     errors: int = 0
+    down: int = 0  # errors that say the server did not serve (UNAVAILABLE)
     devices: Counter[int] = field(default_factory=Counter)
 
 
@@ -75,22 +84,15 @@ class Recorder:
     """Counts and histograms of one run; times are ``time.monotonic()`` seconds."""
 
     def __init__(self, start: float, window_s: float, seed: int) -> None:
-        self.start = start
-        self.window_s = window_s
-        self.latency = _hist()
-        self.send_lag = _hist()
-        self.windows: dict[int, _Window] = {}
+        self.start, self.window_s = start, window_s
+        self.latency, self.send_lag = _hist(), _hist()
+        self.windows: defaultdict[int, _Window] = defaultdict(_Window)
         self.errors: Counter[str] = Counter()
-        self.non_retryable = 0
         self.error_examples: dict[str, str] = {}
-        self.devices: dict[int, DeviceStats] = {}
-        self.batches: dict[int, Any] = {}
-        self.arrivals = 0
-        self.sent = 0
-        self.steps = 0
-        self.in_flight = 0
-        self.verified = 0
-        self.verify_failures = 0
+        self.devices: defaultdict[int, DeviceStats] = defaultdict(DeviceStats)
+        self.batches: defaultdict[int, Any] = defaultdict(_hist)
+        self.arrivals = self.sent = self.steps = self.in_flight = self.non_retryable = 0
+        self.verified = self.verify_failures = 0
         self.verify_ties = 0  # right only up to a near tie of the dtype (tokens)
         self.verify_max_error = 0.0
         self.verified_by_generation: Counter[int] = Counter()
@@ -98,37 +100,19 @@ class Recorder:
         self.samples: list[tuple[float, float]] = []
         self._seen = 0
         self._rng = random.Random(seed ^ 0x5EED)
-        self.availability = Availability(start, window_s)
 
     def _window(self, t: float) -> _Window:
-        i = max(0, int((t - self.start) / self.window_s))
-        w = self.windows.get(i)
-        if w is None:
-            w = self.windows[i] = _Window()
-        return w
-
-    def _device(self, device: int) -> DeviceStats:
-        d = self.devices.get(device)
-        if d is None:
-            d = self.devices[device] = DeviceStats()
-        return d
+        return self.windows[max(0, int((t - self.start) / self.window_s))]
 
     def ok(self, call: Call, scheduled: float, done: float) -> None:
         latency = done - scheduled
         self.steps += 1
-        self.availability.ok(done)
-        _record(self.latency, latency)
-        w = self._window(done)
+        w, d = self._window(done), self.devices[call.device]
         w.steps += 1
         w.devices[call.device] += 1
-        _record(w.hist, latency)
-        d = self._device(call.device)
         d.steps += 1
-        _record(d.hist, latency)
-        b = self.batches.get(call.batch)
-        if b is None:
-            b = self.batches[call.batch] = _hist()
-        _record(b, latency)
+        for hist in (self.latency, w.hist, d.hist, self.batches[call.batch]):
+            _record(hist, latency)
         # Reservoir sample (algorithm R) for the latency-over-time scatter.
         self._seen += 1
         sample = (done - self.start, latency)
@@ -145,7 +129,7 @@ class Recorder:
         """A checked output: wrong (``error`` None) or right within ``error``, computed by
         the worker ``generation``; ``tie``: right, but only up to a near tie (tokens that
         differ where the reference's own logits were within the dtype's allowance)."""
-        d = self._device(call.device)
+        d = self.devices[call.device]
         self.verified += 1
         d.verified += 1
         if tie and error is not None:
@@ -154,9 +138,8 @@ class Recorder:
             self.verify_failures += 1
             d.verify_failures += 1
             if len(self.failure_examples) < MAX_EXAMPLES:
-                self.failure_examples.append(
-                    {"device": call.device, "batch": call.batch, "params": call.params}
-                )
+                self.failure_examples.append({"device": call.device, "batch": call.batch,
+                                              "params": call.params})  # fmt: skip
         else:
             self.verify_max_error = max(self.verify_max_error, error)
             if generation is not None:
@@ -166,14 +149,23 @@ class Recorder:
         self, code: str, done: float, *, device: int | None, retryable: bool, message: str = ""
     ) -> None:
         self.errors[code] += 1
-        self.availability.error(code, done)
+        self._window(done).down += code in UNAVAILABLE
         if not retryable:
             self.non_retryable += 1
         if code not in self.error_examples and len(self.error_examples) < 20:
             self.error_examples[code] = message[:300]
         self._window(done).errors += 1
         if device is not None:
-            self._device(device).errors[code] += 1
+            self.devices[device].errors[code] += 1
+
+    def failed(self, exc: Exception, device: int | None) -> None:
+        """A call to ``device`` failed: counted by its wire code (or its class name)."""
+        if isinstance(exc, GraphlaneError):
+            self.error(str(exc.code), time.monotonic(), device=device, retryable=exc.retryable,
+                       message=exc.message)  # fmt: skip
+        else:
+            self.error(type(exc).__name__, time.monotonic(), device=device, retryable=False,
+                       message=str(exc))  # fmt: skip
 
     def lag(self, seconds: float) -> None:
         _record(self.send_lag, max(0.0, seconds))
@@ -182,57 +174,50 @@ class Recorder:
     def errors_total(self) -> int:
         return sum(self.errors.values())
 
+    def unavailable_s(self, until: float) -> float:
+        """Seconds the server was unavailable from the start up to ``until``: windows in
+        which calls ended, none succeeded and one said so, and the silent ones after."""
+        span, down, seconds = max(0.0, until - self.start), False, 0.0
+        for i in range(int(span / self.window_s) + 1):
+            w = self.windows.get(i) or _Window()
+            down = False if w.steps else (True if w.down else down)
+            seconds += max(0.0, min(self.window_s, span - i * self.window_s)) if down else 0.0
+        return seconds
+
     def timeseries(self, end: float) -> dict[str, Any]:
+        """Per window up to ``end``: steps, errors, their rates, latency percentiles; a
+        short last window (a noisy rate) is folded into the one before."""
         span = max(0.0, end - self.start)
-        last = max([*self.windows, int(span / self.window_s)])
         spans: list[tuple[float, float, _Window]] = []
-        for i in range(last + 1):
+        for i in range(max([*self.windows, int(span / self.window_s)]) + 1):
             lo = i * self.window_s
             # The last window ends with the run: rates are over the part it covers.
-            hi = min(lo + self.window_s, max(span, lo + 1e-3))
-            spans.append((lo, hi, self.windows.get(i) or _Window()))
+            spans.append((lo, min(lo + self.window_s, max(span, lo + 1e-3)),
+                          self.windows.get(i) or _Window()))  # fmt: skip
         if len(spans) > 1 and spans[-1][1] - spans[-1][0] < self.window_s / 2:
-            # A short last window would give a noisy rate: fold it into the one before.
-            lo, _, merged = spans[-2]
-            _, hi, tail = spans.pop()
+            (lo, _, merged), (_, hi, tail) = spans[-2], spans.pop()
             merged.steps += tail.steps
             merged.errors += tail.errors
             merged.devices.update(tail.devices)
             merged.hist.add(tail.hist)
             spans[-1] = (lo, hi, merged)
-        t: list[float] = []
-        steps, errors = [], []
-        rate: list[float] = []
-        error_rate: list[float] = []
-        p50: list[float | None] = []
-        p99: list[float | None] = []
-        pmax: list[float | None] = []
-        per_device: dict[str, list[float]] = {str(d): [] for d in sorted(self.devices)}
-        for lo, hi, w in spans:
-            width = hi - lo
-            t.append(round(hi, 3))
-            steps.append(w.steps)
-            errors.append(w.errors)
-            rate.append(round(w.steps / width, 3))
-            error_rate.append(round(w.errors / width, 3))
-            n = w.hist.get_total_count()
-            p50.append(_ms(w.hist.get_value_at_percentile(50)) if n else None)
-            p99.append(_ms(w.hist.get_value_at_percentile(99)) if n else None)
-            pmax.append(_ms(w.hist.get_max_value()) if n else None)
-            for d, series in per_device.items():
-                series.append(round(w.devices.get(int(d), 0) / width, 3))
+
+        def pct(w: _Window, p: float) -> float | None:
+            return _ms(w.hist.get_value_at_percentile(p)) if w.hist.get_total_count() else None
+
         return {
             "window_s": self.window_s,
-            "t_s": t,
-            "steps": steps,
-            "errors": errors,
-            "steps_per_s": rate,
-            "errors_per_s": error_rate,
-            "p50_ms": p50,
-            "p99_ms": p99,
-            "max_ms": pmax,
-            "device_steps_per_s": per_device,
-        }
+            "t_s": [round(hi, 3) for _, hi, _ in spans],
+            "steps": [w.steps for *_, w in spans],
+            "errors": [w.errors for *_, w in spans],
+            "steps_per_s": [round(w.steps / (hi - lo), 3) for lo, hi, w in spans],
+            "errors_per_s": [round(w.errors / (hi - lo), 3) for lo, hi, w in spans],
+            "p50_ms": [pct(w, 50) for *_, w in spans],
+            "p99_ms": [pct(w, 99) for *_, w in spans],
+            "max_ms": [pct(w, 100) for *_, w in spans],
+            "device_steps_per_s": {str(d): [round(w.devices.get(d, 0) / (hi - lo), 3)
+                                            for lo, hi, w in spans] for d in sorted(self.devices)},
+        }  # fmt: skip
 
     def cdf(self) -> dict[str, list[float]]:
         if not self.latency.get_total_count():

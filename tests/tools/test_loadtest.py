@@ -24,7 +24,7 @@ from graphlane.loadtest.cli import add_parser, main
 from graphlane.loadtest.record import Recorder
 from graphlane.loadtest.report import assess, build_report
 from graphlane.loadtest.report_files import write_report
-from graphlane.loadtest.workload import close_to
+from graphlane.loadtest.run import close_to
 from graphlane.workers.programs.attention import AttentionConfig
 
 SHAPE = {k: SMALL[k] for k in ("layers", "num_heads", "num_kv_heads", "head_dim", "max_kv_len")}
@@ -306,7 +306,7 @@ def test_plots_of_a_run_stopped_early_end_where_it_ended() -> None:
     stopped" line at 60 s. Every plot over time ends with the run, the line where
     sending stopped."""
     from graphlane.loadtest.report_files import plot_latency_over_time, plot_throughput
-    from graphlane.loadtest.workload import Call
+    from graphlane.loadtest.run import Call
 
     config = LoadConfig("ipc:///nowhere", 60.0, concurrency=1, progress=False)
     rec = Recorder(start=100.0, window_s=0.5, seed=0)

@@ -114,11 +114,11 @@ def test_the_cli_runs_the_paged_workload_and_verification_catches_a_corrupted_sl
     async def corrupted() -> dict[str, Any]:
         w = Watched(_config(d))
         await _until(lambda: w.rec() is not None and w.rec().steps >= 2, "the run's first steps")
-        assert w.plan is not None
-        sched: Any = w.plan.sequences[0]
-        await _until(lambda: any(s.remaining >= 3 for s in sched.seqs.values()),
+        assert w.run is not None
+        loop: Any = w.run.loops[0]
+        await _until(lambda: any(s.remaining >= 3 for s in loop.live.values()),
                      "a sequence with tokens to decode")  # fmt: skip
-        seq = next(s for s in sched.seqs.values() if s.remaining >= 3)
+        seq = next(s for s in loop.live.values() if s.remaining >= 3)
         shape = (PAGED["layers"], 1, PAGED["num_kv_heads"], PAGED["head_dim"])
         junk = torch.full(shape, 30.0, dtype=torch.float16)
         async with Client(d.endpoint, timeout=20) as other:

@@ -13,7 +13,7 @@ from npusim import extensions, torch_npu
 from reference import decode_stack
 
 from graphlane.loadtest.attention import reference
-from graphlane.loadtest.workload import TOLERANCE
+from graphlane.loadtest.run import TOLERANCE
 from graphlane.workers.programs.attention import AttentionConfig
 
 
