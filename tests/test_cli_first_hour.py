@@ -110,7 +110,7 @@ def test_serve_refuses_an_endpoint_the_client_refuses(tmp_path: Path, capsys) ->
             check_endpoint(listen)
         with pytest.raises(cfg.ConfigError) as err:
             cfg.load(None, {"listen": listen})
-        assert err.value.key == "listen"
+        assert err.value.key == "--listen"
         bad = tmp_path / "bad.toml"
         bad.write_text(f'listen = "{listen}"\n')
         assert main(["config", "check", str(bad)]) == 2
@@ -124,10 +124,10 @@ def test_serve_refuses_an_endpoint_the_client_refuses(tmp_path: Path, capsys) ->
     # Device 1's worker would need port 65536.
     with pytest.raises(cfg.ConfigError) as err:
         cfg.load(None, {"listen": "tcp://127.0.0.1:65534", "devices": 2})
-    assert err.value.key == "listen"
+    assert err.value.key == "--listen"
     with pytest.raises(cfg.ConfigError) as err:
         cfg.load(None, {"listen": "tcp://127.0.0.1:7450", "metrics_port": 7451})
-    assert err.value.key == "metrics_port"
+    assert err.value.key == "--metrics-port"
 
 
 def test_a_metrics_port_in_use_is_one_line_naming_the_setting(tmp_path: Path) -> None:
