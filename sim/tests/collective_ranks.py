@@ -196,6 +196,42 @@ def handoff(rank: int, world: int) -> dict[str, Any]:
             "sent": sent}  # fmt: skip
 
 
+def perf_handoff(rank: int, world: int) -> dict[str, Any]:
+    """Performance mode: a replayed graph of ``k`` x (a task, an all_reduce). Each
+    replay's modelled time is at least the tasks' and the collectives' modelled costs in
+    a row; the voluntary context switches per collective are counted (the stream waits
+    in wall time only for the peers' parts, not for the tasks before each collective)."""
+    old = npusim.configure()
+    npusim.configure(mode="perf", task_us=50.0, collective_us=20.0)
+    k, replays = 16, 4
+    try:
+        y = torch.ones(4).npu()
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s), torch.npu.graph(g, stream=s):
+            for _ in range(k):
+                y.mul_(1.0)
+                dist.all_reduce(y)
+        with torch.npu.stream(s):
+            g.replay()
+        torch.npu.synchronize()
+        dist.barrier()
+        begin_ev, end_ev = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+        begin = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        with torch.npu.stream(s):
+            begin_ev.record()
+            for _ in range(replays):
+                g.replay()
+            end_ev.record()
+        end_ev.synchronize()
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - begin
+        return {"switches": switches / (k * replays),
+                "modelled_ms": begin_ev.elapsed_time(end_ev),
+                "floor_ms": replays * k * (50.0 + 20.0) / 1000}  # fmt: skip
+    finally:
+        npusim.configure(mode=old.mode, task_us=old.task_us, collective_us=old.collective_us)
+
+
 def async_wait(rank: int, world: int, wait: bool) -> dict[str, Any]:
     """An all_reduce issued on a side stream with async_op=True, then used on the default
     stream: ``work.wait()`` orders the use after it; without it the use races.
@@ -331,6 +367,7 @@ SCENARIOS = {
     "mismatch": mismatch,
     "store_calls": store_calls,
     "handoff": handoff,
+    "perf_handoff": perf_handoff,
     "timed": timed,
     "skip": skip,
     "race": lambda r, w: race(r, w, False),
