@@ -9,6 +9,8 @@ resets it; a barrier starts each scenario in step.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import sys
 import warnings
 from datetime import timedelta
@@ -40,6 +42,26 @@ def eager(rank: int, world: int) -> dict[str, Any]:
         "gather": gathered.cpu().tolist(),
         "scatter": scattered.cpu().tolist(),
         "broadcast": b.cpu().tolist(),
+    }
+
+
+def large(rank: int, world: int) -> dict[str, Any]:
+    """Inputs over the link's inline size (32 KiB) travel in shared memory: an all_reduce
+    and an all_gather of 100 KB per rank, exact on every rank."""
+    pg = dist.distributed_c10d._get_default_group()
+    shared = pg.link.stats.shared
+    n = 25_000
+    x = (torch.arange(n, dtype=torch.float32) * (rank + 1)).npu()
+    dist.all_reduce(x)
+    gathered = torch.empty(n * world).npu()
+    dist.all_gather_into_tensor(gathered, torch.full((n,), float(rank)).npu())
+    want = torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1))
+    return {
+        "sum_exact": bool(torch.equal(x.cpu(), want)),
+        "gather_exact": bool(
+            torch.equal(gathered.cpu(), torch.arange(world).float().repeat_interleave(n))
+        ),
+        "shared": pg.link.stats.shared - shared,
     }
 
 
@@ -125,6 +147,89 @@ def store_calls(rank: int, world: int) -> dict[str, Any]:
         calls[str(k)] = counting.calls
         calls[f"value{k}"] = x.cpu().tolist()[0]
     return calls
+
+
+def _threads() -> int:
+    """The process's OS threads (Python's and any library's)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def handoff(rank: int, world: int) -> dict[str, Any]:
+    """What the ranks' handoff of a replayed collective costs the host, counted: the
+    threads a group's link adds to the process, and the voluntary context switches (a
+    thread blocking: in a poll, on a lock, in a sleep) of the whole process per replayed
+    all_reduce, against the same graph without its collectives in the same run."""
+    before = _threads()
+    group = dist.new_group(list(range(world)))
+    x = torch.ones(4).npu()
+    dist.all_reduce(x, group=group)
+    torch.npu.synchronize()
+    added = _threads() - before
+    k, replays = 16, 4
+    stats = getattr(getattr(group, "link", None), "stats", None)  # the sim's ProcessGroupHCCL
+
+    def per_task(collective: bool) -> tuple[float, int]:
+        """Voluntary context switches per replayed task, and datagrams sent meanwhile."""
+        y = torch.ones(4).npu()
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s), torch.npu.graph(g, stream=s):
+            for _ in range(k):
+                if collective:
+                    dist.all_reduce(y, group=group)
+                else:
+                    y.mul_(1.0)
+        g.replay()  # the first replay sets up what later ones reuse
+        torch.npu.synchronize()
+        dist.barrier(group=group)
+        sent = stats.sent if stats is not None else 0
+        begin = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        for _ in range(replays):
+            g.replay()
+        torch.npu.synchronize()
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - begin
+        return switches / (k * replays), (stats.sent if stats is not None else 0) - sent
+
+    base, _ = per_task(False)
+    switches, sent = per_task(True)
+    return {"threads_added": added, "switches": switches, "switches_base": base,
+            "sent": sent}  # fmt: skip
+
+
+def perf_handoff(rank: int, world: int) -> dict[str, Any]:
+    """Performance mode: a replayed graph of ``k`` x (a task, an all_reduce). Each
+    replay's modelled time is at least the tasks' and the collectives' modelled costs in
+    a row; the voluntary context switches per collective are counted (the stream waits
+    in wall time only for the peers' parts, not for the tasks before each collective)."""
+    old = npusim.configure()
+    npusim.configure(mode="perf", task_us=50.0, collective_us=20.0)
+    k, replays = 16, 4
+    try:
+        y = torch.ones(4).npu()
+        s = torch.npu.Stream()
+        g = torch.npu.NPUGraph()
+        with torch.npu.stream(s), torch.npu.graph(g, stream=s):
+            for _ in range(k):
+                y.mul_(1.0)
+                dist.all_reduce(y)
+        with torch.npu.stream(s):
+            g.replay()
+        torch.npu.synchronize()
+        dist.barrier()
+        begin_ev, end_ev = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+        begin = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
+        with torch.npu.stream(s):
+            begin_ev.record()
+            for _ in range(replays):
+                g.replay()
+            end_ev.record()
+        end_ev.synchronize()
+        switches = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw - begin
+        return {"switches": switches / (k * replays),
+                "modelled_ms": begin_ev.elapsed_time(end_ev),
+                "floor_ms": replays * k * (50.0 + 20.0) / 1000}  # fmt: skip
+    finally:
+        npusim.configure(mode=old.mode, task_us=old.task_us, collective_us=old.collective_us)
 
 
 def async_wait(rank: int, world: int, wait: bool) -> dict[str, Any]:
@@ -255,11 +360,14 @@ SCENARIOS = {
     "timed_bytes": timed_bytes,
     "eager": eager,
     "pairs": pairs,
+    "large": large,
     "row_parallel": row_parallel,
     "async_wait": lambda r, w: async_wait(r, w, True),
     "async_no_wait": lambda r, w: async_wait(r, w, False),
     "mismatch": mismatch,
     "store_calls": store_calls,
+    "handoff": handoff,
+    "perf_handoff": perf_handoff,
     "timed": timed,
     "skip": skip,
     "race": lambda r, w: race(r, w, False),

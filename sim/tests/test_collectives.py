@@ -22,8 +22,9 @@ from npusim import SimUsageError, graph_profile, torch_npu
 
 RANKS = Path(__file__).with_name("collective_ranks.py")
 # The rank that skips a collective must be last: its group's ranks fall out of step.
-SCENARIOS = ["eager", "row_parallel", "async_wait", "async_no_wait", "race", "race_fenced",
-             "mismatch", "timed", "timed_bytes", "store_calls", "skip"]  # fmt: skip
+SCENARIOS = ["eager", "large", "row_parallel", "async_wait", "async_no_wait", "race",
+             "race_fenced", "mismatch", "timed", "timed_bytes", "store_calls", "handoff",
+             "perf_handoff", "skip"]  # fmt: skip
 
 
 def run_ranks(
@@ -78,9 +79,17 @@ def test_eager_collectives_give_every_rank_the_result(two_ranks: Any) -> None:
     _check_eager(two_ranks["eager"], 2)
 
 
+def test_inputs_over_the_inline_size_go_through_shared_memory_exactly(two_ranks: Any) -> None:
+    for r in two_ranks["large"]:
+        assert r["sum_exact"] and r["gather_exact"], r
+        assert r["shared"] == 2, r  # one shared copy per collective, whatever the peers
+
+
 def test_eager_collectives_on_four_ranks_and_groups_of_two(tmp_path: Path) -> None:
-    results = run_ranks(tmp_path / "init", ["eager", "pairs"], world=4)
+    results = run_ranks(tmp_path / "init", ["eager", "large", "pairs"], world=4)
     _check_eager(results["eager"], 4)
+    for r in results["large"]:
+        assert r["sum_exact"] and r["gather_exact"], r
     for rank, r in enumerate(results["pairs"]):
         pair = [rank - rank % 2, rank - rank % 2 + 1]
         assert r["global_ranks"] == pair
@@ -110,6 +119,31 @@ def test_a_replayed_collectives_handoff_does_not_go_through_the_store(two_ranks:
     for r in two_ranks["store_calls"]:
         assert r["1"] == r["8"] == 0, r
         assert r["value1"] == 2.0**3 and r["value8"] == 2.0**24
+
+
+def test_a_collectives_handoff_wakes_the_waiting_rank_directly(two_ranks: Any) -> None:
+    """The handoff between the ranks' processes goes through no transport thread: a group's
+    link adds no thread to the process (a ZeroMQ link added its context's I/O and reaper
+    threads, and each message woke an I/O thread at each end), one datagram per peer per
+    collective, and a replayed all_reduce costs the process at most about one voluntary
+    context switch (the waiting rank blocking in its poll) beyond the same graph without
+    its collectives, counted by the kernel, whatever the machine's load."""
+    for r in two_ranks["handoff"]:
+        assert r["threads_added"] == 0, r
+        assert r["sent"] == 16 * 4, r  # k collectives x replays, one peer
+        assert r["switches"] - r["switches_base"] <= 1.5, r
+
+
+def test_perf_mode_replays_a_collective_without_waiting_for_the_tasks_before_it(
+    two_ranks: Any,
+) -> None:
+    """Performance mode keeps a collective's cost in modelled time (each replay at least
+    its tasks' and collectives' costs in a row) while the stream waits in wall time only
+    for the peers' parts: about one voluntary context switch per collective or less (on
+    d292955 about two: a sleep for the tasks before it, the wait, a sleep after it)."""
+    for r in two_ranks["perf_handoff"]:
+        assert r["modelled_ms"] >= r["floor_ms"] * (1 - 1e-6), r
+        assert r["switches"] <= 1.25, r
 
 
 def test_a_rank_that_never_joins_is_a_deadlock_naming_it(two_ranks: Any) -> None:

@@ -21,18 +21,25 @@ The device model (README, "Collectives"):
 
 Transport: a link per group between the ranks' processes, as the field's device-to-device
 link is (not the c10d store, whose few TCP round trips per collective would dwarf the
-modelled cost): each rank binds a ZeroMQ PULL socket on an abstract Unix socket named from
-a token rank 0 posts once in the group's store at creation, and pushes to every other
-rank. A collective is one message per rank to each other rank: its number, what it is,
-when it started and its input. The waiting task reads its socket itself, blocked in
-the socket's poll (no spinning on a shared location: the ranks share the host's cores),
-and files the messages by (number, rank). Every rank reduces the same inputs in rank
+modelled cost). Each rank binds a Unix datagram socket on an abstract name made from a
+token rank 0 posts once in the group's store at creation. A collective is one datagram
+from each rank to each other rank: its number, its signature, when it started and its
+input (over 32 KiB: the descriptor of a memfd holding it, one copy shared by every peer).
+The waiting task reads its socket itself, blocked in ``poll(2)``: the kernel wakes it
+when a peer's datagram lands, with no transport thread in between (a ZeroMQ link had two
+per message, its I/O threads at each end, each a wake-up on a busy host's cores), and
+it files the messages by (number, rank). Every rank reduces the same inputs in rank
 order, so every rank gets the same bits. The store is used at creation only.
 """
 
 from __future__ import annotations
 
+import array
 import json
+import os
+import select
+import socket
+import struct
 import threading
 import time
 import uuid
@@ -42,7 +49,6 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import zmq
 
 from . import access
 from .allocation import record_stream
@@ -105,11 +111,12 @@ def collective_cost_us(kind: str, nbytes: int, ranks: int, latency_us: float, gb
     """
     if ranks <= 1 or gb_s <= 0:
         return latency_us
-    factor = {
-        "all_reduce": 2.0 * (ranks - 1) / ranks,
-        "all_gather_into_tensor": (ranks - 1) / ranks,
-        "reduce_scatter_tensor": (ranks - 1) / ranks,
-    }.get(kind, 1.0)
+    if kind == "all_reduce":
+        factor = 2.0 * (ranks - 1) / ranks
+    elif kind in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        factor = (ranks - 1) / ranks
+    else:
+        factor = 1.0
     return latency_us + factor * nbytes / (gb_s * 1e3)  # GB/s = 1e3 bytes per us
 
 
@@ -294,6 +301,7 @@ class _Spec:
         self.reduce, self.root = reduce, root
         # what every rank must agree on: the collective, its operation and the input
         self.signature = [kind, detail, str(inp.dtype), list(inp.shape)]
+        self.sig_bytes = json.dumps(self.signature).encode()  # as the link carries it
         full = out if kind == "all_gather_into_tensor" else inp
         self.nbytes = full.numel() * full.element_size()  # the full tensor (the cost's)
         items = [access.item(inp, inp is out, "tensor" if inp is out else "input")]
@@ -350,9 +358,7 @@ class CollectiveTask:
         started = ex.resume_at if ex.resume_at is not None else ex.model_time
         # A replayed task computes nothing in timed mode: the ranks meet, no data moves.
         with_data = not (timed and launch is not None)
-        where = f" in replay #{launch.number} of {launch.graph_name}" if launch else ""
-        what = f"{spec.kind} #{seq} of {spec.group.description}{where} on {ex.name}"
-        inputs, starts = _Meeting(spec, seq, what, ex).meet(with_data, started)
+        inputs, starts = _Meeting(spec, seq, ex, launch).meet(with_data, started)
         if with_data:
             spec.combine(inputs)
         if timed:
@@ -360,16 +366,52 @@ class CollectiveTask:
             cost = collective_cost_us(spec.kind, spec.nbytes, spec.group._size,
                                       cfg.collective_us, cfg.collective_gb_s)  # fmt: skip
             ex.cost.add_at(cost, max(starts))
-            ex.settle()
+            if launch is not None and RUNTIME.config.perf:
+                ex.advance()  # what follows settles if anything can observe it
+            else:
+                ex.settle()
+
+
+class LinkStats:
+    """What a group's link did, for tests and benchmarks: datagrams sent and received,
+    payloads passed as shared memory, and the times a waiting task blocked in the poll."""
+
+    __slots__ = ("blocked", "received", "sent", "shared")
+
+    def __init__(self) -> None:
+        self.sent = self.received = self.shared = self.blocked = 0
+
+
+class _PeerStuck(Exception):
+    """A peer's queue stayed full for the watchdog's time: it reads no collective."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.rank = rank
+
+
+#: A message's fixed part: the collective's number, the sender's rank, its start time,
+#: the length of the signature that follows, and whether the payload is inline (0) or in
+#: the shared memory whose descriptor rides with the datagram (1).
+_HEAD = struct.Struct("<qidHB")
 
 
 class _Link:
     """A group's transport between its ranks' processes (module docstring, "Transport")."""
 
+    #: Inputs up to this size travel inside the datagram; larger ones in shared memory.
+    INLINE_MAX = 32 * 1024
+    #: A receive's buffer: the fixed part, a signature and an inline payload.
+    RECV_BYTES = _HEAD.size + 4096 + INLINE_MAX
+    ANC_BYTES = socket.CMSG_SPACE(array.array("i").itemsize)  # one descriptor
+
     def __init__(self, store: Any, rank: int, size: int, group_id: str) -> None:
         self.rank, self.size = rank, size
         self.cond = threading.Condition()
-        self.inbox: dict[tuple[int, int], tuple[dict[str, Any], bytes]] = {}
+        # (seq, rank) -> (start, signature, payload)
+        self.inbox: dict[tuple[int, int], tuple[float, bytes, bytes]] = {}
+        self.stats = LinkStats()
+        self.reading = False  # a waiting task is reading the socket
         if size <= 1:
             return
         # The n-th creation of a group under this store prefix: every rank adds one, so a
@@ -379,54 +421,127 @@ class _Link:
         if rank == 0:
             store.set(key, f"npusim-hccl-{uuid.uuid4().hex}")
         name = store.get(key).decode()  # blocks until rank 0 posted it (the store's timeout)
-        self.context = zmq.Context()
-        self.pull = self.context.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, 0)
-        self.pull.bind(f"ipc://@{name}-{rank}")  # abstract: no file to clean up
-        self.push: dict[int, Any] = {}
-        for r in range(size):
-            if r != rank:
-                sock = self.context.socket(zmq.PUSH)
-                sock.setsockopt(zmq.SNDHWM, 0)  # queued, never dropped, until the peer binds
-                sock.setsockopt(zmq.LINGER, 1000)
-                sock.connect(f"ipc://@{name}-{r}")
-                self.push[r] = sock
+        # Abstract names (a leading NUL): no file to clean up, gone with the process.
+        self.peers = {r: f"\0{name}-{r}".encode() for r in range(size) if r != rank}
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.sock.bind(f"\0{name}-{rank}".encode())
+        self.sock.setblocking(False)
+        self.poller = select.poll()
+        self.poller.register(self.sock, select.POLLIN)
+        self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self.out.setblocking(False)
         self.send_lock = threading.Lock()  # streams of one group run on several threads
-        self.reading = False  # a waiting task is reading the PULL socket
+        # Every rank bound before any sends: a datagram to a name nobody bound is refused.
+        store.set(f"{key}/bound/{rank}", "1")
+        store.wait([f"{key}/bound/{r}" for r in range(size)])
 
-    def send(self, header: dict[str, Any], payload: bytes) -> None:
-        """``header`` (with the collective's "seq") and ``payload`` to every other rank."""
-        head = json.dumps(header).encode()
+    def send(self, seq: int, start: float, signature: bytes, payload: bytes,
+             timeout_s: float) -> None:  # fmt: skip
+        """This rank's part of collective ``seq`` to every other rank: one datagram each
+        (with a payload over :data:`INLINE_MAX`, a descriptor of shared memory holding it).
+        Raises :class:`_PeerStuck` if a peer's queue stays full for ``timeout_s``."""
+        shared = len(payload) > self.INLINE_MAX
+        head = _HEAD.pack(seq, self.rank, start, len(signature), shared)
         with self.send_lock:
-            for sock in self.push.values():
-                sock.send_multipart([head, payload], copy=False)
+            if not shared:
+                data = b"".join((head, signature, payload))
+                for peer, addr in self.peers.items():
+                    self._send_one(peer, addr, data, None, timeout_s)
+            else:
+                # One copy in shared memory, its descriptor passed to every peer: the
+                # memory lives until the last of them closes it, no name to clean up.
+                fd = os.memfd_create("npusim-hccl", os.MFD_CLOEXEC)
+                try:
+                    view = memoryview(payload)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    for peer, addr in self.peers.items():
+                        self._send_one(peer, addr, head + signature, fd, timeout_s)
+                finally:
+                    os.close(fd)
+                self.stats.shared += 1
+            self.stats.sent += len(self.peers)
+
+    def _send_one(self, peer: int, addr: bytes, data: bytes, fd: int | None,
+                  timeout_s: float) -> None:  # fmt: skip
+        deadline = None
+        while True:
+            try:
+                if fd is None:
+                    self.out.sendto(data, addr)
+                else:
+                    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                    self.out.sendmsg([data], rights, 0, addr)  # send_fds drops the address
+                return
+            except BlockingIOError:
+                # The peer's queue is full (it holds unread messages of collectives it has
+                # not reached yet): rare, as a rank runs at most a collective or two ahead.
+                now = time.monotonic()
+                deadline = now + timeout_s if deadline is None else deadline
+                if now >= deadline:
+                    raise _PeerStuck(peer) from None
+                time.sleep(0.001)
+            except (ConnectionRefusedError, FileNotFoundError):
+                return  # the peer's process is gone: the watchdog names it as missing
 
     def receive_locked(self, wait_s: float) -> None:
         """File what arrives within ``wait_s`` in the inbox. Caller holds ``cond``.
 
-        The waiting task reads the socket itself (one wake-up, not a receiver thread's
-        and then its own); when several of the rank's streams wait, one reads and the
-        others wait on ``cond`` for what it files."""
+        The waiting task reads the socket itself: the sender's datagram wakes it
+        directly, no transport thread in between; when several of the rank's streams
+        wait, one reads and the others wait on ``cond`` for what it files."""
         if self.reading:
             self.cond.wait(wait_s)
             return
         self.reading = True
-        got: list[tuple[dict[str, Any], bytes]] = []
+        got: list[tuple[tuple[int, int], tuple[float, bytes, bytes]]] = []
         self.cond.release()
         try:
-            if self.pull.poll(int(wait_s * 1000)):
-                while True:
-                    try:
-                        head, payload = self.pull.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
+            blocked = False
+            while True:
+                if not self.poller.poll(0):
+                    if got or blocked:
                         break
-                    got.append((json.loads(head), payload))
+                    blocked = True
+                    self.stats.blocked += 1
+                    if not self.poller.poll(max(1, int(wait_s * 1000))):
+                        break
+                msg, anc, _, _ = self.sock.recvmsg(self.RECV_BYTES, self.ANC_BYTES)
+                got.append(self._parse(msg, anc))
         finally:
             self.cond.acquire()
             self.reading = False
-            for header, payload in got:
-                self.inbox[(int(header["seq"]), int(header["rank"]))] = (header, payload)
+            self.stats.received += len(got)
+            self.inbox.update(got)
             self.cond.notify_all()
+
+    @staticmethod
+    def _parse(msg: bytes, anc: list[tuple[int, int, bytes]]
+               ) -> tuple[tuple[int, int], tuple[float, bytes, bytes]]:  # fmt: skip
+        seq, rank, start, sig_len, shared = _HEAD.unpack_from(msg)
+        body = _HEAD.size + sig_len
+        signature = msg[_HEAD.size : body]
+        fds = [
+            fd
+            for level, kind, data in anc
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+            for fd in array.array("i", data[: len(data) - len(data) % 4])
+        ]
+        if not shared:
+            for fd in fds:
+                os.close(fd)
+            return (seq, rank), (start, signature, msg[body:])
+        try:
+            size = os.fstat(fds[0]).st_size
+            parts, done = [], 0
+            while done < size:
+                part = os.pread(fds[0], size - done, done)
+                parts.append(part)
+                done += len(part)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return (seq, rank), (start, signature, b"".join(parts))
 
 
 class _Meeting:
@@ -434,40 +549,46 @@ class _Meeting:
 
     WAKE_S = 0.05  # how often a waiting task looks for a fault, a reset or the watchdog
 
-    def __init__(self, spec: _Spec, seq: int, what: str, ex: Stream) -> None:
-        self.spec, self.what, self.ex = spec, what, ex
+    def __init__(self, spec: _Spec, seq: int, ex: Stream, launch: Any) -> None:
+        self.spec, self.ex, self.launch = spec, ex, launch
         self.group = spec.group
         self.seq = seq
+
+    @property
+    def what(self) -> str:
+        """The collective, for a report (built only then: a replay runs many of them)."""
+        launch, spec = self.launch, self.spec
+        where = f" in replay #{launch.number} of {launch.graph_name}" if launch else ""
+        return f"{spec.kind} #{self.seq} of {spec.group.description}{where} on {self.ex.name}"
 
     def meet(self, with_data: bool, started: float) -> tuple[list[torch.Tensor], list[float]]:
         group, spec = self.group, self.spec
         me = group._rank
+        if group._size == 1:
+            return [spec.inp], [started]
         sends = with_data and (spec.root is None or spec.root == me)
         payload = _to_bytes(spec.inp) if sends else b""
-        link = group.link
-        others = [r for r in range(group._size) if r != me]
-        if others:
-            header = {"seq": self.seq, "rank": me, "signature": spec.signature, "start": started}
-            link.send(header, payload)
-        received = self._wait_for(others)
+        try:
+            group.link.send(self.seq, started, spec.sig_bytes, payload, RUNTIME.config.watchdog_s)
+        except _PeerStuck as exc:
+            self._never_joined([exc.rank])
+        received = self._wait_for([r for r in range(group._size) if r != me])
         inputs: list[torch.Tensor] = []
         starts = [started]
         for r in range(group._size):
             if r == me:
                 inputs.append(spec.inp)
                 continue
-            theirs, body = received[r]
-            if theirs["signature"] != spec.signature:
-                self._mismatch(r, theirs["signature"])
-            starts.append(float(theirs["start"]))
+            start, signature, body = received[r]
+            if signature != spec.sig_bytes:
+                self._mismatch(r, json.loads(signature))
+            starts.append(start)
             inputs.append(_from_bytes(body, spec.inp) if body else spec.inp)
         return inputs, starts
 
-    def _wait_for(self, ranks: list[int]) -> dict[int, tuple[dict[str, Any], bytes]]:
+    def _wait_for(self, ranks: list[int]) -> dict[int, tuple[float, bytes, bytes]]:
         """Wait (reading the link) until every rank's message is in; a fault or
         reset drops the task, the watchdog reports the ranks that never came."""
-        if not ranks:
-            return {}
         link, ex, seq = self.group.link, self.ex, self.seq
         since = time.monotonic()
         with link.cond:
