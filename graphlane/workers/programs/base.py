@@ -186,6 +186,12 @@ class GraphProgram(abc.ABC):
     #: what each does; a program with any is *stateful*: its requests name the worker
     #: generation they expect (see :meth:`plan_state`, :meth:`run_state`)
     state_ops: Mapping[str, str] = {}
+    #: True when :meth:`input_writes` gives copies for group 0 alone (every input lands
+    #: before the first group): the engine then asks for group 0's only, not once per group
+    inputs_before_first_group: bool = False
+    #: True when :meth:`group_signature` is the same for every group of a step (the
+    #: step's lengths): the engine then asks once per step, not once per group
+    step_wide_signature: bool = False
 
     @property
     def replayable(self) -> bool:

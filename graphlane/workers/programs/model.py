@@ -248,6 +248,8 @@ class ModelProgram(GraphProgram):
     tails = ("candidates", "vocabulary", "logprobs")
     checks_inputs = True
     sequence_ops = True
+    inputs_before_first_group = True  # (input_writes)
+    step_wide_signature = True  # every layer's: the step's lengths
 
     def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
         config = config or ModelConfig(random={"model_type": "llama"})
