@@ -174,7 +174,7 @@ def deadline_ms(default: float, timeout: float | None) -> int:
 
 
 def as_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(params, Mapping):
+    if type(params) is not dict and not isinstance(params, Mapping):  # (dict: no abc check)
         raise InvalidArgument(f"params must be a mapping, got {type(params).__name__}")
     for name, value in params.items():
         if type(value) in _SENT_AS_IS:  # the common case: a list, a number, a string

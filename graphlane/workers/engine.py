@@ -78,6 +78,7 @@ from graphlane.workers.programs.base import (
     DeviceFeed,
     GraphKey,
     GraphProgram,
+    OpCall,
     StepError,
     StepPlan,
 )
@@ -553,6 +554,7 @@ class StepEngine:
         first_only = program.inputs_before_first_group
         # One signature for every group (the step's): asked once, not per group.
         step_sig = signature(plan, 0) if program.step_wide_signature else _PER_GROUP
+        calls: list[OpCall] | None = None
         with b.use_stream(U):
             for group in range(program.num_groups):
                 if writes is not None and (group == 0 or not first_only):
@@ -560,7 +562,12 @@ class StepEngine:
                         b.copy_in(dst, src)
                 sig = signature(plan, group) if step_sig is _PER_GROUP else step_sig
                 if sig != signatures[group]:
-                    op, args, kwargs = call(buffers, plan, group)
+                    if step_sig is _PER_GROUP:
+                        op, args, kwargs = call(buffers, plan, group)
+                    else:  # every group's call of the step, made in one pass
+                        if calls is None:
+                            calls = program.group_calls(buffers, plan)
+                        op, args, kwargs = calls[group]
                     patch(U, handles[group], op, args, kwargs, events[group] if release else None)
                     signatures[group] = sig
                     patched += 1

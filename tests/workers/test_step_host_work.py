@@ -75,17 +75,19 @@ def _decode_steps(w: Worker, steps: int) -> None:
 
 
 def _per_step_hooks(w: Worker, steps: int) -> Counter[str]:
-    """How often a decode step asks the program for each per-group hook, over ``steps``."""
+    """How often ``steps`` decode steps ask the program for each of its per-group hooks,
+    and the backend for a patch."""
     program = w.engine.programs["model"]
     counts: Counter[str] = Counter()
-    for name in ("input_writes", "group_signature", "group_call"):
-        method = getattr(program, name)
+    hooks = [(program, n) for n in ("input_writes", "group_signature", "group_call", "group_calls")]
+    for owner, name in [*hooks, (w.engine.backend, "patch")]:
+        method = getattr(owner, name)
 
         def counted(*args: Any, _m: Any = method, _n: str = name) -> Any:
             counts[_n] += 1
             return _m(*args)
 
-        setattr(program, name, counted)  # the instance's: the real method runs
+        setattr(owner, name, counted)  # the instance's: the real method runs
     _decode_steps(w, steps)
     return counts
 
@@ -95,10 +97,12 @@ def test_a_decode_asks_for_its_inputs_and_its_signature_once_whatever_its_layers
     worker_of: Any, layers: int
 ) -> None:
     """The model program's inputs all land before layer 0 and its layers share the
-    step's signature (its lengths): a decode asks for each once, not once per layer;
-    each layer is still patched (its op's arguments), one call each."""
+    step's signature (its lengths): a decode asks for each once, not once per layer, and
+    for its layers' calls in one pass; each layer is still patched, one patch each."""
     steps = 5
     counts = _per_step_hooks(worker_of(layers), steps)
     assert counts["input_writes"] == steps
     assert counts["group_signature"] == steps
-    assert counts["group_call"] == steps * layers
+    assert counts["group_calls"] == steps
+    assert counts["group_call"] == 0
+    assert counts["patch"] == steps * layers

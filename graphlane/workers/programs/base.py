@@ -302,6 +302,13 @@ class GraphProgram(abc.ABC):
         as captured, with this step's parameters; the backend patches the group with
         it (:meth:`DeviceBackend.patch`)."""
 
+    def group_calls(self, buffers: dict[str, torch.Tensor], plan: StepPlan) -> list[OpCall]:
+        """Every group's :meth:`group_call` for this step, in group order: what the engine
+        asks of a program with :attr:`step_wide_signature` once its step's signature
+        differs from what its groups hold (then every group is patched). Override it to
+        make them in one pass."""
+        return [self.group_call(buffers, plan, g) for g in range(self.num_groups)]
+
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
