@@ -1281,10 +1281,10 @@ class ModelProgram(GraphProgram):
         return {k: out[k] for k in names}
 
 
-
 def _kv(plan: StepPlan) -> list[int]:
     """A step's lengths as its patches name them (a decode's list, made once per step)."""
     lengths = plan.values.get("kv")
     return lengths if lengths is not None else list(plan.values["lengths"])
+
 
 __all__ = ["PREVIOUS", "SEQUENCE", "ModelConfig", "ModelProgram"]
