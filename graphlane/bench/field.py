@@ -447,6 +447,10 @@ async def _own_cpu(endpoint: str, steps: int, reps: int) -> tuple[list[float], l
         prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
         for rep in range(reps + 1):  # the first warms up
             await _prefill(c, prompts)
+            # The null device computes a prefill on the host, and torch's OpenMP threads
+            # spin for a few ms after it (the worker's CPU, but no decode step's): let
+            # them park first.
+            await asyncio.sleep(_SETTLE_S)
             w0, c0 = process_cpu_s(pid), time.process_time()
             await daemon_ahead(c, steps, 0.0)
             w1, c1 = process_cpu_s(pid), time.process_time()
@@ -454,6 +458,9 @@ async def _own_cpu(endpoint: str, steps: int, reps: int) -> tuple[list[float], l
                 worker.append(1e6 * (w1 - w0) / steps)
                 client.append(1e6 * (c1 - c0) / steps)
     return worker, client
+
+
+_SETTLE_S = 0.2
 
 
 def null_round_trip_ratio(n: int = 500) -> float:

@@ -174,7 +174,7 @@ def deadline_ms(default: float, timeout: float | None) -> int:
 
 
 def as_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(params, Mapping):
+    if type(params) is not dict and not isinstance(params, Mapping):  # (dict: no abc check)
         raise InvalidArgument(f"params must be a mapping, got {type(params).__name__}")
     for name, value in params.items():
         if type(value) in _SENT_AS_IS:  # the common case: a list, a number, a string
@@ -250,7 +250,14 @@ def as_ids(values: Any, what: str, most: int | None = None) -> list[int]:
     would turn 1.7 into sequence 1 and "3" into sequence 3."""
     if not isinstance(values, (list, tuple, range)):
         raise InvalidArgument(f"{what}: must be a list of ints, not {type(values).__name__}")
-    return [as_id(v, f"{what}[{i}]", most) for i, v in enumerate(values)]
+    # The common case (plain ints in range, as every decode step sends) checked whole,
+    # without a per-id call and message; anything else is looked at id by id below.
+    ids = list(values)
+    if all(type(v) is int for v in ids) and (
+        not ids or (min(ids) >= 0 and (most is None or max(ids) <= most))
+    ):
+        return ids
+    return [as_id(v, f"{what}[{i}]", most) for i, v in enumerate(ids)]
 
 
 def as_id(value: Any, what: str, most: int | None = None) -> int:
@@ -270,8 +277,8 @@ def _is_int(x: object) -> bool:
 
 def output_names(outputs: str | Sequence[str]) -> list[str]:
     """The outputs a step or replay names: a list of names, or one name as a string."""
-    if type(outputs) is list:  # the common case, before the abstract Sequence check
-        return list(outputs)
+    if type(outputs) is list or type(outputs) is tuple:  # the common cases, before the
+        return list(outputs)  # abstract Sequence check
     if isinstance(outputs, str):
         return [outputs]
     if not isinstance(outputs, Sequence):

@@ -566,15 +566,17 @@ class Client:
         token it sampled last, on the device: it may be sent before the reply of the
         previous decode. ``new_blocks``: blocks appended to some of them first."""
         sids = as_ids(sequences, "sequences", MAX_SEQUENCE_ID)
-        if not isinstance(new_blocks, Mapping | None):
-            raise InvalidArgument(
-                f"new_blocks: must be a mapping of sequence ids to blocks, not "
-                f"{type(new_blocks).__name__}"
-            )
-        more = {
-            as_id(k, "new_blocks", MAX_SEQUENCE_ID): as_ids(v, f"new_blocks[{k!r}]")
-            for k, v in (new_blocks or {}).items()
-        }
+        more: dict[int, list[int]] = {}
+        if new_blocks is not None:  # (most decodes append none)
+            if not isinstance(new_blocks, Mapping):
+                raise InvalidArgument(
+                    f"new_blocks: must be a mapping of sequence ids to blocks, not "
+                    f"{type(new_blocks).__name__}"
+                )
+            more = {
+                as_id(k, "new_blocks", MAX_SEQUENCE_ID): as_ids(v, f"new_blocks[{k!r}]")
+                for k, v in new_blocks.items()
+            }
         host, local = self._resolve(device)
         ch = await self._worker_at(host, local)
         body = ops.Decode(

@@ -306,6 +306,13 @@ class Channel:
         queued, self._queued = self._queued, []
         if not queued or self.closed:  # closing failed their calls already
             return
+        if len(queued) == 1:  # alone in its turn (a scheduler decoding ahead): as itself
+            request_id, envelope = queued[0]
+            fut = self.pending.get(request_id)
+            futs = [fut] if fut is not None else []
+            if not self._send([envelope], futs):
+                _fail(futs, WorkerLost(f"connection to {self.name} is closed"))
+            return
         start = 0
         for count, payload in wire.bundles([envelope for _, envelope in queued]):
             ids = [i for i, _ in queued[start : start + count]]

@@ -2,13 +2,14 @@
 
 A tensor travels as a frame of its own (decoded as a view of the received buffer,
 no copy) or, at most ``INLINE_TENSOR_BYTES``, as inline bytes in the envelope.
-:func:`tensor_ref` makes one for sending (the codec's encoder calls it for each
-tensor it meets, :mod:`graphlane.protocol.wire`). A body's tensor fields are typed
-:data:`Tensor`: on the wire a :class:`TensorRef`, which msgspec reads and checks
-like any other field and which turns itself into a ``torch.Tensor`` over the
-message's frames as it is decoded (:meth:`TensorRef.__post_init__`, in the same
-pass as the rest of the message; the frames are those the codec is reading, see
-:func:`start_reading`); the body then holds tensors (:func:`take_tensors`).
+:func:`tensor_ref` makes one for sending (the codec's encoder writes the same map
+for each tensor it meets, :func:`encoded_ref`, :mod:`graphlane.protocol.wire`). A
+body's tensor fields are typed :data:`Tensor`: on the wire a :class:`TensorRef`,
+which msgspec reads and checks like any other field and which turns itself into a
+``torch.Tensor`` over the message's frames as it is decoded
+(:meth:`TensorRef.__post_init__`, in the same pass as the rest of the message; the
+frames are those the codec is reading, see :func:`start_reading`); the body then
+holds tensors (:func:`take_tensors`).
 
 torch is imported when a tensor is first made or sent, not with this module: a process
 that passes no tensors (the daemon) does without it.
@@ -96,6 +97,13 @@ class TensorRef(Struct, forbid_unknown_fields=True, dict=True):
 def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -> TensorRef:
     """The reference of a CPU tensor to send; a large one's bytes are appended to
     ``frames`` as a view of its memory (a non-contiguous tensor is copied first)."""
+    return TensorRef(TensorSpec(**encoded_ref(t, frames, path=path)[TENSOR_KEY]))
+
+
+def encoded_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -> dict[str, Any]:
+    """:func:`tensor_ref` as the encoder writes it: the same map, made as plain dicts
+    (the codec's encoder hook calls it for every tensor it meets; it encodes to the
+    bytes of the :class:`TensorRef`, without making one: no Struct, no ``__post_init__``)."""
     import torch
 
     if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
@@ -121,9 +129,9 @@ def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") ->
         # The bytes of a small contiguous CPU tensor, read at its address: half the
         # cost of numpy's, a fraction of a torch byte view's.
         data = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
-        return TensorRef(TensorSpec(name, shape, data=data))  # type: ignore[arg-type]
+        return {TENSOR_KEY: {"dtype": name, "shape": shape, "data": data}}
     frames.append(_byte_view(t))
-    return TensorRef(TensorSpec(name, shape, frame=len(frames)))  # type: ignore[arg-type]
+    return {TENSOR_KEY: {"dtype": name, "shape": shape, "frame": len(frames)}}
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:

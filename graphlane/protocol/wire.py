@@ -49,7 +49,7 @@ from graphlane.protocol.errors import (
     error_to_wire,
 )
 from graphlane.protocol.ops import OPS, Op
-from graphlane.protocol.tensors import Frame, Frames, end_reading, start_reading, tensor_ref
+from graphlane.protocol.tensors import Frame, Frames, encoded_ref, end_reading, start_reading
 
 PROTOCOL_VERSION = 1
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
@@ -200,7 +200,7 @@ _encoding = threading.local()  # the frames of the message being encoded, per th
 def _enc_hook(obj: Any) -> Any:
     torch = sys.modules.get("torch")  # (no tensor without it: the daemon never imports it)
     if torch is not None and isinstance(obj, torch.Tensor):
-        return tensor_ref(obj, _encoding.frames)
+        return encoded_ref(obj, _encoding.frames)
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, np.ndarray):

@@ -78,6 +78,7 @@ from graphlane.workers.programs.base import (
     DeviceFeed,
     GraphKey,
     GraphProgram,
+    OpCall,
     StepError,
     StepPlan,
 )
@@ -474,7 +475,7 @@ class StepEngine:
         with b.use_stream(stream):
             if inputs:
                 writes, copy_in = program.input_writes, b.copy_in
-                for group in range(program.num_groups):
+                for group in _input_groups(program):
                     for dst, src in writes(buffers, plan, group):
                         copy_in(dst, src)
             for feed in feeds or ():
@@ -550,14 +551,23 @@ class StepEngine:
         buffers, signatures, handles, events = g.buffers, g.signatures, g.handles, g.events
         signature, call, patch = program.group_signature, program.group_call, b.patch
         writes = program.input_writes if copy and plan.inputs else None
+        first_only = program.inputs_before_first_group
+        # One signature for every group (the step's): asked once, not per group.
+        step_sig = signature(plan, 0) if program.step_wide_signature else _PER_GROUP
+        calls: list[OpCall] | None = None
         with b.use_stream(U):
             for group in range(program.num_groups):
-                if writes is not None:
+                if writes is not None and (group == 0 or not first_only):
                     for dst, src in writes(buffers, plan, group):
                         b.copy_in(dst, src)
-                sig = signature(plan, group)
+                sig = signature(plan, group) if step_sig is _PER_GROUP else step_sig
                 if sig != signatures[group]:
-                    op, args, kwargs = call(buffers, plan, group)
+                    if step_sig is _PER_GROUP:
+                        op, args, kwargs = call(buffers, plan, group)
+                    else:  # every group's call of the step, made in one pass
+                        if calls is None:
+                            calls = program.group_calls(buffers, plan)
+                        op, args, kwargs = calls[group]
                     patch(U, handles[group], op, args, kwargs, events[group] if release else None)
                     signatures[group] = sig
                     patched += 1
@@ -623,6 +633,14 @@ class StepEngine:
         if self._failure is None:
             self._failure = exc
             log.error("step engine failed: %s", exc)
+
+
+_PER_GROUP: Any = object()  # _patch_groups: a program whose signature is each group's
+
+
+def _input_groups(program: GraphProgram) -> range:
+    """The groups whose input_writes may copy anything (GraphProgram.inputs_before_first_group)."""
+    return range(1 if program.inputs_before_first_group else program.num_groups)
 
 
 __all__ = ["EngineError", "OnDone", "StepEngine", "StepFields"]

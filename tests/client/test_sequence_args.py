@@ -53,3 +53,28 @@ def test_numpy_integers_are_ids() -> None:
     assert as_ids(np.array([3, 4]).tolist(), "x") == [3, 4]
     assert as_ids([np.int64(3), 4], "x") == [3, 4]
     assert as_ids(range(2), "x") == [0, 1]
+
+
+def test_plain_ids_are_checked_whole_not_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode's ids, plain ints in range (every step of a scheduler), are checked as a
+    list, with no per-id call and message (the step's host work, docs/performance.md);
+    anything else is still looked at id by id and named (the test above)."""
+    from graphlane.client import args
+
+    looked_at: list[Any] = []
+    real = args.as_id
+
+    def counted(value: Any, what: str, most: int | None = None) -> int:
+        looked_at.append(value)
+        return real(value, what, most)
+
+    monkeypatch.setattr(args, "as_id", counted)
+    assert as_ids([3, 0, 7, 2**62], "sequences", 2**62) == [3, 0, 7, 2**62]
+    assert as_ids((1, 2), "x") == [1, 2] and as_ids([], "x") == []
+    assert looked_at == []
+    with pytest.raises(InvalidArgument, match=r"^BAD_REQUEST: sequences\[1\]"):
+        as_ids([3, 2**62 + 1], "sequences", 2**62)
+    with pytest.raises(InvalidArgument, match=r"^BAD_REQUEST: x\[2\]"):
+        as_ids([0, 1, True], "x")
+    assert as_ids([np.int64(5), 1], "x") == [5, 1]
+    assert looked_at  # the mixed lists went id by id

@@ -161,6 +161,20 @@ def test_tensor_ref_appends_frames_numbered_from_one() -> None:
     assert small.spec.data == bytes(4) and small.spec.frame is None and len(frames) == 2
 
 
+def test_the_encoder_writes_each_tensor_as_its_tensor_ref_encodes() -> None:
+    """The encoder's hook writes a tensor's reference as plain maps (no Struct per
+    tensor): byte for byte what the TensorRef of :func:`tensor_ref` encodes to."""
+    import msgspec
+
+    small, large = torch.arange(4), torch.zeros(1000)
+    frames = Codec().encode_reply(7, {"a": small, "b": large})
+    expect: list[Any] = []
+    refs = {"a": tensor_ref(small, expect), "b": tensor_ref(large, expect)}
+    env = {"v": 1, "id": 7, "ok": True, "body": refs}
+    assert bytes(frames[0]) == msgspec.msgpack.encode(env)
+    assert len(frames) == 2 and bytes(frames[1]) == bytes(expect[0])
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[zmq.Socket[bytes], zmq.Socket[bytes]]]:
     ctx = zmq.Context()

@@ -210,6 +210,12 @@ class GraphProgram(abc.ABC):
     #: what each does; a program with any is *stateful*: its requests name the worker
     #: generation they expect (see :meth:`plan_state`, :meth:`run_state`)
     state_ops: Mapping[str, str] = {}
+    #: True when :meth:`input_writes` gives copies for group 0 alone (every input lands
+    #: before the first group): the engine then asks for group 0's only, not once per group
+    inputs_before_first_group: bool = False
+    #: True when :meth:`group_signature` is the same for every group of a step (the
+    #: step's lengths): the engine then asks once per step, not once per group
+    step_wide_signature: bool = False
 
     @property
     def replayable(self) -> bool:
@@ -319,6 +325,13 @@ class GraphProgram(abc.ABC):
         as ``"npu_fused_infer_attention_score.out"``). The same op on the same tensors
         as captured, with this step's parameters; the backend patches the group with
         it (:meth:`DeviceBackend.patch`)."""
+
+    def group_calls(self, buffers: dict[str, torch.Tensor], plan: StepPlan) -> list[OpCall]:
+        """Every group's :meth:`group_call` for this step, in group order: what the engine
+        asks of a program with :attr:`step_wide_signature` once its step's signature
+        differs from what its groups hold (then every group is patched). Override it to
+        make them in one pass."""
+        return [self.group_call(buffers, plan, g) for g in range(self.num_groups)]
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int

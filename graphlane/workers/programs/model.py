@@ -250,6 +250,8 @@ class ModelProgram(GraphProgram):
     tails = ("candidates", "vocabulary", "logprobs")
     checks_inputs = True
     sequence_ops = True
+    inputs_before_first_group = True  # (input_writes)
+    step_wide_signature = True  # every layer's: the step's lengths
 
     def __init__(self, config: ModelConfig | None = None, name: str = "model") -> None:
         config = config or ModelConfig(random={"model_type": "llama"})
@@ -1104,17 +1106,27 @@ class ModelProgram(GraphProgram):
         return plan.values["lengths"]
 
     def group_call(self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int) -> OpCall:
-        # The arguments but the lengths are the instance's for good: made once, and each
-        # patch takes a copy with this step's lengths (one list per step, every layer's).
+        # (the in-process loops call it per layer: no more calls than it needs)
+        cached = self._calls.get(id(buffers))
+        layer = (cached[1] if cached is not None else self._layers(buffers, plan))[group]
+        lengths = plan.values.get("kv")
+        if lengths is None:
+            lengths = list(plan.values["lengths"])
+        return FIA_OUT, (), {**layer, LENGTHS: lengths}
+
+    def group_calls(self, buffers: dict[str, torch.Tensor], plan: StepPlan) -> list[OpCall]:
+        lengths = _kv(plan)  # one list per step, every layer's
+        return [(FIA_OUT, (), {**layer, LENGTHS: lengths}) for layer in self._layers(buffers, plan)]
+
+    def _layers(self, buffers: dict[str, torch.Tensor], plan: StepPlan) -> list[dict[str, Any]]:
+        """Each layer's arguments but the lengths: the instance's for good, made once; each
+        patch takes a copy with its step's lengths."""
         cached = self._calls.get(id(buffers))
         if cached is None:
             bucket = [1] * plan.bucket
             layers = [self._arguments(buffers, i, bucket) for i in range(self.num_groups)]
             cached = self._calls[id(buffers)] = (buffers, layers)
-        kwargs = cached[1][group].copy()
-        lengths = plan.values.get("kv")
-        kwargs[LENGTHS] = lengths if lengths is not None else list(plan.values["lengths"])
-        return FIA_OUT, (), kwargs
+        return cached[1]
 
     def input_writes(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, group: int
@@ -1272,6 +1284,12 @@ class ModelProgram(GraphProgram):
             lp, ids = torch.topk(torch.log_softmax(logits, dim=-1), c.logprobs, dim=-1)
             out |= {"logprobs": lp, "logprob_ids": ids}
         return {k: out[k] for k in names}
+
+
+def _kv(plan: StepPlan) -> list[int]:
+    """A step's lengths as its patches name them (a decode's list, made once per step)."""
+    lengths = plan.values.get("kv")
+    return lengths if lengths is not None else list(plan.values["lengths"])
 
 
 __all__ = ["PREVIOUS", "SEQUENCE", "ModelConfig", "ModelProgram"]

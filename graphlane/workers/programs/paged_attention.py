@@ -119,6 +119,8 @@ class PagedAttentionProgram(GraphProgram):
     outputs = ("out", "lse")
     batch_param = "actual_seq_lengths_kv"
     checks_inputs = True  # plan checks every input, values included
+    inputs_before_first_group = True  # (input_writes)
+    step_wide_signature = True  # every layer's: the step's lengths
     state_ops = {
         "kv_write": "write key/value [layers, n, num_kv_heads, head_dim] into slots [n]",
         "kv_read": "read key/value [layers, n, num_kv_heads, head_dim] of slots [n]",
