@@ -299,6 +299,7 @@ async def _run_interruptible(config: LoadConfig) -> tuple[dict[str, Any], bool]:
     the steps so far is still written) and a second one aborts; the report, and
     whether a Ctrl-C came."""
     from .driver import run_load
+    from .run import STOP_DRAIN_S
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -307,6 +308,11 @@ async def _run_interruptible(config: LoadConfig) -> tuple[dict[str, Any], bool]:
     def on_sigint() -> None:
         if stop.is_set() and me is not None:
             me.cancel()
+            return
+        # Said at once: the drain and the report's plots take a few seconds more.
+        print(f"graphlane loadtest: stopping (Ctrl-C): the calls in flight get "
+              f"{STOP_DRAIN_S:g} s, then the report is written; Ctrl-C again aborts",
+              file=sys.stderr, flush=True)  # fmt: skip
         stop.set()
 
     try:

@@ -92,6 +92,10 @@ def test_ctrl_c_ends_any_load_test_at_once_and_reports_what_ran(
             proc.wait()
     assert proc.returncode == 130, stderr.decode()
     assert "interrupted" in stderr.decode()
+    # Said at once, before the drain and the report's files (a few seconds of plots on a
+    # busy host): the user knows the Ctrl-C was taken.
+    err = stderr.decode()
+    assert 0 <= err.find("stopping (Ctrl-C)") < err.find("interrupted"), err
     report = json.loads((out / "report.json").read_text())
     assert report["interrupted"] is True
     assert report["steps"] > 0
