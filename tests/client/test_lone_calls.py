@@ -29,6 +29,7 @@ async def test_a_lone_queued_call_goes_as_itself_and_is_answered(
     monkeypatch.setattr(transport.wire, "bundles", counted)
     server = shared_context().socket(zmq.ROUTER)
     server.setsockopt(zmq.LINGER, 0)
+    server.setsockopt(zmq.RCVTIMEO, 30_000)  # a call never sent fails the test, no hang
     endpoint = "inproc://graphlane-test-lone-calls"
     server.bind(endpoint)
     sockets = Sockets()
