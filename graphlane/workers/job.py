@@ -47,6 +47,8 @@ class Job:
     changes_state: bool = False  # a kv_write or step of a program with device state
     feeds: list[Any] | None = None  # its DeviceFeeds, resolved at issue (GraphProgram.feeds)
     inputs_on_u: bool = False  # its inputs go on U, behind an update's (a staged instance)
+    parties: int = 0  # threads still issuing it, when its patches went first (engine._arrive)
+    previous: Any = None  # then: the done event of its instance's previous replay
     # filled by the engine
     graph: CapturedGraph | None = None  # the graph instance it ran on
     done: Any = None  # the device event that ends its work

@@ -258,10 +258,9 @@ class _GatedBackend(NullBackend):
 
 
 def test_where_steps_are_answered_and_the_in_flight_bound() -> None:
-    """A step alone in the engine is dispatched by the issuer, and answered there if
-    already complete; a step issued behind others is dispatched by the update thread,
-    and answered there if complete by then; the rest are answered by the completion
-    thread; and no more than max_inflight steps are ever on the device."""
+    """A step's patches are dispatched by the update thread while the issuer launches the
+    rest of it; the last of the two answers it if it is complete by then, else the
+    completion thread does; and no more than max_inflight steps are ever on the device."""
     backend = _GatedBackend()
     issuer = threading.current_thread().name
     with Issuer(backend, [AttentionProgram(CFG)], max_inflight=2) as it:
@@ -279,21 +278,63 @@ def test_where_steps_are_answered_and_the_in_flight_bound() -> None:
             ]
             assert [s.error for s in gated] == [None, None]
             assert it.engine.reserve(blocking=False)  # permits came back
-            it.engine.issue(lone := it.plan(1, [2]))  # alone and complete at once
-            assert it.finished[2] == (lone, issuer)
+            it.engine.issue(lone := it.plan(1, [2]))  # complete at once
+            wait_for(lambda: len(it.finished) == 3, 30, "the lone step")
+            assert it.finished[2][0] is lone
+            assert it.finished[2][1] in (issuer, "graphlane-update")
 
             backend.opened.clear()
-            first = it.step(1, [4])  # alone: dispatched here, then waits in the completion thread
+            first = it.step(1, [4])  # waits in the completion thread
             backend.hold = False
-            behind = it.step(1, [5])  # behind it: dispatched by the update thread, done there
+            behind = it.step(1, [5])  # complete at once, answered by one of its two issuers
             wait_for(lambda: len(it.finished) == 4, 30, "the step behind")
-            assert it.finished[3] == (behind, "graphlane-update")
+            assert it.finished[3][0] is behind
+            assert it.finished[3][1] in (issuer, "graphlane-update")
             backend.opened.set()
             wait_for(lambda: len(it.finished) == 5, 30, "the first step")
             assert it.finished[4] == (first, "graphlane-completion")
             assert it.engine.jobs_done == 5
         finally:
             backend.opened.set()
+
+
+class _ReplayAfterPatch(NullBackend):
+    """No device; a replay waits (at most 10 s) until a patch was dispatched, and says
+    whether one was, and in which thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patched = threading.Event()
+        self.patchers: list[str] = []
+        self.replays: list[bool] = []
+
+    def patch(self, *args: Any, **kwargs: Any) -> Any:
+        self.patchers.append(threading.current_thread().name)
+        self.patched.set()
+        return super().patch(*args, **kwargs)
+
+    def replay(self, *args: Any, **kwargs: Any) -> Any:
+        self.replays.append(self.patched.wait(10))
+        self.patched.clear()
+        return super().replay(*args, **kwargs)
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_steps_patches_are_dispatched_while_its_issuer_launches_the_rest(steps: int) -> None:
+    """A step's patches go to the update thread before its issuer copies its inputs and
+    launches its replay (they need nothing of those), so a lone step's patches, the
+    host-bound part of it, overlap its launch instead of following it on one thread.
+    The backend's replay blocks until a patch was dispatched: issued one after the other
+    by the issuer, the step would wait 10 s and find none."""
+    backend = _ReplayAfterPatch()
+    with Issuer(backend, [AttentionProgram(CFG)], max_inflight=2) as it:
+        jobs = []
+        for i in range(steps):  # each step alone: the one before it is over
+            jobs.append(it.step(1, [2 + i]))
+            wait_for(lambda: len(it.finished) == len(jobs), 30, "the step")
+    assert backend.replays == [True] * steps
+    assert set(backend.patchers) == {"graphlane-update"}
+    assert [j.error for j in jobs] == [None] * steps
 
 
 def test_a_failed_issue_is_reported_to_its_issuer_and_returns_the_permit() -> None:

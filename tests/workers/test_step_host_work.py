@@ -8,6 +8,7 @@ Counts, not times: what a step asks of the program is the same on any machine.""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,12 +58,18 @@ def worker_of(tmp_path: Path) -> Iterator[Any]:
 
 def _decode_steps(w: Worker, steps: int) -> None:
     """Add ROWS sequences, then ``steps`` decodes of them, each answered before the next
-    is handed over (the null device finishes a step during its issue)."""
+    is handed over (the null device finishes a step at once; its patches' thread may be
+    the one that ends it, and posts the answer to the loop, run here)."""
     gen = w.spec.generation
     ids = iter(range(1, 10**6))
 
     def handle(op: str, body: Any) -> None:
         w.loop.handle([PEER, *wire.encode_request(next(ids), op, body)])
+        deadline = time.monotonic() + 30
+        while w.inflight:
+            assert time.monotonic() < deadline, f"{op} was not answered"
+            w.loop._take_wakeups()
+            time.sleep(0.0005)
 
     for r in range(ROWS):
         blocks = [2 * r, 2 * r + 1]

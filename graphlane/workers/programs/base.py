@@ -339,6 +339,16 @@ class GraphProgram(abc.ABC):
         """(device destination, host source) copies that must land before group ``group`` runs."""
         return []
 
+    #: True for a program whose :meth:`check_feeds` raises every refusal :meth:`feeds`
+    #: would: the engine then hands a step's patches to the update thread before its
+    #: feeds' device work (a refusal after that would be a fault of the engine's)
+    checks_feeds_first: bool = False
+
+    def check_feeds(self, plan: StepPlan, owner: Any = None) -> None:
+        """Raise what :meth:`feeds` would refuse ``plan`` for, from host state alone, and
+        issue nothing (see :attr:`checks_feeds_first`)."""
+        return None  # a program that keeps no feeds refuses none
+
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """The device-to-device copies a step needs beside its host inputs, resolved when
         it is issued (in issue order, after every step issued before it); an exception

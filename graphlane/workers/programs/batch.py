@@ -113,8 +113,21 @@ class PersistentBatch:
 
     def prepare(self, seqs: Any, lengths: Any) -> None:
         """Before a decode of ``seqs`` (lengths[i] the length row i feeds): refuse it
-        (NoPreviousToken, nothing written) unless each row holds the token its sequence
-        sampled at length ``lengths[i] - 1``; then write each row's new blocks alone."""
+        (:meth:`check`, nothing written); then write each row's new blocks alone."""
+        self.check(seqs, lengths)
+        for seq in seqs:
+            if seq.written < len(seq.blocks):
+                b, tables = self._backend, self.tables
+                assert b is not None and tables is not None
+                new = seq.blocks[seq.written :]
+                b.copy_in(tables[seq.row, seq.written : len(seq.blocks)],
+                          torch.tensor(new, dtype=torch.int32))  # fmt: skip
+                seq.written = len(seq.blocks)
+
+    @staticmethod
+    def check(seqs: Any, lengths: Any) -> None:
+        """NoPreviousToken unless each of ``seqs``' rows holds the token its sequence
+        sampled at length ``lengths[i] - 1`` (host state alone: nothing is issued)."""
         for i, seq in enumerate(seqs):
             if seq.fed is None or seq.fed + 1 != lengths[i]:
                 raise NoPreviousToken(
@@ -125,14 +138,6 @@ class PersistentBatch:
                     f"{lengths[i] - 1} (a decode planned before this one was not run): "
                     "free it and add it again"
                 )
-        for seq in seqs:
-            if seq.written < len(seq.blocks):
-                b, tables = self._backend, self.tables
-                assert b is not None and tables is not None
-                new = seq.blocks[seq.written :]
-                b.copy_in(tables[seq.row, seq.written : len(seq.blocks)],
-                          torch.tensor(new, dtype=torch.int32))  # fmt: skip
-                seq.written = len(seq.blocks)
 
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy the host index ``rows`` [bucket] to the device; the block-table rows and

@@ -941,13 +941,23 @@ class ModelProgram(GraphProgram):
         return {"blocks": len(seq.blocks)}
 
     # ------------------------------------------------------------ decoding ahead
+    #: check_feeds raises every refusal of feeds (the engine's patches go first)
+    checks_feeds_first = True
+
+    def check_feeds(self, plan: StepPlan, owner: Any = None) -> None:
+        decoded = plan.values.get("decoded")
+        if decoded is not None:
+            self._batch.check(decoded, plan.values["kv"])
+        else:
+            self._ahead_records(plan, owner)
+
     def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
         """A decode's rows from the persistent batch (batch.py): its rows' new blocks
         written, their block-table rows and last tokens gathered by its index, on the
         capture stream. A generic step's rows of token PREVIOUS: the token its sequence
         sampled in its previous step, from that step's copy of its tokens on the device.
-        NoPreviousToken when there is no such token to feed. Runs in issue order, so
-        "previous" is the sequence's last step issued before this one.
+        NoPreviousToken when there is no such token to feed (:meth:`check_feeds`). Runs
+        in issue order, so "previous" is the sequence's last step issued before this one.
         A sequence is ``owner``'s (the client that named it): another client's same id
         is another sequence."""
         decoded = plan.values.get("decoded")
@@ -957,13 +967,32 @@ class ModelProgram(GraphProgram):
             table, tokens = b.gather(plan.inputs["rows"])
             return [DeviceFeed(table, "block_table", slice(None)),
                     DeviceFeed(tokens, "ints", (slice(None), 0))]  # fmt: skip
+        feeds: list[DeviceFeed] = []
+        run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
+        for i, rec in self._ahead_records(plan, owner):
+            if (
+                run
+                and run[1].tokens is rec.tokens
+                and (run[1].row + run[2] == rec.row and run[0] + run[2] == i)
+            ):
+                run[2] += 1
+                continue
+            if run:
+                feeds.append(self._feed(*run))
+            run = [i, rec, 1]
+        if run:
+            feeds.append(self._feed(*run))
+        return feeds
+
+    def _ahead_records(self, plan: StepPlan, owner: Any) -> list[tuple[int, _Sampled]]:
+        """A generic step's rows of token PREVIOUS, each with the record of its sequence's
+        last step (``owner``'s); NoPreviousToken for a row that has none to feed."""
         ahead = plan.values.get("ahead")
         if not ahead:
             return []
         sequences, lengths = plan.values["sequences"], plan.values["lengths"]
         mine: Mapping[int, _Sampled] = self._clients.get(owner) or {}
-        feeds: list[DeviceFeed] = []
-        run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
+        out = []
         for i in ahead:
             sid, n = sequences[i], lengths[i]
             rec = mine.get(sid)
@@ -981,18 +1010,8 @@ class ModelProgram(GraphProgram):
                     "the step in between was refused, failed, timed out or was not sent; "
                     "send the token itself"
                 )
-            if (
-                run
-                and run[1].tokens is rec.tokens
-                and (run[1].row + run[2] == rec.row and run[0] + run[2] == i)
-            ):
-                run[2] += 1
-                continue
-            if run:
-                feeds.append(self._feed(*run))
-            run = [i, rec, 1]
-        feeds.append(self._feed(*run))
-        return feeds
+            out.append((i, rec))
+        return out
 
     @staticmethod
     def _feed(row: int, rec: _Sampled, rows: int) -> DeviceFeed:
