@@ -12,7 +12,9 @@ thread first and launches the rest meanwhile: the patches, the host-bound part
 of a step, start a launch earlier, and a lone step's launch overlaps them instead
 of going before them on one thread (a 20-layer decode on npusim's perf mode at
 the field's costs: 6.1 ms through a daemon with the issuer patching it alone,
-5.5 ms so, 4.4 ms in one process). An update or a replay (``update``/``replay``
+5.5 ms so, 4.4 ms in one process). A lone step whose patches have been cheaper
+than a hand-off (the ``null`` device's) is patched by its issuer after its launch
+instead (:meth:`StepEngine._patches_first`). An update or a replay (``update``/``replay``
 requests) alone in the engine is dispatched by the issuer itself (the update
 thread is idle then), else handed over after its work on S. When the
 step's device work is over, the engine calls ``on_done(step)``: in the last of
@@ -141,6 +143,11 @@ OnDone = Callable[[Job], None]
 _STOP = object()
 _S_ONLY = object()  # what _issue returns for a step with no work on U
 _EARLY = object()  # what _issue returns for a step whose work on U went first (see issue)
+#: Patches that take less host time than this are not worth a hand-off to the update
+#: thread for a lone step: the overlap they could give is less than what the hand-off
+#: costs (a thread's wake-up and the interpreter lock passed between two: 50-100 us
+#: on this project's machines).
+_HAND_OVER_S = 200e-6
 
 
 class StepEngine:
@@ -187,6 +194,8 @@ class StepEngine:
         self._updater: threading.Thread | None = None
         self.jobs_done = 0
         self._count_lock = threading.Lock()
+        # A step's patches' host time, a moving average (see _patches_first).
+        self._u_cost_s = 0.0
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -492,8 +501,14 @@ class StepEngine:
     def _patches_first(self, job: Job) -> bool:
         """Whether ``job``'s patches go to the update thread before the issuer's work on S:
         a pipelined step (not ENPU's order), whose inputs do not follow a staged update's
-        on U."""
+        on U, unless it is alone in the engine and patches have been cheap (then the
+        issuer patches it after its launch, as it does a lone update or replay: a hand-off
+        to a thread, and the interpreter lock passed between two, cost more than such
+        patches could overlap; a `null` device's step round trip took 1.7-1.8x a raw
+        pyzmq one with every lone step handed over, 1.3-1.4x without)."""
         if job.kind is not JobKind.STEP or not self.pipeline or self.records_first:
+            return False
+        if self._u_cost_s < _HAND_OVER_S and self._permits.alone():
             return False
         if job.graph is None:  # not picked yet: would it take a staged instance?
             plan = job.plan
@@ -569,7 +584,8 @@ class StepEngine:
         t0 = time.perf_counter()
         program = self.programs[job.plan.program]
         job.patched = self._patch_groups(program, g, job.plan, release, copy=copy)
-        job.dispatch_s = time.perf_counter() - t0
+        job.dispatch_s = took = time.perf_counter() - t0
+        self._u_cost_s += (took - self._u_cost_s) / 8  # (one thread issues on U at a time)
         if not release:  # an update: staged, done when its patches are
             job.results = {}
             job.done = b.new_event()

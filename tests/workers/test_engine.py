@@ -10,6 +10,7 @@ in tests/workers/test_worker_loop.py and tests/daemon."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -299,42 +300,70 @@ def test_where_steps_are_answered_and_the_in_flight_bound() -> None:
 
 
 class _ReplayAfterPatch(NullBackend):
-    """No device; a replay waits (at most 10 s) until a patch was dispatched, and says
-    whether one was, and in which thread."""
+    """No device; a patch costs ``patch_s`` of host time off the interpreter lock (as an
+    NPU's tiling does); with ``gate``, a replay waits (at most 10 s) until a patch was
+    dispatched since ``patched`` was cleared, and says whether one was. ``log``: each
+    patch and replay, in order, with its thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, patch_s: float) -> None:
         super().__init__()
+        self.patch_s = patch_s
+        self.gate = False
         self.patched = threading.Event()
-        self.patchers: list[str] = []
+        self.log: list[tuple[str, str]] = []
         self.replays: list[bool] = []
 
     def patch(self, *args: Any, **kwargs: Any) -> Any:
-        self.patchers.append(threading.current_thread().name)
+        time.sleep(self.patch_s)
+        self.log.append(("patch", threading.current_thread().name))
         self.patched.set()
         return super().patch(*args, **kwargs)
 
     def replay(self, *args: Any, **kwargs: Any) -> Any:
-        self.replays.append(self.patched.wait(10))
-        self.patched.clear()
+        if self.gate:
+            self.replays.append(self.patched.wait(10))
+        self.log.append(("replay", threading.current_thread().name))
         return super().replay(*args, **kwargs)
 
 
-@pytest.mark.parametrize("steps", [1, 3])
-def test_a_steps_patches_are_dispatched_while_its_issuer_launches_the_rest(steps: int) -> None:
+def _lone_steps(backend: _ReplayAfterPatch, steps: int) -> list[list[tuple[str, str]]]:
+    """One step to learn what patches cost, then ``steps`` lone steps: each step's log."""
+    logs = []
+    with Issuer(backend, [AttentionProgram(CFG)], max_inflight=2) as it:
+        it.step(1, [2])
+        wait_for(lambda: len(it.finished) == 1, 30, "the first step")
+        for i in range(steps):  # each step alone: the one before it is over
+            backend.log.clear()
+            backend.patched.clear()
+            job = it.step(1, [3 + i])
+            wait_for(lambda n=i + 2: len(it.finished) == n, 30, "the step")
+            assert job.error is None
+            logs.append(list(backend.log))
+    return logs
+
+
+def test_a_lone_steps_costly_patches_are_dispatched_while_its_issuer_launches_the_rest() -> None:
     """A step's patches go to the update thread before its issuer copies its inputs and
-    launches its replay (they need nothing of those), so a lone step's patches, the
+    launches its replay (they need none of that), so a lone step's patches, the
     host-bound part of it, overlap its launch instead of following it on one thread.
     The backend's replay blocks until a patch was dispatched: issued one after the other
-    by the issuer, the step would wait 10 s and find none."""
-    backend = _ReplayAfterPatch()
-    with Issuer(backend, [AttentionProgram(CFG)], max_inflight=2) as it:
-        jobs = []
-        for i in range(steps):  # each step alone: the one before it is over
-            jobs.append(it.step(1, [2 + i]))
-            wait_for(lambda: len(it.finished) == len(jobs), 30, "the step")
-    assert backend.replays == [True] * steps
-    assert set(backend.patchers) == {"graphlane-update"}
-    assert [j.error for j in jobs] == [None] * steps
+    by the issuer, each step would wait 10 s and find none."""
+    backend = _ReplayAfterPatch(patch_s=0.005)
+    backend.gate = True
+    backend.patched.set()  # the first step, which learns the cost, is not gated
+    for log in _lone_steps(backend, 3):
+        assert {t for kind, t in log if kind == "patch"} == {"graphlane-update"}
+    assert backend.replays == [True] * 4
+
+
+def test_a_lone_steps_cheap_patches_are_dispatched_by_its_issuer() -> None:
+    """Patches that cost less than a hand-off (a `null` device's) are dispatched by a lone
+    step's issuer after its launch, with no thread hop."""
+    backend = _ReplayAfterPatch(patch_s=0.0)
+    me = threading.current_thread().name
+    for log in _lone_steps(backend, 3):
+        assert log[0] == ("replay", me)
+        assert {t for kind, t in log if kind == "patch"} == {me}
 
 
 def test_a_failed_issue_is_reported_to_its_issuer_and_returns_the_permit() -> None:
