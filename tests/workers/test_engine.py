@@ -398,3 +398,56 @@ def test_null_backend_captures_and_steps_the_model_program() -> None:
                                          program="model",
                                          params={"actual_seq_lengths_kv": [1, 1]}))])  # fmt: skip
     assert done[0].results is not None and done[0].results["tokens"].shape == (2,)
+
+
+class _FailingAfterHandOff(_ReplayAfterPatch):
+    """Costly patches (so a step's patches go to the update thread first); ``fail``
+    names what raises next: "replay" (the issuer's side) or "patch" (the update
+    thread's)."""
+
+    def __init__(self) -> None:
+        super().__init__(patch_s=0.005)
+        self.fail = ""
+
+    def patch(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail == "patch":
+            raise InjectedDeviceFault("the patch failed")
+        return super().patch(*args, **kwargs)
+
+    def replay(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fail == "replay":
+            raise InjectedDeviceFault("the replay failed")
+        return super().replay(*args, **kwargs)
+
+
+@pytest.mark.parametrize("side", ["replay", "patch"])
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_fault_on_either_side_of_a_handed_over_step_ends_it_once(side: str, alone: bool) -> None:
+    """A step whose patches went to the update thread while its issuer launched the rest:
+    a fault on either side ends it once, with that fault (the other side, done or not,
+    does not answer it again), every permit comes back, and the failed engine refuses
+    what follows in order."""
+    backend = _FailingAfterHandOff()
+    with Issuer(backend, [AttentionProgram(CFG)], max_inflight=3) as it:
+        it.step(1, [2])  # learns that patches are costly
+        wait_for(lambda: len(it.finished) == 1, 30, "the first step")
+        before = [] if alone else [it.step(1, [3])]
+        backend.fail = side
+        failed = it.step(1, [4])
+        wait_for(lambda: failed in [s for s, _ in it.finished], 30, "the failed step")
+        backend.fail = ""
+        refused = it.step(1, [5])
+        wait_for(lambda: len(it.finished) == 3 + len(before), 30, "every step's end")
+        time.sleep(0.05)  # a second answer, if any, would come now
+        ends = [s for s, _ in it.finished]
+        assert ends.count(failed) == 1
+        # its own fault, or (not alone) the step before it met the fault first, on the
+        # update thread, and this one was refused for the failed engine
+        assert isinstance(failed.error, InjectedDeviceFault) or (
+            not alone and isinstance(failed.error, EngineError) and side in str(failed.error)
+        ), failed.error
+        assert it.engine.failure is not None
+        assert isinstance(refused.error, EngineError)
+        assert len(ends) == len(set(ends)) == 3 + len(before)
+        for _ in range(3):  # every permit came back
+            assert it.engine.reserve(blocking=False)

@@ -158,11 +158,16 @@ def test_a_decode_copies_what_changed_alone() -> None:
     assert _decode_copies(8, 800, True) == [4, *plain]  # the block's id, then as before
 
 
-def test_a_token_its_sequence_never_sampled_here_is_refused() -> None:
+@pytest.mark.parametrize("patches_first", [False, True])
+def test_a_token_its_sequence_never_sampled_here_is_refused(patches_first: bool) -> None:
     """A decode whose sequence's add was planned but never issued, or whose previous
     decode was planned but never issued, is refused (NO_PREVIOUS_TOKEN): never fed the
-    row's stale token (its previous holder's, or its own older one)."""
+    row's stale token (its previous holder's, or its own older one). Refused before its
+    patches go when they go first (patches that cost more than a hand-off: the program's
+    check_feeds), so the refusal is the step's alone, and the next decode is served."""
     with Issuer(NpuBackend(torch_npu, 0), [_random_program(2)]) as eng:
+        if patches_first:
+            eng.engine._u_cost_s = 1.0  # as if each step's patches took a second
         c = Client(eng, "a")
         c.add(0, [1, 2, 3], [0])
         c.plan("add", {"sequence": 1, "tokens": torch.tensor([4, 5]), "blocks": [1]})  # lost
@@ -172,6 +177,11 @@ def test_a_token_its_sequence_never_sampled_here_is_refused() -> None:
         wait_for(lambda: eng._all_done([refused, behind]), 60, "both decodes answered")
         for job in (refused, behind):
             assert isinstance(job.error, NoPreviousToken), job.error
+        assert eng.engine.failure is None
+        c.add(2, [6, 7], [2])  # (sequence 0 stays refused until freed and added again)
+        served = c.decode([2])
+        wait_for(lambda: eng._all_done([served]), 60, "the next decode")
+        assert served.error is None
 
 
 def test_a_sampling_sequence_draws_the_same_tokens_in_any_row_beside_any_others() -> None:
