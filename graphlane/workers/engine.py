@@ -33,8 +33,10 @@ turn) is issued as:
                    wait done[g]      of the previous replay of g: it is finished with g
                    for each group l: patch l if its parameters changed,
                    record ev[l]      exactly one record per captured wait
-                                     (ev[l] is a flag the replay's wait consumes: a
-                                     record that comes before the replay is not lost)
+                                     (ev[l] is a flag the replay's wait consumes and
+                                     its captured reset clears: torch_npu's
+                                     ExternalEvent, npu/streams.py; a record that comes
+                                     before the replay's wait is not lost)
 
 A step alone in the engine, or one with device feeds (decoding ahead: its token
 rows are copied from an earlier step's output, so the copies must follow that
