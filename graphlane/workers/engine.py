@@ -71,6 +71,7 @@ names for it (:meth:`GraphProgram.group_call`) through :meth:`DeviceBackend.patc
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -196,8 +197,8 @@ class StepEngine:
         self._updater: threading.Thread | None = None
         self.jobs_done = 0
         self._count_lock = threading.Lock()
-        # A step's patches' host time, a moving average (see _patches_first).
-        self._u_cost_s = 0.0
+        # The host time of the last steps' patches (see _patches_first).
+        self._u_costs: collections.deque[float] = collections.deque(maxlen=8)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -503,14 +504,18 @@ class StepEngine:
     def _patches_first(self, job: Job) -> bool:
         """Whether ``job``'s patches go to the update thread before the issuer's work on S:
         a pipelined step (not ENPU's order), whose inputs do not follow a staged update's
-        on U, unless it is alone in the engine and patches have been cheap (then the
+        on U, unless it is alone in the engine and patches have been cheap (the least
+        host time of the last 8 steps' patches under _HAND_OVER_S; then the
         issuer patches it after its launch, as it does a lone update or replay: a hand-off
         to a thread, and the interpreter lock passed between two, cost more than such
         patches could overlap; a `null` device's step round trip took 1.7-1.8x a raw
         pyzmq one with every lone step handed over, 1.3-1.4x without)."""
         if job.kind is not JobKind.STEP or not self.pipeline or self.records_first:
             return False
-        if self._u_cost_s < _HAND_OVER_S and self._permits.alone():
+        # The least of the last 8: a thread preempted while it patched (a busy machine)
+        # takes longer, never shorter, so one slow dispatch does not change the path.
+        costs = self._u_costs
+        if (not costs or min(costs) < _HAND_OVER_S) and self._permits.alone():
             return False
         if job.graph is None:  # not picked yet: would it take a staged instance?
             plan = job.plan
@@ -587,7 +592,7 @@ class StepEngine:
         program = self.programs[job.plan.program]
         job.patched = self._patch_groups(program, g, job.plan, release, copy=copy)
         job.dispatch_s = took = time.perf_counter() - t0
-        self._u_cost_s += (took - self._u_cost_s) / 8  # (one thread issues on U at a time)
+        self._u_costs.append(took)  # (one thread issues on U at a time)
         if not release:  # an update: staged, done when its patches are
             job.results = {}
             job.done = b.new_event()

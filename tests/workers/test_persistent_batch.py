@@ -167,7 +167,7 @@ def test_a_token_its_sequence_never_sampled_here_is_refused(patches_first: bool)
     check_feeds), so the refusal is the step's alone, and the next decode is served."""
     with Issuer(NpuBackend(torch_npu, 0), [_random_program(2)]) as eng:
         if patches_first:
-            eng.engine._u_cost_s = 1.0  # as if each step's patches took a second
+            eng.engine._u_costs.extend([1.0] * 8)  # as if each step's patches took a second
         c = Client(eng, "a")
         c.add(0, [1, 2, 3], [0])
         c.plan("add", {"sequence": 1, "tokens": torch.tensor([4, 5]), "blocks": [1]})  # lost
