@@ -203,8 +203,12 @@ def test_a_hazard_fails_the_step_loudly_and_the_engine_refuses_more(issuer: Issu
     with pytest.raises(HazardError):
         issuer.run(1, [3])
         issuer.engine.backend.synchronize()
+    # A step's patches may be on the update thread when its issue returns (they go
+    # first): its end, and the engine's failure, can come after; wait for it.
     first = issuer.step(1, [3])
+    wait_for(lambda: issuer._all_done([first]), 30, "the step after the hazard")
     refused = first if isinstance(first.error, EngineError) else issuer.step(1, [3])
+    wait_for(lambda: issuer._all_done([refused]), 30, "the step refused")
     assert isinstance(refused.error, EngineError)
 
 
