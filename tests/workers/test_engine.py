@@ -445,16 +445,16 @@ def test_a_fault_on_either_side_of_a_handed_over_step_ends_it_once(side: str, al
         backend.fail = ""
         refused = it.step(1, [5])
         wait_for(lambda: len(it.finished) == 3 + len(before), 30, "every step's end")
-        time.sleep(0.05)  # a second answer, if any, would come now
-        ends = [s for s, _ in it.finished]
-        assert ends.count(failed) == 1
-        # its own fault, or (not alone) the step before it met the fault first, on the
-        # update thread, and this one was refused for the failed engine
-        assert isinstance(failed.error, InjectedDeviceFault) or (
-            not alone and isinstance(failed.error, EngineError) and side in str(failed.error)
-        ), failed.error
-        assert it.engine.failure is not None
-        assert isinstance(refused.error, EngineError)
-        assert len(ends) == len(set(ends)) == 3 + len(before)
-        for _ in range(3):  # every permit came back
-            assert it.engine.reserve(blocking=False)
+    # the engine closed: its threads are joined, so a second answer would be in by now
+    ends = [s for s, _ in it.finished]
+    assert ends.count(failed) == 1
+    # its own fault, or (not alone) the step before it met the fault first, on the
+    # update thread, and this one was refused for the failed engine
+    assert isinstance(failed.error, InjectedDeviceFault) or (
+        not alone and isinstance(failed.error, EngineError) and side in str(failed.error)
+    ), failed.error
+    assert it.engine.failure is not None
+    assert isinstance(refused.error, EngineError)
+    assert len(ends) == len(set(ends)) == 3 + len(before)
+    for _ in range(3):  # every permit came back
+        assert it.engine.reserve(blocking=False)
