@@ -5,10 +5,12 @@ asks for it (``[faults]``: ``hang_device_after = N``, ``device_fault_after = N``
 so the engine and the worker run their production code and meet the fault where
 a device would show it:
 
-- ``hang_after=N``: after N replays the device stops releasing graph events
-  (every ExternalEvent record, fused or not, is dropped), so the next replay
-  waits on the device forever: a hung device. (In serial mode a step's releases
-  come before its replay, so the step after it is the one that hangs.)
+- ``hang_after=N``: the replay after N replays never runs: the stream it is
+  issued on first waits on an ExternalEvent nobody records, so it and all the
+  stream's later work wait on the device forever (a hung device), and from then
+  on no graph event is released (every ExternalEvent record, fused or not, is
+  dropped). The (N+1)-th step hangs whatever the order its releases and its
+  replay were issued in (a step's patches may go before its replay).
 - ``device_fault_after=N``: the replay after N replays fails with
   :class:`InjectedDeviceFault`, as a device fault does at launch.
 
@@ -59,6 +61,7 @@ class FaultyBackend:
         self.device_fault_after = device_fault_after
         self.replays = 0
         self.hanging = False
+        self.stuck: Any = None  # the ExternalEvent the hung stream waits on
         self._external: set[int] = set()  # ids of the ExternalEvents made here
 
     # ------------------------------------------------------------ faults
@@ -67,8 +70,11 @@ class FaultyBackend:
         if self.device_fault_after is not None and self.replays > self.device_fault_after:
             raise InjectedDeviceFault("fault injection: the device failed (device_fault_after)")
         if self.hang_after is not None and self.replays > self.hang_after and not self.hanging:
-            log.error("fault injection: graph events are no longer released (the device hangs)")
+            log.error("fault injection: the device hangs at replay %d", self.replays)
             self.hanging = True
+            # Never recorded here (a test may record it to let the device go on).
+            self.stuck = self.inner.new_external_event()
+            self.inner.wait_external(stream, self.stuck)
         self.inner.replay(graph, stream)
 
     def new_external_event(self) -> Any:
