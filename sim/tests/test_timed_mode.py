@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from npusim import SimConfig, configure, torch_npu
-from npusim.runtime import CostClock
+from npusim.runtime import CostClock, model_now
 
 
 @pytest.fixture
@@ -152,3 +152,19 @@ def test_work_after_a_wait_starts_no_earlier_than_the_wait_ended() -> None:
     started = time.perf_counter()
     clock.add(100, started=started)
     assert clock.end >= started + 100e-6 - 1e-9
+
+
+def test_the_hosts_python_after_it_saw_a_step_end_is_not_hidden(restore_config: None) -> None:
+    """A host that saw a replay end and then computed without waiting (a worker that
+    replied, found the next request already queued on its socket and planned it) is
+    at now in the model, not at the replay's modelled end: that Python is the
+    program's, and the request it took may have come after the replay ended. Hiding it
+    let a daemon's lone serial step be held 0.67 ms against its 0.98 ms floor."""
+    g, _ = _captured()
+    configure(mode="timed", task_us=700, patch_us=0)
+    g.replay()
+    torch.npu.synchronize()  # this thread observes the replay's modelled end
+    spun = time.perf_counter() + CostClock.SLACK_S / 2  # inside the window
+    while time.perf_counter() < spun:  # computing: no wait the cost model could see
+        pass
+    assert model_now() >= spun

@@ -232,8 +232,7 @@ class Runtime:
         self.observed_version = 0
         # Timed mode: the latest modelled end of device work a host observed, and the
         # wall time it was observed at (see :func:`host_clock`).
-        # (modelled end, wall time seen, the observing thread, its CPU time then)
-        self.observed_at: tuple[float, float, int, float] = (0.0, 0.0, 0, 0.0)
+        self.observed_at: tuple[float, float] = (0.0, 0.0)
         self.epoch = 0  # bumped by reset(): work of an older epoch is dropped
         self.closing = False  # set at interpreter exit: stream threads stop
         # Threads blocked in wait_for_locked, each with the condition it waits for.
@@ -281,7 +280,7 @@ class Runtime:
         Caller holds ``cond``. Later host actions of every thread are ordered after it,
         and in timed mode happen no earlier than ``at`` (:func:`host_clock`)."""
         if at is not None and at > self.observed_at[0] and self.config.timed:
-            self.observed_at = (at, time.perf_counter(), threading.get_ident(), time.thread_time())
+            self.observed_at = (at, time.perf_counter())
         if self.config.perf:  # no clocks (module doc)
             return
         _, clock = self.host_actor()
@@ -637,15 +636,18 @@ def host_clock(started: float) -> CostClock:
     that saw the step end may hand it to the one that issues the next, by a queue or a
     socket the simulator cannot see); work that began before it is not moved."""
     c = HOST_COST.clock
-    at, seen, observer, observer_cpu = RUNTIME.observed_at
+    at, seen = RUNTIME.observed_at
     if at > c.end and seen <= started:
         c.end = at
         if seen > c.woke:  # the window of slack opens at the observation
-            # What this thread computed since then is hidden (its own observation);
-            # news from another thread came by a path the sim cannot see (a queue, a
-            # socket): none of the time since is this thread's Python.
-            own = observer == threading.get_ident()
-            c.woke_at(seen, observer_cpu if own else time.thread_time())
+            # Nothing the thread did since is hidden, its own observation or not: the
+            # host's Python after it saw a step end is the program's (reply, take the
+            # next request, plan it), which the modelled costs do not contain, and what
+            # it did may have been to take news the sim cannot see (a request already
+            # queued on a socket: no wait shows it), which must not start in the model
+            # before it came. Work issued within IDLE_NOISE_S of the observation starts
+            # at the modelled end: the host's lag behind the device's end is the sim's.
+            c.woke_at(seen, time.thread_time())
     return c
 
 
