@@ -254,14 +254,12 @@ async def daemon_ahead(c: Client, steps: int, window: int = WINDOW) -> tuple[flo
     decode N's reply; the worker feeds each row the token its sequence sampled last, on
     the device). Wall seconds for the ``steps`` and the tokens."""
     rows = list(range(BATCH))
-    sent: list[asyncio.Task[Any]] = []
+    sent: list[asyncio.Future[Any]] = []
     t0 = time.perf_counter()
-    for _ in range(steps):
-        while sum(not t.done() for t in sent[-window:]) >= window:
-            await asyncio.wait([t for t in sent[-window:] if not t.done()],
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-        sent.append(asyncio.create_task(c.decode("model", 0, rows)))
-        await asyncio.sleep(0)  # tasks start in order: requests go in order
+    for i in range(steps):
+        if i >= window:
+            await sent[i - window]  # at most window in flight
+        sent.append(c.send_decode("model", 0, rows))  # sent now, with no task per step
     replies = await asyncio.gather(*sent)
     elapsed = time.perf_counter() - t0
     return elapsed, [t for r in replies for t in r.outputs["tokens"].tolist()]

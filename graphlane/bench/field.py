@@ -248,19 +248,18 @@ async def daemon_ahead(c: Client, steps: int, sched_ms: float, window: int = WIN
     keeps no KV cache)."""
     rows = list(range(BATCH))
     feed = {"tokens": torch.full((BATCH,), token, dtype=torch.int64), "block_table": TABLE}
-    sent: collections.deque[asyncio.Task[Any]] = collections.deque()
+    sent: collections.deque[asyncio.Future[Any]] = collections.deque()
     t0 = time.perf_counter()
     for i in range(steps):
         scheduler_work(sched_ms)
         while len(sent) >= window:
             await sent.popleft()
+        # Sent in the order made, with no task per step (Client.send_decode).
         if token < 0:
-            call = c.decode("model", 0, rows)
+            sent.append(c.send_decode("model", 0, rows))
         else:
             params = {"actual_seq_lengths_kv": decode._lengths(i)}
-            call = c.step("model", 0, params, feed, outputs=["tokens"])
-        sent.append(asyncio.create_task(call))
-        await asyncio.sleep(0)  # tasks start in order: requests go in order
+            sent.append(c.send_step("model", 0, params, feed, outputs=["tokens"]))
     while sent:
         await sent.popleft()
     return steps / (time.perf_counter() - t0)

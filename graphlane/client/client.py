@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import time
 import weakref
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -75,7 +76,7 @@ from .args import (
     output_names,
 )
 from .hosts import Host, expand
-from .transport import Channel, Sockets
+from .transport import Call, Channel, Sockets
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +200,9 @@ class Client:
         return self._hosts[0].workers if self._hosts else {}
 
     # ------------------------------------------------------------ plumbing
-    def _call(
-        self, ch: Channel, op: str, body: Any, timeout: float | None
-    ) -> Coroutine[Any, Any, Any]:
-        """The call's coroutine (the reply's typed body; its error raised)."""
-        return ch.call(next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout))
+    def _call(self, ch: Channel, op: str, body: Any, timeout: float | None) -> Call:
+        """The call, sent: a future of the reply's typed body, or of its error."""
+        return ch.send(next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout))
 
     def _after_failure(self, ch: Channel, body: Any, exc: GraphlaneError) -> None:
         """A device request failed. If it named a generation (its program keeps device
@@ -214,12 +213,53 @@ class Client:
             resume = ops.Resume(body.device)
             ch.post(next(self._ids), ops.OPS["resume"], resume, call_timeout(self.timeout, None))
 
-    async def _on_device(self, ch: Channel, op: str, body: Any, timeout: float | None) -> Any:
-        try:
-            return await self._call(ch, op, body, timeout)
-        except GraphlaneError as exc:
-            self._after_failure(ch, body, exc)
-            raise
+    def _on_device(
+        self,
+        ch: Channel,
+        op: str,
+        body: Any,
+        timeout: float | None,
+        convert: Callable[[Any], Any] | None = None,
+    ) -> Call:
+        """A device request, sent: its failure fences the generation (``_after_failure``)
+        before the caller sees it; its reply passed through ``convert``."""
+        return ch.send(
+            next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout), convert,
+            functools.partial(self._after_failure, ch, body),
+        )  # fmt: skip
+
+    def _send(
+        self,
+        host: Host,
+        local: int,
+        op: str,
+        build: Callable[[], Any],
+        timeout: float | None,
+    ) -> asyncio.Future[StepReply]:
+        """``op`` to the device's worker, its body ``build()``-made, as a StepReply: sent
+        before this returns when the device's channel is up, else by a task once it is,
+        in order with every call made before (a later call waits behind this one)."""
+        ch = host.workers.get(local)
+        if ch is None or ch.lost or host.connecting.get(local):
+            host.connecting[local] = host.connecting.get(local, 0) + 1
+            return asyncio.ensure_future(self._send_connected(host, local, op, build, timeout))
+        convert = functools.partial(_reply, host.endpoint, local)
+        return self._on_device(ch, op, build(), timeout, convert)
+
+    async def _send_connected(
+        self,
+        host: Host,
+        local: int,
+        op: str,
+        build: Callable[[], Any],
+        timeout: float | None,
+    ) -> StepReply:
+        try:  # (the caller counted this call in host.connecting)
+            ch = await self._connect_worker(host, local)
+        finally:
+            host.connecting[local] -= 1
+        convert = functools.partial(_reply, host.endpoint, local)
+        return await self._on_device(ch, op, build(), timeout, convert)
 
     def _channel(self, host: Host | None = None) -> Channel:
         if self._closing:
@@ -382,30 +422,43 @@ class Client:
         parameter (``hello`` names it: ``actual_seq_lengths_kv`` for attention); a
         program without one needs ``batch=``. numpy arrays and scalars are accepted
         in ``params`` and ``inputs``."""
-        host, local = self._resolve(device)
-        ch = host.workers.get(local)
-        if ch is None or ch.lost or host.connecting.get(local):
-            ch = await self._worker_at(host, local)  # in order with the calls before it
-        if batch is None:
-            batch = host.batch_params.infer(host.hello, local, program, params)
-        body = ops.Step(
-            program,
-            local,
-            as_params(params),
-            as_tensors(inputs),
-            host.outputs.of(host.hello, local, program)
-            if outputs is None
-            else output_names(outputs),
-            batch,
-            deadline_ms(self.timeout, timeout),
-            host.generation_for(local, program),
+        return await self.send_step(
+            program, device, params, inputs, outputs, batch=batch, timeout=timeout
         )
-        try:
-            done = await self._call(ch, "step", body, timeout)
-        except GraphlaneError as exc:
-            self._after_failure(ch, body, exc)
-            raise
-        return _reply(host.endpoint, local, done)
+
+    def send_step(
+        self,
+        program: str,
+        device: Device,
+        params: Mapping[str, Any],
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        outputs: str | Sequence[str] | None = None,
+        *,
+        batch: int | None = None,
+        timeout: float | None = None,
+    ) -> asyncio.Future[StepReply]:
+        """:meth:`step`, sent before this returns (once the device's channel is up: the
+        first call to a device, or the first after its worker restarted, goes by a task
+        when it is), in order with every call made before it: a future of its reply.
+        A scheduler that keeps steps in flight needs no task per step. Bad arguments
+        raise here."""
+        host, local = self._resolve(device)
+        params = as_params(params)
+        tensors = as_tensors(inputs)
+        names = None if outputs is None else output_names(outputs)
+        deadline = deadline_ms(self.timeout, timeout)
+
+        def build() -> ops.Step:  # (after the channel is up: batch and outputs need hello)
+            return ops.Step(
+                program, local, params, tensors,
+                host.outputs.of(host.hello, local, program) if names is None else names,
+                host.batch_params.infer(host.hello, local, program, params)
+                if batch is None
+                else batch,
+                deadline, host.generation_for(local, program),
+            )  # fmt: skip
+
+        return self._send(host, local, "step", build, timeout)
 
     async def update(
         self,
@@ -565,6 +618,22 @@ class Client:
         """One token more for each of ``sequences`` (rows in this order), each fed the
         token it sampled last, on the device: it may be sent before the reply of the
         previous decode. ``new_blocks``: blocks appended to some of them first."""
+        return await self.send_decode(
+            program, device, sequences, new_blocks=new_blocks, outputs=outputs, timeout=timeout
+        )
+
+    def send_decode(
+        self,
+        program: str,
+        device: Device,
+        sequences: Sequence[int],
+        *,
+        new_blocks: Mapping[int, Sequence[int]] | None = None,
+        outputs: str | Sequence[str] = ("tokens",),
+        timeout: float | None = None,
+    ) -> asyncio.Future[StepReply]:
+        """:meth:`decode`, sent before this returns (as :meth:`send_step` is): a future
+        of its reply. Bad arguments raise here."""
         sids = as_ids(sequences, "sequences", MAX_SEQUENCE_ID)
         more: dict[int, list[int]] = {}
         if new_blocks is not None:  # (most decodes append none)
@@ -578,13 +647,14 @@ class Client:
                 for k, v in new_blocks.items()
             }
         host, local = self._resolve(device)
-        ch = await self._worker_at(host, local)
-        body = ops.Decode(
-            program, local, sids, more, output_names(outputs),
-            host.generation_for(local, None), deadline_ms(self.timeout, timeout),
-        )  # fmt: skip
-        done = await self._on_device(ch, "decode", body, timeout)
-        return _reply(host.endpoint, local, done)
+        names = output_names(outputs)
+        deadline = deadline_ms(self.timeout, timeout)
+
+        def build() -> ops.Decode:
+            generation = host.generation_for(local, None)
+            return ops.Decode(program, local, sids, more, names, generation, deadline)
+
+        return self._send(host, local, "decode", build, timeout)
 
     async def append_blocks(
         self, program: str, device: Device, sequence: int, blocks: Sequence[int],

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
@@ -84,7 +85,7 @@ class Channel:
             sockets.close(self.sock)
             raise
         self.refused: str | None = None  # why the server refused our handshake
-        self.pending: dict[int, asyncio.Future[wire.Reply]] = {}
+        self.pending: dict[int, asyncio.Future[Any]] = {}
         self.lost = False  # connected once, then dropped: the peer went away
         self.late_replies = 0
         # Requests of this turn of the loop waiting to go as one bundle (see call).
@@ -214,39 +215,51 @@ class Channel:
     async def call(self, request_id: int, op: Op, body: Any, timeout: float) -> Any:
         """One request (``body`` a Struct of ``op``); its reply's body, typed, or its
         error raised."""
+        return await self.send(request_id, op, body, timeout)
+
+    def send(
+        self,
+        request_id: int,
+        op: Op,
+        body: Any,
+        timeout: float,
+        convert: Callable[[Any], Any] | None = None,
+        failed: Callable[[GraphlaneError], None] | None = None,
+    ) -> Call:
+        """Send one request (``body`` a Struct of ``op``) in order with every call made
+        before it, with no coroutine: a future of its reply's body, typed (passed
+        through ``convert``), or of its error (``failed`` is told first)."""
+        fut = Call(self._loop, self, request_id, op, convert, failed)
         if self.closed:
-            raise WorkerLost(f"connection to {self.name} is closed")
+            fut.set_exception(WorkerLost(f"connection to {self.name} is closed"))
+            return fut
         if self.refused is not None:
-            raise Unauthorized(self.refused)
+            fut.set_exception(Unauthorized(self.refused))
+            return fut
         if self.lost:
-            raise WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
+            fut.set_exception(
+                WorkerLost(f"{self.name} at {self.endpoint} is not reachable (restarting?)")
+            )
+            return fut
         frames = wire.encode_request(request_id, op.name, body)
-        admission.check_outgoing(frames, self.limits)
-        loop = self._loop
-        fut: asyncio.Future[wire.Reply] = loop.create_future()
+        try:
+            admission.check_outgoing(frames, self.limits)
+        except GraphlaneError as exc:
+            fut.set_exception(exc)
+            return fut
         self.pending[request_id] = fut
         # A deadline instead of wait_for(shield(...)): it fails the future.
-        timer = self._deadlines.add(fut, timeout, op.name)
-        try:
-            if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
-                # Other calls are in flight, so this one need not go at once: it goes
-                # with the others made in this turn of the loop, as one bundle.
-                self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
-            else:
-                if self._queued:
-                    self._flush()  # sends keep the order of the calls
-                if not self._send(frames, [fut]):
-                    raise WorkerLost(f"connection to {self.name} is closed")
-            reply = await fut
-        finally:
-            # A cancelled or timed-out call forgets its id; a late reply is dropped.
-            if timer is not None:
-                timer.cancel()
-            self.pending.pop(request_id, None)
-        try:
-            return reply.body(op)  # raises the reply's error, if it is one
-        except wire.DecodeError as exc:
-            raise InternalError(f"undecodable reply to {op.name}: {exc.message}") from None
+        fut.timer = self._deadlines.add(fut, timeout, op.name)
+        if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
+            # Other calls are in flight, so this one need not go at once: it goes
+            # with the others made in this turn of the loop, as one bundle.
+            self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
+        else:
+            if self._queued:
+                self._flush()  # sends keep the order of the calls
+            if not self._send(frames, [fut]):
+                fut.set_exception(WorkerLost(f"connection to {self.name} is closed"))
+        return fut
 
     def post(self, request_id: int, op: Op, body: Any, timeout: float) -> None:
         """Send one request now, after every call made before it (queued ones go first),
@@ -445,6 +458,62 @@ class Sockets:
 
 
 _DRAIN_PER_TURN = 256  # replies delivered per wake-up before other callbacks run
+
+
+class Call(asyncio.Future[Any]):
+    """A call's future (:meth:`Channel.send`): the channel's reader sets the raw reply,
+    which becomes the reply's typed body (through ``convert``) or its error here, with
+    no task or coroutine between the socket and whoever awaits it. However it ends
+    (reply, deadline, connection lost, cancelled), the channel forgets its id."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        channel: Channel,
+        request_id: int,
+        op: Op,
+        convert: Callable[[Any], Any] | None,
+        failed: Callable[[GraphlaneError], None] | None,
+    ) -> None:
+        super().__init__(loop=loop)
+        self.channel = channel
+        self.request_id = request_id
+        self.op = op
+        self.convert = convert
+        self.failed = failed
+        self.timer: asyncio.TimerHandle | None = None  # a deadline of its own, if any
+
+    def set_result(self, reply: wire.Reply) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        try:
+            body = reply.body(self.op)  # raises the reply's error, if it is one
+            value = body if self.convert is None else self.convert(body)
+        except GraphlaneError as exc:
+            self.set_exception(exc)
+        except wire.DecodeError as exc:
+            self.set_exception(InternalError(f"undecodable reply to {self.op.name}: {exc.message}"))
+        except Exception as exc:  # never left pending: the caller would wait forever
+            self.set_exception(InternalError(f"reply to {self.op.name}: {exc!r}"))
+        else:
+            super().set_result(value)
+
+    def set_exception(self, exc: BaseException) -> None:  # type: ignore[override]
+        if self.done():
+            return
+        self._forget()
+        if self.failed is not None and isinstance(exc, GraphlaneError):
+            self.failed(exc)  # before anyone awaiting sees the error
+        super().set_exception(exc)
+
+    def cancel(self, msg: Any = None) -> bool:
+        self._forget()
+        return super().cancel(msg)
+
+    def _forget(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.channel.pending.pop(self.request_id, None)
 
 
 def _fail(futs: list[asyncio.Future[wire.Reply]], exc: BaseException) -> None:

@@ -1,0 +1,110 @@
+"""``send_step`` and ``send_decode``: a call sent before the method returns, with no task
+or coroutine per call, whose future gives the same reply as ``step``/``decode`` would,
+in the order of the calls, also when the device's channel is not up yet. Its future
+ends however the call ends (reply, deadline, cancel) and the channel forgets it."""
+
+from __future__ import annotations
+
+import asyncio
+import tomllib
+from typing import Any
+
+import pytest
+import torch
+
+from graphlane.client import Client
+from graphlane.client.args import InvalidArgument
+from graphlane.demo_model import PROGRAM_TOML
+from graphlane.protocol.errors import Timeout
+
+PROGRAMS = tomllib.loads(PROGRAM_TOML)["programs"]
+PROMPT = [3, 1, 4, 1, 5]
+AHEAD = 4
+
+
+@pytest.fixture
+def daemon(shared_daemon: Any) -> Any:
+    return shared_daemon(devices=1, programs=PROGRAMS)
+
+
+def _tokens(replies: list[Any]) -> list[int]:
+    return [int(r.outputs["tokens"][0]) for r in replies]
+
+
+async def test_decodes_sent_ahead_without_tasks_answer_as_awaited_ones(daemon: Any) -> None:
+    async with Client(daemon.endpoint, timeout=60) as c:
+        await c.add_sequence("model", 0, 1, PROMPT, [1])
+        awaited = [await c.decode("model", 0, [1]) for _ in range(AHEAD)]
+
+        await c.add_sequence("model", 0, 2, PROMPT, [2])
+        tasks = asyncio.all_tasks()
+        ahead = [c.send_decode("model", 0, [2]) for _ in range(AHEAD)]  # each from the last
+        assert asyncio.all_tasks() == tasks  # no task per call
+        channel = c._hosts[0].workers[0]
+        assert len(channel.pending) == AHEAD  # all sent (or queued for this turn's send)
+        replies = await asyncio.gather(*ahead)
+        assert _tokens(replies) == _tokens(awaited)
+        assert not channel.pending
+
+
+async def test_steps_sent_before_the_channel_is_up_go_in_order(daemon: Any) -> None:
+    """The first calls to a device wait for its channel in a task, in the order they were
+    made: each step below decodes from the token the one before it sampled (token -1),
+    so one that overtook another would decode from the wrong token or be refused."""
+    table = torch.tensor([[3, 0]], dtype=torch.int32)
+
+    def step(length: int) -> Any:
+        params = {"actual_seq_lengths_kv": [length], "sequence_id": [950]}
+        return {"tokens": torch.tensor([-1]), "block_table": table}, params
+
+    async with Client(daemon.endpoint, timeout=60) as reference:
+        first = await reference.prefill("model", 0, PROMPT, [4, 0], params={"sequence_id": 949})
+        expected = [int(first.outputs["tokens"][0])]
+        for i in range(AHEAD):
+            params = {"actual_seq_lengths_kv": [len(PROMPT) + 1 + i], "sequence_id": [949]}
+            inputs = {"tokens": torch.tensor([-1]), "block_table": torch.tensor([[4, 0]],
+                      dtype=torch.int32)}  # fmt: skip
+            expected += _tokens([await reference.step("model", 0, params, inputs, ["tokens"])])
+
+    async with Client(daemon.endpoint, timeout=60) as c:
+        assert 0 not in c._hosts[0].workers  # the device's channel is not up yet
+        prefill = asyncio.ensure_future(
+            c.prefill("model", 0, PROMPT, [3, 0], params={"sequence_id": 950})
+        )
+        await asyncio.sleep(0)  # the prefill is the first call made
+        futures = []
+        for i in range(AHEAD):
+            inputs, params = step(len(PROMPT) + 1 + i)
+            params["actual_seq_lengths_kv"] = [len(PROMPT) + 1 + i]
+            futures.append(c.send_step("model", 0, params, inputs, ["tokens"]))
+        got = _tokens([await prefill]) + _tokens(await asyncio.gather(*futures))
+        assert got == expected
+
+
+async def test_bad_arguments_raise_at_the_send(daemon: Any) -> None:
+    async with Client(daemon.endpoint, timeout=60) as c:
+        with pytest.raises(InvalidArgument):
+            c.send_decode("model", 0, [-1])
+        with pytest.raises(InvalidArgument):
+            c.send_step("model", 0, ["not", "a", "mapping"])  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            c.send_step("model", 0, {}, {"tokens": "not a tensor"})  # type: ignore[dict-item]
+        assert not asyncio.all_tasks() - {asyncio.current_task()}  # nothing sent later
+
+
+async def test_a_call_that_times_out_or_is_cancelled_is_forgotten(daemon: Any) -> None:
+    async with Client(daemon.endpoint, timeout=60) as c:
+        await c.add_sequence("model", 0, 5, PROMPT, [5])
+        channel = c._hosts[0].workers[0]
+        late = c.send_decode("model", 0, [5], timeout=1e-6)  # no worker answers that fast
+        with pytest.raises(Timeout):
+            await late
+        cancelled = c.send_decode("model", 0, [5])
+        cancelled.cancel()
+        # (the timed-out decode fenced the connection's state: a resume is in flight)
+        assert late.request_id not in channel.pending
+        assert cancelled.request_id not in channel.pending
+        # Both were sent: their replies come and are dropped; the channel goes on.
+        reply = await c.decode("model", 0, [5])
+        assert reply.outputs["tokens"].shape == (1,)
+        assert not channel.pending
