@@ -109,3 +109,11 @@ def test_the_daemons_way_decodes_added_sequences_as_a_scheduler_does() -> None:
     finally:
         daemon.close()
     assert status["sequences"]["model"]["sequences"] == field.BATCH
+
+
+def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch() -> None:
+    """The patches' dispatch (inside the modelled update cost) is the worker's measured
+    host time patching the steps: more than nothing, less than all of its CPU."""
+    worker, patches, client = field.own_cpu(layers=2, steps=8, reps=1)
+    assert len(worker) == len(patches) == len(client) == 1
+    assert 0 < patches[0] < worker[0] and client[0] > 0
