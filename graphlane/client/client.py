@@ -442,7 +442,10 @@ class Client:
         when it is), in order with every call made before it: a future of its reply.
         A scheduler that keeps steps in flight needs no task per step. Bad arguments
         raise here."""
-        host, local = self._resolve(device)
+        try:
+            host, local = self._resolve(device)
+        except WorkerLost as exc:  # the client closed: the call's error, not the caller's
+            return _failed(exc)
         params = as_params(params)
         tensors = as_tensors(inputs)
         names = None if outputs is None else output_names(outputs)
@@ -646,7 +649,10 @@ class Client:
                 as_id(k, "new_blocks", MAX_SEQUENCE_ID): as_ids(v, f"new_blocks[{k!r}]")
                 for k, v in new_blocks.items()
             }
-        host, local = self._resolve(device)
+        try:
+            host, local = self._resolve(device)
+        except WorkerLost as exc:
+            return _failed(exc)
         names = output_names(outputs)
         deadline = deadline_ms(self.timeout, timeout)
 
@@ -742,6 +748,12 @@ def _worker_limits(capabilities: Mapping[str, Any]) -> Limits:
         if type(value := capabilities.get(name)) is int and value >= 1
     }
     return replace(DEFAULT_LIMITS, **said)
+
+
+def _failed(exc: BaseException) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    return fut
 
 
 def _no_host() -> Host:

@@ -15,7 +15,7 @@ import torch
 from graphlane.client import Client
 from graphlane.client.args import InvalidArgument
 from graphlane.demo_model import PROGRAM_TOML
-from graphlane.protocol.errors import Timeout
+from graphlane.protocol.errors import Timeout, WorkerLost
 
 PROGRAMS = tomllib.loads(PROGRAM_TOML)["programs"]
 PROMPT = [3, 1, 4, 1, 5]
@@ -90,6 +90,10 @@ async def test_bad_arguments_raise_at_the_send(daemon: Any) -> None:
         with pytest.raises(InvalidArgument):
             c.send_step("model", 0, {}, {"tokens": "not a tensor"})  # type: ignore[dict-item]
         assert not asyncio.all_tasks() - {asyncio.current_task()}  # nothing sent later
+    # A call after the client closed is a call that failed, not a bad argument.
+    late = c.send_decode("model", 0, [1])
+    with pytest.raises(WorkerLost):
+        await late
 
 
 async def test_a_call_that_times_out_or_is_cancelled_is_forgotten(daemon: Any) -> None:
