@@ -64,6 +64,30 @@ def _wait_for_steps(d: RunningDaemon, proc: subprocess.Popen[bytes], more: int) 
         time.sleep(0.05)
 
 
+def _main_thread(pid: int) -> tuple[str, int]:
+    """The load test's main thread: its state (R running or runnable, S asleep) and its
+    time on a CPU so far (ns)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as f:
+        state = f.read().rsplit(")", 1)[1].split()[0]
+    with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+        return state, int(f.read().split()[0])
+
+
+def _wait_until_idle(pid: int) -> None:
+    """Until the load test's main thread has been almost idle for 0.1 s, asleep at both
+    ends (a thread that waits for a core is not idle), at most 30 s: with its worker
+    stalled, it has then taken every reply the worker sent before the stop and sent the
+    calls that replace them, which the worker holds. A Ctrl-C that came first (a busy
+    host's scheduling) found no call in flight to abandon."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        state, before = _main_thread(pid)
+        time.sleep(0.1)
+        state_after, after = _main_thread(pid)
+        if state == state_after == "S" and after - before < 5_000_000:  # under 5% of a core
+            return
+
+
 @pytest.mark.parametrize("run", list(RUNS))
 def test_ctrl_c_ends_any_load_test_at_once_and_reports_what_ran(
     shared_daemon: Any, tmp_path: Path, run: str
@@ -80,6 +104,7 @@ def test_ctrl_c_ends_any_load_test_at_once_and_reports_what_ran(
         _wait_for_steps(d, proc, 3)
         if stall is not None:
             os.kill(stall, signal.SIGSTOP)
+            _wait_until_idle(proc.pid)  # its calls sent, the stalled worker holding them
         signalled = time.monotonic()
         os.kill(proc.pid, signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=DURATION_S)
