@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import time
 import weakref
@@ -214,19 +213,14 @@ class Client:
             ch.post(next(self._ids), ops.OPS["resume"], resume, call_timeout(self.timeout, None))
 
     def _on_device(
-        self,
-        ch: Channel,
-        op: str,
-        body: Any,
-        timeout: float | None,
-        convert: Callable[[Any], Any] | None = None,
+        self, ch: Channel, op: str, body: Any, timeout: float | None, fut: _Fenced | None = None
     ) -> Call:
         """A device request, sent: its failure fences the generation (``_after_failure``)
-        before the caller sees it; its reply passed through ``convert``."""
-        return ch.send(
-            next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout), convert,
-            functools.partial(self._after_failure, ch, body),
-        )  # fmt: skip
+        before the caller sees it."""
+        if fut is None:
+            fut = _Fenced(loop=ch._loop)
+        fut.client, fut.body = self, body
+        return ch.send(next(self._ids), ops.OPS[op], body, call_timeout(self.timeout, timeout), fut)
 
     def _send(
         self,
@@ -243,8 +237,7 @@ class Client:
         if ch is None or ch.lost or host.connecting.get(local):
             host.connecting[local] = host.connecting.get(local, 0) + 1
             return asyncio.ensure_future(self._send_connected(host, local, op, build, timeout))
-        convert = functools.partial(_reply, host.endpoint, local)
-        return self._on_device(ch, op, build(), timeout, convert)
+        return self._on_device(ch, op, build(), timeout, _Replied.of(ch, host, local))
 
     async def _send_connected(
         self,
@@ -258,8 +251,10 @@ class Client:
             ch = await self._connect_worker(host, local)
         finally:
             host.connecting[local] -= 1
-        convert = functools.partial(_reply, host.endpoint, local)
-        return await self._on_device(ch, op, build(), timeout, convert)
+        result: StepReply = await self._on_device(
+            ch, op, build(), timeout, _Replied.of(ch, host, local)
+        )
+        return result
 
     def _channel(self, host: Host | None = None) -> Channel:
         if self._closing:
@@ -748,6 +743,37 @@ def _worker_limits(capabilities: Mapping[str, Any]) -> Limits:
         if type(value := capabilities.get(name)) is int and value >= 1
     }
     return replace(DEFAULT_LIMITS, **said)
+
+
+class _Fenced(Call):
+    """A device request's call: its failure fences the connection's generation first."""
+
+    __slots__ = ("body", "client")
+    body: Any
+    client: Client
+
+    def failing(self, exc: GraphlaneError) -> None:
+        self.client._after_failure(self.channel, self.body, exc)
+
+    def answered(self) -> None:
+        self.body = None  # (the request, kept for a failure's fence only)
+
+
+class _Replied(_Fenced):
+    """... whose reply is a :class:`StepReply` (where it ran: ``endpoint``, ``local``)."""
+
+    __slots__ = ("endpoint", "local")
+    endpoint: str
+    local: int
+
+    @classmethod
+    def of(cls, ch: Channel, host: Host, local: int) -> _Replied:
+        fut = cls(loop=ch._loop)
+        fut.endpoint, fut.local = host.endpoint, local
+        return fut
+
+    def value(self, body: Any) -> StepReply:
+        return _reply(self.endpoint, self.local, body)
 
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:
