@@ -232,12 +232,19 @@ class Client:
     ) -> asyncio.Future[StepReply]:
         """``op`` to the device's worker, its body ``build()``-made, as a StepReply: sent
         before this returns when the device's channel is up, else by a task once it is,
-        in order with every call made before (a later call waits behind this one)."""
+        in order with every call made before (a later call waits behind this one). The
+        future is the call itself either way, ended by the socket's reader: calls end in
+        the order of their replies, whichever way they were sent."""
+        fut = _Replied(loop=asyncio.get_running_loop())
+        fut.endpoint, fut.local = host.endpoint, local
         ch = host.workers.get(local)
         if ch is None or ch.lost or host.connecting.get(local):
             host.connecting[local] = host.connecting.get(local, 0) + 1
-            return asyncio.ensure_future(self._send_connected(host, local, op, build, timeout))
-        return self._on_device(ch, op, build(), timeout, _Replied.of(ch, host, local))
+            fut.sending = asyncio.ensure_future(
+                self._send_connected(host, local, op, build, timeout, fut)
+            )
+            return fut
+        return self._on_device(ch, op, build(), timeout, fut)
 
     async def _send_connected(
         self,
@@ -246,15 +253,22 @@ class Client:
         op: str,
         build: Callable[[], Any],
         timeout: float | None,
-    ) -> StepReply:
-        try:  # (the caller counted this call in host.connecting)
-            ch = await self._connect_worker(host, local)
+        fut: _Replied,
+    ) -> None:
+        """Send ``fut``'s call once the device's channel is up (the caller counted it in
+        host.connecting); a failure before the send is the call's."""
+        try:
+            try:
+                ch = await self._connect_worker(host, local)
+            finally:
+                host.connecting[local] -= 1
+            if not fut.done():  # (not cancelled meanwhile)
+                self._on_device(ch, op, build(), timeout, fut)
+        except Exception as exc:
+            if not fut.done():
+                fut.set_exception(exc)
         finally:
-            host.connecting[local] -= 1
-        result: StepReply = await self._on_device(
-            ch, op, build(), timeout, _Replied.of(ch, host, local)
-        )
-        return result
+            fut.sending = None
 
     def _channel(self, host: Host | None = None) -> Channel:
         if self._closing:
@@ -750,27 +764,32 @@ class _Fenced(Call):
 
     __slots__ = ("body", "client")
     body: Any
-    client: Client
+    client: Client | None
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.body = self.client = None
 
     def failing(self, exc: GraphlaneError) -> None:
-        self.client._after_failure(self.channel, self.body, exc)
+        if self.channel is not None and self.client is not None:  # (sent: fence)
+            self.client._after_failure(self.channel, self.body, exc)
 
     def answered(self) -> None:
         self.body = None  # (the request, kept for a failure's fence only)
 
 
 class _Replied(_Fenced):
-    """... whose reply is a :class:`StepReply` (where it ran: ``endpoint``, ``local``)."""
+    """... whose reply is a :class:`StepReply` (where it ran: ``endpoint``, ``local``);
+    ``sending``: the task that sends it once the device's channel is up, if any."""
 
-    __slots__ = ("endpoint", "local")
+    __slots__ = ("endpoint", "local", "sending")
     endpoint: str
     local: int
+    sending: asyncio.Future[None] | None
 
-    @classmethod
-    def of(cls, ch: Channel, host: Host, local: int) -> _Replied:
-        fut = cls(loop=ch._loop)
-        fut.endpoint, fut.local = host.endpoint, local
-        return fut
+    def __init__(self, *, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.sending = None
 
     def value(self, body: Any) -> StepReply:
         return _reply(self.endpoint, self.local, body)

@@ -467,10 +467,14 @@ class Call(asyncio.Future[Any]):
     twice as often with a dict and two partials per call (windowed steps/s halved)."""
 
     __slots__ = ("channel", "op", "request_id", "timer")
-    channel: Channel
     op: Op
     request_id: int
     timer: asyncio.TimerHandle | None
+
+    def __init__(self, *, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop=loop)
+        self.channel: Channel | None = None  # (not sent yet: Channel.send binds it)
+        self.timer = None
 
     def value(self, body: Any) -> Any:
         """What the call's future gives for its reply's typed body."""
@@ -513,7 +517,8 @@ class Call(asyncio.Future[Any]):
     def _forget(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        self.channel.pending.pop(self.request_id, None)
+        if self.channel is not None:
+            self.channel.pending.pop(self.request_id, None)
 
 
 def _fail(futs: list[asyncio.Future[wire.Reply]], exc: BaseException) -> None:

@@ -6,6 +6,7 @@ ends however the call ends (reply, deadline, cancel) and the channel forgets it.
 from __future__ import annotations
 
 import asyncio
+import time
 import tomllib
 from typing import Any
 
@@ -75,7 +76,6 @@ async def test_steps_sent_before_the_channel_is_up_go_in_order(daemon: Any) -> N
         futures = []
         for i in range(AHEAD):
             inputs, params = step(len(PROMPT) + 1 + i)
-            params["actual_seq_lengths_kv"] = [len(PROMPT) + 1 + i]
             futures.append(c.send_step("model", 0, params, inputs, ["tokens"]))
         got = _tokens([await prefill]) + _tokens(await asyncio.gather(*futures))
         assert got == expected
@@ -125,3 +125,30 @@ async def test_an_answered_call_keeps_nothing_of_its_request(daemon: Any) -> Non
         await answered
         assert answered.body is None  # type: ignore[attr-defined]
         assert not hasattr(answered, "__dict__")  # slots only
+
+
+async def test_calls_end_in_the_order_of_their_replies_however_they_were_sent(
+    daemon: Any,
+) -> None:
+    """The first call to a device is sent by a task once the channel is up, the next one
+    at once; both futures are ended by the socket's reader, in the order of the replies.
+    (When the first was the sending task's own result, it ended a turn of the loop after
+    a later call's: a load test timed a request's second token before its first.)"""
+    table = torch.tensor([[7, 0]], dtype=torch.int32)
+    inputs = {"tokens": torch.tensor([5]), "block_table": table}
+    params = {"actual_seq_lengths_kv": [1]}
+    async with Client(daemon.endpoint, timeout=60) as c:
+        host = c._hosts[0]
+        first = c.send_step("model", 0, params, inputs, ["tokens"])  # the channel is not up
+        # Until the task sent the first (a turn at a time: its reply, 0.2 ms away, is read
+        # only when the loop runs, and it is held below before it does).
+        while 0 not in host.workers or host.connecting.get(0):  # noqa: ASYNC110 (turns)
+            await asyncio.sleep(0)
+        second = c.send_step("model", 0, params, inputs, ["tokens"])  # sent at once
+        ended: list[str] = []
+        first.add_done_callback(lambda _: ended.append("first"))
+        second.add_done_callback(lambda _: ended.append("second"))
+        await asyncio.sleep(0)  # the second goes (it waited for the turn's other calls)
+        time.sleep(0.5)  # noqa: ASYNC251 (the loop held: both replies read in one pass)
+        await asyncio.gather(first, second)
+        assert ended == ["first", "second"]
