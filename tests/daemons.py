@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -67,15 +68,30 @@ def _bindable(port: int) -> bool:
 
 
 def free_port(span: int = 1) -> int:
-    """A loopback port nothing listens on, the kernel's choice, with the ``span - 1``
-    ports above it free too: a daemon's workers listen on its port + 1 + device id."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + span <= 65536 and all(_bindable(port + i) for i in range(1, span)):
+    """A loopback port nothing listens on, with the ``span - 1`` ports above it free too:
+    a daemon's workers listen on its port + 1 + device id. Chosen below the kernel's
+    ephemeral range, so that no connection's own port can take one of them while the
+    test runs: a worker restarted after a SIGKILL binds its port again, and a loaded
+    suite run saw another test's connection hold it then ("Address already in use")."""
+    rng = random.Random()  # (not the tests' seeded random)
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = rng.randrange(_FIRST_PORT, low - span)
+        if all(_bindable(port + i) for i in range(span)):
             return port
-    raise RuntimeError(f"no {span} free ports in a row on loopback")
+    raise RuntimeError(f"no {span} free ports in a row on loopback below {low}")
+
+
+_FIRST_PORT = 10000  # above the well-known and registered ports services tend to use
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (connections' own ports)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def _toml(value: Any) -> str:
