@@ -575,6 +575,8 @@ class CostClock:
         ref = max(self.end, self.woke)
         if t0 >= ref + self.SLACK_S:
             return t0
+        if t0 - ref <= self.IDLE_NOISE_S:
+            return self.end  # a gap that short is not a wait, whatever the thread did
         computed = (time.thread_time() if cpu is None else cpu) - self.woke_cpu
         # The two clocks are read at different instants: a few microseconds of "idle"
         # are that, not a wait (and would make modelled times inexact).
