@@ -97,6 +97,21 @@ class StepReply:
 Device = int | tuple[int | str, int]
 
 
+def _channel_up(host: Host, local: int) -> Channel | None:
+    """The device's channel when a call may be sent on it now: it is up and no earlier
+    call to the device waits for it to be made (it would be overtaken)."""
+    ch = host.workers.get(local)
+    if ch is None or ch.lost or host.connecting.get(local):
+        return None
+    return ch
+
+
+def _in_line(host: Host, local: int) -> None:
+    """Count a call that waits for the device's channel (until ``_connect_in_line`` has
+    made it): while any does, later calls to the device wait behind it."""
+    host.connecting[local] = host.connecting.get(local, 0) + 1
+
+
 class Client:
     """Async client of one or several graphlane daemons (see the module docstring).
 
@@ -237,9 +252,9 @@ class Client:
         the order of their replies, whichever way they were sent."""
         fut = _Replied(loop=asyncio.get_running_loop())
         fut.endpoint, fut.local = host.endpoint, local
-        ch = host.workers.get(local)
-        if ch is None or ch.lost or host.connecting.get(local):
-            host.connecting[local] = host.connecting.get(local, 0) + 1
+        ch = _channel_up(host, local)
+        if ch is None:
+            _in_line(host, local)  # now: a call made after this one goes behind it
             fut.sending = asyncio.ensure_future(
                 self._send_connected(host, local, op, build, timeout, fut)
             )
@@ -255,13 +270,10 @@ class Client:
         timeout: float | None,
         fut: _Replied,
     ) -> None:
-        """Send ``fut``'s call once the device's channel is up (the caller counted it in
-        host.connecting); a failure before the send is the call's."""
+        """Send ``fut``'s call once the device's channel is up (the call is in line
+        since it was made: ``_in_line``); a failure before the send is the call's."""
         try:
-            try:
-                ch = await self._connect_worker(host, local)
-            finally:
-                host.connecting[local] -= 1
+            ch = await self._connect_in_line(host, local)
             if not fut.done():  # (not cancelled meanwhile)
                 self._on_device(ch, op, build(), timeout, fut)
         except Exception as exc:
@@ -315,10 +327,15 @@ class Client:
         while any call to the device waits so, a later one waits behind it instead of
         taking the channel the first of them made (a step would overtake the prefill it
         decodes from). Each resumes with nothing to await before its send."""
-        ch = host.workers.get(local)
-        if ch is not None and not ch.lost and not host.connecting.get(local):
+        ch = _channel_up(host, local)
+        if ch is not None:
             return ch
-        host.connecting[local] = host.connecting.get(local, 0) + 1
+        _in_line(host, local)
+        return await self._connect_in_line(host, local)
+
+    async def _connect_in_line(self, host: Host, local: int) -> Channel:
+        """The device's channel, made, for a call counted in ``host.connecting``
+        (``_in_line``); the count is taken back once it is made or failed."""
         try:
             return await self._connect_worker(host, local)
         finally:
