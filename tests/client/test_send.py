@@ -8,12 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 import tomllib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from graphlane.client import Client
+from graphlane.client import Client, SyncClient
 from graphlane.client.args import InvalidArgument
 from graphlane.demo_model import PROGRAM_TOML
 from graphlane.protocol.errors import Timeout, WorkerLost
@@ -137,18 +138,38 @@ async def test_calls_end_in_the_order_of_their_replies_however_they_were_sent(
     table = torch.tensor([[7, 0]], dtype=torch.int32)
     inputs = {"tokens": torch.tensor([5]), "block_table": table}
     params = {"actual_seq_lengths_kv": [1]}
-    async with Client(daemon.endpoint, timeout=60) as c:
-        host = c._hosts[0]
-        first = c.send_step("model", 0, params, inputs, ["tokens"])  # the channel is not up
-        # Until the task sent the first (a turn at a time: its reply, 0.2 ms away, is read
-        # only when the loop runs, and it is held below before it does).
-        while 0 not in host.workers or host.connecting.get(0):  # noqa: ASYNC110 (turns)
-            await asyncio.sleep(0)
-        second = c.send_step("model", 0, params, inputs, ["tokens"])  # sent at once
-        ended: list[str] = []
-        first.add_done_callback(lambda _: ended.append("first"))
-        second.add_done_callback(lambda _: ended.append("second"))
-        await asyncio.sleep(0)  # the second goes (it waited for the turn's other calls)
-        time.sleep(0.5)  # noqa: ASYNC251 (the loop held: both replies read in one pass)
-        await asyncio.gather(first, second)
-        assert ended == ["first", "second"]
+    with SyncClient(daemon.endpoint, timeout=60) as watcher:  # asks from a thread of its own
+        before = _model_steps_done(watcher)
+        async with Client(daemon.endpoint, timeout=60) as c:
+            host = c._hosts[0]
+            first = c.send_step("model", 0, params, inputs, ["tokens"])  # the channel is not up
+            # Until the task sent the first, a turn at a time.
+            await _turns_until(lambda: 0 in host.workers and not host.connecting.get(0))
+            second = c.send_step("model", 0, params, inputs, ["tokens"])  # sent this turn
+            ended: list[str] = []
+            first.add_done_callback(lambda _: ended.append("first"))
+            second.add_done_callback(lambda _: ended.append("second"))
+            channel = host.workers[0]
+            await _turns_until(lambda: not channel._queued)  # (it went with the turn's calls)
+            # The loop held (no turn: neither reply is read) until the worker has answered
+            # both, so that the reader takes the two replies in one pass.
+            deadline = time.monotonic() + 30
+            while _model_steps_done(watcher) < before + 2:
+                assert time.monotonic() < deadline, "the worker did not answer both steps"
+            await asyncio.gather(first, second)
+            assert ended == ["first", "second"]
+
+
+def _model_steps_done(watcher: SyncClient) -> int:
+    """The model program's steps device 0's worker has answered (its metrics)."""
+    metrics = watcher.worker_status(0)["metrics"]
+    return sum(h["count"] for h in metrics["step_seconds"]
+               if h["program"] == "model" and h["op"] == "step")  # fmt: skip
+
+
+async def _turns_until(condition: Callable[[], bool], deadline_s: float = 30.0) -> None:
+    """Let the loop run a turn at a time until ``condition()`` holds (at most ``deadline_s``)."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0)
