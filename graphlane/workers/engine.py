@@ -88,7 +88,7 @@ from graphlane.workers.job import Job, JobKind
 from graphlane.workers.permits import Permits
 from graphlane.workers.programs.base import (
     CapturedGraph,
-    DeviceFeed,
+    Feed,
     GraphKey,
     GraphProgram,
     OpCall,
@@ -541,7 +541,7 @@ class StepEngine:
         g: CapturedGraph,
         plan: StepPlan,
         previous: Any,
-        feeds: Sequence[DeviceFeed] | None = None,
+        feeds: Sequence[Feed] | None = None,
         inputs: bool = True,
     ) -> None:
         """Copy a step's inputs into g's buffers before this replay, then its ``feeds``.
@@ -565,7 +565,7 @@ class StepEngine:
                     for dst, src in writes(buffers, plan, group):
                         copy_in(dst, src)
             for feed in feeds or ():
-                buffers[feed.buffer][feed.index].copy_(feed.source)
+                feed.write(buffers)
         if on_s:
             return
         copied = b.new_event()

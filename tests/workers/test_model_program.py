@@ -481,14 +481,16 @@ def test_sequence_operations_refuse_what_the_record_cannot_serve_and_are_per_cli
     plan = program.plan_sequences("decode", {"sequences": [1]}, "a")  # token 128: block 0
     # its row's token and block table come from the persistent batch: none on the host
     assert plan.values["lengths"][0] == 128 and "block_table" not in plan.inputs
-    assert plan.inputs["rows"].tolist() == [plan.values["decoded"][0].row]
+    # one host tensor: each row's (token, position, slot), then its row in the batch
+    assert plan.inputs.keys() == {"ints_rows"} and plan.bucket == 1
+    assert plan.inputs["ints_rows"].tolist() == [0, 127, 127, plan.values["decoded"][0].row]
     refused("decode", {"sequences": [1]}, "a", "sequences[0]")  # token 129: no block
     refused("append_blocks", {"sequence": 1, "blocks": [9]}, "a", "blocks")
     assert program.sequence_change("append_blocks", {"sequence": 1, "blocks": [4]}, "a") == {
         "blocks": 2
     }
     plan = program.plan_sequences("decode", {"sequences": [1]}, "a")
-    assert int(plan.inputs["ints"][0, 2]) == 4 * 128  # token 129's slot: block 4's first
+    assert int(plan.inputs["ints_rows"][2]) == 4 * 128  # token 129's slot: block 4's first
     add(1, 5, [2], owner="b")  # b's sequence 1 is its own
     assert program.sequence_change("free", {"sequences": [1, 7]}, "b") == {"freed": [1]}
     refused("decode", {"sequences": [1]}, "b", "sequences[0]")

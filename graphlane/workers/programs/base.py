@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import torch
@@ -155,6 +155,13 @@ class CapturedGraph:
     profile: dict[str, Any] | None = None
 
 
+class Feed(Protocol):
+    """What :meth:`GraphProgram.feeds` returns: device work that writes a step's static
+    buffers from device state, issued by the engine after the step's input copies."""
+
+    def write(self, buffers: dict[str, torch.Tensor]) -> None: ...
+
+
 @dataclass(frozen=True)
 class DeviceFeed:
     """A copy on the device into a step's static buffer from device state, with no host
@@ -167,6 +174,12 @@ class DeviceFeed:
     source: torch.Tensor  # device rows of an earlier step's output
     buffer: str  # the static buffer of this step's instance written to
     index: Any  # where in it: ``buffers[buffer][index].copy_(source)``
+
+    def write(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Issue the copy into ``buffers`` (the step's instance's), on the current stream.
+        A feed of another shape (a gather straight into the buffers: the model's
+        persistent batch) is any object with this method."""
+        buffers[self.buffer][self.index].copy_(self.source)
 
 
 OpCall = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -349,8 +362,9 @@ class GraphProgram(abc.ABC):
         issue nothing (see :attr:`checks_feeds_first`)."""
         return None  # a program that keeps no feeds refuses none
 
-    def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
-        """The device-to-device copies a step needs beside its host inputs, resolved when
+    def feeds(self, plan: StepPlan, owner: Any = None) -> list[Feed]:
+        """The device-to-device copies a step needs beside its host inputs (each written
+        by its ``write(buffers)``, into the instance the step runs on), resolved when
         it is issued (in issue order, after every step issued before it); an exception
         refuses this step alone (nothing of it was issued). Runs on the capture stream:
         device work it issues (copies into device state the program keeps, gathers that

@@ -9,10 +9,15 @@ tables and last sampled ids on the GPU and gathers a step's rows by an index, a 
 
 - writes only what changed in its rows since the device last saw them: a sequence's
   new blocks (its whole row once, when it joins or takes a row another left);
-- copies one small index (its rows, in the decode's order, padded with row 0) and
-  gathers the block-table rows and tokens by it into the instance's static buffers
-  (device-to-device, :class:`~.base.DeviceFeed`);
+- copies its rows' index (in the decode's order, padded with row 0) with its other
+  per-row values, one host tensor in one copy into its instance's buffers, and gathers
+  the block-table rows and tokens by it straight into the instance's static buffers
+  (device-to-device: one ``index_select(out=)`` each, the feed :class:`Gather`);
 - after its replay, scatters its sampled tokens into ``last`` by the same index.
+
+Each op here costs the host a dispatch (on the NPU an aclnn launch; in the worker's
+thread it is most of a decode's host work outside its patches), so the views these ops
+read and write are made once per instance (``targets``) and kept.
 
 Every one of these runs on the capture stream, in issue order, so each reads what the
 steps issued before it wrote; rows are taken and released at accept time and written at
@@ -26,7 +31,7 @@ sample in its last step planned is refused, never fed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -54,16 +59,18 @@ class Sequence:
 class PersistentBatch:
     """The rows of every added sequence on one device (see the module doc)."""
 
-    def __init__(self, width: int, scratch_block: int, index_rows: int) -> None:
+    def __init__(self, width: int, scratch_block: int, rows: int, targets: Targets) -> None:
         self.width = width  # max_blocks_per_seq
         self.scratch = scratch_block
-        self.index_rows = index_rows  # the largest bucket: a decode's index is padded to it
+        self.rows = rows  # rows made at first, grown as sequences join
+        #: a step's buffers -> its views a decode uses (made once per instance)
+        self.targets = targets
         self._free: list[int] = []
         self._next = PADDING + 1
         self._backend: DeviceBackend | None = None
         self.tables: torch.Tensor | None = None
         self.last: torch.Tensor | None = None
-        self.index: torch.Tensor | None = None  # the current decode's rows, on the device
+        self.feed = Gather(self)  # every decode's: what it gathers is in its buffers
 
     # ------------------------------------------------------------ rows (accept time)
     def take_row(self) -> int:
@@ -84,9 +91,7 @@ class PersistentBatch:
         if self._backend is not None:
             return
         self._backend = backend
-        self.index = backend.empty((self.index_rows,), torch.int64)
-        self.index.zero_()
-        self._grow(max(2 * self.index_rows, 16))
+        self._grow(max(self.rows, 16))
 
     def _grow(self, rows: int) -> None:
         b = self._backend
@@ -139,21 +144,12 @@ class PersistentBatch:
                     "free it and add it again"
                 )
 
-    def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the host index ``rows`` [bucket] to the device; the block-table rows and
-        last tokens it names ([bucket, width], [bucket]), gathered there."""
-        b = self._backend
-        assert b is not None and self.index is not None
-        assert self.tables is not None and self.last is not None
-        index = self.index[: rows.shape[0]]
-        b.copy_in(index, rows)
-        return self.tables.index_select(0, index), self.last.index_select(0, index)
-
-    def commit(self, seqs: Any, lengths: Any, tokens: torch.Tensor) -> None:
-        """After a decode's replay: its rows' sampled ``tokens`` [batch] become their last
-        tokens (scattered by the index its :meth:`gather` copied)."""
-        assert self.index is not None and self.last is not None
-        self.last.index_put_((self.index[: tokens.shape[0]],), tokens)
+    def commit(self, seqs: Any, lengths: Any, buffers: dict[str, torch.Tensor]) -> None:
+        """After a decode's replay on the instance of ``buffers``: its rows' sampled
+        tokens become their last tokens (scattered by the index it gathered by)."""
+        assert self.last is not None
+        index, tokens = self.targets(buffers).sampled(len(seqs))
+        self.last.index_put_((index,), tokens)
         for seq, n in zip(seqs, lengths, strict=False):
             seq.fed = n
 
@@ -164,4 +160,39 @@ class PersistentBatch:
         seq.fed = length
 
 
-__all__ = ["PADDING", "PersistentBatch", "Sequence"]
+class Targets(Protocol):
+    """A step's buffers -> the views of them a decode uses (ModelProgram._views)."""
+
+    def __call__(self, buffers: dict[str, torch.Tensor]) -> Views: ...
+
+
+class Views(Protocol):
+    table: torch.Tensor  # the block table [bucket, width]: the gather's
+    token_column: torch.Tensor  # the tokens fed [bucket]: the gather's
+    index: torch.Tensor  # the rows' index [bucket], copied with the step's host values
+
+    def sampled(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``batch`` rows' index and sampled tokens (the commit's)."""
+        ...
+
+
+class Gather:
+    """A decode's feed (:class:`~.base.Feed`): the block-table rows and last tokens of the
+    rows its instance's index names, gathered straight into the instance's buffers, on
+    the current stream (the capture stream: after every step issued before it wrote
+    them, and after its own host values' copy, which brought the index)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: PersistentBatch) -> None:
+        self.batch = batch
+
+    def write(self, buffers: dict[str, torch.Tensor]) -> None:
+        batch = self.batch
+        assert batch.tables is not None and batch.last is not None  # (bound: it joined)
+        views = batch.targets(buffers)
+        torch.index_select(batch.tables, 0, views.index, out=views.table)
+        torch.index_select(batch.last, 0, views.index, out=views.token_column)
+
+
+__all__ = ["PADDING", "Gather", "PersistentBatch", "Sequence", "Targets", "Views"]

@@ -94,6 +94,7 @@ from .base import (
     LENGTHS,
     CapturedGraph,
     DeviceFeed,
+    Feed,
     GraphProgram,
     OpCall,
     ProgramConfigError,
@@ -127,7 +128,8 @@ SEQUENCE = "sequence_id"  # per row: the scheduler's id of the row's sequence
 PREVIOUS = -1  # a row's token: the one its sequence sampled in its previous step
 CLIENTS = 1024  # clients of step/prefill sequence_id whose last tokens a worker keeps
 _GREEDY = (0.0, 0, 1.0, 0)  # a sequence's sampling settings by default
-_HOST_INPUTS = ("ints", "floats", "sampling", "block_table")  # a step's, into its buffers
+# a step's, into its buffers (a decode's ints_rows: its ints and persistent-batch rows)
+_HOST_INPUTS = ("ints", "ints_rows", "floats", "sampling", "block_table")
 _INTS = ("block_size", "num_blocks", "max_blocks_per_seq", "prefill_chunk", "logprobs",
          "max_sequences", "max_sequences_per_client")  # fmt: skip
 
@@ -309,9 +311,11 @@ class ModelProgram(GraphProgram):
         # sequences by its id, as planned (accept order is issue order).
         self._sequences: dict[Any, dict[int, Sequence]] = {}
         # ... and their rows on the device, which a decode patches and gathers (batch.py)
-        self._batch = PersistentBatch(c.max_blocks_per_seq, nb, top)
+        self._batch = PersistentBatch(c.max_blocks_per_seq, nb, 2 * top, self._views)
         # Each instance's FIA arguments but the lengths, by layer (see group_call)
         self._calls: dict[int, tuple[dict[str, torch.Tensor], list[dict[str, Any]]]] = {}
+        # Each instance's views a decode writes and reads (see _views)
+        self._view_cache: dict[int, _Views] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -541,7 +545,11 @@ class ModelProgram(GraphProgram):
             bufs[f"lse_{layer}"] = backend.empty((bucket, self.heads, 1), torch.float32)
         for t in bufs.values():
             t.zero_()
-        bufs["ints"] = backend.empty((bucket, 3), torch.int64)  # token, pos, slot
+        # Each row's token, position and slot, then the decode's rows in the persistent
+        # batch (batch.py): one buffer, so a decode's host values are one copy.
+        bufs["ints_rows"] = backend.empty((4 * bucket,), torch.int64)
+        bufs["ints_rows"].zero_()
+        bufs["ints"] = bufs["ints_rows"][: 3 * bucket].view(bucket, 3)  # token, pos, slot
         bufs["ints"].copy_(self._pad_ints[:bucket])
         bufs["sampling"] = backend.empty((bucket, 3), torch.int32)  # top_k, row keys
         bufs["sampling"].copy_(self._pad_sampling[:bucket])
@@ -887,16 +895,16 @@ class ModelProgram(GraphProgram):
         self, batch: int, bucket: int, packed: list[int], lengths: list[int],
         rows: list[Sequence], draw: str | None,
     ) -> StepPlan:  # fmt: skip
-        """A decode's plan (its rows' records move on): one host tensor of the rows'
-        values (token placeholder, position, slot) and the bucket's padding rows, then
-        the rows' index in the persistent batch (padded with its padding row); the
-        sampling settings only when a row draws."""
+        """A decode's plan (its rows' records move on): one host tensor (``ints_rows``,
+        one copy) of the rows' values (token placeholder, position, slot) and the
+        bucket's padding rows, then the rows' index in the persistent batch (padded with
+        its padding row); the sampling settings only when a row draws."""
         pad = bucket - batch
         packed += self._pad_packed[: 3 * pad]
         packed += [q.row for q in rows]
         packed += [PADDING] * pad
-        host = torch.frombuffer(array("q", packed), dtype=torch.int64)  # 4x torch.tensor's speed
-        inputs = {"ints": host[: 3 * bucket].view(bucket, 3), "rows": host[3 * bucket :]}
+        # (4x torch.tensor's speed; a view or a slice of it would cost what it does)
+        inputs = {"ints_rows": torch.frombuffer(array("q", packed), dtype=torch.int64)}
         if draw:  # only the draw reads them (an all-greedy step replays no tail)
             sampling = [q.sampling for q in rows]
             inputs["floats"] = torch.tensor(
@@ -951,23 +959,21 @@ class ModelProgram(GraphProgram):
         else:
             self._ahead_records(plan, owner)
 
-    def feeds(self, plan: StepPlan, owner: Any = None) -> list[DeviceFeed]:
+    def feeds(self, plan: StepPlan, owner: Any = None) -> list[Feed]:
         """A decode's rows from the persistent batch (batch.py): its rows' new blocks
-        written, their block-table rows and last tokens gathered by its index, on the
-        capture stream. A generic step's rows of token PREVIOUS: the token its sequence
-        sampled in its previous step, from that step's copy of its tokens on the device.
-        NoPreviousToken when there is no such token to feed (:meth:`check_feeds`). Runs
-        in issue order, so "previous" is the sequence's last step issued before this one.
-        A sequence is ``owner``'s (the client that named it): another client's same id
-        is another sequence."""
+        written, their block-table rows and last tokens gathered by its index straight
+        into the step's buffers, on the capture stream. A generic step's rows of token
+        PREVIOUS: the token its sequence sampled in its previous step, from that step's
+        copy of its tokens on the device. NoPreviousToken when there is no such token to
+        feed (:meth:`check_feeds`). Runs in issue order, so "previous" is the sequence's
+        last step issued before this one. A sequence is ``owner``'s (the client that
+        named it): another client's same id is another sequence."""
         decoded = plan.values.get("decoded")
         if decoded is not None:
             b = self._batch
             b.prepare(decoded, plan.values["kv"])
-            table, tokens = b.gather(plan.inputs["rows"])
-            return [DeviceFeed(table, "block_table", slice(None)),
-                    DeviceFeed(tokens, "ints", (slice(None), 0))]  # fmt: skip
-        feeds: list[DeviceFeed] = []
+            return [b.feed]
+        feeds: list[Feed] = []
         run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
         for i, rec in self._ahead_records(plan, owner):
             if (
@@ -1038,8 +1044,7 @@ class ModelProgram(GraphProgram):
         that named sequences, for ``owner``, in a copy of that step's tokens."""
         values = plan.values
         if graph is not None and "decoded" in values:
-            tokens = graph.buffers["tokens"][: plan.batch]
-            self._batch.commit(values["decoded"], values["lengths"], tokens)
+            self._batch.commit(values["decoded"], values["lengths"], graph.buffers)
             return
         named = values.get("sequences") if graph is not None else values.get("sequence")
         if named is None:
@@ -1158,7 +1163,18 @@ class ModelProgram(GraphProgram):
     def output_views(
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
     ) -> dict[str, torch.Tensor]:
-        return {n: buffers[n][: plan.batch] for n in names}
+        n = plan.batch
+        tokens = self._views(buffers).tokens
+        return {k: tokens[n] if k == "tokens" else buffers[k][:n] for k in names}
+
+    def _views(self, buffers: dict[str, torch.Tensor]) -> _Views:
+        """An instance's views that each decode writes or reads, made once: a view is a
+        torch op, and in the worker's thread it costs what a few dozen lines of Python do."""
+        views = self._view_cache.get(id(buffers))
+        if views is None:
+            views = self._view_cache[id(buffers)] = _Views(buffers)
+        return views
+
 
     # ------------------------------------------------------------ device-state operations
     def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
@@ -1303,6 +1319,28 @@ class ModelProgram(GraphProgram):
             lp, ids = torch.topk(torch.log_softmax(logits, dim=-1), c.logprobs, dim=-1)
             out |= {"logprobs": lp, "logprob_ids": ids}
         return {k: out[k] for k in names}
+
+
+class _Views:
+    """An instance's views a decode uses (ModelProgram._views, batch.Views): its block
+    table and its tokens' column of ``ints`` (the gather writes them), its rows' index
+    (the gather and the commit read it), and for each batch size n the first n rows of
+    its index and of its sampled tokens (the commit's; the tokens are the output too)."""
+
+    __slots__ = ("_heads", "buffers", "index", "table", "token_column", "tokens")
+
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.buffers = buffers  # held: the cache is keyed by its id
+        self.table = buffers["block_table"]
+        self.token_column = buffers["ints"][:, 0]
+        tokens = buffers["tokens"]
+        bucket = tokens.shape[0]
+        self.index = index = buffers["ints_rows"][3 * bucket :]
+        self.tokens = [tokens[:n] for n in range(bucket + 1)]
+        self._heads = [index[:n] for n in range(bucket + 1)]
+
+    def sampled(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._heads[batch], self.tokens[batch]
 
 
 def _kv(plan: StepPlan) -> list[int]:
