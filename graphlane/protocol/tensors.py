@@ -166,7 +166,7 @@ class Frames:
         # Zero-sized dimensions count as one: an empty tensor whose other dimensions
         # are huge would overflow torch's stride computation.
         limit = self.limits.max_tensor_bytes
-        if (count or math.prod(d or 1 for d in shape)) * itemsize > limit:
+        if nbytes > limit or (not count and math.prod(d or 1 for d in shape) * itemsize > limit):
             raise ValueError(f"shape {shape} of {spec.dtype} is over {limit} bytes")
         if (spec.frame is None) == (spec.data is None):
             raise ValueError("exactly one of $tensor.frame and $tensor.data")
@@ -204,6 +204,10 @@ def _tensor_of(buf: Any, dtype: torch.dtype, shape: list[int], *, inline: bool) 
 
     if not len(buf):
         return torch.empty(shape, dtype=dtype)
+    if inline and len(shape) == 1 and dtype is not torch.bool:
+        # A 1-D one (a step's tokens, lengths; a decode's reply): torch's own view of a
+        # fresh bytearray, one call (1.4 us against numpy's 1.8).
+        return torch.frombuffer(bytearray(buf), dtype=dtype)
     if inline and dtype is not torch.bfloat16:
         # A small copy of its own, writable and aligned: numpy's view of a fresh
         # bytearray is the cheapest way to a small tensor.
