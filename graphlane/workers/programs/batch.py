@@ -17,7 +17,7 @@ tables and last sampled ids on the GPU and gathers a step's rows by an index, a 
 
 Each op here costs the host a dispatch (on the NPU an aclnn launch; in the worker's
 thread it is most of a decode's host work outside its patches), so the views these ops
-read and write are made once per instance (``targets``) and kept.
+read and write are made once per instance (:meth:`PersistentBatch.views`) and kept.
 
 Every one of these runs on the capture stream, in issue order, so each reads what the
 steps issued before it wrote; rows are taken and released at accept time and written at
@@ -31,7 +31,7 @@ sample in its last step planned is refused, never fed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -59,12 +59,11 @@ class Sequence:
 class PersistentBatch:
     """The rows of every added sequence on one device (see the module doc)."""
 
-    def __init__(self, width: int, scratch_block: int, rows: int, targets: Targets) -> None:
+    def __init__(self, width: int, scratch_block: int, rows: int) -> None:
         self.width = width  # max_blocks_per_seq
         self.scratch = scratch_block
         self.rows = rows  # rows made at first, grown as sequences join
-        #: a step's buffers -> its views a decode uses (made once per instance)
-        self.targets = targets
+        self._views: dict[int, InstanceViews] = {}  # by the id of an instance's buffers
         self._free: list[int] = []
         self._next = PADDING + 1
         self._backend: DeviceBackend | None = None
@@ -148,10 +147,20 @@ class PersistentBatch:
         """After a decode's replay on the instance of ``buffers``: its rows' sampled
         tokens become their last tokens (scattered by the index it gathered by)."""
         assert self.last is not None
-        index, tokens = self.targets(buffers).sampled(len(seqs))
-        self.last.index_put_((index,), tokens)
+        views = self.views(buffers)
+        batch = len(seqs)
+        self.last.index_put_((views.heads[batch],), views.tokens[batch])
         for seq, n in zip(seqs, lengths, strict=False):
             seq.fed = n
+
+    def views(self, buffers: dict[str, torch.Tensor]) -> InstanceViews:
+        """The views of a graph instance's ``buffers`` that its decodes use, made the first
+        time they are asked for: a view is a torch op, and in the worker's thread it costs
+        what a few dozen lines of Python do."""
+        views = self._views.get(id(buffers))
+        if views is None:
+            views = self._views[id(buffers)] = InstanceViews(buffers)
+        return views
 
     def set_token(self, seq: Sequence, token: torch.Tensor, length: int) -> None:
         """After an add's prefill: its sampled ``token`` [1] is the row's last token."""
@@ -160,20 +169,24 @@ class PersistentBatch:
         seq.fed = length
 
 
-class Targets(Protocol):
-    """A step's buffers -> the views of them a decode uses (ModelProgram._views)."""
+class InstanceViews:
+    """A graph instance's views that its decodes use (:meth:`PersistentBatch.views`): the
+    block table and the tokens' column of ``ints`` (the gather writes them), the rows'
+    index at the end of ``ints_rows`` (the gather and the commit read it), and for each
+    batch size n the first n rows of the index and of the sampled tokens (the commit's;
+    the tokens are the decode's output too)."""
 
-    def __call__(self, buffers: dict[str, torch.Tensor]) -> Views: ...
+    __slots__ = ("buffers", "heads", "index", "table", "token_column", "tokens")
 
-
-class Views(Protocol):
-    table: torch.Tensor  # the block table [bucket, width]: the gather's
-    token_column: torch.Tensor  # the tokens fed [bucket]: the gather's
-    index: torch.Tensor  # the rows' index [bucket], copied with the step's host values
-
-    def sampled(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``batch`` rows' index and sampled tokens (the commit's)."""
-        ...
+    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
+        self.buffers = buffers  # held: the cache is keyed by its id
+        self.table = buffers["block_table"]
+        self.token_column = buffers["ints"][:, 0]
+        tokens = buffers["tokens"]
+        bucket = tokens.shape[0]
+        self.index = index = buffers["ints_rows"][3 * bucket :]
+        self.tokens = [tokens[:n] for n in range(bucket + 1)]
+        self.heads = [index[:n] for n in range(bucket + 1)]
 
 
 class Gather:
@@ -190,9 +203,9 @@ class Gather:
     def write(self, buffers: dict[str, torch.Tensor]) -> None:
         batch = self.batch
         assert batch.tables is not None and batch.last is not None  # (bound: it joined)
-        views = batch.targets(buffers)
+        views = batch.views(buffers)
         torch.index_select(batch.tables, 0, views.index, out=views.table)
         torch.index_select(batch.last, 0, views.index, out=views.token_column)
 
 
-__all__ = ["PADDING", "Gather", "PersistentBatch", "Sequence", "Targets", "Views"]
+__all__ = ["PADDING", "Gather", "InstanceViews", "PersistentBatch", "Sequence"]

@@ -311,11 +311,9 @@ class ModelProgram(GraphProgram):
         # sequences by its id, as planned (accept order is issue order).
         self._sequences: dict[Any, dict[int, Sequence]] = {}
         # ... and their rows on the device, which a decode patches and gathers (batch.py)
-        self._batch = PersistentBatch(c.max_blocks_per_seq, nb, 2 * top, self._views)
+        self._batch = PersistentBatch(c.max_blocks_per_seq, nb, 2 * top)
         # Each instance's FIA arguments but the lengths, by layer (see group_call)
         self._calls: dict[int, tuple[dict[str, torch.Tensor], list[dict[str, Any]]]] = {}
-        # Each instance's views a decode writes and reads (see _views)
-        self._view_cache: dict[int, _Views] = {}
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ModelProgram:
@@ -1164,17 +1162,8 @@ class ModelProgram(GraphProgram):
         self, buffers: dict[str, torch.Tensor], plan: StepPlan, names: list[str]
     ) -> dict[str, torch.Tensor]:
         n = plan.batch
-        tokens = self._views(buffers).tokens
+        tokens = self._batch.views(buffers).tokens  # (made once per instance)
         return {k: tokens[n] if k == "tokens" else buffers[k][:n] for k in names}
-
-    def _views(self, buffers: dict[str, torch.Tensor]) -> _Views:
-        """An instance's views that each decode writes or reads, made once: a view is a
-        torch op, and in the worker's thread it costs what a few dozen lines of Python do."""
-        views = self._view_cache.get(id(buffers))
-        if views is None:
-            views = self._view_cache[id(buffers)] = _Views(buffers)
-        return views
-
 
     # ------------------------------------------------------------ device-state operations
     def plan_state(self, op: str, fields: Mapping[str, Any]) -> StepPlan:
@@ -1319,28 +1308,6 @@ class ModelProgram(GraphProgram):
             lp, ids = torch.topk(torch.log_softmax(logits, dim=-1), c.logprobs, dim=-1)
             out |= {"logprobs": lp, "logprob_ids": ids}
         return {k: out[k] for k in names}
-
-
-class _Views:
-    """An instance's views a decode uses (ModelProgram._views, batch.Views): its block
-    table and its tokens' column of ``ints`` (the gather writes them), its rows' index
-    (the gather and the commit read it), and for each batch size n the first n rows of
-    its index and of its sampled tokens (the commit's; the tokens are the output too)."""
-
-    __slots__ = ("_heads", "buffers", "index", "table", "token_column", "tokens")
-
-    def __init__(self, buffers: dict[str, torch.Tensor]) -> None:
-        self.buffers = buffers  # held: the cache is keyed by its id
-        self.table = buffers["block_table"]
-        self.token_column = buffers["ints"][:, 0]
-        tokens = buffers["tokens"]
-        bucket = tokens.shape[0]
-        self.index = index = buffers["ints_rows"][3 * bucket :]
-        self.tokens = [tokens[:n] for n in range(bucket + 1)]
-        self._heads = [index[:n] for n in range(bucket + 1)]
-
-    def sampled(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._heads[batch], self.tokens[batch]
 
 
 def _kv(plan: StepPlan) -> list[int]:
