@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from graphlane.client import Client
+from graphlane.protocol import ops
 
 from .daemon import BenchDaemon
 
@@ -185,8 +186,16 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
             r = await c.step("attention", 0, params)
             server.append(r.server_us * 1e-6)
 
-        raw_rtt, step_rtt, status_rtt = await _alternating(
-            n, raw.call, step, lambda: c.worker_status(0)
+        # The transport's own floor: a request the worker answers from its loop with no
+        # step (resume, of a connection with nothing to resume), over the same client,
+        # codec and worker loop as a step.
+        ch = await c._worker(0)
+
+        def resume() -> Awaitable[Any]:
+            return c._call(ch, "resume", ops.Resume(0), None)
+
+        raw_rtt, step_rtt, status_rtt, floor_rtt = await _alternating(
+            n, raw.call, step, lambda: c.worker_status(0), resume
         )
         # Runs long enough (tens of ms at least) that one scheduling hiccup of the two
         # cores does not decide a run, and five of them for the median.
@@ -205,6 +214,8 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         "step_server_ms": _ms(server),
         "step_outside_worker_ms": _ms(overhead),
         "worker_status_rtt_ms": _ms(status_rtt),
+        "floor_rtt_ms": _ms(floor_rtt),
+        "floor_rtt_vs_raw": _ms(floor_rtt) / _ms(raw_rtt),
         "step_rtt_vs_raw": _ms(step_rtt) / _ms(raw_rtt),
         "outside_worker_vs_raw": _ms(overhead) / _ms(raw_rtt),
         "raw_windowed_msgs_s": raw_rate,
