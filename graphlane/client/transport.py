@@ -90,10 +90,6 @@ class Channel:
         # Requests of this turn of the loop waiting to go as one bundle (see call).
         self.bundle_max = bundle_max
         self._queued: list[tuple[int, bytes]] = []
-        # A call went at once since the reader or the turn's bundle last ran: a call made
-        # after it in the same turn of the loop is queued for the turn's bundle (see
-        # send). The reader's wake-up and the bundle's flush each begin a new turn.
-        self._sent_in_turn = False
         # Messages the high-water mark refused, in the order of their calls, and the task
         # that sends them: while it holds any, a new message goes behind them (a later
         # call never overtakes an earlier one).
@@ -133,7 +129,6 @@ class Channel:
         return monitor
 
     def _readable(self) -> None:
-        self._sent_in_turn = False
         if not self.closed and self._drain(_DRAIN_PER_TURN):
             self._loop.call_soon(self._readable)  # more: after other callbacks had a turn
 
@@ -251,21 +246,13 @@ class Channel:
         self.pending[request_id] = fut
         # A deadline instead of wait_for(shield(...)): it fails the future.
         fut.timer = self._deadlines.add(fut, timeout, op.name)
-        if (
-            len(frames) == 1
-            and self.bundle_max > 1
-            and (self._queued or (self._sent_in_turn and len(self.pending) > 1))
-        ):
-            # A call made in the turn of one sent already while others are in flight
-            # need not go at once: it goes with the rest made in this turn, as one bundle.
+        if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
+            # Other calls are in flight, so this one need not go at once: it goes
+            # with the others made in this turn of the loop, as one bundle.
             self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
         else:
-            # The first of its turn (a scheduler decoding ahead sends one per reply)
-            # goes at once: deferred to the turn's end, it would cost the loop a
-            # callback and a turn of its own for nothing to bundle it with.
             if self._queued:
                 self._flush()  # sends keep the order of the calls
-            self._sent_in_turn = True
             if not self._send(frames, [fut]):
                 fut.set_exception(WorkerLost(f"connection to {self.name} is closed"))
         return fut
@@ -321,11 +308,7 @@ class Channel:
         if len(self._queued) >= self.bundle_max:
             self._flush()
         elif len(self._queued) == 1:
-            self._loop.call_soon(self._turn_end)  # after the callbacks of this turn
-
-    def _turn_end(self) -> None:
-        self._sent_in_turn = False
-        self._flush()
+            self._loop.call_soon(self._flush)  # after the callbacks of this turn
 
     def _flush(self) -> None:
         """Send the queued requests: alone, or as bundles of bounded size."""

@@ -1,7 +1,6 @@
 """A call alone in its turn of the event loop, made while others are in flight (a
 scheduler decoding ahead: one decode sent per reply), goes as itself, without the
-bundling of several calls made in one turn (docs/performance.md, "Third session"); the
-first call of a turn that a reply began goes before the turn ends."""
+bundling of several calls made in one turn (docs/performance.md, "Third session")."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import zmq
 from graphlane.client import transport
 from graphlane.client.transport import Channel, Sockets, shared_context
 from graphlane.protocol import ops, wire
-from graphlane.protocol.errors import WorkerLost
 
 
 async def test_a_lone_queued_call_goes_as_itself_and_is_answered(
@@ -55,48 +53,6 @@ async def test_a_lone_queued_call_goes_as_itself_and_is_answered(
         assert await first == {"ok": True} and await second == {"ok": True}
         assert bundled == []  # neither went through the bundling of several calls
         ch.close_now()
-    finally:
-        sockets.close_all()
-        server.close(0)
-
-
-async def test_a_call_made_after_a_reply_while_others_are_in_flight_goes_at_once() -> None:
-    """A scheduler decoding ahead: two calls in flight, a reply comes, the call made
-    for it goes before this turn of the loop ends (not deferred to the turn's bundle),
-    and a second call made in that same turn waits for the bundle."""
-    server = shared_context().socket(zmq.ROUTER)
-    server.setsockopt(zmq.LINGER, 0)
-    server.setsockopt(zmq.RCVTIMEO, 30_000)
-    endpoint = "inproc://graphlane-test-first-of-a-turn"
-    server.bind(endpoint)
-    sockets = Sockets()
-    try:
-        ch = Channel(sockets, endpoint, "peer", bundle_max=wire.BUNDLE_MAX)
-        status = ops.OPS["status"]
-
-        async def received() -> list[Any]:
-            ident, frame = await asyncio.to_thread(server.recv_multipart)
-            return [ident, msgspec.msgpack.decode(frame)]
-
-        first = ch.send(1, status, ops.Status(), 5.0)
-        calls = [ch.send(2, status, ops.Status(), 5.0)]  # (the same turn: a bundle of one)
-        ident, env = await received()
-        got = [env["id"]] if isinstance(env, dict) else [e["id"] for e in env]
-        if got == [1]:
-            got += [(await received())[1]["id"]]
-        server.send_multipart([ident, *wire.encode_reply(1, {"ok": True})])
-        assert await first == {"ok": True}  # the turn that resumes us is the reader's
-        calls.append(ch.send(3, status, ops.Status(), 5.0))
-        # Sent already: on inproc the message is in the server's queue as send returns.
-        frame = server.recv_multipart(zmq.NOBLOCK)[1]
-        assert msgspec.msgpack.decode(frame)["id"] == 3
-        calls.append(ch.send(4, status, ops.Status(), 5.0))  # the turn's second: queued
-        with pytest.raises(zmq.Again):
-            server.recv_multipart(zmq.NOBLOCK)
-        await asyncio.sleep(0)  # the turn's end sends it
-        assert msgspec.msgpack.decode(server.recv_multipart(zmq.NOBLOCK)[1])["id"] == 4
-        ch.close_now()
-        assert all(isinstance(c.exception(), WorkerLost) for c in calls)  # (unanswered)
     finally:
         sockets.close_all()
         server.close(0)
