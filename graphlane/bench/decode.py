@@ -241,11 +241,11 @@ async def daemon_waiting(c: Client, steps: int) -> tuple[list[float], list[int]]
     period, out = [], []
     t0 = time.perf_counter()
     for _ in range(steps):
-        reply = await c.decode("model", 0, rows)
+        reply = await c.decode("model", 0, rows, as_lists=True)
         t1 = time.perf_counter()
         period.append(t1 - t0)
         t0 = t1
-        out += reply.outputs["tokens"].tolist()
+        out += reply.outputs["tokens"]
     return period, out
 
 
@@ -259,10 +259,11 @@ async def daemon_ahead(c: Client, steps: int, window: int = WINDOW) -> tuple[flo
     for i in range(steps):
         if i >= window:
             await sent[i - window]  # at most window in flight
-        sent.append(c.send_decode("model", 0, rows))  # sent now, with no task per step
+        # sent now, with no task per step; its tokens come back as a list
+        sent.append(c.send_decode("model", 0, rows, as_lists=True))
     replies = await asyncio.gather(*sent)
     elapsed = time.perf_counter() - t0
-    return elapsed, [t for r in replies for t in r.outputs["tokens"].tolist()]
+    return elapsed, [t for r in replies for t in r.outputs["tokens"]]
 
 
 # ------------------------------------------------------------ correctness (compute mode)

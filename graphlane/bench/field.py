@@ -245,24 +245,29 @@ async def daemon_ahead(c: Client, steps: int, sched_ms: float, window: int = WIN
     ``window`` steps in flight: steps/s. ``token`` -1: a ``decode`` of the sequences
     :func:`_prefill` added (each fed on the device the token it sampled last); else the
     generic step with every row's token ``token`` and its block table (a device that
-    keeps no KV cache)."""
+    keeps no KV cache). The scheduler takes each step's sampled tokens, a decode's as a
+    list (``as_lists``: what vLLM's output processing makes of them)."""
     rows = list(range(BATCH))
     feed = {"tokens": torch.full((BATCH,), token, dtype=torch.int64), "block_table": TABLE}
     sent: collections.deque[asyncio.Future[Any]] = collections.deque()
+    taken = 0
     t0 = time.perf_counter()
     for i in range(steps):
         scheduler_work(sched_ms)
         while len(sent) >= window:
-            await sent.popleft()
+            taken += len((await sent.popleft()).outputs["tokens"])
         # Sent in the order made, with no task per step (Client.send_decode).
         if token < 0:
-            sent.append(c.send_decode("model", 0, rows))
+            sent.append(c.send_decode("model", 0, rows, as_lists=True))
         else:
             params = {"actual_seq_lengths_kv": decode._lengths(i)}
             sent.append(c.send_step("model", 0, params, feed, outputs=["tokens"]))
     while sent:
-        await sent.popleft()
-    return steps / (time.perf_counter() - t0)
+        taken += len((await sent.popleft()).outputs["tokens"])
+    elapsed = time.perf_counter() - t0
+    if taken != steps * BATCH:
+        raise RuntimeError(f"{taken} tokens came back for {steps} steps of {BATCH} rows")
+    return steps / elapsed
 
 
 async def daemon_lone(c: Client, steps: int) -> list[float]:
@@ -271,7 +276,7 @@ async def daemon_lone(c: Client, steps: int) -> list[float]:
     rows = list(range(BATCH))
     for _ in range(steps):
         t0 = time.perf_counter()
-        await c.decode("model", 0, rows)
+        await c.decode("model", 0, rows, as_lists=True)
         out.append(time.perf_counter() - t0)
     return out
 

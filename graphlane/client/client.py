@@ -84,7 +84,7 @@ class StepReply:
     (captured batch size) that ran it, which graph instance of the bucket's ring,
     how many task groups were patched, and where."""
 
-    outputs: dict[str, torch.Tensor]
+    outputs: dict[str, Any]  # tensors; lists of their values for decode(as_lists=True)
     bucket: int
     instance: int
     patched: int
@@ -244,14 +244,16 @@ class Client:
         op: str,
         build: Callable[[], Any],
         timeout: float | None,
+        as_lists: bool = False,
     ) -> asyncio.Future[StepReply]:
-        """``op`` to the device's worker, its body ``build()``-made, as a StepReply: sent
-        before this returns when the device's channel is up, else by a task once it is,
-        in order with every call made before (a later call waits behind this one). The
-        future is the call itself either way, ended by the socket's reader: calls end in
-        the order of their replies, whichever way they were sent."""
+        """``op`` to the device's worker, its body ``build()``-made, as a StepReply (its
+        outputs as lists with ``as_lists``): sent before this returns when the device's
+        channel is up, else by a task once it is, in order with every call made before
+        (a later call waits behind this one). The future is the call itself either way,
+        ended by the socket's reader: calls end in the order of their replies, whichever
+        way they were sent."""
         fut = _Replied(loop=asyncio.get_running_loop())
-        fut.endpoint, fut.local = host.endpoint, local
+        fut.endpoint, fut.local, fut.lists = host.endpoint, local, as_lists
         ch = _channel_up(host, local)
         if ch is None:
             _in_line(host, local)  # now: a call made after this one goes behind it
@@ -643,13 +645,19 @@ class Client:
         new_blocks: Mapping[int, Sequence[int]] | None = None,
         outputs: str | Sequence[str] = ("tokens",),
         timeout: float | None = None,
+        as_lists: bool = False,
     ) -> StepReply:
         """One token more for each of ``sequences`` (rows in this order), each fed the
         token it sampled last, on the device: it may be sent before the reply of the
-        previous decode. ``new_blocks``: blocks appended to some of them first."""
+        previous decode. ``new_blocks``: blocks appended to some of them first.
+        ``as_lists``: each output as a list of its values (``outputs["tokens"]`` the
+        sampled token ids, in the rows' order, as Python ints), made from the reply's
+        bytes with no torch tensor: what a scheduler that turns sampled tokens into a
+        list each step wants, for less of its own CPU than a tensor and ``tolist()``."""
         return await self.send_decode(
-            program, device, sequences, new_blocks=new_blocks, outputs=outputs, timeout=timeout
-        )
+            program, device, sequences, new_blocks=new_blocks, outputs=outputs,
+            timeout=timeout, as_lists=as_lists,
+        )  # fmt: skip
 
     def send_decode(
         self,
@@ -660,10 +668,13 @@ class Client:
         new_blocks: Mapping[int, Sequence[int]] | None = None,
         outputs: str | Sequence[str] = ("tokens",),
         timeout: float | None = None,
+        as_lists: bool = False,
     ) -> asyncio.Future[StepReply]:
         """:meth:`decode`, sent before this returns (as :meth:`send_step` is): a future
         of its reply. Bad arguments raise here."""
         sids = as_ids(sequences, "sequences", MAX_SEQUENCE_ID)
+        if type(as_lists) is not bool:
+            raise InvalidArgument(f"as_lists: must be True or False, not {as_lists!r}")
         more: dict[int, list[int]] = {}
         if new_blocks is not None:  # (most decodes append none)
             if not isinstance(new_blocks, Mapping):
@@ -686,7 +697,7 @@ class Client:
             generation = host.generation_for(local, None)
             return ops.Decode(program, local, sids, more, names, generation, deadline)
 
-        return self._send(host, local, "decode", build, timeout)
+        return self._send(host, local, "decode", build, timeout, as_lists)
 
     async def append_blocks(
         self, program: str, device: Device, sequence: int, blocks: Sequence[int],

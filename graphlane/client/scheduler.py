@@ -254,7 +254,7 @@ class GenerationLoop:
             return
         for r in rows:
             r.asked += 1
-        call = self.client.decode(self.program, self.device, [r.rid for r in rows])
+        call = self.client.decode(self.program, self.device, [r.rid for r in rows], as_lists=True)
         self._start("step", call, rows)
         self.steps += 1
         self.batch_sum += len(rows)
@@ -290,7 +290,8 @@ class GenerationLoop:
             self._wake.set()
             return
         done = time.monotonic()
-        for r, i, token in zip(rows, at, reply.outputs["tokens"].tolist(), strict=True):
+        tokens = reply.outputs["tokens"]  # a decode's as a list, an add's a tensor
+        for r, i, token in zip(rows, at, _as_list(tokens), strict=True):
             r.tokens[i - 1] = int(token)
             r.times[i - 1] = done
             r.received += 1
@@ -362,6 +363,11 @@ class GenerationLoop:
             if id(r) in live:
                 self._prefill(r, got)
         self.queue.extendleft(reversed([r for r in orphans if not r.done]))
+
+
+def _as_list(tokens: Any) -> list[Any]:
+    """A reply's tokens as a list: as they are (a decode's, ``as_lists``) or a tensor's."""
+    return tokens if type(tokens) is list else tokens.tolist()
 
 
 __all__ = ["GenerationLoop", "ModelShape", "Observer", "Request"]

@@ -187,10 +187,11 @@ class SyncClient:
         new_blocks: Mapping[int, Sequence[int]] | None = None,
         outputs: str | Sequence[str] = ("tokens",),
         timeout: float | None = None,
+        as_lists: bool = False,
     ) -> StepReply:
         return self._run(
             self._client.decode(program, device, sequences, new_blocks=new_blocks,
-                                outputs=outputs, timeout=timeout)
+                                outputs=outputs, timeout=timeout, as_lists=as_lists)
         )  # fmt: skip
 
     def append_blocks(

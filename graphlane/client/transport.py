@@ -466,7 +466,7 @@ class Call(asyncio.Future[Any]):
     its oldest generation, whose collections (tens of ms beside torch's objects) came
     twice as often with a dict and two partials per call (windowed steps/s halved)."""
 
-    __slots__ = ("channel", "op", "request_id", "timer")
+    __slots__ = ("channel", "lists", "op", "request_id", "timer")
     op: Op
     request_id: int
     timer: asyncio.TimerHandle | None
@@ -475,6 +475,7 @@ class Call(asyncio.Future[Any]):
         super().__init__(loop=loop)
         self.channel: Channel | None = None  # (not sent yet: Channel.send binds it)
         self.timer = None
+        self.lists = False  # the reply's tensors as lists of their values (Reply.body)
 
     def value(self, body: Any) -> Any:
         """What the call's future gives for its reply's typed body."""
@@ -491,7 +492,7 @@ class Call(asyncio.Future[Any]):
         if self.timer is not None:
             self.timer.cancel()
         try:
-            value = self.value(reply.body(self.op))  # raises the reply's error, if any
+            value = self.value(reply.body(self.op, self.lists))  # raises its error, if any
         except GraphlaneError as exc:
             self.set_exception(exc)
         except wire.DecodeError as exc:

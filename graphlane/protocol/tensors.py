@@ -47,6 +47,9 @@ DType = Literal[
 ]
 WIRE_DTYPE_NAMES: tuple[str, ...] = get_args(DType)
 """The dtypes a tensor may have on the wire, by their wire name (torch's names)."""
+#: memoryview's format of each wire dtype it can read (none for float16 and bfloat16)
+_FORMATS = {"float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h",
+            "int32": "i", "int64": "q", "bool": "?"}  # fmt: skip
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
              "int16": 2, "int32": 4, "int64": 8, "bool": 1}  # fmt: skip
 
@@ -89,7 +92,10 @@ class TensorRef(Struct, forbid_unknown_fields=True, dict=True):
         if frames is None:  # made by a sender (tensor_ref), not read from a message
             return
         try:
-            self.tensor = frames.tensor(self.spec)  # (None: checked, not made)
+            if _reading.lists:  # its values as lists (Reply.body's ``lists``)
+                self.tensor = frames.values(self.spec)
+            else:
+                self.tensor = frames.tensor(self.spec)  # (None: checked, not made)
         except ValueError as exc:  # msgspec names the field the reference is in
             raise ValueError(f".{TENSOR_KEY}: {exc}") from None
 
@@ -157,6 +163,29 @@ class Frames:
     def tensor(self, spec: TensorSpec) -> torch.Tensor | None:
         """The tensor ``spec`` describes, over its frame (each frame is handed out
         once) or its inline bytes; ValueError if it does not fit them or the limits."""
+        buf = self._bytes(spec)
+        if not self.make:
+            return None
+        return _tensor_of(buf, _dtypes()[0][spec.dtype], spec.shape, inline=spec.data is not None)
+
+    def values(self, spec: TensorSpec) -> Any:
+        """What :meth:`tensor` would make, as its ``tolist()``: Python numbers in lists
+        nested by the shape, read from the bytes without a tensor (but for float16,
+        bfloat16 and empty ones, whose values go through one)."""
+        buf = self._bytes(spec)
+        fmt = _FORMATS.get(spec.dtype)
+        shape = spec.shape
+        if fmt is None or not all(shape):
+            return _tensor_of(
+                buf, _dtypes()[0][spec.dtype], shape, inline=spec.data is not None
+            ).tolist()
+        view = memoryview(buf)
+        if fmt == "?" and bytes(view).translate(None, b"\x00\x01"):
+            raise ValueError("bool tensor bytes must be 0 or 1")
+        return view.cast("B").cast(fmt, shape).tolist()  # type: ignore[call-overload]
+
+    def _bytes(self, spec: TensorSpec) -> Any:
+        """The bytes ``spec`` refers to, checked against it and the limits."""
         shape = spec.shape
         if len(shape) > self.limits.max_tensor_dims:
             raise ValueError(f"{len(shape)} dimensions, at most {self.limits.max_tensor_dims}")
@@ -184,9 +213,7 @@ class Frames:
             buf = self._frames[index - 1]
         if len(buf) != nbytes:
             raise ValueError(f"{len(buf)} bytes for shape {shape} of {spec.dtype}")
-        if not self.make:
-            return None
-        return _tensor_of(buf, _dtypes()[0][spec.dtype], shape, inline=spec.data is not None)
+        return buf
 
     @property
     def count(self) -> int:
@@ -245,14 +272,17 @@ else:
 _reading = threading.local()
 
 
-def start_reading(frames: Frames) -> None:
+def start_reading(frames: Frames, lists: bool = False) -> None:
     """From now on, until :func:`end_reading`, references decoded on this thread are
-    made tensors over ``frames`` (the codec's decoding of one message)."""
+    made tensors over ``frames`` (the codec's decoding of one message); with ``lists``,
+    their values as lists instead (:meth:`Frames.values`)."""
     _reading.frames = frames
+    _reading.lists = lists
 
 
 def end_reading() -> None:
     _reading.frames = None
+    _reading.lists = False
 
 
 def take_tensors(tensors: dict[str, Any]) -> None:

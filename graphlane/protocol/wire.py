@@ -161,10 +161,11 @@ class Reply(Struct, frozen=True):
     error: GraphlaneError | None
     frames: Frames
 
-    def body(self, op: Op) -> Any:
-        """The body, typed as ``op``'s reply (tensors over the reply's frames); raises
-        the reply's error if it is one, :class:`DecodeError` (with this id) if the body
-        does not fit."""
+    def body(self, op: Op, lists: bool = False) -> Any:
+        """The body, typed as ``op``'s reply (tensors over the reply's frames; with
+        ``lists``, each tensor's values as lists instead: ``Frames.values``); raises the
+        reply's error if it is one, :class:`DecodeError` (with this id) if the body does
+        not fit."""
         if self.error is not None:
             raise self.error
         decoder = _reply_bodies[op.name]
@@ -172,13 +173,17 @@ class Reply(Struct, frozen=True):
             problem = admission.walk(memoryview(self.raw), 0, self.frames.limits)[1]
             if problem is not None:
                 raise DecodeError(f"body: {problem}", request_id=self.id)
-        return _decode_body(decoder, self.raw, self.frames, self.id)
+        return _decode_body(decoder, self.raw, self.frames, self.id, lists)
 
 
 def _decode_body(
-    decoder: msgspec.msgpack.Decoder[Any], raw: Any, frames: Frames, request_id: int | None
+    decoder: msgspec.msgpack.Decoder[Any],
+    raw: Any,
+    frames: Frames,
+    request_id: int | None,
+    lists: bool = False,
 ) -> Any:
-    start_reading(frames)
+    start_reading(frames, lists)
     try:
         body = decoder.decode(raw)
         frames.check_all_used()

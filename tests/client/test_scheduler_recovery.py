@@ -55,7 +55,7 @@ class FakeWorker:
         self.ran = 0  # calls run
         self.turn = asyncio.Condition()
 
-    def _call(self, kind: str, rids: list[int], make: Any) -> Any:
+    def _call(self, kind: str, rids: list[int], make: Any, lists: bool = False) -> Any:
         async def answer() -> Reply | None:
             ticket = self.made  # sent when first run, as the client's calls are
             self.made += 1
@@ -76,7 +76,8 @@ class FakeWorker:
                 out = make()
                 if out is None:
                     return None
-                return Reply({"tokens": torch.tensor(out, dtype=torch.int64)}, self.generation)
+                tokens = out if lists else torch.tensor(out, dtype=torch.int64)
+                return Reply({"tokens": tokens}, self.generation)
 
         return answer()
 
@@ -91,7 +92,7 @@ class FakeWorker:
 
         return self._call("add", [rid], make)
 
-    def decode(self, program: str, device: int, rids: list[int]) -> Any:
+    def decode(self, program: str, device: int, rids: list[int], as_lists: bool = False) -> Any:
         def make() -> list[int]:
             out = []
             for rid in rids:
@@ -100,7 +101,7 @@ class FakeWorker:
                 out.append(token)
             return out
 
-        return self._call("decode", list(rids), make)
+        return self._call("decode", list(rids), make, as_lists)
 
     def free_sequences(self, program: str, device: int, rids: list[int]) -> Any:
         def make() -> None:

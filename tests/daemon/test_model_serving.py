@@ -141,11 +141,13 @@ async def test_two_clients_with_the_same_sequence_ids_each_get_their_own_tokens(
 
 
 async def _decode_sequences(
-    c: Client, prompts: dict[int, list[int]], blocks: dict[int, list[int]], window: int = 3
-) -> dict[int, list[int]]:
+    c: Client, prompts: dict[int, list[int]], blocks: dict[int, list[int]], window: int = 3,
+    as_lists: bool = False,
+) -> dict[int, list[int]]:  # fmt: skip
     """The typed sequence operations: add each sequence, then decode them all ahead (up
     to ``window`` requests unanswered), the second block of each given by a decode's
-    new_blocks when its length needs it. Returns the NEW tokens of each."""
+    new_blocks when its length needs it; ``as_lists``: each decode's tokens as a list of
+    ints, no tensor. Returns the NEW tokens of each."""
     sent: list[tuple[asyncio.Task[Any], list[int]]] = []
 
     async def send(coro: Any, sids: list[int]) -> None:
@@ -163,12 +165,16 @@ async def _decode_sequences(
     for _ in range(NEW - 1):
         sids = list(prompts)
         more = {s: blocks[s][1:] for s in sids if lengths[s] == BLOCK}  # token BLOCK + 1
-        await send(c.decode("model", 0, sids, new_blocks=more), sids)
+        await send(c.decode("model", 0, sids, new_blocks=more, as_lists=as_lists), sids)
         for s in sids:
             lengths[s] += 1
     out: dict[int, list[int]] = {sid: [] for sid in prompts}
-    for task, sids in sent:
-        tokens = (await task).outputs["tokens"].tolist()
+    for i, (task, sids) in enumerate(sent):
+        tokens = (await task).outputs["tokens"]
+        if i >= len(prompts) and as_lists:  # a decode's: a list of Python ints
+            assert type(tokens) is list and all(type(t) is int for t in tokens), tokens
+        else:
+            tokens = tokens.tolist()
         for sid, tok in zip(sids, tokens, strict=True):
             out[sid].append(tok)
     return out
@@ -181,7 +187,7 @@ async def test_sequence_operations_keep_each_clients_sequences_on_the_worker(
     sequence's blocks, length and last token; two clients numbering their sequences
     alike, decoding ahead at once, each get transformers' tokens for their own prompts
     (one crosses into its second block through new_blocks); neither can decode or free
-    the other's."""
+    the other's. One of them takes its decodes' tokens as lists (``as_lists``)."""
     model = models["model"][0]
     g = torch.Generator().manual_seed(5)
     prompts_a = {0: torch.randint(0, 256, (100,), generator=g).tolist(),
@@ -192,7 +198,8 @@ async def test_sequence_operations_keep_each_clients_sequences_on_the_worker(
     blocks_b = {0: [5, 6], 1: [7, 8]}
     async with Client(daemon.endpoint, timeout=60) as a, Client(daemon.endpoint, timeout=60) as b:
         got_a, got_b = await asyncio.gather(
-            _decode_sequences(a, prompts_a, blocks_a), _decode_sequences(b, prompts_b, blocks_b)
+            _decode_sequences(a, prompts_a, blocks_a),
+            _decode_sequences(b, prompts_b, blocks_b, as_lists=True),
         )
         for sid, prompt in prompts_a.items():
             assert got_a[sid] == reference(model, prompt, NEW), f"A's sequence {sid}"
@@ -203,9 +210,12 @@ async def test_sequence_operations_keep_each_clients_sequences_on_the_worker(
             await b.decode("model", 0, [0])
         assert err.value.code == "BAD_REQUEST" and "not one this client added" in str(err.value)
         # A's sequence 0 goes on, one token more, as transformers
-        r = await a.decode("model", 0, [0])
+        r = await a.decode("model", 0, [0], as_lists=True)
         want = reference(model, prompts_a[0], NEW + 1)[-1]
-        assert r.outputs["tokens"].tolist() == [want]
+        assert r.outputs["tokens"] == [want]
+        with pytest.raises(GraphlaneError) as err:
+            a.send_decode("model", 0, [1], as_lists=1)  # type: ignore[arg-type]
+        assert err.value.code == "BAD_REQUEST" and "as_lists" in str(err.value)
         assert (await a.free_sequences("model", 0, [0, 1, 9]))["freed"] == [0, 1]
 
 

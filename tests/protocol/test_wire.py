@@ -510,3 +510,48 @@ def test_a_tensor_where_its_type_has_none_is_refused() -> None:
     body_refused(packed(envelope(body=tspec(data=bytes(8)))), "body")
     body = {"program": "p", "device": 0, "params": {"x": tspec(data=bytes(8))}}
     body_refused(packed(envelope(body=body)), "body.params[...]")
+
+
+# ------------------------------------------------------------------ replies as lists
+
+
+def reply_of(frames: Sequence[Any]) -> Any:
+    (reply,) = decode_replies(frames)
+    return reply
+
+
+@pytest.mark.parametrize("dtype_name", sorted(WIRE_DTYPES))
+@pytest.mark.parametrize("shape", [*SHAPES, (1, 2, 1, 8), (300,)], ids=str)
+def test_a_replys_tensors_as_lists_are_their_tolist(
+    dtype_name: str, shape: tuple[int, ...]
+) -> None:
+    """``Reply.body(op, lists=True)`` (the client's ``decode(as_lists=True)``): each
+    output is what the tensor's ``tolist()`` gives, inline or in a frame of its own, and
+    read from the bytes without a tensor where memoryview has the dtype's format."""
+    t = sample(WIRE_DTYPES[dtype_name], shape)
+    frames = Codec().encode_reply(5, ops.DeviceResult({"x": t, "y": t.flatten()[:1]}))
+    received = [bytes(f) for f in frames]
+    op = ops.OPS["decode"]
+    as_tensors = reply_of(received).body(op).outputs
+    as_lists = reply_of(received).body(op, lists=True).outputs
+    assert as_lists == {"x": t.tolist(), "y": t.flatten()[:1].tolist()}
+    assert as_lists == {k: v.tolist() for k, v in as_tensors.items()}
+    leaves = as_lists["x"]
+    while isinstance(leaves, list) and leaves and isinstance(leaves[0], list):
+        leaves = leaves[0]
+    if shape and all(shape):
+        assert type(leaves[0]) is type(t.flatten()[0].item())  # (Python numbers)
+
+
+def test_lists_are_checked_as_tensors_are() -> None:
+    """What a tensor is refused for, its values as lists are refused for too: bool bytes
+    other than 0 and 1, bytes that do not fill the shape, a frame nobody names."""
+    op = ops.OPS["decode"]
+    env = Codec().encode_reply(5, ops.DeviceResult({"x": torch.ones(3, dtype=torch.bool)}))[0]
+    spoiled = env.replace(b"\x01\x01\x01", b"\x01\x02\x01")
+    short = env.replace(b"\xc4\x03\x01\x01\x01", b"\xc4\x02\x01\x01")
+    for frames in ([spoiled], [short], [env, b"extra"]):
+        for lists in (False, True):
+            with pytest.raises(DecodeError):
+                reply_of(frames).body(op, lists=lists)
+    assert reply_of([env]).body(op, lists=True).outputs == {"x": [True, True, True]}
