@@ -194,9 +194,13 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         def resume() -> Awaitable[Any]:
             return c._call(ch, "resume", ops.Resume(0), None)
 
+        spun0 = (await c.worker_status(0))["metrics"]["spin_seconds"]
         raw_rtt, step_rtt, status_rtt, floor_rtt = await _alternating(
             n, raw.call, step, lambda: c.worker_status(0), resume
         )
+        # The CPU the worker polled for its next request while idle (idle_spin_us: on by
+        # default where the host has a core to spare), per graphlane round trip above.
+        spun = (await c.worker_status(0))["metrics"]["spin_seconds"] - spun0
         # Runs long enough (tens of ms at least) that one scheduling hiccup of the two
         # cores does not decide a run, and five of them for the median.
         spreads: list[float] = []
@@ -216,6 +220,7 @@ async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict
         "worker_status_rtt_ms": _ms(status_rtt),
         "floor_rtt_ms": _ms(floor_rtt),
         "floor_rtt_vs_raw": _ms(floor_rtt) / _ms(raw_rtt),
+        "worker_spin_ms": 1000 * spun / (len(step_rtt) + len(status_rtt) + len(floor_rtt)),
         "step_rtt_vs_raw": _ms(step_rtt) / _ms(raw_rtt),
         "outside_worker_vs_raw": _ms(overhead) / _ms(raw_rtt),
         "raw_windowed_msgs_s": raw_rate,

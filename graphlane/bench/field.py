@@ -308,8 +308,10 @@ class FieldFigures:
     lone_ms: dict[str, list[float]] = field(default_factory=dict)  # way -> mean per rep
     worker_cpu_us: list[float] = field(default_factory=list)  # per step, outside modelled
     # ... and what it is made of: all of the worker's CPU, less its patches' dispatch
+    # and its poll for the next request while idle (idle_spin_us)
     worker_all_cpu_us: list[float] = field(default_factory=list)
     worker_patch_us: list[float] = field(default_factory=list)
+    worker_spin_us: list[float] = field(default_factory=list)
     client_cpu_us: list[float] = field(default_factory=list)
     null_rtt_vs_raw: float | None = None
 
@@ -398,9 +400,12 @@ def measure(steps: int = 120, reps: int = 3, lone_steps: int = 40,
                                sched_ms))  # fmt: skip
     finally:
         daemon.close()
-    cpu = own_cpu(layers, steps, reps)
-    figures.worker_all_cpu_us, figures.worker_patch_us, figures.client_cpu_us = cpu
-    figures.worker_cpu_us = [a - p for a, p in zip(cpu[0], cpu[1], strict=True)]
+    f = figures
+    f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us, f.client_cpu_us = own_cpu(
+        layers, steps, reps
+    )
+    parts = zip(f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us, strict=True)
+    f.worker_cpu_us = [a - p - s for a, p, s in parts]
     if null_rtt:
         figures.null_rtt_vs_raw = null_round_trip_ratio()
     figures.load_average_end = list(os.getloadavg())
@@ -435,18 +440,21 @@ async def _alternate(loop: FieldModel, endpoint: str, f: FieldFigures, steps: in
 
 def own_cpu(
     layers: int = LAYERS, steps: int = 120, reps: int = 3
-) -> tuple[list[float], list[float], list[float]]:
-    """The worker's CPU, its patches' dispatch and the client's CPU per decode step, in
-    microseconds, one figure per rep: the same program and the same requests decoding
-    ahead, through a daemon on the ``null`` backend (no device: what is left is
-    graphlane's socket, decode, plan, issue, patches, completion and reply, and the
-    client's send and receive): the sequences added, then decoded ahead by name, as the
-    perf-mode daemon runs them. The worker's is the CPU of all its threads (``/proc``),
-    the client's this process's. The patches' dispatch is the host time the worker
-    measured patching each step (its ``dispatch_seconds``): the Python that prepares
-    each patch is inside the modelled update cost (perf mode's 185 us a layer, 25 of it
-    under the lock, is what vllm-ascend's Python and the op's dispatch take), so the
-    worker's own CPU outside the modelled costs is the first less the second."""
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """The worker's CPU, its patches' dispatch, its poll for the next request and the
+    client's CPU per decode step, in microseconds, one figure per rep: the same program
+    and the same requests decoding ahead, through a daemon on the ``null`` backend (no
+    device: what is left is graphlane's socket, decode, plan, issue, patches, completion
+    and reply, and the client's send and receive): the sequences added, then decoded
+    ahead by name, as the perf-mode daemon runs them. The worker's is the CPU of all its
+    threads (``/proc``), the client's this process's. The patches' dispatch is the host
+    time the worker measured patching each step (its ``dispatch_seconds``): the Python
+    that prepares each patch is inside the modelled update cost (perf mode's 185 us a
+    layer, 25 of it under the lock, is what vllm-ascend's Python and the op's dispatch
+    take). The poll is the CPU its socket thread spent polling for the next request
+    while idle (``idle_spin_us``, its ``spin_seconds``): CPU of no step, spent to answer
+    the next one sooner. The worker's own CPU outside the modelled costs is the first
+    less the second and the third; the report shows all three."""
     daemon = BenchDaemon(program_table(layers), backend="null")
     try:
         return asyncio.run(_own_cpu(daemon.endpoint, steps, reps))
@@ -456,8 +464,8 @@ def own_cpu(
 
 async def _own_cpu(
     endpoint: str, steps: int, reps: int
-) -> tuple[list[float], list[float], list[float]]:
-    worker, patches, client = [], [], []
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    worker, patches, spins, client = [], [], [], []
     async with Client(endpoint, timeout=120) as c:
         pid = (await c.status())["workers"][0]["pid"]
         prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
@@ -467,21 +475,24 @@ async def _own_cpu(
             # spin for a few ms after it (the worker's CPU, but no decode step's): let
             # them park first.
             await asyncio.sleep(_SETTLE_S)
-            p0 = await _dispatch_s(c)
+            p0, s0 = await _dispatch_s(c)
             w0, c0 = process_cpu_s(pid), time.process_time()
             await daemon_ahead(c, steps, 0.0)
             w1, c1 = process_cpu_s(pid), time.process_time()
-            p1 = await _dispatch_s(c)
+            p1, s1 = await _dispatch_s(c)
             if rep:
                 worker.append(1e6 * (w1 - w0) / steps)
                 patches.append(1e6 * (p1 - p0) / steps)
+                spins.append(1e6 * (s1 - s0) / steps)
                 client.append(1e6 * (c1 - c0) / steps)
-    return worker, patches, client
+    return worker, patches, spins, client
 
 
-async def _dispatch_s(c: Client) -> float:
-    """The worker's host time patching steps so far (its metrics' dispatch_seconds)."""
-    return float((await c.worker_status(0))["metrics"]["dispatch_seconds"]["sum"])
+async def _dispatch_s(c: Client) -> tuple[float, float]:
+    """The worker's host time patching steps so far and its CPU polling for requests
+    (its metrics' dispatch_seconds and spin_seconds)."""
+    metrics = (await c.worker_status(0))["metrics"]
+    return float(metrics["dispatch_seconds"]["sum"]), float(metrics["spin_seconds"])
 
 
 _SETTLE_S = 0.2
@@ -536,7 +547,9 @@ def table(f: FieldFigures) -> str:
     if f.worker_all_cpu_us:
         lines.append(
             f"  (the worker's CPU {rng(f.worker_all_cpu_us, '.0f')} less its patches' "
-            f"dispatch {rng(f.worker_patch_us, '.0f')}, inside the modelled update cost)"
+            f"dispatch {rng(f.worker_patch_us, '.0f')}, inside the modelled update cost, and "
+            f"{rng(f.worker_spin_us, '.0f')} polling for the next request while idle, "
+            "idle_spin_us)"
         )
     if f.null_rtt_vs_raw is not None:
         lines.append(f"control-plane round trip on null: {f.null_rtt_vs_raw:.2f}x raw pyzmq")

@@ -131,6 +131,7 @@ def format_report(r: dict[str, Any]) -> str:
         row("  outside the worker", "step_outside_worker_ms", "outside_worker_vs_raw"),
         row("worker status round trip", "worker_status_rtt_ms"),
         row("no-step round trip (resume)", "floor_rtt_ms", "floor_rtt_vs_raw"),
+        row("worker CPU polling while idle", "worker_spin_ms"),
         f"  {'windowed steps/s (raw msgs/s)':<34} "
         + " ".join(
             f"{cp[b]['windowed_steps_s']:>9.0f} ({cp[b]['raw_windowed_msgs_s']:.0f}, "

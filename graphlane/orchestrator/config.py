@@ -24,6 +24,10 @@ cpu_affinity = "auto"              # "auto": each sim/null worker on a core of i
                                    #   graphlane/workers/affinity.py), npu workers and
                                    #   perf-mode sim workers unpinned;
                                    #   "off"; or cores per device, e.g. [[0, 1], [2, 3]]
+idle_spin_us = "auto"              # how long an idle worker polls for the next request before
+                                   #   it sleeps (while requests come that quickly); "auto":
+                                   #   250 when the host has more cores than workers, else 0
+                                   #   (off); a number of microseconds (graphlane/workers/loop.py)
 max_queued = 256                   # steps a worker accepts beyond those on the device; then BUSY
 max_unread_reply_bytes = 268435456 # replies to one connection its reader has not taken yet; past
                                    #   it that connection's device requests get BUSY
@@ -102,6 +106,9 @@ from typing import Any
 from .groups import program_key
 
 DEFAULT_LISTEN = "tcp://127.0.0.1:7450"
+#: An idle worker polls at most this long (microseconds): past it a sleep's wake-up is
+#: a small part of the wait.
+MAX_IDLE_SPIN_US = 10_000.0
 
 
 class ConfigError(ValueError):
@@ -164,6 +171,9 @@ class ServeConfig:
     cpu_affinity: str | tuple[tuple[int, ...], ...] = "auto"
     sim: SimSettings = field(default_factory=SimSettings)
     programs: tuple[dict[str, Any], ...] = ({"name": "attention"},)
+    #: "auto" or microseconds: how long an idle worker polls its socket before it sleeps
+    #: (WorkerLoop._sleep; "auto": :func:`graphlane.workers.affinity.idle_spin_us`).
+    idle_spin_us: str | float = "auto"
     max_queued: int = 256
     #: Bytes of replies one connection has not read yet (docs/security.md, "Bounds").
     max_unread_reply_bytes: int = 256 * 2**20
@@ -384,6 +394,15 @@ def from_mapping(raw: Mapping[str, Any]) -> ServeConfig:
         values["record_order"] = raw["record_order"]
     if "cpu_affinity" in raw:
         values["cpu_affinity"] = _cpu_affinity("cpu_affinity", raw["cpu_affinity"])
+    if "idle_spin_us" in raw:
+        v = raw["idle_spin_us"]
+        if v != "auto":
+            v = _number("idle_spin_us", v)
+            if v > MAX_IDLE_SPIN_US:
+                raise ConfigError(
+                    "idle_spin_us", f"must be 'auto' or 0..{MAX_IDLE_SPIN_US:g}, not {v:g}"
+                )
+        values["idle_spin_us"] = v
     if "sim" in raw:
         values["sim"] = _sim(raw["sim"])
     if "programs" in raw:

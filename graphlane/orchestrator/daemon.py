@@ -101,6 +101,7 @@ class Daemon:
             config.cpu_affinity, config.backend, len(config.devices), offset=os.getpid(),
             sim_mode=config.sim.mode,
         )
+        spin_us = affinity.idle_spin_us(config.idle_spin_us, len(config.devices))
         specs = [
             WorkerSpec(
                 device=d,
@@ -114,6 +115,7 @@ class Daemon:
                 endpoint=config.worker_endpoint(d),
                 max_queued=config.max_queued,
                 max_unread_reply_bytes=config.max_unread_reply_bytes,
+                idle_spin_us=spin_us,
                 sequence_grace_s=config.sequence_grace_s,
                 log_level=logging.getLogger().level or logging.INFO,
                 log_format=config.log_format,

@@ -54,6 +54,11 @@ class DaemonCollector(Collector):
             "graphlane_sequences", "Sequences a worker keeps for its clients",
             labels=["device", "program"],
         )  # fmt: skip
+        spin = CounterMetricFamily(
+            "graphlane_worker_spin_seconds",
+            "CPU time a worker's socket thread polled for the next request (idle_spin_us)",
+            labels=["device"],
+        )
         released = CounterMetricFamily(
             "graphlane_sequences_released", "Sequences released because their client went",
             labels=["device"],
@@ -94,6 +99,7 @@ class DaemonCollector(Collector):
             b_in.add_metric([d], m.get("bytes_in", 0))
             b_out.add_metric([d], m.get("bytes_out", 0))
             released.add_metric([d], m.get("sequences_released", 0))
+            spin.add_metric([d], m.get("spin_seconds", 0.0))
             for program, held in sorted(st.get("sequences", {}).items()):
                 sequences.add_metric([d, program], held.get("sequences", 0))
             for s in m.get("step_seconds", []):
@@ -104,7 +110,7 @@ class DaemonCollector(Collector):
                 )
             if "replay_seconds" in m:
                 replay.add_metric([d], _buckets(m["replay_seconds"]), m["replay_seconds"]["sum"])
-        yield from (up, restarts, queued, inflight, errors, b_in, b_out, sequences, released)
+        yield from (up, restarts, queued, inflight, errors, b_in, b_out, sequences, released, spin)
         yield from (step, dispatch, replay)
         yield behind
 

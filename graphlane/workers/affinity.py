@@ -77,6 +77,23 @@ def core_sets(
     return [tuple(c) for c in setting]
 
 
+#: ``idle_spin_us = "auto"``'s poll, where the host has a core to spare for it: longer
+#: than a client's turn-around between two steps (the reply in, the next request out:
+#: 60-150 us on this project's machines), short against a scheduler's own work per step.
+AUTO_IDLE_SPIN_US = 250.0
+
+
+def idle_spin_us(setting: str | float, workers: int) -> float:
+    """The microseconds an idle worker polls for its next request (``idle_spin_us``):
+    ``"auto"`` is :data:`AUTO_IDLE_SPIN_US` when this host has more cores than the
+    daemon's ``workers`` (each may then keep one busy while the clients run on the
+    others), else 0: where workers share cores, a polling worker takes the core another
+    worker or a client needs."""
+    if setting != "auto":
+        return float(setting)
+    return AUTO_IDLE_SPIN_US if len(available()) > workers else 0.0
+
+
 _unpinned: tuple[int, ...] = ()  # the cores this process had before pin()
 
 

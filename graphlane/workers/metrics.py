@@ -67,6 +67,7 @@ class WorkerMetrics:
     errors: Counter[str] = field(default_factory=Counter)  # wire code -> count
     bytes_in: int = 0
     bytes_out: int = 0
+    spin_seconds: float = 0.0  # CPU time the socket thread polled for the next request
     sequences_released: int = 0  # sequences forgotten because their client went
     clients_released: int = 0  # clients that went holding sequences (SequenceOwners)
     # Answered steps not yet in the histograms: (program, op, held, dispatch_s,
@@ -122,6 +123,7 @@ class WorkerMetrics:
             "errors": dict(self.errors),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            "spin_seconds": self.spin_seconds,
             "sequences_released": self.sequences_released,
             "clients_released": self.clients_released,
         }

@@ -29,6 +29,9 @@ class WorkerSpec:
     endpoint: str = "tcp://127.0.0.1:0"
     max_queued: int = 256
     max_unread_reply_bytes: int = 256 * 2**20  # per connection (WorkerLoop.unread)
+    #: How long its socket thread polls for the next request before it sleeps, when
+    #: idle (WorkerLoop._sleep); the config's ``idle_spin_us``, "auto" resolved.
+    idle_spin_us: float = 0.0
     limits: wire.Limits = field(default_factory=wire.Limits)
     generation: int = 0
     log_level: int = logging.INFO

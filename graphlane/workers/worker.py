@@ -221,6 +221,8 @@ class Worker:
             roles=spec.keys is not None,
             connections=self.connections,
             max_unread_bytes=spec.max_unread_reply_bytes,
+            spin_s=spec.idle_spin_us * 1e-6,
+            idle=self._idle,
         )
         self.responder = self.loop.responder
         # Accepted requests not answered yet (waiting + on the device), oldest first.
@@ -574,6 +576,10 @@ class Worker:
             return Job(JobKind.REPLAY, plan, outputs)
         except StepError as exc:
             raise BadRequest(str(exc)) from exc
+
+    def _idle(self) -> bool:
+        """Nothing accepted waits and nothing is on the device (WorkerLoop's spin)."""
+        return not self._waiting and self.engine.idle()
 
     def _pump(self) -> None:
         """Issue waiting steps while the engine has in-flight permits; a step whose caller's

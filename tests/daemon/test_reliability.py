@@ -312,6 +312,7 @@ def test_metrics_and_json_logs(start_daemon) -> None:
         "graphlane_inflight",
         "graphlane_worker_restarts_total",
         "graphlane_bytes_in_total",
+        "graphlane_worker_spin_seconds_total",
     ):
         assert name in text
     assert 'graphlane_errors_total{code="BAD_REQUEST",device="0"} 1.0' in text

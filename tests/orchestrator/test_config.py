@@ -68,6 +68,10 @@ def test_perf_mode_and_its_lock_share_are_read(tmp_path: Path) -> None:
         ({"cpu_affinity": [[0]], "devices": 2}, "cpu_affinity"),  # one list per device
         ({"cpu_affinity": [[0], [-1]]}, "cpu_affinity[1][0]"),
         ({"cpu_affinity": [[0], [4096]]}, "cpu_affinity[1][0]"),  # not a core of this host
+        ({"idle_spin_us": -1}, "idle_spin_us"),
+        ({"idle_spin_us": 20_000}, "idle_spin_us"),  # over MAX_IDLE_SPIN_US
+        ({"idle_spin_us": "fast"}, "idle_spin_us"),
+        ({"idle_spin_us": True}, "idle_spin_us"),
     ],
 )
 def test_errors_name_the_key(raw: dict, key: str) -> None:
@@ -213,6 +217,20 @@ def test_auto_pins_each_sim_or_null_worker_to_a_core_of_its_own() -> None:
     assert affinity.core_sets("auto", "sim", 2, offset=7, sim_mode="perf") == [None, None]
     assert affinity.core_sets("auto", "sim", 2, offset=7, sim_mode="timed")[0] is not None
     assert affinity.core_sets(((0,), (0, 1)), "npu", 2, offset=7) == [(0,), (0, 1)]
+
+
+def test_idle_spin_us_auto_spins_only_where_the_host_has_a_core_to_spare(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert load().idle_spin_us == "auto"
+    assert from_mapping({"idle_spin_us": 0}).idle_spin_us == 0.0
+    assert from_mapping({"idle_spin_us": 80.5}).idle_spin_us == 80.5
+    monkeypatch.setattr(affinity, "available", lambda: (0, 1))
+    assert affinity.idle_spin_us("auto", 1) == affinity.AUTO_IDLE_SPIN_US
+    assert affinity.idle_spin_us("auto", 2) == 0.0  # a worker per core: none to spare
+    assert affinity.idle_spin_us(40.0, 4) == 40.0  # a number is what it says
+    monkeypatch.setattr(affinity, "available", lambda: ())  # the OS cannot say
+    assert affinity.idle_spin_us("auto", 1) == 0.0
 
 
 def _auth_dir(tmp_path: Path) -> str:

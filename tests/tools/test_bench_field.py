@@ -111,9 +111,12 @@ def test_the_daemons_way_decodes_added_sequences_as_a_scheduler_does() -> None:
     assert status["sequences"]["model"]["sequences"] == field.BATCH
 
 
-def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch() -> None:
+def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch_and_its_poll() -> None:
     """The patches' dispatch (inside the modelled update cost) is the worker's measured
-    host time patching the steps: more than nothing, less than all of its CPU."""
-    worker, patches, client = field.own_cpu(layers=2, steps=8, reps=1)
-    assert len(worker) == len(patches) == len(client) == 1
+    host time patching the steps: more than nothing, less than all of its CPU; its poll
+    for the next request (idle_spin_us, on by default on a host with a core to spare)
+    is its measured CPU polling, part of all of its CPU."""
+    worker, patches, spins, client = field.own_cpu(layers=2, steps=8, reps=1)
+    assert len(worker) == len(patches) == len(spins) == len(client) == 1
     assert 0 < patches[0] < worker[0] and client[0] > 0
+    assert 0 <= spins[0] < worker[0] - patches[0]
