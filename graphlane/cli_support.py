@@ -109,6 +109,10 @@ def check_config(path: str) -> int:
     print(f"  listen {conf.listen} (workers: {conf.worker_endpoint(conf.devices[0])} ...)")
     print(f"  backend {conf.backend}, devices {list(conf.devices)}, depth {conf.depth}")
     print(f"  cpu_affinity {conf.cpu_affinity}")
+    from graphlane.workers.affinity import idle_spin_us
+
+    spin = idle_spin_us(conf.idle_spin_us, len(conf.devices))
+    print(f"  idle_spin_us {conf.idle_spin_us} ({spin:g} us on this host)")
     if conf.tensor_parallel > 1:
         from graphlane.orchestrator.groups import group_devices
 

@@ -19,6 +19,7 @@ import pytest
 from graphlane import __version__
 from graphlane.cli import _parser, main
 from graphlane.orchestrator import config as cfg
+from graphlane.workers import affinity
 from graphlane.workers.programs.attention import AttentionConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +62,16 @@ def test_every_flag_and_positional_has_help_and_help_lines_are_short(capsys) -> 
 def test_config_check(tmp_path: Path, capsys) -> None:
     assert main(["config", "check", str(ROOT / "deploy" / "graphlane.toml")]) == 0
     assert "ok" in capsys.readouterr().out
+    # The idle poll as this host resolves it: one device on a host of several cores
+    # polls, a poll of 0 is off whatever the host.
+    one = tmp_path / "one.toml"
+    one.write_text("backend = 'null'\ndevices = 1\n")
+    assert main(["config", "check", str(one)]) == 0
+    spin = affinity.idle_spin_us("auto", 1)
+    assert f"idle_spin_us auto ({spin:g} us on this host)" in capsys.readouterr().out
+    one.write_text("backend = 'null'\ndevices = 1\nidle_spin_us = 0\n")
+    assert main(["config", "check", str(one)]) == 0
+    assert "idle_spin_us 0.0 (0 us on this host)" in capsys.readouterr().out
     bad = tmp_path / "bad.toml"
     bad.write_text("devices = 2\n[[programs]]\nname = 'attention'\nnum_head = 4\n")
     assert main(["config", "check", str(bad)]) == 2
