@@ -6,23 +6,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from daemons import SMALL
 
 from graphlane.client import Client
-
-TINY = {
-    "name": "attention",
-    "layers": 1,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "head_dim": 8,
-    "max_kv_len": 8,
-    "buckets": [1],
-}
 
 
 @pytest.mark.parametrize("spin_us", [0, 2000])
 def test_a_daemon_reports_the_cpu_its_worker_polled(start_daemon, spin_us: int) -> None:
-    d = start_daemon(devices=1, backend="null", programs=[TINY], idle_spin_us=spin_us)
+    d = start_daemon(devices=1, backend="null", programs=[SMALL], idle_spin_us=spin_us)
 
     async def main() -> float:
         async with Client(d.endpoint) as c:

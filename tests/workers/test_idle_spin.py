@@ -20,16 +20,6 @@ from graphlane.protocol import wire
 from graphlane.workers.loop import WorkerLoop
 from graphlane.workers.metrics import WorkerMetrics
 
-TINY = {
-    "name": "attention",
-    "layers": 1,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "head_dim": 8,
-    "max_kv_len": 8,
-    "buckets": [1],
-}
-
 
 class _Handler:
     """Answers nothing: these tests read the loop's waits alone."""
