@@ -177,6 +177,9 @@ class GroupFollower(_GroupWorker):
         self.channel.connect(self.group.channel)
         self._pending: dict[int, Job] = {}  # planned, not issued yet (by the leader's seq)
         self.forwarded = 0  # messages taken from the leader
+        # Its work comes from its group thread, which needs the interpreter lock an idle
+        # poll holds to post it: it sleeps, and that thread's post wakes it.
+        self.loop.spin_s = 0.0
 
     def run(self) -> int:
         # The channel belongs to this thread; the process exits (os._exit) when run

@@ -578,8 +578,10 @@ class Worker:
             raise BadRequest(str(exc)) from exc
 
     def _idle(self) -> bool:
-        """Nothing accepted waits and nothing is on the device (WorkerLoop's spin)."""
-        return not self._waiting and self.engine.idle()
+        """Every accepted request is answered: none waits, none is on the device, and no
+        engine thread has a completion to post (WorkerLoop's poll holds the lock they
+        would need)."""
+        return not self._open and self.engine.idle()
 
     def _pump(self) -> None:
         """Issue waiting steps while the engine has in-flight permits; a step whose caller's

@@ -45,8 +45,10 @@ MODEL = {"name": "model", "block_size": 128, "num_blocks": 4, "max_blocks_per_se
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningDaemon]:
     """One group of 2 for the module (its start costs two workers' capture): the first
     test leaves it as it found it, the second restarts it."""
+    # (idle_spin_us set: "auto" polls on no 2-core host serving two workers)
     d = launch(tmp_path_factory.mktemp("tp"), "group", devices=2, env=ENV,
-               programs=[ALLREDUCE, MODEL], metrics_port=free_port())  # fmt: skip
+               programs=[ALLREDUCE, MODEL], metrics_port=free_port(),
+               idle_spin_us=1000)  # fmt: skip
     SHARED_PIDS.add(d.proc.pid)  # outlives each test, not a test's leak
     try:
         yield d
@@ -144,6 +146,19 @@ def test_a_group_serves_each_step_on_every_rank_with_one_reply(group: RunningDae
         (reply,) = wire.decode_replies(sock.recv_multipart())
         assert isinstance(reply, wire.Reply) and reply.error is not None
         assert reply.error.code == "BAD_REQUEST" and "leader, device 0" in str(reply.error)
+        # The leader polls while idle; rank 1 never does: its work comes from its group
+        # thread, which needs the interpreter lock a poll holds.
+        sock.send_multipart(wire.encode_request(2, "status", ops.Status()))
+        assert sock.poll(30_000), "rank 1 did not answer"
+        (reply,) = wire.decode_replies(sock.recv_multipart())
+        assert isinstance(reply, wire.Reply) and reply.error is None
+        assert reply.body(ops.OPS["status"])["metrics"]["spin_seconds"] == 0.0
+
+        async def leader_spin() -> float:
+            async with Client(d.endpoint, timeout=60) as c:
+                return float((await c.worker_status(0))["metrics"]["spin_seconds"])
+
+        assert asyncio.run(leader_spin()) > 0
     finally:
         sock.close(0)
         ctx.destroy(linger=0)
