@@ -475,11 +475,11 @@ async def _own_cpu(
             # spin for a few ms after it (the worker's CPU, but no decode step's): let
             # them park first.
             await asyncio.sleep(_SETTLE_S)
-            p0, s0 = await _dispatch_s(c)
+            p0, s0 = await _worker_counters(c)
             w0, c0 = process_cpu_s(pid), time.process_time()
             await daemon_ahead(c, steps, 0.0)
             w1, c1 = process_cpu_s(pid), time.process_time()
-            p1, s1 = await _dispatch_s(c)
+            p1, s1 = await _worker_counters(c)
             if rep:
                 worker.append(1e6 * (w1 - w0) / steps)
                 patches.append(1e6 * (p1 - p0) / steps)
@@ -488,7 +488,7 @@ async def _own_cpu(
     return worker, patches, spins, client
 
 
-async def _dispatch_s(c: Client) -> tuple[float, float]:
+async def _worker_counters(c: Client) -> tuple[float, float]:
     """The worker's host time patching steps so far and its CPU polling for requests
     (its metrics' dispatch_seconds and spin_seconds)."""
     metrics = (await c.worker_status(0))["metrics"]

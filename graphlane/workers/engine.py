@@ -367,10 +367,6 @@ class StepEngine:
         gives it back. Without a permit, :meth:`issue` must not be called."""
         return self._permits.acquire(blocking)
 
-    def idle(self) -> bool:
-        """Whether no step is in flight: none of the engine's threads has work."""
-        return self._permits.idle()
-
     def issue(self, job: Job) -> None:
         """Issue one step's device work on a permit the caller holds. Only one thread
         issues. ``on_done(step)`` runs once: here if the work failed to issue, or the

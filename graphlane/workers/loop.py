@@ -149,21 +149,18 @@ class WorkerLoop:
         1.1-1.2x with it polling (docs/performance.md). The time polled is the
         worker's ``spin_seconds`` (its CPU, not its steps')."""
         spin = self.spin_s
-        if spin:
-            short = self._short_waits
-            if short.bit_count() >= 4 and self._idle():
-                if self._spin(spin):
-                    self._short_waits = ((short << 1) | 1) & 0xFF
-                    return
-                self._short_waits = (short << 1) & 0xFF  # this wait is past spin_s
-                ready = zmq_poll(fds, 1000)
-            else:
-                t0 = time.perf_counter()
-                ready = zmq_poll(fds, 1000)
-                ended = time.perf_counter() - t0 < spin
-                self._short_waits = ((short << 1) | ended) & 0xFF
-        else:
+        if not spin:
             ready = zmq_poll(fds, 1000)
+        elif self._short_waits.bit_count() >= 4 and self._idle():
+            came = self._spin(spin)
+            self._note_wait(came)  # (not come: this wait is past spin_s)
+            if came:
+                return
+            ready = zmq_poll(fds, 1000)
+        else:
+            t0 = time.perf_counter()
+            ready = zmq_poll(fds, 1000)
+            self._note_wait(time.perf_counter() - t0 < spin)
         if not ready and self.connections is not None:
             self.connections.take_events()  # a second of quiet: look anyway
         for fd, _ in ready:
@@ -172,6 +169,9 @@ class WorkerLoop:
             elif fd == monitor:
                 self.connections.take_events()  # type: ignore[union-attr]
         # The socket's own descriptor: the next turn asks it what came.
+
+    def _note_wait(self, short: bool) -> None:
+        self._short_waits = ((self._short_waits << 1) | short) & 0xFF
 
     def _spin(self, spin: float) -> bool:
         """Poll for ``spin`` seconds at most: True as soon as a message waits on the

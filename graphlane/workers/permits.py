@@ -32,10 +32,6 @@ class Permits:
         after a step's dispatch on U is over, so then nothing else is on U.)"""
         return self._free == self._max - 1
 
-    def idle(self) -> bool:
-        """Whether no permit is taken (nothing is in flight)."""
-        return self._free == self._max
-
     def release(self) -> None:
         with self._lock:
             if self._free >= self._max:

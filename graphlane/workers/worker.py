@@ -580,8 +580,9 @@ class Worker:
     def _idle(self) -> bool:
         """Every accepted request is answered: none waits, none is on the device, and no
         engine thread has a completion to post (WorkerLoop's poll holds the lock they
-        would need)."""
-        return not self._open and self.engine.idle()
+        would need). A request leaves ``_open`` when it is answered, after its permit
+        came back, or unissued."""
+        return not self._open
 
     def _pump(self) -> None:
         """Issue waiting steps while the engine has in-flight permits; a step whose caller's
