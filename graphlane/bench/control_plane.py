@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 import torch
@@ -60,20 +60,26 @@ SCALE = {
 }
 
 
+_T = TypeVar("_T")
+
 WINDOW = 64  # requests in flight in the windowed measurements, raw and graphlane alike
+
 
 # ---------------------------------------------------------------- raw baseline
 def _echo_server(endpoint: str) -> None:
-    """Raw pyzmq+msgpack: decode the request envelope, answer a small reply."""
+    """Raw pyzmq+msgpack: decode the request envelope, answer a small reply (op ``pid``:
+    naming this process, op ``stop``: the last)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(endpoint)
     while True:
         frames = sock.recv_multipart(copy=False)
         req = msgpack.unpackb(frames[1].buffer)
-        reply = msgpack.packb({"v": 1, "id": req["id"], "ok": True, "body": {}})
+        op = req.get("op")
+        body = {"pid": os.getpid()} if op == "pid" else {}  # (whose CPU to read)
+        reply = msgpack.packb({"v": 1, "id": req["id"], "ok": True, "body": body})
         sock.send_multipart([frames[0], reply])
-        if req.get("op") == "stop":
+        if op == "stop":
             break
     sock.close(0)
     ctx.destroy(linger=0)
@@ -272,7 +278,9 @@ async def _scaling_rate(daemon: BenchDaemon, devices: int, n: int) -> float:
         return n / (time.perf_counter() - t0)
 
 
-def with_raw_server(fn: Callable[[str], Coroutine[Any, Any, dict[str, Any]]]) -> dict[str, Any]:
+def with_raw_server(fn: Callable[[str], Coroutine[Any, Any, _T]]) -> _T:
+    """``fn(endpoint)`` run against a raw echo server in a child process (:func:`_echo_server`),
+    which ``fn`` stops (``op`` "stop") before it returns."""
     with tempfile.TemporaryDirectory(prefix="graphlane-raw-") as tmp:
         endpoint = f"ipc://{tmp}/raw.sock"
         proc = mp.get_context("spawn").Process(target=_echo_server, args=(endpoint,), daemon=True)

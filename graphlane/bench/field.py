@@ -48,9 +48,11 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+import msgpack
 import torch
+import zmq
 from npusim import configure
 
 from graphlane.client import Client
@@ -313,6 +315,10 @@ class FieldFigures:
     worker_patch_us: list[float] = field(default_factory=list)
     worker_spin_us: list[float] = field(default_factory=list)
     client_cpu_us: list[float] = field(default_factory=list)
+    # a raw pyzmq+msgpack client's and its echo server's, beside it: how fast the host
+    # was (RawAhead)
+    raw_client_cpu_us: list[float] = field(default_factory=list)
+    raw_server_cpu_us: list[float] = field(default_factory=list)
     null_rtt_vs_raw: float | None = None
 
     def med(self, way: str, sched: float) -> float:
@@ -401,8 +407,10 @@ def measure(steps: int = 120, reps: int = 3, lone_steps: int = 40,
     finally:
         daemon.close()
     f = figures
-    f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us, f.client_cpu_us = own_cpu(
-        layers, steps, reps
+    own = own_cpu(layers, steps, reps)
+    f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us = own.worker, own.patches, own.spins
+    f.client_cpu_us, f.raw_client_cpu_us, f.raw_server_cpu_us = (
+        own.client, own.raw_client, own.raw_server
     )
     parts = zip(f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us, strict=True)
     f.worker_cpu_us = [a - p - s for a, p, s in parts]
@@ -438,9 +446,19 @@ async def _alternate(loop: FieldModel, endpoint: str, f: FieldFigures, steps: in
             f.lone_ms["daemon"].append(1000 * statistics.fmean(await daemon_lone(c, lone_steps)))
 
 
-def own_cpu(
-    layers: int = LAYERS, steps: int = 120, reps: int = 3
-) -> tuple[list[float], list[float], list[float], list[float]]:
+class OwnCpu(NamedTuple):
+    """:func:`own_cpu`'s figures, in microseconds per decode step, one per rep."""
+
+    worker: list[float]  # all of the worker's CPU
+    patches: list[float]  # its patches' dispatch (inside the modelled update cost)
+    spins: list[float]  # its poll for the next request while idle (idle_spin_us)
+    client: list[float]  # the client's CPU
+    # beside each rep, a raw pyzmq+msgpack client's and its echo server's (per round trip)
+    raw_client: list[float]
+    raw_server: list[float]
+
+
+def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3) -> OwnCpu:
     """The worker's CPU, its patches' dispatch, its poll for the next request and the
     client's CPU per decode step, in microseconds, one figure per rep: the same program
     and the same requests decoding ahead, through a daemon on the ``null`` backend (no
@@ -454,38 +472,114 @@ def own_cpu(
     take). The poll is the CPU its socket thread spent polling for the next request
     while idle (``idle_spin_us``, its ``spin_seconds``): CPU of no step, spent to answer
     the next one sooner. The worker's own CPU outside the modelled costs is the first
-    less the second and the third; the report shows all three."""
+    less the second and the third; the report shows all three.
+
+    Beside each rep, the same steps by a raw pyzmq+msgpack client (:class:`RawAhead`)
+    against an echo server, and the CPU of both: what the transport alone costs a client
+    and a server on this host at this moment. These figures are microseconds, not ratios,
+    and a shared host's speed moves them by up to 2x within minutes (docs/performance.md):
+    the raw pair's, measured in the same minute, says how fast the host was."""
+    from . import control_plane
+
     daemon = BenchDaemon(program_table(layers), backend="null")
     try:
-        return asyncio.run(_own_cpu(daemon.endpoint, steps, reps))
+        return control_plane.with_raw_server(
+            lambda raw: _own_cpu(daemon.endpoint, raw, steps, reps)
+        )
     finally:
         daemon.close()
 
 
-async def _own_cpu(
-    endpoint: str, steps: int, reps: int
-) -> tuple[list[float], list[float], list[float], list[float]]:
-    worker, patches, spins, client = [], [], [], []
-    async with Client(endpoint, timeout=120) as c:
-        pid = (await c.status())["workers"][0]["pid"]
-        prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
-        for rep in range(reps + 1):  # the first warms up
-            await _prefill(c, prompts)
-            # The null device computes a prefill on the host, and torch's OpenMP threads
-            # spin for a few ms after it (the worker's CPU, but no decode step's): let
-            # them park first.
-            await asyncio.sleep(_SETTLE_S)
-            p0, s0 = await _worker_counters(c)
-            w0, c0 = process_cpu_s(pid), time.process_time()
-            await daemon_ahead(c, steps, 0.0)
-            w1, c1 = process_cpu_s(pid), time.process_time()
-            p1, s1 = await _worker_counters(c)
-            if rep:
-                worker.append(1e6 * (w1 - w0) / steps)
-                patches.append(1e6 * (p1 - p0) / steps)
-                spins.append(1e6 * (s1 - s0) / steps)
-                client.append(1e6 * (c1 - c0) / steps)
-    return worker, patches, spins, client
+async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int) -> OwnCpu:
+    out = OwnCpu([], [], [], [], [], [])
+    raw = RawAhead(raw_endpoint)
+    try:
+        raw_pid = (await raw.call("pid", {}))["body"]["pid"]
+        async with Client(endpoint, timeout=120) as c:
+            pid = (await c.status())["workers"][0]["pid"]
+            prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
+            for rep in range(reps + 1):  # the first warms up
+                await _prefill(c, prompts)
+                # The null device computes a prefill on the host, and torch's OpenMP
+                # threads spin for a few ms after it (the worker's CPU, but no decode
+                # step's): let them park first.
+                await asyncio.sleep(_SETTLE_S)
+                p0, s0 = await _worker_counters(c)
+                w0, c0 = process_cpu_s(pid), time.process_time()
+                await daemon_ahead(c, steps, 0.0)
+                w1, c1 = process_cpu_s(pid), time.process_time()
+                p1, s1 = await _worker_counters(c)
+                r0, e0 = time.process_time(), process_cpu_s(raw_pid)
+                await raw.ahead(steps)
+                r1, e1 = time.process_time(), process_cpu_s(raw_pid)
+                if rep:
+                    out.worker.append(1e6 * (w1 - w0) / steps)
+                    out.patches.append(1e6 * (p1 - p0) / steps)
+                    out.spins.append(1e6 * (s1 - s0) / steps)
+                    out.client.append(1e6 * (c1 - c0) / steps)
+                    out.raw_client.append(1e6 * (r1 - r0) / steps)
+                    out.raw_server.append(1e6 * (e1 - e0) / steps)
+    finally:
+        await raw.stop()
+    return out
+
+
+class RawAhead:
+    """A raw pyzmq+msgpack client decoding ahead as :func:`daemon_ahead` does (the same
+    window, a future per step, a scheduler awaiting the oldest), on a plain DEALER socket
+    whose descriptor the event loop watches, as graphlane's client's (no zmq.asyncio):
+    each step's request a msgpack envelope naming its sequences, each reply unpacked.
+    Against :func:`.control_plane._echo_server`: no checks, ids, deadlines or types: the
+    transport and the event loop alone."""
+
+    def __init__(self, endpoint: str) -> None:
+        from zmq.backend import zmq_poll
+
+        from graphlane.client.transport import shared_context
+
+        self._poll = zmq_poll
+        self.sock = shared_context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self._in = [(self.sock, zmq.POLLIN)]
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._ids = 0
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self.sock.FD, self._readable)
+
+    def _readable(self) -> None:
+        while self._poll(self._in, 0):
+            reply = msgpack.unpackb(self.sock.recv(zmq.NOBLOCK))
+            fut = self._pending.pop(reply["id"], None)
+            if fut is not None:
+                fut.set_result(reply)
+
+    def call(self, op: str, body: dict[str, Any]) -> asyncio.Future[Any]:
+        self._ids += 1
+        fut = self._pending[self._ids] = self._loop.create_future()
+        self.sock.send(msgpack.packb({"v": 1, "id": self._ids, "op": op, "body": body}))
+        if self._poll(self._in, 0):  # the send may have taken a reply's edge
+            self._loop.call_soon(self._readable)
+        return fut
+
+    async def ahead(self, steps: int, window: int = WINDOW) -> None:
+        body = {"program": "model", "device": 0, "sequences": list(range(BATCH))}
+        sent: collections.deque[asyncio.Future[Any]] = collections.deque()
+        for _ in range(steps):
+            scheduler_work(0.0)
+            while len(sent) >= window:
+                await sent.popleft()
+            sent.append(self.call("decode", body))
+        while sent:
+            await sent.popleft()
+
+    async def stop(self) -> None:
+        """Stop the echo server (its answer to ``stop`` is its last) and close."""
+        try:
+            await asyncio.wait_for(self.call("stop", {}), 10)
+        finally:
+            self._loop.remove_reader(self.sock.FD)
+            self.sock.close(0)
 
 
 async def _worker_counters(c: Client) -> tuple[float, float]:
@@ -551,10 +645,17 @@ def table(f: FieldFigures) -> str:
             f"{rng(f.worker_spin_us, '.0f')} polling for the next request while idle, "
             "idle_spin_us)"
         )
+    if f.raw_client_cpu_us:
+        lines.append(
+            f"  (beside them, a raw pyzmq+msgpack client decoding ahead against an echo server: "
+            f"client {rng(f.raw_client_cpu_us, '.0f')}, server "
+            f"{rng(f.raw_server_cpu_us, '.0f')} per round trip: the transport alone, on this "
+            "host at that moment)"
+        )
     if f.null_rtt_vs_raw is not None:
         lines.append(f"control-plane round trip on null: {f.null_rtt_vs_raw:.2f}x raw pyzmq")
     return "\n".join(lines)
 
 
-__all__ = ["FIELD_GOALS", "FieldFigures", "FieldModel", "daemon_ahead", "field_goals",
-           "measure", "scheduler_work", "table"]  # fmt: skip
+__all__ = ["FIELD_GOALS", "FieldFigures", "FieldModel", "OwnCpu", "RawAhead", "daemon_ahead",
+           "field_goals", "measure", "own_cpu", "scheduler_work", "table"]  # fmt: skip
