@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import queue
 import statistics
@@ -573,10 +574,14 @@ class RawAhead:
         while sent:
             await sent.popleft()
 
-    async def stop(self) -> None:
-        """Stop the echo server (its answer to ``stop`` is its last) and close."""
+    async def stop(self, wait: float = 5.0) -> None:
+        """Stop the echo server (its answer to ``stop`` is its last) and close. A server
+        that does not answer within ``wait`` s is left to
+        :func:`.control_plane.with_raw_server`, which kills it: an error that ended the
+        measurement is not hidden by this one."""
         try:
-            await asyncio.wait_for(self.call("stop", {}), 10)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.call("stop", {}), wait)
         finally:
             self._loop.remove_reader(self.sock.FD)
             self.sock.close(0)

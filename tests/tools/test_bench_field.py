@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from npusim import configure
@@ -129,3 +130,17 @@ def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch_and_its_poll()
     # the raw client beside it ran its steps: its echo server answered each (its CPU
     # read), then its stop (own_cpu returned, and the server exited: no child is left)
     assert raw[0] > 0 and len(echo) == 1 and echo[0] > 0
+
+
+def test_the_raw_client_closes_when_its_server_does_not_answer(tmp_path: Path) -> None:
+    """An echo server gone (or never there) does not turn the raw client's stop into an
+    error of its own or a hang: it waits ``wait`` seconds, then closes its socket."""
+    import asyncio
+
+    async def main() -> None:
+        raw = field.RawAhead(f"ipc://{tmp_path}/nobody.sock")
+        t0 = time.monotonic()
+        await raw.stop(wait=0.2)
+        assert 0.2 <= time.monotonic() - t0 < 5 and raw.sock.closed
+
+    asyncio.run(main())
