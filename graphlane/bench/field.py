@@ -55,8 +55,10 @@ import msgpack
 import torch
 import zmq
 from npusim import configure
+from zmq.backend import zmq_poll
 
 from graphlane.client import Client
+from graphlane.client.transport import shared_context
 from graphlane.workers.backends.sim import SimBackend
 from graphlane.workers.programs.model import ModelConfig, ModelProgram
 
@@ -534,11 +536,6 @@ class RawAhead:
     transport and the event loop alone."""
 
     def __init__(self, endpoint: str) -> None:
-        from zmq.backend import zmq_poll
-
-        from graphlane.client.transport import shared_context
-
-        self._poll = zmq_poll
         self.sock = shared_context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(endpoint)
@@ -549,7 +546,7 @@ class RawAhead:
         self._loop.add_reader(self.sock.FD, self._readable)
 
     def _readable(self) -> None:
-        while self._poll(self._in, 0):
+        while zmq_poll(self._in, 0):
             reply = msgpack.unpackb(self.sock.recv(zmq.NOBLOCK))
             fut = self._pending.pop(reply["id"], None)
             if fut is not None:
@@ -559,7 +556,7 @@ class RawAhead:
         self._ids += 1
         fut = self._pending[self._ids] = self._loop.create_future()
         self.sock.send(msgpack.packb({"v": 1, "id": self._ids, "op": op, "body": body}))
-        if self._poll(self._in, 0):  # the send may have taken a reply's edge
+        if zmq_poll(self._in, 0):  # the send may have taken a reply's edge
             self._loop.call_soon(self._readable)
         return fut
 
