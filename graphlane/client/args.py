@@ -168,9 +168,8 @@ def call_timeout(default: float, timeout: float | None) -> float:
 def deadline_ms(default: float, timeout: float | None) -> int:
     """The call's deadline for the worker: a step not yet issued by then is answered
     TIMEOUT without running (its caller has given up on it)."""
-    if timeout is None:  # the common case: the client's default, checked when it was set
-        return max(1, int(default * 1000))
-    return max(1, int(call_timeout(default, timeout) * 1000))
+    ms = int((default if timeout is None else call_timeout(default, timeout)) * 1000)
+    return ms if ms > 1 else 1  # (not max(): a call per step that parses its arguments)
 
 
 def as_params(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -252,12 +251,16 @@ def as_ids(values: Any, what: str, most: int | None = None) -> list[int]:
         raise InvalidArgument(f"{what}: must be a list of ints, not {type(values).__name__}")
     # The common case (plain ints in range, as every decode step sends) checked whole,
     # without a per-id call and message; anything else is looked at id by id below.
+    # (sorted: one call, where min and max are two, each parsing its arguments by name)
     ids = list(values)
-    if all(type(v) is int for v in ids) and (
-        not ids or (min(ids) >= 0 and (most is None or max(ids) <= most))
+    if set(map(type, ids)) <= _INT and (
+        not ids or ((s := sorted(ids))[0] >= 0 and (most is None or s[-1] <= most))
     ):
         return ids
     return [as_id(v, f"{what}[{i}]", most) for i, v in enumerate(ids)]
+
+
+_INT = frozenset((int,))  # (exactly int: a bool is not an id, a numpy int is looked at below)
 
 
 def as_id(value: Any, what: str, most: int | None = None) -> int:

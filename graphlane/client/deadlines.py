@@ -39,6 +39,9 @@ class Deadlines:
         self._queues: dict[float, list[Any]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
+        # The loop's clock: asyncio's is time.monotonic, read here without its method.
+        base = getattr(type(loop), "time", None) is asyncio.BaseEventLoop.time
+        self._time = time.monotonic if base else loop.time
 
     def add(self, fut: asyncio.Future[Any], timeout: float, op: str) -> asyncio.TimerHandle | None:
         """Fail ``fut`` with TIMEOUT after ``timeout`` s unless it is done by then; a
@@ -49,7 +52,7 @@ class Deadlines:
                 what = f"{op} to {self._name}"
                 return self._loop.call_later(timeout, _expire, fut, what, timeout)
             entry = self._queues[timeout] = [collections.deque(), _COMPACT_AT]
-        when = self._loop.time() + timeout
+        when = self._time() + timeout
         queue: collections.deque[tuple[float, asyncio.Future[Any], str]] = entry[0]
         queue.append((when, fut, op))
         if len(queue) >= entry[1]:  # mostly ended calls: keep the live ones

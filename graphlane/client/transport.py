@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Any, cast
+from typing import Any
 
 import zmq
 from zmq.backend import zmq_poll
@@ -141,7 +141,9 @@ class Channel:
                 # Asking first is cheaper than the exception of an empty receive.
                 if not zmq_poll(self._poll_in, 0):
                     return False
-                frames = wire.recv_message(sock, 1, wire.NOBLOCK)
+                frame = sock.recv(wire.NOBLOCK, copy=False)
+                # A reply is mostly its envelope alone (wire.recv_message reads the rest).
+                frames = [frame.bytes] if not frame.more else wire.recv_rest(sock, frame, 1)
             except zmq.ZMQError:  # closed under us
                 return False
             try:
@@ -238,18 +240,26 @@ class Channel:
             )
             return fut
         frames = wire.encode_request(request_id, op.name, body)
-        try:
-            admission.check_outgoing(frames, self.limits)
-        except GraphlaneError as exc:
-            fut.set_exception(exc)
-            return fut
-        self.pending[request_id] = fut
+        one = len(frames) == 1
+        if not one or len(frames[0]) > self.limits.max_envelope_bytes:
+            try:
+                admission.check_outgoing(frames, self.limits)
+            except GraphlaneError as exc:
+                fut.set_exception(exc)
+                return fut
+        pending = self.pending
+        pending[request_id] = fut
         # A deadline instead of wait_for(shield(...)): it fails the future.
         fut.timer = self._deadlines.add(fut, timeout, op.name)
-        if len(frames) == 1 and self.bundle_max > 1 and (self._queued or len(self.pending) > 1):
+        if one and self.bundle_max > 1 and (self._queued or len(pending) > 1):
             # Other calls are in flight, so this one need not go at once: it goes
             # with the others made in this turn of the loop, as one bundle.
-            self._queue(request_id, cast(bytes, frames[0]))  # envelopes are bytes
+            queued = self._queued
+            queued.append((request_id, frames[0]))  # type: ignore[arg-type]  # (bytes)
+            if len(queued) >= self.bundle_max:
+                self._flush()
+            elif len(queued) == 1:
+                self._loop.call_soon(self._flush)  # after the callbacks of this turn
         else:
             if self._queued:
                 self._flush()  # sends keep the order of the calls
@@ -302,13 +312,6 @@ class Channel:
     def _check_readable(self) -> None:
         if zmq_poll(self._poll_in, 0):
             self._loop.call_soon(self._readable)  # a send took the edge of a waiting reply
-
-    def _queue(self, request_id: int, envelope: bytes) -> None:
-        self._queued.append((request_id, envelope))
-        if len(self._queued) >= self.bundle_max:
-            self._flush()
-        elif len(self._queued) == 1:
-            self._loop.call_soon(self._flush)  # after the callbacks of this turn
 
     def _flush(self) -> None:
         """Send the queued requests: alone, or as bundles of bounded size."""

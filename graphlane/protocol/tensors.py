@@ -50,6 +50,8 @@ WIRE_DTYPE_NAMES: tuple[str, ...] = get_args(DType)
 #: memoryview's format of each wire dtype it can read (none for float16 and bfloat16)
 _FORMATS = {"float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h",
             "int32": "i", "int64": "q", "bool": "?"}  # fmt: skip
+#: ... of those read without a check of their values (bool's bytes must be 0 or 1)
+_LIST_FORMATS = {k: v for k, v in _FORMATS.items() if k != "bool"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
              "int16": 2, "int32": 4, "int64": 8, "bool": 1}  # fmt: skip
 
@@ -172,6 +174,18 @@ class Frames:
         """What :meth:`tensor` would make, as its ``tolist()``: Python numbers in lists
         nested by the shape, read from the bytes without a tensor (but for float16,
         bfloat16 and empty ones, whose values go through one)."""
+        data, shape = spec.data, spec.shape
+        if data is not None and len(shape) == 1 and spec.frame is None:
+            # The common reply (a decode's tokens: a short 1-D tensor inline), checked
+            # as _bytes would check it, in a few C calls.
+            fmt = _LIST_FORMATS.get(spec.dtype)
+            if (
+                fmt is not None
+                and shape[0]
+                and len(data) == shape[0] * _ITEMSIZE[spec.dtype]
+                and len(data) <= self.limits.max_tensor_bytes
+            ):
+                return memoryview(data).cast(fmt).tolist()  # type: ignore[call-overload]
         buf = self._bytes(spec)
         fmt = _FORMATS.get(spec.dtype)
         shape = spec.shape
@@ -285,12 +299,35 @@ def end_reading() -> None:
     _reading.lists = False
 
 
+def read(
+    decoder: msgspec.msgpack.Decoder[Any], raw: Any, frames: Frames, lists: bool = False
+) -> Any:
+    """``raw`` decoded by ``decoder``, each tensor reference in it made over ``frames``
+    (with ``lists``, its values), and every frame used by one: :func:`start_reading`,
+    the decode, :func:`end_reading` and :meth:`Frames.check_all_used` in one call (a
+    message's body is read so on every request and reply). Raises what the decoder
+    raises, or ValueError for a frame no reference used."""
+    _reading.frames = frames
+    _reading.lists = lists
+    try:
+        body = decoder.decode(raw)
+    finally:
+        _reading.frames = None
+        _reading.lists = False
+    if frames._used != (1 << (len(frames._frames) + 1)) - 2:
+        frames.check_all_used()  # (raises, naming the frames)
+    return body
+
+
 def take_tensors(tensors: dict[str, Any]) -> None:
     """Replace, in place, each decoded reference of a dict of tensors by its tensor
     (a body's ``__post_init__``; values that are tensors already, a sender's, stay)."""
     for name, value in tensors.items():
         if type(value) is TensorRef:
-            tensors[name] = _tensor_or_fail(value)
+            made = value.__dict__.get("tensor", value)  # (the common case: one lookup)
+            if made is value or made is None:
+                made = _tensor_or_fail(value)
+            tensors[name] = made
 
 
 def take_tensor(body: Struct, name: str) -> None:

@@ -49,7 +49,7 @@ from graphlane.protocol.errors import (
     error_to_wire,
 )
 from graphlane.protocol.ops import OPS, Op
-from graphlane.protocol.tensors import Frame, Frames, encoded_ref, end_reading, start_reading
+from graphlane.protocol.tensors import Frame, Frames, encoded_ref, end_reading, read, start_reading
 
 PROTOCOL_VERSION = 1
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
@@ -141,7 +141,11 @@ _reply_envelope = msgspec.msgpack.Decoder(_ReplyEnvelope)
 _reply_bundle = msgspec.msgpack.Decoder(list[_ReplyEnvelope])
 _any_id = msgspec.msgpack.Decoder(_AnyId)
 _request_bodies = {name: msgspec.msgpack.Decoder(op.request) for name, op in OPS.items()}
-_reply_bodies = {name: msgspec.msgpack.Decoder(op.reply) for name, op in OPS.items()}
+#: op name -> its reply body's decoder, and whether the body is walked first (untyped)
+_reply_bodies = {
+    name: (msgspec.msgpack.Decoder(op.reply), admission.untyped(op.reply))
+    for name, op in OPS.items()
+}
 _DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError, ValueError)
 
 
@@ -168,8 +172,8 @@ class Reply(Struct, frozen=True):
         not fit."""
         if self.error is not None:
             raise self.error
-        decoder = _reply_bodies[op.name]
-        if admission.untyped(op.reply):  # reads values of any shape: walked first
+        decoder, walked = _reply_bodies[op.name]
+        if walked:  # reads values of any shape: walked first
             problem = admission.walk(memoryview(self.raw), 0, self.frames.limits)[1]
             if problem is not None:
                 raise DecodeError(f"body: {problem}", request_id=self.id)
@@ -183,19 +187,14 @@ def _decode_body(
     request_id: int | None,
     lists: bool = False,
 ) -> Any:
-    start_reading(frames, lists)
     try:
-        body = decoder.decode(raw)
-        frames.check_all_used()
+        return read(decoder, raw, frames, lists)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
         raise DecodeError(_body_message(exc), request_id=request_id) from None
     except RecursionError:  # a typed decode skipping an unknown field nested too deep
         raise DecodeError(
             f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
         ) from None
-    finally:
-        end_reading()
-    return body
 
 
 # ------------------------------------------------------------------ the codec
@@ -220,10 +219,12 @@ class Codec:
     """Messages to frames and back (see the module docstring); ``limits``: what its
     decoders take."""
 
-    __slots__ = ("limits", "tensors")
+    __slots__ = ("_no_frames", "limits", "tensors")
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS, tensors: bool = True) -> None:
         self.limits = limits
+        # The data frames of a reply that has none, shared: nothing marks them used.
+        self._no_frames = Frames((), limits)
         #: False: a request's tensors are checked against their frames, never made (the
         #: daemon, which imports no torch, refuses the ops that carry them)
         self.tensors = tensors
@@ -265,15 +266,10 @@ class Codec:
             raise admission.unreadable(frames, exc) from None
 
     def _request(self, raw: Any, data: Sequence[memoryview]) -> Request | DecodeError:
-        frames = Frames(data, self.limits, self.tensors)
-        start_reading(frames)
         try:
-            env = _request.decode(raw)
-            frames.check_all_used()
+            env = read(_request, raw, Frames(data, self.limits, self.tensors))
         except _DECODE_ERRORS as exc:
             return self._refusal(raw, data, exc)
-        finally:
-            end_reading()
         if env.v != PROTOCOL_VERSION:
             return _unsupported(env.v, env.id)
         return Request(env.id, _OP_OF_ENVELOPE[type(env)], env.body)
@@ -342,6 +338,12 @@ class Codec:
             # The common reply, one envelope as bytes within its limit, at once.
             head = frames[0] if len(frames) == 1 else None
             if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes:
+                if not (0x90 <= head[0] <= 0x9F or head[0] in _BIG_ARRAYS):  # (is_bundle)
+                    # The common reply, one envelope alone, read at once.
+                    try:
+                        return [_reply_of(_reply_envelope.decode(head), self._no_frames)]
+                    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+                        pass  # read the careful way, below
                 buffers: list[Any] = [head]
             else:
                 buffers = admission.check_sizes(frames, limits)
@@ -357,6 +359,8 @@ class Codec:
         except Exception as exc:
             raise admission.unreadable(frames, exc) from None
 
+
+_BIG_ARRAYS = (0xDC, 0xDD)  # msgpack's array16 and array32: a bundle's first byte
 
 CODEC = Codec()
 """A codec with the default limits (:data:`.admission.DEFAULT_LIMITS`)."""
@@ -545,7 +549,13 @@ def recv_message(
     other frames dropped (:func:`discard_rest`), so a receiver whose limit is ``keep
     - 1`` frames sees a message over it, in time and memory bounded by ``keep``, not by
     what the peer sent."""
-    frame = sock.recv(flags, copy=False)
+    return recv_rest(sock, sock.recv(flags, copy=False), copied, keep)
+
+
+def recv_rest(
+    sock: zmq.Socket[Any], frame: zmq.Frame, copied: int, keep: int = 1 << 62
+) -> list[Any]:
+    """:func:`recv_message` whose first frame was received (``frame``): the message."""
     frames: list[Any] = [frame.bytes if copied else frame]
     while frame.more:
         if len(frames) >= keep:
