@@ -102,6 +102,15 @@ class TensorRef(Struct, forbid_unknown_fields=True, dict=True):
             raise ValueError(f".{TENSOR_KEY}: {exc}") from None
 
 
+class TensorData(Struct, forbid_unknown_fields=True):
+    """A tensor reference read as it is: its spec, checked as a :class:`TensorRef`'s is
+    (in C), and nothing made. A reply read for its values (``Reply.body``'s ``lists``)
+    reads its references so, then each one's values (:meth:`Frames.values`), without a
+    call back into Python per reference as it is decoded."""
+
+    spec: TensorSpec = msgspec.field(name=TENSOR_KEY)
+
+
 def tensor_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -> TensorRef:
     """The reference of a CPU tensor to send; a large one's bytes are appended to
     ``frames`` as a view of its memory (a non-contiguous tensor is copied first)."""

@@ -49,7 +49,16 @@ from graphlane.protocol.errors import (
     error_to_wire,
 )
 from graphlane.protocol.ops import OPS, Op
-from graphlane.protocol.tensors import Frame, Frames, encoded_ref, end_reading, read, start_reading
+from graphlane.protocol.ops.steps import DeviceResult, DeviceValues
+from graphlane.protocol.tensors import (
+    TENSOR_KEY,
+    Frame,
+    Frames,
+    encoded_ref,
+    end_reading,
+    read,
+    start_reading,
+)
 
 PROTOCOL_VERSION = 1
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
@@ -146,6 +155,13 @@ _reply_bodies = {
     name: (msgspec.msgpack.Decoder(op.reply), admission.untyped(op.reply))
     for name, op in OPS.items()
 }
+#: op name -> its reply body's decoder for ``Reply.body``'s ``lists``, for the ops that
+#: answer a DeviceResult (the others' are read as they always are)
+_reply_values = {
+    name: msgspec.msgpack.Decoder(DeviceValues)
+    for name, op in OPS.items()
+    if op.reply is DeviceResult
+}
 _DECODE_ERRORS = (msgspec.ValidationError, msgspec.DecodeError, RecursionError, ValueError)
 
 
@@ -177,6 +193,8 @@ class Reply(Struct, frozen=True):
             problem = admission.walk(memoryview(self.raw), 0, self.frames.limits)[1]
             if problem is not None:
                 raise DecodeError(f"body: {problem}", request_id=self.id)
+        if lists and (values := _reply_values.get(op.name)) is not None:
+            return _decode_values(values, self.raw, self.frames, self.id)
         return _decode_body(decoder, self.raw, self.frames, self.id, lists)
 
 
@@ -195,6 +213,33 @@ def _decode_body(
         raise DecodeError(
             f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
         ) from None
+
+
+def _decode_values(
+    decoder: msgspec.msgpack.Decoder[Any], raw: Any, frames: Frames, request_id: int | None
+) -> Any:
+    """A DeviceResult's body read with each output the list of its values: decoded as a
+    :class:`DeviceValues` (its references read, none made), then each output's values
+    read from its bytes (:meth:`Frames.values`, checked as a tensor is), every frame
+    used by one; what is wrong is the DecodeError :func:`_decode_body` would raise."""
+    name = None
+    try:
+        body = decoder.decode(raw)
+        outputs = body.outputs
+        for name, ref in outputs.items():
+            outputs[name] = frames.values(ref.spec)
+        name = None
+        frames.check_all_used()
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise DecodeError(_body_message(exc), request_id=request_id) from None
+    except ValueError as exc:  # an output's bytes (its name), or a frame nobody used
+        where = "" if name is None else f".outputs[{name!r}].{TENSOR_KEY}"
+        raise DecodeError(f"body{where}: {exc}", request_id=request_id) from None
+    except RecursionError:
+        raise DecodeError(
+            f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
+        ) from None
+    return body
 
 
 # ------------------------------------------------------------------ the codec

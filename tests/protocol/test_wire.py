@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -32,6 +33,7 @@ from graphlane.protocol import (
     ops,
     tensor_ref,
 )
+from graphlane.protocol.ops.steps import DeviceValues
 
 
 def decode_requests(frames: Any, limits: Limits = DEFAULT_LIMITS) -> list[Any]:
@@ -555,3 +557,23 @@ def test_lists_are_checked_as_tensors_are() -> None:
             with pytest.raises(DecodeError):
                 reply_of(frames).body(op, lists=lists)
     assert reply_of([env]).body(op, lists=True).outputs == {"x": [True, True, True]}
+
+
+def test_the_values_reading_of_a_device_result_keeps_its_fields() -> None:
+    """``DeviceValues`` (a DeviceResult read for lists) has DeviceResult's fields, in its
+    order, with its defaults and types, but for its outputs' references: a field added to
+    one and not the other would be dropped from every ``decode(as_lists=True)``."""
+    result = msgspec.structs.fields(ops.DeviceResult)
+    values = msgspec.structs.fields(DeviceValues)
+    assert [f.name for f in values] == [f.name for f in result]
+    for r, v in zip(result, values, strict=True):
+        assert (r.default, r.default_factory) == (v.default, v.default_factory), r.name
+        if r.name != "outputs":
+            assert r.type == v.type, r.name
+    body = ops.DeviceResult({"t": torch.arange(3)}, 8, 1, 20, 12.5, 7)
+    (reply,) = decode_replies(Codec().encode_reply(5, body))
+    as_lists = reply.body(ops.OPS["decode"], lists=True)
+    assert {f.name: getattr(as_lists, f.name) for f in values} == {
+        "outputs": {"t": [0, 1, 2]}, "bucket": 8, "instance": 1, "patched": 20,
+        "server_us": 12.5, "generation": 7,
+    }  # fmt: skip

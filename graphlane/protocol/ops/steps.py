@@ -16,7 +16,7 @@ from typing import Annotated
 from msgspec import Meta, Struct
 
 from graphlane.protocol.bounds import MAX_ITEMS, Count, Name, Positive
-from graphlane.protocol.tensors import Tensor, take_tensors
+from graphlane.protocol.tensors import Tensor, TensorData, take_tensors
 
 MAX_OUTPUTS = 16
 MAX_PARAMS = 64
@@ -89,3 +89,17 @@ class DeviceResult(Struct, frozen=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.outputs:
             take_tensors(self.outputs)
+
+
+class DeviceValues(Struct, frozen=True, omit_defaults=True):
+    """:class:`DeviceResult` as a reply read for its outputs' values (the client's
+    ``decode(as_lists=True)``): the same fields, its outputs' references read as they
+    are, each then made the list of its values (``wire.Reply.body``). A test keeps the
+    two alike."""
+
+    outputs: dict[Name, TensorData] = {}
+    bucket: Count = 0
+    instance: Count = 0
+    patched: Count = 0
+    server_us: float = 0.0
+    generation: Count = 0
