@@ -40,8 +40,9 @@ def run_field(quick: bool = False) -> dict[str, Any]:
         "vllm-ascend loop, the threaded loop and a daemon, 0/0.5/2 ms of scheduler work; "
         "graphlane's own CPU on null; the null round trip"
     ):
-        f = field.measure(steps=60 if quick else 120, reps=2 if quick else 3,
-                          lone_steps=20 if quick else 40)  # fmt: skip
+        f = field.measure(steps=60 if quick else 120, reps=2 if quick else 5,
+                          lone_steps=20 if quick else 40,
+                          own_reps=3 if quick else 7)  # fmt: skip
     return {"field": f.as_dict(), "field_table": field.table(f)}
 
 
