@@ -66,6 +66,12 @@ def _dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str], dict[torc
     return wire, {dtype: name for name, dtype in wire.items()}, numpy
 
 
+@functools.cache
+def _numpy_names() -> dict[Any, str]:
+    """The wire name of each numpy dtype a wire dtype has (all but bfloat16)."""
+    return {np.dtype(numpy): _dtypes()[1][dtype] for dtype, numpy in _dtypes()[2].items()}
+
+
 def __getattr__(name: str) -> Any:  # WIRE_DTYPES, DTYPE_NAMES: with torch, when asked for
     if name == "WIRE_DTYPES":
         return _dtypes()[0]
@@ -123,6 +129,19 @@ def encoded_ref(t: torch.Tensor, frames: list[Frame], *, path: str = "tensor") -
     bytes of the :class:`TensorRef`, without making one: no Struct, no ``__post_init__``)."""
     import torch
 
+    if type(t) is torch.Tensor:
+        # The common tensor (a worker's sampled tokens, a step's lengths): small, on the
+        # CPU. Its numpy view refuses every tensor the checks below refuse or change (not
+        # on the CPU, not strided, needing grad, conjugate or negative bits, bfloat16),
+        # and reads its dtype, shape and bytes for a third of the torch calls.
+        try:
+            a = t.numpy()
+        except (TypeError, RuntimeError, ValueError):
+            pass
+        else:
+            name = _numpy_names().get(a.dtype)
+            if name is not None and a.nbytes <= INLINE_TENSOR_BYTES:
+                return {TENSOR_KEY: {"dtype": name, "shape": list(a.shape), "data": a.tobytes()}}
     if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
         raise ValueError(f"{path}: must be a tensor, got {type(t).__name__}")
     if not t.is_cpu:
