@@ -11,10 +11,11 @@ import tomllib
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
-from graphlane.client import Client, SyncClient
+from graphlane.client import Client, StepReply, SyncClient
 from graphlane.client.args import InvalidArgument
 from graphlane.demo_model import PROGRAM_TOML
 from graphlane.protocol.errors import Timeout, WorkerLost
@@ -173,3 +174,15 @@ async def _turns_until(condition: Callable[[], bool], deadline_s: float = 30.0) 
     while not condition():
         assert time.monotonic() < deadline, "the condition did not hold in time"
         await asyncio.sleep(0)
+
+
+def test_a_step_reply_is_immutable_and_compares_by_its_fields() -> None:
+    """``StepReply`` (docs/api.md): fields as documented, defaults for the last three,
+    no field reassigned, a changed copy by ``msgspec.structs.replace``."""
+    reply = StepReply({"tokens": [7]}, 4, 1, 20, 0)
+    assert (reply.server_us, reply.host, reply.generation) == (0.0, "", 0)
+    with pytest.raises(AttributeError):
+        reply.bucket = 8  # type: ignore[misc]
+    assert reply == StepReply({"tokens": [7]}, 4, 1, 20, 0)
+    changed = msgspec.structs.replace(reply, bucket=8)
+    assert (changed.bucket, reply.bucket, changed.outputs) == (8, 4, {"tokens": [7]})
