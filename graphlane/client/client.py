@@ -255,8 +255,7 @@ class Client:
         a task once it is, in order with every call made before (a later call waits
         behind this one). The future is the call itself either way, ended by the
         socket's reader: calls end in the order of their replies, whichever way they
-        were sent. Every step of a scheduler passes here: no closure, no layer of calls
-        that the common case does not need."""
+        were sent. Every step of a scheduler passes here: no closure per call."""
         fut = _Replied(asyncio.get_running_loop(), self, host.endpoint, local, as_lists)
         ch = _channel_up(host, local)
         if ch is None:
@@ -265,9 +264,7 @@ class Client:
                 self._send_connected(host, local, op, make, args, timeout, fut)
             )
             return fut
-        fut.body = body = make(host, *args)
-        seconds = self.timeout if timeout is None else call_timeout(self.timeout, timeout)
-        return ch.send(next(self._ids), ops.OPS[op], body, seconds, fut)
+        return self._on_device(ch, op, make(host, *args), timeout, fut)
 
     async def _send_connected(
         self,
@@ -815,17 +812,12 @@ class _Replied(_Fenced):
         local: int,
         lists: bool,
     ) -> None:
-        # Every slot at once, without the two __init__ above (one per step: the reader's
-        # and the sender's share of a step are a few dozen such lines).
-        asyncio.Future.__init__(self, loop=loop)
-        self.channel = self.timer = self.sending = self.body = None
+        super().__init__(loop=loop)
         self.client, self.endpoint, self.local, self.lists = client, endpoint, local, lists
+        self.sending = None
 
     def value(self, body: Any) -> StepReply:
-        return StepReply(
-            body.outputs, body.bucket, body.instance, body.patched, self.local,
-            body.server_us, self.endpoint, body.generation,
-        )  # fmt: skip
+        return _reply(self.endpoint, self.local, body)
 
 
 def _step(

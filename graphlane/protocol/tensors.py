@@ -8,7 +8,7 @@ body's tensor fields are typed :data:`Tensor`: on the wire a :class:`TensorRef`,
 which msgspec reads and checks like any other field and which turns itself into a
 ``torch.Tensor`` over the message's frames as it is decoded
 (:meth:`TensorRef.__post_init__`, in the same pass as the rest of the message; the
-frames are those the codec is reading, see :func:`start_reading`); the body then
+frames are those the codec is reading, see :func:`read`); the body then
 holds tensors (:func:`take_tensors`).
 
 torch is imported when a tensor is first made or sent, not with this module: a process
@@ -50,8 +50,6 @@ WIRE_DTYPE_NAMES: tuple[str, ...] = get_args(DType)
 #: memoryview's format of each wire dtype it can read (none for float16 and bfloat16)
 _FORMATS = {"float32": "f", "float64": "d", "int8": "b", "uint8": "B", "int16": "h",
             "int32": "i", "int64": "q", "bool": "?"}  # fmt: skip
-#: ... of those read without a check of their values (bool's bytes must be 0 or 1)
-_LIST_FORMATS = {k: v for k, v in _FORMATS.items() if k != "bool"}
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
              "int16": 2, "int32": 4, "int64": 8, "bool": 1}  # fmt: skip
 
@@ -202,18 +200,6 @@ class Frames:
         """What :meth:`tensor` would make, as its ``tolist()``: Python numbers in lists
         nested by the shape, read from the bytes without a tensor (but for float16,
         bfloat16 and empty ones, whose values go through one)."""
-        data, shape = spec.data, spec.shape
-        if data is not None and len(shape) == 1 and spec.frame is None:
-            # The common reply (a decode's tokens: a short 1-D tensor inline), checked
-            # as _bytes would check it, in a few C calls.
-            fmt = _LIST_FORMATS.get(spec.dtype)
-            if (
-                fmt is not None
-                and shape[0]
-                and len(data) == shape[0] * _ITEMSIZE[spec.dtype]
-                and len(data) <= self.limits.max_tensor_bytes
-            ):
-                return memoryview(data).cast(fmt).tolist()  # type: ignore[call-overload]
         buf = self._bytes(spec)
         fmt = _FORMATS.get(spec.dtype)
         shape = spec.shape
@@ -228,7 +214,16 @@ class Frames:
 
     def _bytes(self, spec: TensorSpec) -> Any:
         """The bytes ``spec`` refers to, checked against it and the limits."""
-        shape = spec.shape
+        shape, data = spec.shape, spec.data
+        # The common reference (a decode's tokens, a step's lengths: short, 1-D, inline):
+        # the checks below, in a few operations.
+        if (
+            data is not None
+            and spec.frame is None
+            and len(shape) == 1
+            and len(data) == shape[0] * _ITEMSIZE[spec.dtype] <= self.limits.max_tensor_bytes
+        ):
+            return data
         if len(shape) > self.limits.max_tensor_dims:
             raise ValueError(f"{len(shape)} dimensions, at most {self.limits.max_tensor_dims}")
         itemsize = _ITEMSIZE[spec.dtype]
@@ -314,26 +309,12 @@ else:
 _reading = threading.local()
 
 
-def start_reading(frames: Frames, lists: bool = False) -> None:
-    """From now on, until :func:`end_reading`, references decoded on this thread are
-    made tensors over ``frames`` (the codec's decoding of one message); with ``lists``,
-    their values as lists instead (:meth:`Frames.values`)."""
-    _reading.frames = frames
-    _reading.lists = lists
-
-
-def end_reading() -> None:
-    _reading.frames = None
-    _reading.lists = False
-
-
 def read(
     decoder: msgspec.msgpack.Decoder[Any], raw: Any, frames: Frames, lists: bool = False
 ) -> Any:
     """``raw`` decoded by ``decoder``, each tensor reference in it made over ``frames``
-    (with ``lists``, its values), and every frame used by one: :func:`start_reading`,
-    the decode, :func:`end_reading` and :meth:`Frames.check_all_used` in one call (a
-    message's body is read so on every request and reply). Raises what the decoder
+    (with ``lists``, its values as lists: :meth:`Frames.values`), and every frame used
+    by one (the codec's read of every request and reply body). Raises what the decoder
     raises, or ValueError for a frame no reference used."""
     _reading.frames = frames
     _reading.lists = lists
@@ -342,8 +323,7 @@ def read(
     finally:
         _reading.frames = None
         _reading.lists = False
-    if frames._used != (1 << (len(frames._frames) + 1)) - 2:
-        frames.check_all_used()  # (raises, naming the frames)
+    frames.check_all_used()
     return body
 
 
@@ -352,10 +332,7 @@ def take_tensors(tensors: dict[str, Any]) -> None:
     (a body's ``__post_init__``; values that are tensors already, a sender's, stay)."""
     for name, value in tensors.items():
         if type(value) is TensorRef:
-            made = value.__dict__.get("tensor", value)  # (the common case: one lookup)
-            if made is value or made is None:
-                made = _tensor_or_fail(value)
-            tensors[name] = made
+            tensors[name] = _tensor_or_fail(value)
 
 
 def take_tensor(body: Struct, name: str) -> None:

@@ -50,15 +50,7 @@ from graphlane.protocol.errors import (
 )
 from graphlane.protocol.ops import OPS, Op
 from graphlane.protocol.ops.steps import DeviceResult, DeviceValues
-from graphlane.protocol.tensors import (
-    TENSOR_KEY,
-    Frame,
-    Frames,
-    encoded_ref,
-    end_reading,
-    read,
-    start_reading,
-)
+from graphlane.protocol.tensors import TENSOR_KEY, Frame, Frames, encoded_ref, read
 
 PROTOCOL_VERSION = 1
 FrameLike: TypeAlias = bytes | bytearray | memoryview | zmq.Frame
@@ -207,12 +199,18 @@ def _decode_body(
 ) -> Any:
     try:
         return read(decoder, raw, frames, lists)
-    except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
-        raise DecodeError(_body_message(exc), request_id=request_id) from None
-    except RecursionError:  # a typed decode skipping an unknown field nested too deep
-        raise DecodeError(
+    except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError) as exc:
+        raise _body_error(exc, frames, request_id) from None
+
+
+def _body_error(exc: Exception, frames: Frames, request_id: int | None) -> DecodeError:
+    """The DecodeError of a body that did not read (RecursionError: a typed decode
+    skipping an unknown field nested too deep)."""
+    if isinstance(exc, RecursionError):
+        return DecodeError(
             f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
-        ) from None
+        )
+    return DecodeError(_body_message(exc), request_id=request_id)
 
 
 def _decode_values(
@@ -222,23 +220,21 @@ def _decode_values(
     :class:`DeviceValues` (its references read, none made), then each output's values
     read from its bytes (:meth:`Frames.values`, checked as a tensor is), every frame
     used by one; what is wrong is the DecodeError :func:`_decode_body` would raise."""
-    name = None
     try:
         body = decoder.decode(raw)
-        outputs = body.outputs
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        raise _body_error(exc, frames, request_id) from None
+    outputs = body.outputs
+    try:
         for name, ref in outputs.items():
             outputs[name] = frames.values(ref.spec)
-        name = None
-        frames.check_all_used()
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise DecodeError(_body_message(exc), request_id=request_id) from None
-    except ValueError as exc:  # an output's bytes (its name), or a frame nobody used
-        where = "" if name is None else f".outputs[{name!r}].{TENSOR_KEY}"
+    except ValueError as exc:  # (msgspec would name the output "[...]": this names it)
+        where = f".outputs[{name!r}].{TENSOR_KEY}"
         raise DecodeError(f"body{where}: {exc}", request_id=request_id) from None
-    except RecursionError:
-        raise DecodeError(
-            f"body: nested deeper than {frames.limits.max_depth} levels", request_id=request_id
-        ) from None
+    try:
+        frames.check_all_used()
+    except ValueError as exc:
+        raise DecodeError(f"body: {exc}", request_id=request_id) from None
     return body
 
 
@@ -324,13 +320,10 @@ class Codec:
         case); else each envelope on its own, each refusal in its place."""
         limits = self.limits
         admission.bundle_size(head, limits)  # too many: refused before anything is decoded
-        start_reading(Frames((), limits, self.tensors))  # a bundle's tensors: inline only
-        try:
-            envs = _request_bundle.decode(head)
+        try:  # a bundle's tensors: inline only
+            envs = read(_request_bundle, head, Frames((), limits, self.tensors))
         except _DECODE_ERRORS:
             envs = None
-        finally:
-            end_reading()
         if (
             envs is not None
             and 0 < len(envs) <= limits.max_items
@@ -383,16 +376,10 @@ class Codec:
             # The common reply, one envelope as bytes within its limit, at once.
             head = frames[0] if len(frames) == 1 else None
             if type(head) is bytes and 0 < len(head) <= limits.max_envelope_bytes:
-                if not (0x90 <= head[0] <= 0x9F or head[0] in _BIG_ARRAYS):  # (is_bundle)
-                    # The common reply, one envelope alone, read at once.
-                    try:
-                        return [_reply_of(_reply_envelope.decode(head), self._no_frames)]
-                    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
-                        pass  # read the careful way, below
                 buffers: list[Any] = [head]
             else:
                 buffers = admission.check_sizes(frames, limits)
-            typed = _typed_replies(buffers[0], buffers[1:], limits)
+            typed = _typed_replies(buffers[0], buffers[1:], limits, self._no_frames)
             if typed is not None:
                 return typed
             return [
@@ -404,8 +391,6 @@ class Codec:
         except Exception as exc:
             raise admission.unreadable(frames, exc) from None
 
-
-_BIG_ARRAYS = (0xDC, 0xDD)  # msgpack's array16 and array32: a bundle's first byte
 
 CODEC = Codec()
 """A codec with the default limits (:data:`.admission.DEFAULT_LIMITS`)."""
@@ -452,14 +437,18 @@ def _lenient(raw: Any) -> tuple[int | None, Any]:
         return admission.scan_id(raw)
 
 
-def _typed_replies(head: Any, data: Sequence[memoryview], limits: Limits) -> list[Any] | None:
+def _typed_replies(
+    head: Any, data: Sequence[memoryview], limits: Limits, none: Frames
+) -> list[Any] | None:
     """The replies of a message whose envelopes (one, or a bundle's) all read with their
     type at once, which bounds what is read but the bodies, skipped as bytes (a skip
     too deep is a RecursionError, not a crash: msgspec's skip costs little stack).
-    None when the message must be read the careful way (walked first)."""
+    None when the message must be read the careful way (walked first). ``none``: the
+    codec's data frames of a message that has none (shared: nothing marks them used)."""
     try:
         if not is_bundle(head):
-            return [_reply_of(_reply_envelope.decode(head), Frames(data, limits))]
+            frames = Frames(data, limits) if data else none
+            return [_reply_of(_reply_envelope.decode(head), frames)]
         if data:
             return None
         envs = _reply_bundle.decode(head)
@@ -467,7 +456,6 @@ def _typed_replies(head: Any, data: Sequence[memoryview], limits: Limits) -> lis
         return None
     if not 0 < len(envs) <= limits.max_items:
         return None
-    none = Frames((), limits)
     return [_reply_of(env, none) for env in envs]
 
 

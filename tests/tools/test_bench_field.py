@@ -4,6 +4,7 @@ asserts a rate or a wall time."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -135,7 +136,6 @@ def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch_and_its_poll()
 def test_the_raw_client_closes_when_its_server_does_not_answer(tmp_path: Path) -> None:
     """An echo server gone (or never there) does not turn the raw client's stop into an
     error of its own or a hang: it waits ``wait`` seconds, then closes its socket."""
-    import asyncio
 
     async def main() -> None:
         raw = field.RawAhead(f"ipc://{tmp_path}/nobody.sock")
