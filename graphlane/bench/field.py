@@ -322,7 +322,14 @@ class FieldFigures:
     # was (RawAhead)
     raw_client_cpu_us: list[float] = field(default_factory=list)
     raw_server_cpu_us: list[float] = field(default_factory=list)
+    raw_before_cpu_us: list[float] = field(default_factory=list)  # both, just before
+    # per rep of the own CPU: the host at its speed around it (OwnCpu.quiet)
+    own_quiet: list[bool] = field(default_factory=list)
     null_rtt_vs_raw: float | None = None
+
+    def quiet(self, figures: list[float]) -> list[float]:
+        """The own CPU ``figures`` the goals judge (:func:`quiet_reps`)."""
+        return quiet_reps(figures, self.own_quiet)
 
     def med(self, way: str, sched: float) -> float:
         return statistics.median(self.steps_s[way][f"{sched:g}"])
@@ -376,6 +383,14 @@ FIELD_GOALS = (
 )  # fmt: skip
 
 
+def quiet_reps(figures: list[float], quiet: list[bool]) -> list[float]:
+    """The own CPU ``figures`` of the reps marked ``quiet`` (:meth:`OwnCpu.quiet`), or
+    all of them where fewer than three were (a host never at its speed is judged as it
+    was): the goals judge the median of these."""
+    kept = [x for x, q in zip(figures, quiet, strict=False) if q]
+    return kept if len(kept) >= 3 else figures
+
+
 def field_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float]]:
     """(label, value, op, goal) of each goal the report has a figure for."""
     r = report.get("field")
@@ -384,7 +399,8 @@ def field_goals(report: dict[str, Any]) -> list[tuple[str, float, str, float]]:
     out = []
     for label, key, op, goal in FIELD_GOALS:
         value: Any = r["ratios"].get(key, r.get(key))
-        if isinstance(value, list):
+        if isinstance(value, list):  # the own CPU's reps
+            value = quiet_reps(value, r.get("own_quiet", []))
             value = statistics.median(value) if value else None
         if isinstance(value, (int, float)):
             out.append((f"field {label}", float(value), op, goal))
@@ -395,12 +411,14 @@ def measure(steps: int = 120, reps: int = 5, lone_steps: int = 40,
             sched_ms: tuple[float, ...] = SCHED_MS, layers: int = LAYERS,
             null_rtt: bool = True, own_reps: int = 7) -> FieldFigures:  # fmt: skip
     """Every way at every scheduler load, in alternation ``reps`` times, one run; then
-    graphlane's own CPU, ``own_reps`` times (:func:`own_cpu`).
+    graphlane's own CPU until ``own_reps`` reps were quiet, at most three times as many
+    (:func:`own_cpu`).
 
     The goals judge medians. Each rep is short (a fraction of a second a way), and this
     host's speed moves by up to 2x within minutes (docs/performance.md): of three reps,
-    two slow windows made the median. Five reps of the ways and seven of the own CPU (a
-    few seconds more) judge the middle of the run; the table prints every rep's range."""
+    two slow windows made the median. Five reps of the ways judge the middle of the run;
+    the own CPU, in microseconds, is judged on its quiet reps (:meth:`OwnCpu.quiet`). The
+    table prints every rep's range."""
     if not 1 <= steps <= decode.MAX_STEPS:
         raise ValueError(f"steps must be in 1..{decode.MAX_STEPS} (the sequences' room)")
     loop = FieldModel(layers)
@@ -421,6 +439,7 @@ def measure(steps: int = 120, reps: int = 5, lone_steps: int = 40,
     f.client_cpu_us, f.raw_client_cpu_us, f.raw_server_cpu_us = (
         own.client, own.raw_client, own.raw_server
     )
+    f.raw_before_cpu_us, f.own_quiet = own.raw_before, own.quiet()
     parts = zip(f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us, strict=True)
     f.worker_cpu_us = [a - p - s for a, p, s in parts]
     if null_rtt:
@@ -465,9 +484,30 @@ class OwnCpu(NamedTuple):
     # beside each rep, a raw pyzmq+msgpack client's and its echo server's (per round trip)
     raw_client: list[float]
     raw_server: list[float]
+    # the raw pair's client and server together, just before each rep
+    raw_before: list[float]
+
+    def quiet(self) -> list[bool]:
+        """Which reps ran while the host was at its speed: the raw pair measured just
+        before and just after the rep (client and server together, per round trip) each
+        within :data:`QUIET_X` of the fastest raw rep of the run. This host's cores
+        switch between two speeds 1.5-1.7x apart in stretches of 50-100 ms (a pure
+        Python loop with no I/O shows it; docs/performance.md, the twelfth session), and a
+        rep is 20-30 ms: in a slow stretch every process is slower, the raw pair with
+        it."""
+        after = [c + s for c, s in zip(self.raw_client, self.raw_server, strict=True)]
+        fastest = min(after + self.raw_before, default=0.0)
+        return [max(b, a) <= QUIET_X * fastest
+                for b, a in zip(self.raw_before, after, strict=True)]  # fmt: skip
 
 
-def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3) -> OwnCpu:
+#: A rep is quiet when the raw pair beside it ran within this factor of its fastest
+#: (:meth:`OwnCpu.quiet`): the host's two speeds are 1.5-1.7x apart.
+QUIET_X = 1.2
+
+
+def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3,
+            max_reps: int | None = None) -> OwnCpu:  # fmt: skip
     """The worker's CPU, its patches' dispatch, its poll for the next request and the
     client's CPU per decode step, in microseconds, one figure per rep: the same program
     and the same requests decoding ahead, through a daemon on the ``null`` backend (no
@@ -483,54 +523,81 @@ def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3) -> OwnCpu:
     the next one sooner. The worker's own CPU outside the modelled costs is the first
     less the second and the third; the report shows all three.
 
-    Beside each rep, the same steps by a raw pyzmq+msgpack client (:class:`RawAhead`)
-    against an echo server, and the CPU of both: what the transport alone costs a client
-    and a server on this host at this moment. These figures are microseconds, not ratios,
-    and a shared host's speed moves them by up to 2x within minutes (docs/performance.md):
-    the raw pair's, measured in the same minute, says how fast the host was."""
+    Just before and just after each rep, the same steps by a raw pyzmq+msgpack client
+    (:class:`RawAhead`) against an echo server placed as the worker is (its cores and
+    scheduling policy), and the CPU of both: what the transport alone costs a client and
+    a server on this host at that moment. The reps go on until ``reps`` of them were
+    quiet (:meth:`OwnCpu.quiet`: the host at its speed on both sides of the rep), or
+    ``max_reps`` (three times ``reps`` unless given) were run."""
     from . import control_plane
 
+    most = 3 * reps if max_reps is None else max(reps, max_reps)
     daemon = BenchDaemon(program_table(layers), backend="null")
     try:
         return control_plane.with_raw_server(
-            lambda raw: _own_cpu(daemon.endpoint, raw, steps, reps)
+            lambda raw: _own_cpu(daemon.endpoint, raw, steps, reps, most)
         )
     finally:
         daemon.close()
 
 
-async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int) -> OwnCpu:
-    out = OwnCpu([], [], [], [], [], [])
+async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int,
+                   most: int) -> OwnCpu:  # fmt: skip
+    out = OwnCpu([], [], [], [], [], [], [])
     raw = RawAhead(raw_endpoint)
     try:
-        raw_pid = (await raw.call("pid", {}))["body"]["pid"]
+        raw_pid = (await asyncio.wait_for(raw.call("pid", {}), 60))["body"]["pid"]
         async with Client(endpoint, timeout=120) as c:
             pid = (await c.status())["workers"][0]["pid"]
+            _place_as(raw_pid, pid)
             prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
-            for rep in range(reps + 1):  # the first warms up
+            warm = True  # the first rep warms up
+            while len(out.worker) < reps or (
+                len(out.worker) < most and sum(out.quiet()) < reps
+            ):
                 await _prefill(c, prompts)
                 # The null device computes a prefill on the host, and torch's OpenMP
                 # threads spin for a few ms after it (the worker's CPU, but no decode
                 # step's): let them park first.
                 await asyncio.sleep(_SETTLE_S)
+                before = await _raw_rep(raw, raw_pid, steps)
                 p0, s0 = await _worker_counters(c)
                 w0, c0 = process_cpu_s(pid), time.process_time()
                 await daemon_ahead(c, steps, 0.0)
                 w1, c1 = process_cpu_s(pid), time.process_time()
                 p1, s1 = await _worker_counters(c)
-                r0, e0 = time.process_time(), process_cpu_s(raw_pid)
-                await raw.ahead(steps)
-                r1, e1 = time.process_time(), process_cpu_s(raw_pid)
-                if rep:
-                    out.worker.append(1e6 * (w1 - w0) / steps)
-                    out.patches.append(1e6 * (p1 - p0) / steps)
-                    out.spins.append(1e6 * (s1 - s0) / steps)
-                    out.client.append(1e6 * (c1 - c0) / steps)
-                    out.raw_client.append(1e6 * (r1 - r0) / steps)
-                    out.raw_server.append(1e6 * (e1 - e0) / steps)
+                after = await _raw_rep(raw, raw_pid, steps)
+                if warm:
+                    warm = False
+                    continue
+                out.worker.append(1e6 * (w1 - w0) / steps)
+                out.patches.append(1e6 * (p1 - p0) / steps)
+                out.spins.append(1e6 * (s1 - s0) / steps)
+                out.client.append(1e6 * (c1 - c0) / steps)
+                out.raw_client.append(after[0])
+                out.raw_server.append(after[1])
+                out.raw_before.append(sum(before))
     finally:
         await raw.stop()
     return out
+
+
+async def _raw_rep(raw: RawAhead, pid: int, steps: int) -> tuple[float, float]:
+    """The raw pair's client and server CPU per round trip, in microseconds, over
+    ``steps`` steps decoded ahead (the server: process ``pid``)."""
+    r0, e0 = time.process_time(), process_cpu_s(pid)
+    await raw.ahead(steps)
+    r1, e1 = time.process_time(), process_cpu_s(pid)
+    return 1e6 * (r1 - r0) / steps, 1e6 * (e1 - e0) / steps
+
+
+def _place_as(pid: int, worker: int) -> None:
+    """Run process ``pid``'s main thread where the worker's runs (its cores and its
+    scheduling policy: ``cpu_affinity = "auto"`` pins a null worker to one core under
+    SCHED_BATCH), so that the raw server beside it shares what the worker shares."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(pid, os.sched_getaffinity(worker))
+        os.sched_setscheduler(pid, os.sched_getscheduler(worker), os.sched_param(0))
 
 
 class RawAhead:
@@ -646,6 +713,15 @@ def table(f: FieldFigures) -> str:
         f"own CPU per step (us, outside the modelled costs): worker "
         f"{rng(f.worker_cpu_us, '.0f')}, client {rng(f.client_cpu_us, '.0f')}"
     )
+    if f.own_quiet and f.worker_cpu_us:
+        med = statistics.median
+        lines.append(
+            f"  medians of the {sum(f.own_quiet)} quiet reps of {len(f.own_quiet)} (the raw "
+            f"pair within {QUIET_X:g}x its fastest before and after the rep; all reps where "
+            f"fewer than 3): worker {med(f.quiet(f.worker_cpu_us)):.0f}, client "
+            f"{med(f.quiet(f.client_cpu_us)):.0f}; of all reps: worker "
+            f"{med(f.worker_cpu_us):.0f}, client {med(f.client_cpu_us):.0f}"
+        )
     if f.worker_all_cpu_us:
         lines.append(
             f"  (the worker's CPU {rng(f.worker_all_cpu_us, '.0f')} less its patches' "
@@ -665,5 +741,6 @@ def table(f: FieldFigures) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["FIELD_GOALS", "FieldFigures", "FieldModel", "OwnCpu", "RawAhead", "daemon_ahead",
-           "field_goals", "measure", "own_cpu", "scheduler_work", "table"]  # fmt: skip
+__all__ = ["FIELD_GOALS", "QUIET_X", "FieldFigures", "FieldModel", "OwnCpu", "RawAhead",
+           "daemon_ahead", "field_goals", "measure", "own_cpu", "quiet_reps", "scheduler_work",
+           "table"]  # fmt: skip

@@ -86,6 +86,64 @@ def test_the_field_goals_are_ratios_of_one_run() -> None:
     assert not [g for g in goals(report) if "raw" in g["goal"] and "CPU" in g["goal"]]
 
 
+def test_the_own_cpu_goals_judge_the_reps_the_host_ran_at_its_speed() -> None:
+    """A rep is quiet when the raw pair before and after it ran within QUIET_X of the
+    run's fastest raw rep; the goals take the median of the quiet reps, and of all reps
+    where fewer than three were quiet."""
+    own = field.OwnCpu(
+        worker=[120.0, 170.0, 118.0, 175.0, 121.0], patches=[0.0] * 5, spins=[0.0] * 5,
+        client=[80.0, 110.0, 78.0, 112.0, 79.0],
+        raw_client=[42.0, 63.0, 41.0, 44.0, 43.0], raw_server=[37.0, 57.0, 36.0, 37.0, 38.0],
+        raw_before=[80.0, 81.0, 79.0, 118.0, 78.0],
+    )  # fmt: skip
+    # rep 1 slow after, rep 3 slow before; 77 (41 + 36) is the fastest raw rep
+    assert own.quiet() == [True, False, True, False, True]
+    f = _figures()
+    f.worker_cpu_us, f.client_cpu_us, f.own_quiet = own.worker, own.client, own.quiet()
+    by_name = {g["goal"]: g for g in goals({"field": f.as_dict()})}
+    assert by_name["field worker's own CPU per step, us"]["value"] == 120.0
+    assert by_name["field client's own CPU per step, us"]["value"] == 79.0
+    assert "medians of the 3 quiet reps of 5" in field.table(f)
+    assert "of all reps: worker 121, client 80" in field.table(f)
+    # two quiet reps are too few to judge by: every rep is
+    f.own_quiet = [True, False, False, False, True]
+    by_name = {g["goal"]: g for g in goals({"field": f.as_dict()})}
+    assert by_name["field worker's own CPU per step, us"]["value"] == 121.0
+    assert field.quiet_reps([1.0, 2.0], []) == [1.0, 2.0]  # a report without the marks
+
+
+def test_the_raw_server_is_placed_as_the_worker_is() -> None:
+    """The echo server beside the worker runs on the worker's cores under its policy."""
+    import os
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    worker, server = subprocess.Popen(sleep), subprocess.Popen(sleep)
+    try:
+        os.sched_setaffinity(worker.pid, cores[-1:])
+        os.sched_setscheduler(worker.pid, os.SCHED_BATCH, os.sched_param(0))
+        field._place_as(server.pid, worker.pid)
+        assert os.sched_getaffinity(server.pid) == set(cores[-1:])
+        assert os.sched_getscheduler(server.pid) == os.SCHED_BATCH
+    finally:
+        worker.kill()
+        server.kill()
+        worker.wait()
+        server.wait()
+
+
+def test_the_own_cpu_reps_go_on_until_enough_were_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reps are run until ``reps`` were quiet: here the first rep is not, the second is,
+    and the run stops there, short of ``max_reps``."""
+    monkeypatch.setattr(field.OwnCpu, "quiet", lambda own: [i > 0 for i in range(len(own.worker))])
+    own = field.own_cpu(layers=2, steps=8, reps=1, max_reps=3)
+    assert len(own.worker) == len(own.raw_before) == len(own.raw_client) == 2
+
+
 def test_a_report_without_the_field_part_has_no_field_goals() -> None:
     assert not [g for g in goals({"zero_cost": {"steps_s": 2500.0}}) if "field" in g["goal"]]
 
@@ -124,8 +182,11 @@ def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch_and_its_poll()
     host time patching the steps: more than nothing, less than all of its CPU; its poll
     for the next request (idle_spin_us, on by default on a host with a core to spare)
     is its measured CPU polling, part of all of its CPU."""
-    worker, patches, spins, client, raw, echo = field.own_cpu(layers=2, steps=8, reps=1)
+    worker, patches, spins, client, raw, echo, before = field.own_cpu(
+        layers=2, steps=8, reps=1, max_reps=1
+    )
     assert len(worker) == len(patches) == len(spins) == len(client) == len(raw) == 1
+    assert len(before) == 1 and before[0] > 0  # the raw pair ran before the rep too
     assert 0 < patches[0] < worker[0] and client[0] > 0
     assert 0 <= spins[0] < worker[0] - patches[0]
     # the raw client beside it ran its steps: its echo server answered each (its CPU
