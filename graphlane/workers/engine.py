@@ -378,14 +378,15 @@ class StepEngine:
         program = self.programs[job.plan.program]
         if job.kind is JobKind.STEP:
             try:
-                if program.checks_feeds_first and self._patches_first(job):
+                checked = program.checks_feeds_first and self._patches_first(job)
+                if checked:
                     # its refusal, if any, before its patches go (host state only)
                     program.check_feeds(job.plan, job.owner)
                     self._hand_patches(job, self._pick(job))
                 # copies from earlier steps' outputs (decoding ahead), if it has any;
                 # device work the program issues for them goes on S, before the step's
                 with self.backend.use_stream(self.capture_stream):
-                    job.feeds = program.feeds(job.plan, job.owner)
+                    job.feeds = program.feeds(job.plan, job.owner, checked)
             except Exception as exc:
                 if job.parties:  # its patches went: a fault past the check, not a refusal
                     self._fail(exc)

@@ -21,6 +21,7 @@ from graphlane.protocol.errors import NoPreviousToken
 from graphlane.workers.backends.npu import NpuBackend
 from graphlane.workers.job import Job, JobKind
 from graphlane.workers.programs import ModelConfig, ModelProgram
+from graphlane.workers.programs.batch import PersistentBatch
 
 pytestmark = pytest.mark.usefixtures("float32_attention")
 
@@ -160,12 +161,23 @@ def test_a_decode_copies_what_changed_alone() -> None:
 
 
 @pytest.mark.parametrize("patches_first", [False, True])
-def test_a_token_its_sequence_never_sampled_here_is_refused(patches_first: bool) -> None:
+def test_a_token_its_sequence_never_sampled_here_is_refused(
+    patches_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A decode whose sequence's add was planned but never issued, or whose previous
     decode was planned but never issued, is refused (NO_PREVIOUS_TOKEN): never fed the
     row's stale token (its previous holder's, or its own older one). Refused before its
     patches go when they go first (patches that cost more than a hand-off: the program's
-    check_feeds), so the refusal is the step's alone, and the next decode is served."""
+    check_feeds), so the refusal is the step's alone, and the next decode is served.
+    Each decode's rows are checked once, whichever way it goes."""
+    checks: list[int] = []
+    check = PersistentBatch.check
+
+    def counted(seqs: Any, lengths: Any) -> None:
+        checks.append(len(seqs))
+        check(seqs, lengths)
+
+    monkeypatch.setattr(PersistentBatch, "check", staticmethod(counted))
     with Issuer(NpuBackend(torch_npu, 0), [_random_program(2)]) as eng:
         if patches_first:
             eng.engine._u_costs.extend([1.0] * 8)  # as if each step's patches took a second
@@ -183,6 +195,7 @@ def test_a_token_its_sequence_never_sampled_here_is_refused(patches_first: bool)
         served = c.decode([2])
         wait_for(lambda: eng._all_done([served]), 60, "the next decode")
         assert served.error is None
+    assert checks == [2, 1, 1]  # the three decodes' rows, once each
 
 
 def test_a_sampling_sequence_draws_the_same_tokens_in_any_row_beside_any_others() -> None:

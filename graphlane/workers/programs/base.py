@@ -362,7 +362,7 @@ class GraphProgram(abc.ABC):
         issue nothing (see :attr:`checks_feeds_first`)."""
         return None  # a program that keeps no feeds refuses none
 
-    def feeds(self, plan: StepPlan, owner: Any = None) -> list[Feed]:
+    def feeds(self, plan: StepPlan, owner: Any = None, checked: bool = False) -> list[Feed]:
         """The device-to-device copies a step needs beside its host inputs (each written
         by its ``write(buffers)``, into the instance the step runs on), resolved when
         it is issued (in issue order, after every step issued before it); an exception
@@ -371,7 +371,9 @@ class GraphProgram(abc.ABC):
         make the feeds' sources) is ordered after every replay issued before and before
         this step's. ``owner``: the client that
         sent it (its CURVE key, else its connection): state a program keeps per client
-        (a model's sequences) is that client's alone."""
+        (a model's sequences) is that client's alone. ``checked``: :meth:`check_feeds`
+        passed for ``plan`` just before, with nothing issued between (what it checked
+        need not be checked again)."""
         return []
 
     #: True for a program that keeps decoding sequences (the wire's add, decode,

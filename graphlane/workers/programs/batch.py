@@ -115,10 +115,12 @@ class PersistentBatch:
         b.copy_in(self.tables[row], torch.tensor(blocks + pad, dtype=torch.int32))
         seq.written = len(blocks)
 
-    def prepare(self, seqs: Any, lengths: Any) -> None:
+    def prepare(self, seqs: Any, lengths: Any, checked: bool = False) -> None:
         """Before a decode of ``seqs`` (lengths[i] the length row i feeds): refuse it
-        (:meth:`check`, nothing written); then write each row's new blocks alone."""
-        self.check(seqs, lengths)
+        (:meth:`check`, nothing written; not again when ``checked``); then write each
+        row's new blocks alone."""
+        if not checked:
+            self.check(seqs, lengths)
         for seq in seqs:
             if seq.written < len(seq.blocks):
                 b, tables = self._backend, self.tables

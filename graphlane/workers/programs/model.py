@@ -957,7 +957,7 @@ class ModelProgram(GraphProgram):
         else:
             self._ahead_records(plan, owner)
 
-    def feeds(self, plan: StepPlan, owner: Any = None) -> list[Feed]:
+    def feeds(self, plan: StepPlan, owner: Any = None, checked: bool = False) -> list[Feed]:
         """A decode's rows from the persistent batch (batch.py): its rows' new blocks
         written, their block-table rows and last tokens gathered by its index straight
         into the step's buffers, on the capture stream. A generic step's rows of token
@@ -969,7 +969,7 @@ class ModelProgram(GraphProgram):
         decoded = plan.values.get("decoded")
         if decoded is not None:
             b = self._batch
-            b.prepare(decoded, plan.values["kv"])
+            b.prepare(decoded, plan.values["kv"], checked)
             return [b.feed]
         feeds: list[Feed] = []
         run: list[Any] = []  # [first row, its record, rows so far]: one copy per run
