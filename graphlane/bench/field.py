@@ -322,7 +322,9 @@ class FieldFigures:
     # was (RawAhead)
     raw_client_cpu_us: list[float] = field(default_factory=list)
     raw_server_cpu_us: list[float] = field(default_factory=list)
-    raw_before_cpu_us: list[float] = field(default_factory=list)  # both, just before
+    # ... and just before it
+    raw_client_before_cpu_us: list[float] = field(default_factory=list)
+    raw_server_before_cpu_us: list[float] = field(default_factory=list)
     # per rep of the own CPU: the host at its speed around it (OwnCpu.quiet)
     own_quiet: list[bool] = field(default_factory=list)
     null_rtt_vs_raw: float | None = None
@@ -439,7 +441,10 @@ def measure(steps: int = 120, reps: int = 5, lone_steps: int = 40,
     f.client_cpu_us, f.raw_client_cpu_us, f.raw_server_cpu_us = (
         own.client, own.raw_client, own.raw_server
     )
-    f.raw_before_cpu_us, f.own_quiet = own.raw_before, own.quiet()
+    f.raw_client_before_cpu_us, f.raw_server_before_cpu_us = (
+        own.raw_client_before, own.raw_server_before
+    )
+    f.own_quiet = own.quiet()
     parts = zip(f.worker_all_cpu_us, f.worker_patch_us, f.worker_spin_us, strict=True)
     f.worker_cpu_us = [a - p - s for a, p, s in parts]
     if null_rtt:
@@ -484,26 +489,37 @@ class OwnCpu(NamedTuple):
     # beside each rep, a raw pyzmq+msgpack client's and its echo server's (per round trip)
     raw_client: list[float]
     raw_server: list[float]
-    # the raw pair's client and server together, just before each rep
-    raw_before: list[float]
+    # the raw pair's, just before each rep
+    raw_client_before: list[float]
+    raw_server_before: list[float]
 
     def quiet(self) -> list[bool]:
         """Which reps ran while the host was at its speed: the raw pair measured just
-        before and just after the rep (client and server together, per round trip) each
-        within :data:`QUIET_X` of the fastest raw rep of the run. This host's cores
-        switch between two speeds 1.5-1.7x apart in stretches of 50-100 ms (a pure
-        Python loop with no I/O shows it; docs/performance.md, the twelfth session), and a
-        rep is 20-30 ms: in a slow stretch every process is slower, the raw pair with
-        it."""
-        after = [c + s for c, s in zip(self.raw_client, self.raw_server, strict=True)]
-        fastest = min(after + self.raw_before, default=0.0)
-        return [max(b, a) <= QUIET_X * fastest
-                for b, a in zip(self.raw_before, after, strict=True)]  # fmt: skip
+        before and just after the rep each within :data:`QUIET_X` of the run's fast
+        speed, its client and its server apiece (they run on two cores, whose speeds
+        change apart). The fast speed is the tenth percentile of the raw pair's reps
+        (one rep faster than all others does not set it). This host's cores switch
+        between two speeds 1.5-1.7x apart in stretches of 50-100 ms (a pure Python loop
+        with no I/O shows it; docs/performance.md, the twelfth session), and a rep is
+        20-30 ms: in a slow stretch every process is slower, the raw pair with it."""
+        ok = [True] * len(self.worker)
+        for sides in ((self.raw_client_before, self.raw_client),
+                      (self.raw_server_before, self.raw_server)):  # fmt: skip
+            fast = _tenth(sides[0] + sides[1])
+            for i, (b, a) in enumerate(zip(*sides, strict=True)):
+                ok[i] = ok[i] and max(b, a) <= QUIET_X * fast
+        return ok
 
 
-#: A rep is quiet when the raw pair beside it ran within this factor of its fastest
-#: (:meth:`OwnCpu.quiet`): the host's two speeds are 1.5-1.7x apart.
-QUIET_X = 1.2
+def _tenth(xs: list[float]) -> float:
+    """The tenth percentile of ``xs`` (the lowest of them below 10 values)."""
+    return sorted(xs)[len(xs) // 10] if xs else 0.0
+
+
+#: A rep is quiet when the raw pair beside it ran within this factor of its fast speed
+#: (:meth:`OwnCpu.quiet`): the host's two speeds are 1.5-1.7x apart, and 1.25 is about
+#: the middle of them on a log scale.
+QUIET_X = 1.25
 
 
 def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3,
@@ -543,13 +559,15 @@ def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3,
 
 async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int,
                    most: int) -> OwnCpu:  # fmt: skip
-    out = OwnCpu([], [], [], [], [], [], [])
+    from . import control_plane
+
+    out = OwnCpu([], [], [], [], [], [], [], [])
     raw = RawAhead(raw_endpoint)
     try:
         raw_pid = (await asyncio.wait_for(raw.call("pid", {}), 60))["body"]["pid"]
         async with Client(endpoint, timeout=120) as c:
             pid = (await c.status())["workers"][0]["pid"]
-            _place_as(raw_pid, pid)
+            control_plane.place_as(raw_pid, pid)
             prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
             warm = True  # the first rep warms up
             while len(out.worker) < reps or (
@@ -576,7 +594,8 @@ async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int,
                 out.client.append(1e6 * (c1 - c0) / steps)
                 out.raw_client.append(after[0])
                 out.raw_server.append(after[1])
-                out.raw_before.append(sum(before))
+                out.raw_client_before.append(before[0])
+                out.raw_server_before.append(before[1])
     finally:
         await raw.stop()
     return out
@@ -589,15 +608,6 @@ async def _raw_rep(raw: RawAhead, pid: int, steps: int) -> tuple[float, float]:
     await raw.ahead(steps)
     r1, e1 = time.process_time(), process_cpu_s(pid)
     return 1e6 * (r1 - r0) / steps, 1e6 * (e1 - e0) / steps
-
-
-def _place_as(pid: int, worker: int) -> None:
-    """Run process ``pid``'s main thread where the worker's runs (its cores and its
-    scheduling policy: ``cpu_affinity = "auto"`` pins a null worker to one core under
-    SCHED_BATCH), so that the raw server beside it shares what the worker shares."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setaffinity(pid, os.sched_getaffinity(worker))
-        os.sched_setscheduler(pid, os.sched_getscheduler(worker), os.sched_param(0))
 
 
 class RawAhead:
@@ -717,8 +727,9 @@ def table(f: FieldFigures) -> str:
         med = statistics.median
         lines.append(
             f"  medians of the {sum(f.own_quiet)} quiet reps of {len(f.own_quiet)} (the raw "
-            f"pair within {QUIET_X:g}x its fastest before and after the rep; all reps where "
-            f"fewer than 3): worker {med(f.quiet(f.worker_cpu_us)):.0f}, client "
+            f"pair's client and server each within {QUIET_X:g}x their fast speed before and "
+            f"after the rep; all reps where fewer than 3): worker "
+            f"{med(f.quiet(f.worker_cpu_us)):.0f}, client "
             f"{med(f.quiet(f.client_cpu_us)):.0f}; of all reps: worker "
             f"{med(f.worker_cpu_us):.0f}, client {med(f.client_cpu_us):.0f}"
         )

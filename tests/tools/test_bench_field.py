@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from npusim import configure
 
-from graphlane.bench import field
+from graphlane.bench import control_plane, field
 from graphlane.bench.goals import format_goals, goals
 from graphlane.cli import _parser
 
@@ -87,28 +87,39 @@ def test_the_field_goals_are_ratios_of_one_run() -> None:
 
 
 def test_the_own_cpu_goals_judge_the_reps_the_host_ran_at_its_speed() -> None:
-    """A rep is quiet when the raw pair before and after it ran within QUIET_X of the
-    run's fastest raw rep; the goals take the median of the quiet reps, and of all reps
-    where fewer than three were quiet."""
+    """A rep is quiet when the raw pair's client and its server, before and after it,
+    each ran within QUIET_X of their fast speed (their tenth percentile); the goals take
+    the median of the quiet reps, and of all reps where fewer than three were quiet."""
     own = field.OwnCpu(
-        worker=[120.0, 170.0, 118.0, 175.0, 121.0], patches=[0.0] * 5, spins=[0.0] * 5,
-        client=[80.0, 110.0, 78.0, 112.0, 79.0],
-        raw_client=[42.0, 63.0, 41.0, 44.0, 43.0], raw_server=[37.0, 57.0, 36.0, 37.0, 38.0],
-        raw_before=[80.0, 81.0, 79.0, 118.0, 78.0],
+        worker=[120.0, 170.0, 118.0, 175.0, 121.0, 165.0], patches=[0.0] * 6,
+        spins=[0.0] * 6, client=[80.0, 110.0, 78.0, 112.0, 79.0, 105.0],
+        raw_client=[42.0, 63.0, 41.0, 44.0, 43.0, 42.0],
+        raw_server=[37.0, 38.0, 36.0, 37.0, 38.0, 37.0],
+        raw_client_before=[43.0, 42.0, 41.0, 65.0, 42.0, 41.0],
+        raw_server_before=[36.0, 37.0, 37.0, 36.0, 37.0, 56.0],
     )  # fmt: skip
-    # rep 1 slow after, rep 3 slow before; 77 (41 + 36) is the fastest raw rep
-    assert own.quiet() == [True, False, True, False, True]
+    # rep 1: its client slow after; rep 3: before; rep 5: the server slow before. The
+    # fastest raw client rep (41) and server rep (36) alone do not set the fast speed:
+    # a client at 52 is within 1.25x of the tenth percentile, 42
+    assert own.quiet() == [True, False, True, False, True, False]
+    def one_client(after: list[float], before: list[float]) -> list[bool]:
+        n = len(after)
+        return field.OwnCpu([120.0] * n, [0.0] * n, [0.0] * n, [80.0] * n, after,
+                            [37.0] * n, before, [37.0] * n).quiet()  # fmt: skip
+
+    assert one_client([52.0], [30.0]) == [False]  # of two reps, the faster sets it
+    assert one_client([52.0] * 10 + [30.0], [42.0] * 11)[0]  # of 22, not the one at 30
     f = _figures()
     f.worker_cpu_us, f.client_cpu_us, f.own_quiet = own.worker, own.client, own.quiet()
     by_name = {g["goal"]: g for g in goals({"field": f.as_dict()})}
     assert by_name["field worker's own CPU per step, us"]["value"] == 120.0
     assert by_name["field client's own CPU per step, us"]["value"] == 79.0
-    assert "medians of the 3 quiet reps of 5" in field.table(f)
-    assert "of all reps: worker 121, client 80" in field.table(f)
+    assert "medians of the 3 quiet reps of 6" in field.table(f)
+    assert "of all reps: worker 143, client 92" in field.table(f)
     # two quiet reps are too few to judge by: every rep is
-    f.own_quiet = [True, False, False, False, True]
+    f.own_quiet = [True, False, False, False, True, False]
     by_name = {g["goal"]: g for g in goals({"field": f.as_dict()})}
-    assert by_name["field worker's own CPU per step, us"]["value"] == 121.0
+    assert by_name["field worker's own CPU per step, us"]["value"] == 143.0
     assert field.quiet_reps([1.0, 2.0], []) == [1.0, 2.0]  # a report without the marks
 
 
@@ -124,7 +135,7 @@ def test_the_raw_server_is_placed_as_the_worker_is() -> None:
     try:
         os.sched_setaffinity(worker.pid, cores[-1:])
         os.sched_setscheduler(worker.pid, os.SCHED_BATCH, os.sched_param(0))
-        field._place_as(server.pid, worker.pid)
+        control_plane.place_as(server.pid, worker.pid)
         assert os.sched_getaffinity(server.pid) == set(cores[-1:])
         assert os.sched_getscheduler(server.pid) == os.SCHED_BATCH
     finally:
@@ -134,6 +145,25 @@ def test_the_raw_server_is_placed_as_the_worker_is() -> None:
         server.wait()
 
 
+def test_the_null_round_trip_is_measured_against_a_raw_server_placed_as_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The field's null round trip runs through a real daemon and a raw echo server,
+    which is placed where the daemon's worker runs before the calls are timed."""
+    import os
+
+    placed: list[tuple[set[int], set[int]]] = []
+    place = control_plane.place_as
+
+    def recorded(pid: int, worker: int) -> None:
+        place(pid, worker)
+        placed.append((os.sched_getaffinity(pid), os.sched_getaffinity(worker)))
+
+    monkeypatch.setattr(control_plane, "place_as", recorded)
+    assert field.null_round_trip_ratio(n=20) > 0
+    assert len(placed) == 1 and placed[0][0] == placed[0][1]
+
+
 def test_the_own_cpu_reps_go_on_until_enough_were_quiet(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -141,7 +171,7 @@ def test_the_own_cpu_reps_go_on_until_enough_were_quiet(
     and the run stops there, short of ``max_reps``."""
     monkeypatch.setattr(field.OwnCpu, "quiet", lambda own: [i > 0 for i in range(len(own.worker))])
     own = field.own_cpu(layers=2, steps=8, reps=1, max_reps=3)
-    assert len(own.worker) == len(own.raw_before) == len(own.raw_client) == 2
+    assert len(own.worker) == len(own.raw_client_before) == len(own.raw_client) == 2
 
 
 def test_a_report_without_the_field_part_has_no_field_goals() -> None:
@@ -182,11 +212,12 @@ def test_the_workers_own_cpu_leaves_out_only_its_patches_dispatch_and_its_poll()
     host time patching the steps: more than nothing, less than all of its CPU; its poll
     for the next request (idle_spin_us, on by default on a host with a core to spare)
     is its measured CPU polling, part of all of its CPU."""
-    worker, patches, spins, client, raw, echo, before = field.own_cpu(
+    worker, patches, spins, client, raw, echo, raw_before, echo_before = field.own_cpu(
         layers=2, steps=8, reps=1, max_reps=1
     )
     assert len(worker) == len(patches) == len(spins) == len(client) == len(raw) == 1
-    assert len(before) == 1 and before[0] > 0  # the raw pair ran before the rep too
+    # the raw pair ran before the rep too
+    assert len(raw_before) == len(echo_before) == 1 and raw_before[0] > 0 < echo_before[0]
     assert 0 < patches[0] < worker[0] and client[0] > 0
     assert 0 <= spins[0] < worker[0] - patches[0]
     # the raw client beside it ran its steps: its echo server answered each (its CPU
