@@ -62,7 +62,7 @@ from graphlane.client.transport import shared_context
 from graphlane.workers.backends.sim import SimBackend
 from graphlane.workers.programs.model import ModelConfig, ModelProgram
 
-from . import decode
+from . import control_plane, decode
 from .daemon import BenchDaemon
 
 LAYERS = 20
@@ -545,8 +545,6 @@ def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3,
     a server on this host at that moment. The reps go on until ``reps`` of them were
     quiet (:meth:`OwnCpu.quiet`: the host at its speed on both sides of the rep), or
     ``max_reps`` (three times ``reps`` unless given) were run."""
-    from . import control_plane
-
     most = 3 * reps if max_reps is None else max(reps, max_reps)
     daemon = BenchDaemon(program_table(layers), backend="null")
     try:
@@ -559,8 +557,6 @@ def own_cpu(layers: int = LAYERS, steps: int = 120, reps: int = 3,
 
 async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int,
                    most: int) -> OwnCpu:  # fmt: skip
-    from . import control_plane
-
     out = OwnCpu([], [], [], [], [], [], [], [])
     raw = RawAhead(raw_endpoint)
     try:
@@ -681,8 +677,6 @@ def null_round_trip_ratio(n: int = 500) -> float:
     """The step round trip on the ``null`` backend over a raw pyzmq+msgpack round trip
     measured beside it (:mod:`.control_plane`)."""
     import functools
-
-    from . import control_plane
 
     daemon = BenchDaemon(control_plane.TINY, backend="null")
     try:
