@@ -98,17 +98,18 @@ def test_the_own_cpu_goals_judge_the_reps_the_host_ran_at_its_speed() -> None:
         raw_client_before=[43.0, 42.0, 41.0, 65.0, 42.0, 41.0],
         raw_server_before=[36.0, 37.0, 37.0, 36.0, 37.0, 56.0],
     )  # fmt: skip
-    # rep 1: its client slow after; rep 3: before; rep 5: the server slow before. The
-    # fastest raw client rep (41) and server rep (36) alone do not set the fast speed:
-    # a client at 52 is within 1.25x of the tenth percentile, 42
+    # rep 1: its client slow after; rep 3: before; rep 5: the server slow before
     assert own.quiet() == [True, False, True, False, True, False]
+
     def one_client(after: list[float], before: list[float]) -> list[bool]:
         n = len(after)
         return field.OwnCpu([120.0] * n, [0.0] * n, [0.0] * n, [80.0] * n, after,
                             [37.0] * n, before, [37.0] * n).quiet()  # fmt: skip
 
-    assert one_client([52.0], [30.0]) == [False]  # of two reps, the faster sets it
-    assert one_client([52.0] * 10 + [30.0], [42.0] * 11)[0]  # of 22, not the one at 30
+    # The fast speed is the tenth percentile: of two reps, the faster; of 22, not the
+    # one rep at 30 (a client at 52 is within 1.25x of 42)
+    assert one_client([52.0], [30.0]) == [False]
+    assert one_client([52.0] * 10 + [30.0], [42.0] * 11)[0]
     f = _figures()
     f.worker_cpu_us, f.client_cpu_us, f.own_quiet = own.worker, own.client, own.quiet()
     by_name = {g["goal"]: g for g in goals({"field": f.as_dict()})}
