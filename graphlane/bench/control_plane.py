@@ -15,7 +15,6 @@ the control plane's own cost.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -32,6 +31,7 @@ import zmq.asyncio
 
 from graphlane.client import Client
 from graphlane.protocol import ops
+from graphlane.workers.affinity import place_as
 
 from .daemon import BenchDaemon
 
@@ -84,18 +84,6 @@ def _echo_server(endpoint: str) -> None:
             break
     sock.close(0)
     ctx.destroy(linger=0)
-
-
-def place_as(pid: int, worker: int) -> None:
-    """Run process ``pid``'s main thread where the worker's runs (its cores and its
-    scheduling policy: ``cpu_affinity = "auto"`` pins a null or sim worker to one core
-    under SCHED_BATCH), so that a raw server beside it is woken as the worker is: a
-    server left to the kernel answered from the client's core on some runs (a
-    context switch) and from the other on others (a cross-core wake-up), and its round
-    trip moved by 1.4x from run to run with it."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setaffinity(pid, os.sched_getaffinity(worker))
-        os.sched_setscheduler(pid, os.sched_getscheduler(worker), os.sched_param(0))
 
 
 class RawClient:
@@ -201,6 +189,10 @@ def _ms(xs: list[float]) -> float:
 async def _control_plane(daemon: BenchDaemon, raw_endpoint: str, n: int) -> dict[str, Any]:
     raw = RawClient(raw_endpoint)
     async with Client(daemon.endpoint, timeout=60) as c:
+        # The raw server where the worker runs (cpu_affinity "auto" pins it to one core
+        # under SCHED_BATCH): left to the kernel, it answered from the client's core on
+        # some runs (a context switch) and from the other on others (a cross-core
+        # wake-up), and its round trip moved by 1.4x from run to run with it.
         place_as(await raw.pid(), (await c.status())["workers"][0]["pid"])
         params = {"actual_seq_lengths_kv": [3]}
         for _ in range(50):  # warm up both

@@ -119,6 +119,17 @@ def free_io_threads(ctx: zmq.Context[Any]) -> None:
         ctx.set(zmq.THREAD_SCHED_POLICY, os.SCHED_OTHER)
 
 
+def place_as(pid: int, other: int) -> None:
+    """Run process ``pid``'s main thread on the cores of process ``other``'s, under its
+    scheduling policy (where the OS lets this process say so)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(pid, os.sched_getaffinity(other))
+    with contextlib.suppress(OSError):
+        _policy(pid, os.sched_getscheduler(other))
+
+
 def _policy(tid: int, policy: int | None) -> None:
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return
@@ -127,4 +138,4 @@ def _policy(tid: int, policy: int | None) -> None:
         os.sched_setscheduler(tid, policy, os.sched_param(0))
 
 
-__all__ = ["PINNED_BY_AUTO", "available", "core_sets", "free_io_threads", "pin"]
+__all__ = ["PINNED_BY_AUTO", "available", "core_sets", "free_io_threads", "pin", "place_as"]
