@@ -59,6 +59,7 @@ from zmq.backend import zmq_poll
 
 from graphlane.client import Client
 from graphlane.client.transport import shared_context
+from graphlane.workers import affinity
 from graphlane.workers.backends.sim import SimBackend
 from graphlane.workers.programs.model import ModelConfig, ModelProgram
 
@@ -563,7 +564,7 @@ async def _own_cpu(endpoint: str, raw_endpoint: str, steps: int, reps: int,
         raw_pid = (await asyncio.wait_for(raw.call("pid", {}), 60))["body"]["pid"]
         async with Client(endpoint, timeout=120) as c:
             pid = (await c.status())["workers"][0]["pid"]
-            control_plane.place_as(raw_pid, pid)
+            affinity.place_as(raw_pid, pid)
             prompts = [[1 + r] * decode.PROMPT for r in range(BATCH)]
             warm = True  # the first rep warms up
             while len(out.worker) < reps or (
