@@ -563,25 +563,30 @@ def test_an_eager_copy_costs_a_few_plain_host_copies_and_a_launch_no_walk_of_mem
         torch.npu.synchronize()
         return (time.process_time() - t0) / n
 
-    def launch(g: torch.npu.NPUGraph, n: int = 30) -> float:  # type: ignore[name-defined]
-        spent = 0.0
-        for _ in range(n):
-            t0 = time.thread_time()
-            g.replay()
-            spent += time.thread_time() - t0
-            torch.npu.synchronize()
-        return spent / n
+    def launch(g: torch.npu.NPUGraph) -> float:  # type: ignore[name-defined]
+        t0 = time.thread_time()
+        g.replay()
+        spent = time.thread_time() - t0
+        torch.npu.synchronize()
+        return spent
 
     base = min(plain() for _ in range(3))
     per_copy = min(copy() for _ in range(3))
-    per_launch: dict[int, float] = {1: float("inf"), 200: float("inf")}
-    for _ in range(4):  # interleaved: a busy spell of the machine falls on both
-        for n, g in graphs.items():
-            per_launch[n] = min(per_launch[n], launch(g))
+    # Launches of ~10 us, one of each graph after the other, in turn first (the second
+    # of a pair runs warmer): each pair's two launches share the host's speed, which
+    # switches by 1.5x in stretches of tens of ms (docs/performance.md, the twelfth
+    # session of issue 42). Blocks of 30 launches each, their least compared, failed on
+    # one run of the suite in a few (1.41x); these pairs measured 1.00-1.02x in 40
+    # runs, 20 of them beside two busy loops.
+    pairs = []
+    for i in range(240):
+        order = (1, 200) if i % 2 else (200, 1)
+        took = {n: launch(graphs[n]) for n in order}
+        pairs.append(took[200] / max(took[1], 1e-9))
     assert torch.equal(dev.cpu(), src)
     assert torch.count_nonzero(xs[0].cpu()) == 0  # replays are modelled, not computed
     assert per_copy < 20 * base, f"an eager copy costs {per_copy / base:.1f} plain copies"
-    ratio = per_launch[200] / per_launch[1]
+    ratio = statistics.median(pairs)
     assert ratio < 1.3, f"a launch: 200-tensor graph {ratio:.2f}x a 1-tensor one"
 
 
