@@ -206,13 +206,25 @@ class FieldModel:
         return steps / (time.perf_counter() - t0)
 
     def run_threaded(self, steps: int, sched_ms: float) -> float:
-        """The same with the updates on a thread of their own: steps/s."""
+        """The same with the updates on a thread of their own: steps/s.
+
+        The step's plan and host tensors are freed by the scheduler's thread, once it has
+        the step's tokens, never by the update thread: freeing a tensor now and then lets
+        the interpreter lock go, and the update thread then waits for the other thread's
+        Python to give it back (up to the switch interval) between two steps' patches:
+        1.5-2.5% of the limit per step, measured (docs/performance.md, the thirteenth
+        session). vLLM's loop frees nothing per step: its host inputs are persistent
+        buffers."""
         launches: queue.Queue[Any] = queue.Queue(maxsize=1)
 
         def updater() -> None:
             self.backend.enter_thread()  # the device is per host thread, as in torch_npu
-            while (launched := launches.get()) is not None:
+            while True:
+                launched = launches.get()
+                if launched is None:
+                    return
                 self.update(*launched)
+                del launched  # (the scheduler's thread holds it, and frees it)
 
         thread = threading.Thread(target=updater, name="field-updates", daemon=True)
         thread.start()
@@ -223,15 +235,21 @@ class FieldModel:
                 scheduler_work(sched_ms)
                 launched = self.launch(i)
                 launches.put(launched)
-                pending.append(launched[0]["done"])
+                pending.append(launched)
                 if len(pending) > 1:
-                    pending.popleft().synchronize()
+                    _took(pending.popleft())
             while pending:
-                pending.popleft().synchronize()
+                _took(pending.popleft())
             return steps / (time.perf_counter() - t0)
         finally:
             launches.put(None)
             thread.join()
+
+
+def _took(launched: tuple[dict[str, Any], Any, Any]) -> None:
+    """Wait for a launched step's tokens (its done event); the step (its plan, its host
+    tensors) is freed when this returns, by the caller's thread (see run_threaded)."""
+    launched[0]["done"].synchronize()
 
 
 # ------------------------------------------------------------ through a daemon
