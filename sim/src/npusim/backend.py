@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import atexit
-import sys
 import threading
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
 from . import amp, backward_streams, npu, ops, pinned
-from .runtime import RUNTIME, install_thread_edges
+from .runtime import RUNTIME, install_thread_edges, shorten_switch_interval
 from .tensor import backend_kernel, backend_kernel_of, backend_op_names
 
 _lock = threading.Lock()
 _done = False
 _keep: list[object] = []
-SWITCH_INTERVAL_S = 0.0002
 
 
 def setup() -> None:
@@ -41,7 +39,7 @@ def setup() -> None:
         amp.install()  # torch.autocast("npu") casts as torch_npu's AutocastPrivateUse1 kernels
         # Stream threads stand in for independent hardware queues: hand the GIL
         # over quickly (the default 5 ms lets one busy thread stall a device
-        # stream that is ready to run for that long).
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # stream that is ready to run for that long), except in performance mode.
+        shorten_switch_interval()
 
         _done = True

@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -515,7 +517,49 @@ def configure(
             RUNTIME.config = new
             RUNTIME.observe_finished_locked()  # performance mode kept no clocks
     RUNTIME.config = new
+    if old.perf != new.perf:
+        _switch_interval_for(new.perf)
     return new
+
+
+#: The interpreter's switch interval while the simulator's stream threads run Python
+#: per task (compute and timed modes): a thread waiting for the interpreter lock asks
+#: the holder for it after this long (Python's default is 5 ms). The stream threads
+#: stand in for independent hardware queues, and a busy host thread would otherwise hold
+#: a stream that is ready to run back for up to 5 ms.
+SIM_SWITCH_INTERVAL_S = 0.0002
+
+#: The switch interval the program had when the simulator shortened it (None until then).
+_program_switch_interval_s: float | None = None
+
+
+def shorten_switch_interval() -> None:
+    """Set :data:`SIM_SWITCH_INTERVAL_S` process-wide, remembering the program's own
+    interval, unless performance mode is on (see :func:`_switch_interval_for`)."""
+    global _program_switch_interval_s
+    if _program_switch_interval_s is None:
+        _program_switch_interval_s = sys.getswitchinterval()
+    if not RUNTIME.config.perf:
+        sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
+
+
+def _switch_interval_for(perf: bool) -> None:
+    """Performance mode runs the program at its own switch interval, compute and timed
+    modes at the simulator's. In performance mode the stream threads run no Python per
+    task (a replay is one sleep), so they need no quick hand-over; and the program's own
+    threads must share the interpreter lock as they do on the NPU host, where nothing of
+    the device's takes it: a program that updates its graph on one thread while its
+    scheduler's Python runs on another waits up to the program's interval (5 ms unless
+    it set its own) for the lock, not 0.2 ms. A program that set an interval of its own
+    since keeps it: only the other side's value is replaced."""
+    program = _program_switch_interval_s
+    if program is None:
+        return  # the backend is not set up: the interval was never shortened
+    now = sys.getswitchinterval()
+    if perf and math.isclose(now, SIM_SWITCH_INTERVAL_S, rel_tol=1e-3):
+        sys.setswitchinterval(program)
+    elif not perf and math.isclose(now, program, rel_tol=1e-3):
+        sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
 
 
 def busy_until(deadline: float) -> float:
