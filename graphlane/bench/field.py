@@ -34,8 +34,9 @@ Three ways, each with the same scheduler, in alternation in one run:
   processes.
 
 The in-process loops feed the step's tokens from the host (a copy per step); the daemon
-feeds them on the device. Nothing computes in performance mode, so the tokens are
-whatever the buffers hold.
+feeds them on the device. In every way the scheduler takes each step's sampled tokens as
+a list. Nothing computes in performance mode, so the tokens are whatever the buffers
+hold.
 """
 
 from __future__ import annotations
@@ -151,8 +152,9 @@ class FieldModel:
         return self.program.plan(BATCH, params, {"tokens": self.tokens, "block_table": TABLE})
 
     def launch(self, i: int) -> tuple[dict[str, Any], Any, Any]:
-        """Step ``i``'s inputs and replay on S, its tokens' copy and done event after it;
-        returns (instance, plan, the previous done event of that instance)."""
+        """Step ``i``'s inputs and replay on S, its tokens' copy to the host (the
+        instance's ``host``) and done event after it; returns (instance, plan, the
+        previous done event of that instance)."""
         b, S = self.backend, self.S
         g = self.instances[self.n % len(self.instances)]
         self.n += 1
@@ -163,7 +165,7 @@ class FieldModel:
         b.replay(g["graph"], S)
         previous = g["done"]
         with b.use_stream(S):
-            g["bufs"]["tokens"][:BATCH].to("cpu", non_blocking=True)
+            g["host"] = g["bufs"]["tokens"][:BATCH].to("cpu", non_blocking=True)
             g["done"] = torch.npu.Event(enable_timing=True)  # type: ignore[attr-defined]
             g["done"].record(S)
         return g, plan, previous
@@ -186,7 +188,7 @@ class FieldModel:
             t0 = time.perf_counter()
             g, plan, previous = self.launch(i)
             self.update(g, plan, previous)
-            g["done"].synchronize()
+            _took((g, plan, previous))
             out.append(time.perf_counter() - t0)
         return out
 
@@ -198,11 +200,11 @@ class FieldModel:
             scheduler_work(sched_ms)
             g, plan, previous = self.launch(i)
             self.update(g, plan, previous)
-            pending.append(g["done"])
+            pending.append((g, plan, previous))
             if len(pending) > 1:  # step N's tokens, once N+1 is issued
-                pending.popleft().synchronize()
+                _took(pending.popleft())
         while pending:
-            pending.popleft().synchronize()
+            _took(pending.popleft())
         return steps / (time.perf_counter() - t0)
 
     def run_threaded(self, steps: int, sched_ms: float) -> float:
@@ -212,9 +214,8 @@ class FieldModel:
         the step's tokens, never by the update thread: freeing a tensor now and then lets
         the interpreter lock go, and the update thread then waits for the other thread's
         Python to give it back (up to the switch interval) between two steps' patches:
-        1.5-2.5% of the limit per step, measured (docs/performance.md, the thirteenth
-        session). vLLM's loop frees nothing per step: its host inputs are persistent
-        buffers."""
+        1-3% of the limit, measured (docs/performance.md, the thirteenth session).
+        vLLM's loop frees nothing per step: its host inputs are persistent buffers."""
         launches: queue.Queue[Any] = queue.Queue(maxsize=1)
 
         def updater() -> None:
@@ -246,10 +247,16 @@ class FieldModel:
             thread.join()
 
 
-def _took(launched: tuple[dict[str, Any], Any, Any]) -> None:
-    """Wait for a launched step's tokens (its done event); the step (its plan, its host
-    tensors) is freed when this returns, by the caller's thread (see run_threaded)."""
-    launched[0]["done"].synchronize()
+def _took(launched: tuple[dict[str, Any], Any, Any]) -> list[int]:
+    """A launched step's sampled tokens, as the scheduler takes them: its done event
+    waited for, then its host copy as a list (vLLM's async output, ``tolist()`` after
+    the copy's event; the daemon's scheduler takes them as lists too, ``as_lists``).
+    The step (its plan, its host tensors) is freed when this returns, by the caller's
+    thread (see run_threaded)."""
+    g = launched[0]
+    g["done"].synchronize()
+    tokens: list[int] = g["host"].tolist()
+    return tokens
 
 
 # ------------------------------------------------------------ through a daemon

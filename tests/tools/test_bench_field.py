@@ -50,6 +50,44 @@ def test_the_in_process_ways_run_on_perf_mode(restore_sim: None) -> None:
     assert len(loop.lone(2)) == 2
 
 
+class _FreedBy:
+    """Put in a step's plan: records the thread that frees the plan."""
+
+    def __init__(self, threads: list[str]) -> None:
+        self.threads = threads
+
+    def __del__(self) -> None:
+        self.threads.append(threading.current_thread().name)
+
+
+def test_the_threaded_loops_steps_are_freed_by_the_schedulers_thread(
+    restore_sim: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing a step's host tensors now and then lets the interpreter lock go; the
+    update thread, whose patches are the loop's limit, must not be the one that frees
+    them (docs/performance.md, the thirteenth session of issue 42). Each step's tokens
+    are taken as a list, as the daemon's scheduler takes them."""
+    loop = field.FieldModel(layers=2)
+    freed: list[str] = []
+    plan = loop._plan
+
+    def marked(i: int) -> object:
+        p = plan(i)
+        p.inputs["freed_by"] = _FreedBy(freed)  # (input_writes copies its own keys)
+        return p
+
+    monkeypatch.setattr(loop, "_plan", marked)
+    taken: list[list[int]] = []
+    took = field._took
+    monkeypatch.setattr(field, "_took", lambda launched: taken.append(took(launched)))
+    steps = 12
+    assert loop.run_threaded(steps, 0.0) > 0
+    assert len(freed) == steps
+    assert set(freed) == {threading.current_thread().name}, freed
+    assert len(taken) == steps and all(len(t) == field.BATCH for t in taken)
+    assert all(isinstance(x, int) for t in taken for x in t)
+
+
 def _figures() -> field.FieldFigures:
     f = field.FieldFigures(layers=20, patch_us=185, replay_us=60, patch_gil_us=25,
                            limit_steps_s=270.3, load_average=[1.0, 1.0, 1.0])  # fmt: skip
