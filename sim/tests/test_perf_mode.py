@@ -290,51 +290,6 @@ def test_perf_mode_runs_the_program_at_its_own_switch_interval(restore_config: N
         sys.setswitchinterval(runtime.SIM_SWITCH_INTERVAL_S)
 
 
-def _lock_wait_behind_busy_python(busy_s: float) -> float:
-    """How long a thread that wakes from a short sleep waits for the interpreter lock
-    while another thread runs pure Python for ``busy_s``: seconds (median of 5)."""
-
-    def sleeper(started: threading.Event, woke: list[float]) -> None:
-        started.set()
-        t = time.perf_counter()
-        time.sleep(0.0005)  # off the lock, as an update's C++ part
-        woke.append(time.perf_counter() - t - 0.0005)
-
-    waits: list[float] = []
-    for _ in range(5):
-        started = threading.Event()
-        th = threading.Thread(target=sleeper, args=(started, waits))
-        th.start()
-        started.wait()
-        end = time.perf_counter() + busy_s
-        while time.perf_counter() < end:  # the scheduler's Python, holding the lock
-            pass
-        th.join()
-    return statistics.median(waits)
-
-
-def test_in_perf_mode_a_thread_waits_for_the_lock_as_long_as_the_programs_interval_says(
-    restore_config: None,
-) -> None:
-    """On the NPU host nothing of the device takes the interpreter lock, so a program's
-    update thread waits for its scheduler thread's Python as the program's own switch
-    interval says (Python's 5 ms by default): in performance mode it does here too, not
-    the 0.2 ms the other modes' stream threads need."""
-    from npusim import runtime
-
-    program = runtime._program_switch_interval_s
-    assert program is not None
-    if program < 10 * runtime.SIM_SWITCH_INTERVAL_S:
-        pytest.skip(f"this process's own switch interval, {program * 1e3:g} ms, is short")
-    busy = 0.6 * program
-    configure(mode="compute")
-    sim_wait = _lock_wait_behind_busy_python(busy)
-    configure(mode="perf")
-    perf_wait = _lock_wait_behind_busy_python(busy)
-    assert perf_wait > 3 * sim_wait, (perf_wait, sim_wait)
-    assert perf_wait > 0.5 * busy, (perf_wait, busy)
-
-
 @pytest.mark.parametrize("kwargs", [{"mode": "fast"}, {"patch_gil_us": -1.0}])
 def test_invalid_perf_config_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
