@@ -388,8 +388,9 @@ class Client:
 
     async def _hello_on(self, host: Host, timeout: float | None = None) -> dict[str, Any]:
         hello = ops.Hello(client=self.name)
-        host.hello = await self._call(self._channel(host), "hello", hello, timeout)
-        return host.hello
+        reply: dict[str, Any] = await self._call(self._channel(host), "hello", hello, timeout)
+        host.hello = described(reply, host.hello)
+        return reply
 
     async def _each(self, op: str, body: Any, timeout: float | None) -> Any:
         """``op`` on every host: the reply, or {"hosts": [...]} with several hosts."""
@@ -845,6 +846,27 @@ def _failed(exc: BaseException) -> asyncio.Future[Any]:
     fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
     fut.set_exception(exc)
     return fut
+
+
+def described(reply: dict[str, Any], previous: Any) -> dict[str, Any]:
+    """The hello a client describes its programs by (each step's batch parameter and
+    outputs): ``reply``, where a worker that is not ready keeps the programs it had when
+    it was last described. A hello taken while a worker restarts lists none, and the
+    client's channel may reconnect to the new worker by itself (the same endpoint)
+    without another hello: its next step was refused in the client as UNKNOWN_PROGRAM.
+    A program the new worker does not serve is still refused, by the worker."""
+    workers = reply.get("workers")
+    if not workers or not isinstance(previous, dict):
+        return reply
+    if all(w.get("state") == "ready" for w in workers):
+        return reply
+    before = {w.get("device"): w.get("programs") for w in previous.get("workers", ())}
+    kept = [
+        w if w.get("state") == "ready" or not before.get(w.get("device"))
+        else {**w, "programs": before[w.get("device")]}
+        for w in workers
+    ]  # fmt: skip
+    return {**reply, "workers": kept}
 
 
 def _no_host() -> Host:
