@@ -389,7 +389,7 @@ class Client:
     async def _hello_on(self, host: Host, timeout: float | None = None) -> dict[str, Any]:
         hello = ops.Hello(client=self.name)
         reply: dict[str, Any] = await self._call(self._channel(host), "hello", hello, timeout)
-        host.hello = described(reply, host.hello)
+        host.hello = _described(reply, host.hello)
         return reply
 
     async def _each(self, op: str, body: Any, timeout: float | None) -> Any:
@@ -848,7 +848,7 @@ def _failed(exc: BaseException) -> asyncio.Future[Any]:
     return fut
 
 
-def described(reply: dict[str, Any], previous: Any) -> dict[str, Any]:
+def _described(reply: dict[str, Any], previous: Any) -> dict[str, Any]:
     """The hello a client describes its programs by (each step's batch parameter and
     outputs): ``reply``, where a worker that is not ready keeps the programs it had when
     it was last described. A hello taken while a worker restarts lists none, and the
