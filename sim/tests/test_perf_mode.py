@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -498,6 +499,56 @@ def _reference_step(layers: int, patch_us: float, gil_us: float) -> None:
             pass
         while (left := end - time.perf_counter()) > 0:
             time.sleep(left)
+
+
+class _Sections:
+    """A trace function counting, per thread, the simulator's critical sections entered
+    (``with RUNTIME.cond``: a Python-level ``Condition.__enter__``) while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.by_thread: dict[int, int] = {}
+        self.code = threading.Condition.__enter__.__code__
+
+    def __call__(self, frame: Any, event: str, arg: object) -> None:
+        if self.on and event == "call" and frame.f_code is self.code:
+            ident = threading.get_ident()
+            self.by_thread[ident] = self.by_thread.get(ident, 0) + 1
+
+
+def test_a_replays_stretch_of_releases_is_one_critical_section_of_its_stream(
+    restore_config: None,
+) -> None:
+    """The replay stream passes a layer-by-layer graph's waits and resets in one critical
+    section, however many layers: each was one before (two per layer, 40 for a 20-layer
+    decode step), and each is a turn at the interpreter lock that an NPU's stream does not
+    take from the host's threads. Counted on the replay stream's thread, per step, for 4
+    and 24 layers (the updates release the layers after the replay is issued, as
+    vllm-ascend's and graphlane's steps do)."""
+    models = {n: _layered_graph(n) for n in (4, 24)}
+    configure(mode="perf", task_us=1.0, patch_us=20.0, patch_gil_us=5.0)
+    sections = _Sections()
+    threading.settrace(sections)  # a stream's thread starts at its first work: a step's
+    try:
+        for m in models.values():
+            _step(m, [8, 8]).synchronize()
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    per_step: dict[int, list[int]] = {4: [], 24: []}
+    for _ in range(5):
+        for n, m in models.items():
+            ident = m["s"]._thread.ident  # type: ignore[attr-defined]
+            before = sections.by_thread.get(ident, 0)
+            sections.on = True
+            _step(m, [8, 8]).synchronize()
+            torch.npu.synchronize()
+            sections.on = False
+            per_step[n].append(sections.by_thread.get(ident, 0) - before)
+    small, large = statistics.median(per_step[4]), statistics.median(per_step[24])
+    assert small > 0, per_step  # the replay stream's thread was counted
+    # the same sections for 24 layers as for 4: the replay's entry, its stretch, its
+    # record; a wake-up that finds the stretch unreleased waits once more
+    assert large <= small + 2, f"sections per step: 4 layers {per_step[4]}, 24 {per_step[24]}"
 
 
 def test_a_20_layer_loop_runs_at_its_modelled_rate_relative_to_the_same_run(

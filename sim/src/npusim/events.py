@@ -297,13 +297,19 @@ class ExtWaitWork:
         began = ex.timed_now()
         with RUNTIME.cond:
             ex.block_until(lambda: ev.flag, _ExtWait(ev), ex.run_epoch)
-            ex.resume(max(began, ev._set_at))  # when the device could go on
-            if not RUNTIME.config.perf:  # (no clocks: runtime doc)
-                clock_join(ex.clock, ev._record_clock)
-            ex.tick()
-            if RUNTIME.config.event_mode != "legacy":  # older CANN: only reset clears it
-                ev.flag = False
-                ev.consumed_locked(ex, launch)
+            self.passed_locked(ex, launch, began)
+
+    def passed_locked(self, ex: Stream, launch: Launch | None, began: float) -> None:
+        """The wait passes on ``ex``, its event set, having begun at modelled ``began``.
+        Caller holds ``cond``."""
+        ev = self.event
+        ex.resume(max(began, ev._set_at))  # when the device could go on
+        if not RUNTIME.config.perf:  # (no clocks: runtime doc)
+            clock_join(ex.clock, ev._record_clock)
+        ex.tick()
+        if RUNTIME.config.event_mode != "legacy":  # older CANN: only reset clears it
+            ev.flag = False
+            ev.consumed_locked(ex, launch)
 
 
 class ExtResetWork:
@@ -317,11 +323,15 @@ class ExtResetWork:
         pass
 
     def run(self, ex: Stream, launch: Launch | None = None) -> None:
-        ev = self.event
         ex.tick()
         with RUNTIME.cond:
-            # Older CANN: the record the wait before passed on is consumed here. (Current
-            # CANN's wait consumed it; a release recorded since is left alone, as before.)
-            if ev.flag and RUNTIME.config.event_mode == "legacy":
-                ev.flag = False
-                ev.consumed_locked(ex, launch)
+            self.ran_locked(ex, launch)
+
+    def ran_locked(self, ex: Stream, launch: Launch | None) -> None:
+        """The reset runs on ``ex`` (ticked already). Caller holds ``cond``."""
+        ev = self.event
+        # Older CANN: the record the wait before passed on is consumed here. (Current
+        # CANN's wait consumed it; a release recorded since is left alone, as before.)
+        if ev.flag and RUNTIME.config.event_mode == "legacy":
+            ev.flag = False
+            ev.consumed_locked(ex, launch)

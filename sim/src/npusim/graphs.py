@@ -165,19 +165,24 @@ def _run_perf(ex: Stream, launch: Launch, steps: list[Any]) -> None:
     of the tasks (their reads of patched groups, their memory footprint: the correctness
     modes prove those). The stream waits off the interpreter lock only before what another
     stream or the host could observe (a record, a fork or join, the replay's end), so a
-    replay whose waits are its only other nodes is one sleep."""
+    replay whose waits are its only other nodes is one sleep, and a stretch of
+    ExternalEvent waits and resets is passed at once (:func:`_pass_stretch`)."""
     task_us = RUNTIME.config.task_us
-    for i, step in enumerate(steps):
+    i, n = 0, len(steps)
+    while i < n:
+        step = steps[i]
         if type(step) is int:
             started = ex.resume_at if ex.resume_at is not None else ex.model_time
             ex.resume_at = None
             ex.cost.add_at(task_us * step, started)
+            i += 1
             continue
         kind = type(step).__name__
+        if kind == "ExtWaitWork":
+            i = _pass_stretch(ex, launch, steps, i)
+            continue
         if kind in UNOBSERVED:
             ex.advance()
-            if kind == "ExtWaitWork" and not step.event.flag:
-                _await_stretch(ex, steps, i)
         elif kind == "CollectiveTask":
             # The other ranks see this rank's part only as the modelled start it sends
             # them: the tasks before it need not be over in wall time (a sleep and a
@@ -186,30 +191,56 @@ def _run_perf(ex: Stream, launch: Launch, steps: list[Any]) -> None:
         else:
             ex.settle()
         step.run(ex, launch)
+        i += 1
     ex.settle()
 
 
-def _await_stretch(ex: Stream, steps: list[Any], i: int) -> None:
-    """Performance mode, at a wait not yet released: block once until every ExternalEvent
-    waited on from step ``i`` to the next observable node is set, instead of waking at
-    each record (a layer-by-layer graph's 20 waits: one wake-up). Nothing between them is
-    observable, so no record they wait for can depend on the stream passing one of them;
-    the stretch stops before an event waited on twice (its second record must follow the
-    first wait). Each wait then passes at its own record's modelled time."""
+def _pass_stretch(ex: Stream, launch: Launch, steps: list[Any], i: int) -> int:
+    """Performance mode, at an ExternalEvent wait (step ``i``): the stretch from it of such
+    waits, their resets and runs of tasks, up to the next other node or a second wait on
+    one event (its second record must follow the first wait), blocks once until every
+    event it waits on is set, instead of waking at each record (a layer-by-layer graph's
+    20 waits: one wake-up), then passes in one critical section, each wait at its own
+    record's modelled time, as the nodes one by one would (their 40 critical sections
+    were the stream thread's Python per replay, which on an NPU costs the host nothing).
+    Nothing in it is observable, so no record it waits for can depend on the stream
+    passing one of its nodes. Returns where the stream goes on: the stretch's end, or a
+    wait whose event a reset before it in the stretch cleared (older CANN), which then
+    waits again."""
     from .events import await_records
 
     events: list[Any] = []
-    for step in steps[i:]:
-        if type(step) is int:
-            continue
+    j, n = i, len(steps)
+    while j < n:
+        step = steps[j]
         kind = type(step).__name__
-        if kind not in UNOBSERVED:
-            break
         if kind == "ExtWaitWork":
             if step.event in events:
                 break
             events.append(step.event)
-    await_records(ex, events)
+        elif kind != "ExtResetWork" and type(step) is not int:
+            break
+        j += 1
+    if not all(ev.flag for ev in events):
+        await_records(ex, events)
+    task_us = RUNTIME.config.task_us
+    with RUNTIME.cond:
+        for k in range(i, j):
+            step = steps[k]
+            if type(step) is int:
+                started = ex.resume_at if ex.resume_at is not None else ex.model_time
+                ex.resume_at = None
+                ex.cost.add_at(task_us * step, started)
+                continue
+            ex.advance()
+            if type(step).__name__ == "ExtWaitWork":
+                if not step.event.flag:  # a reset in the stretch consumed its record
+                    return k
+                step.passed_locked(ex, launch, ex.model_time)
+            else:
+                ex.tick()
+                step.ran_locked(ex, launch)
+    return j
 
 
 def _run_tasks(ex: Stream, launch: Launch, tasks: list[TaskNode]) -> None:
