@@ -701,3 +701,37 @@ def test_a_copy_behind_queued_replays_runs_at_issue_and_behind_eager_work_in_ord
         later = dev.to("cpu", non_blocking=True)
     torch.npu.synchronize()
     assert torch.equal(later, src * 10)
+
+
+def test_a_copy_run_at_its_issue_copies_off_the_runtime_lock(
+    restore_config: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Performance mode runs a host copy at its issue on an idle stream, or behind
+    replays alone: its data is copied after the runtime lock is let go. torch's copy
+    lets the interpreter lock go; under the runtime lock, a thread that took the
+    interpreter lock then and asked for the runtime lock (an update thread's next patch)
+    would wait for it, then again for the interpreter lock, behind the copying thread's
+    Python. Both copies' data still arrive (the values are read back)."""
+    from npusim.runtime import RUNTIME
+
+    configure(mode="perf", task_us=1.0)
+    s = torch.npu.Stream()  # type: ignore[attr-defined]
+    dev = torch.zeros(4, dtype=torch.int64, device="npu")
+    torch.npu.synchronize()
+    src = torch.arange(4)
+    held: list[bool] = []  # for each copy of host tensors: the runtime lock held?
+    plain_copy = torch.Tensor.copy_
+
+    def copy_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if type(self) is torch.Tensor:  # the simulator's own, of CPU memory
+            held.append(RUNTIME.cond._lock.locked())  # type: ignore[attr-defined]
+        return plain_copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    with torch.npu.stream(s):  # type: ignore[attr-defined]
+        dev.copy_(src, non_blocking=True)  # to the device, at its issue (s is idle)
+        back = dev.to("cpu", non_blocking=True)  # and back
+    monkeypatch.undo()
+    torch.npu.synchronize()
+    assert torch.equal(back, src)
+    assert held and not any(held), held

@@ -403,7 +403,10 @@ def _cross_copy(
     blocking. ``write``: it writes device memory (``dst``), else it reads it (``src``)."""
     if (non_blocking and RUNTIME.config.perf and stream.capturing is None
             and stream.updating is None and not capture_rules.LIVE):  # fmt: skip
-        stream.issue(_PerfCopy(dst, src, label))
+        copy = _PerfCopy(dst, src, label)
+        stream.issue(copy)
+        if copy.now:  # its data, off the runtime lock (_PerfCopy)
+            dst.copy_(src)
         return
     if stream.capturing is not None or capture_rules.LIVE:
         host = src if label == _H2D else dst
@@ -427,23 +430,34 @@ class _PerfCopy:
     entry with no footprint to build or check (its correctness checks are off), run at
     its issue when the stream is idle, as a record is, or when only replays and
     records are queued before it (``run_early``: they touch no memory in this mode),
-    so a step's input copies and its tokens' copy cost the stream's thread nothing."""
+    so a step's input copies and its tokens' copy cost the stream's thread nothing.
 
-    __slots__ = ("dst", "label", "src")
+    Run at its issue, the entry moves the stream's state under the runtime lock and
+    marks itself ``now``; the issuing thread copies the data after the lock is released
+    (:func:`_cross_copy`), before it returns to the program: torch's copy lets the
+    interpreter lock go, and a thread that took the interpreter lock then would wait for
+    the runtime lock, then for the interpreter lock again, behind Python the copy's
+    thread runs on (an update thread's patch held up by another thread's input copy).
+    Nothing can see the copy undone: work that reads it follows it in this thread's
+    program order (a record after it, a read on the same stream), as on an NPU."""
+
+    __slots__ = ("dst", "label", "now", "src")
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, label: str) -> None:
         self.dst, self.src, self.label = dst, src, label
+        self.now = False
 
     def run(self, ex: Stream) -> None:
         ex.tick()
         self.dst.copy_(self.src)
 
     def run_now_locked(self, ex: Stream) -> bool:
-        self.run(ex)
+        ex.tick()
+        self.now = True
         return True
 
     def run_early(self) -> None:
-        self.dst.copy_(self.src)
+        self.now = True
 
 
 def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
