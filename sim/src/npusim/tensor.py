@@ -278,7 +278,11 @@ def issue(
         philox = rng.default_generator(index).state.take(stream)
         call = rng.SeededCall(call, philox)
     footprint = None
-    if stream.updating is None:  # a patch touches no memory (its task's footprint holds)
+    if stream.capturing is None and stream.updating is None and RUNTIME.config.perf:
+        # Performance mode checks no eager op's accesses (AccessWork.run): none is
+        # built. Run after the mode is left, such an op is not checked either.
+        footprint = _NO_FOOTPRINT
+    elif stream.updating is None:  # a patch touches no memory (its task's footprint holds)
         # Taken now, of the CPU views: queued work must not hold the npu tensors, whose
         # last reference frees their memory (as on the device, queued work or not).
         fp = access.of_op(func, args, kwargs, outs, NpuTensor)
@@ -288,6 +292,10 @@ def issue(
     route(stream, call, func, started, footprint)
     note_uses(stream, args, kwargs)
     return result
+
+
+def _NO_FOOTPRINT() -> access.Footprint:
+    return ()
 
 
 def _snapshot_host(orig: tuple[Any, ...], cpu: tuple[Any, ...]) -> tuple[Any, ...]:
