@@ -848,7 +848,7 @@ def _failed(exc: BaseException) -> asyncio.Future[Any]:
     return fut
 
 
-def _described(reply: dict[str, Any], previous: Any) -> dict[str, Any]:
+def _described(reply: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
     """The hello a client describes its programs by (each step's batch parameter and
     outputs): ``reply``, where a worker that is not ready keeps the programs it had when
     it was last described. A hello taken while a worker restarts lists none, and the
@@ -856,9 +856,7 @@ def _described(reply: dict[str, Any], previous: Any) -> dict[str, Any]:
     without another hello: its next step was refused in the client as UNKNOWN_PROGRAM.
     A program the new worker does not serve is still refused, by the worker."""
     workers = reply.get("workers")
-    if not workers or not isinstance(previous, dict):
-        return reply
-    if all(w.get("state") == "ready" for w in workers):
+    if not workers or all(w.get("state") == "ready" for w in workers):
         return reply
     before = {w.get("device"): w.get("programs") for w in previous.get("workers", ())}
     kept = [

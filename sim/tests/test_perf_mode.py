@@ -745,7 +745,7 @@ def test_an_eager_op_issued_as_before_runs_little_of_the_simulators_python(
     counted in function calls, which a busy machine cannot change: its meta kernel's
     cached result is not copied per call, the cache's key is built without a generic
     walk, and no footprint is built (the mode checks none). Before: 191 and 180 calls
-    per op; now 136 and 129. On an NPU the launch is torch_npu's C++."""
+    per op; now 144 and 136. On an NPU the launch is torch_npu's C++."""
     import cProfile
     import pstats
 

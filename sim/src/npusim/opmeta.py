@@ -123,11 +123,8 @@ _KEY_SCALARS = frozenset({bool, int, float, complex})
 
 
 def _meta_key_part(v: Any) -> Any:
-    # (exact types first: this runs for every argument of every eager op issued)
     t = type(v)
-    if t is tuple or t is list:
-        return tuple([_meta_key_part(e) for e in v])
-    if t in _KEY_SCALARS:
+    if t in _KEY_SCALARS:  # (the common case first: it runs for every argument of every op)
         return (t, v)  # 2, 2.0 and True give different result dtypes
     if isinstance(v, torch.Tensor):
         return ("T", tuple(v.shape), v.stride(), v.dtype)
@@ -135,7 +132,7 @@ def _meta_key_part(v: Any) -> Any:
         return tuple([_meta_key_part(e) for e in v])
     if isinstance(v, torch.device):
         return ("D", v.type)
-    if isinstance(v, (bool, int, float, complex)):
+    if isinstance(v, (bool, int, float, complex)):  # a subclass (an IntEnum)
         return (type(v), v)
     return v
 
